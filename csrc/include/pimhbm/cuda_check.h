@@ -1,0 +1,16 @@
+// Checking every CUDA call: launchers return the first cudaError_t they meet, FFI handlers
+// turn it into an ffi::Error that names the call.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#define PIMHBM_CUDA_RETURN_IF_ERROR(expr)   \
+  do {                                      \
+    cudaError_t pimhbm_err_ = (expr);       \
+    if (pimhbm_err_ != cudaSuccess) {       \
+      return pimhbm_err_;                   \
+    }                                       \
+  } while (0)
+
+// After a kernel launch: configuration errors surface here, not at the launch itself.
+#define PIMHBM_CUDA_RETURN_LAUNCH_ERROR() PIMHBM_CUDA_RETURN_IF_ERROR(cudaPeekAtLastError())

@@ -1,0 +1,64 @@
+// Helpers for the CUDA tests: checked device buffers, and a skip when there is no GPU.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+namespace pimhbm::testing {
+
+#define PIMHBM_ASSERT_CUDA(expr)                                                   \
+  do {                                                                             \
+    cudaError_t err_ = (expr);                                                     \
+    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_);     \
+  } while (0)
+
+#define PIMHBM_SKIP_WITHOUT_GPU()                                                  \
+  do {                                                                             \
+    int count_ = 0;                                                                \
+    if (cudaGetDeviceCount(&count_) != cudaSuccess || count_ == 0) {               \
+      cudaGetLastError();                                                          \
+      GTEST_SKIP() << "no CUDA device";                                            \
+    }                                                                              \
+  } while (0)
+
+// Sizes shrink under compute-sanitizer (PIMHBM_TEST_SMALL=1), which runs kernels ~100x slower.
+inline bool small_sizes() { return std::getenv("PIMHBM_TEST_SMALL") != nullptr; }
+
+template <typename T>
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t count) : count_(count) {
+    if (count_ > 0 && cudaMalloc(&ptr_, count_ * sizeof(T)) != cudaSuccess) {
+      ptr_ = nullptr;
+      ADD_FAILURE() << "cudaMalloc of " << count_ * sizeof(T) << " bytes failed";
+    }
+  }
+  ~DeviceBuffer() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  T* get() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return count_ * sizeof(T); }
+
+  cudaError_t upload(const std::vector<T>& host) {
+    return count_ ? cudaMemcpy(ptr_, host.data(), bytes(), cudaMemcpyHostToDevice) : cudaSuccess;
+  }
+  cudaError_t poison() { return count_ ? cudaMemset(ptr_, 0xFF, bytes()) : cudaSuccess; }
+  std::vector<T> download(cudaError_t* err) const {
+    std::vector<T> host(count_);
+    *err = count_ ? cudaMemcpy(host.data(), ptr_, bytes(), cudaMemcpyDeviceToHost) : cudaSuccess;
+    return host;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t count_;
+};
+
+}  // namespace pimhbm::testing
