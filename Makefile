@@ -1,0 +1,43 @@
+# make demo   the main job on its embedded default (sets everything up first)
+# make test   all tests: GoogleTest (CTest) and pytest (sets everything up first)
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CPP_BUILD := build/cpp
+GENERATOR := $(shell command -v ninja >/dev/null 2>&1 && echo "-G Ninja")
+SOURCES := $(shell find csrc python -type f -not -path '*/__pycache__/*') CMakeLists.txt pyproject.toml
+
+.PHONY: demo test test-cpp test-py bench venv install clean
+
+demo: install
+	$(VENV)/bin/pimhbm demo
+
+test: test-cpp test-py
+
+venv: $(VENV)/.ready
+$(VENV)/.ready: requirements.txt scripts/setup-venv scripts/find-python
+	scripts/setup-venv $(VENV)
+	touch $@
+
+install: $(VENV)/.installed
+$(VENV)/.installed: $(VENV)/.ready $(SOURCES)
+	@echo "building and installing pimhbm into $(VENV) ..."
+	$(PY) -m pip install -q --no-build-isolation --no-deps .
+	touch $@
+
+# The C++ suite is built on its own (CUDA tests compile everywhere and skip without a GPU).
+test-cpp: $(VENV)/.ready
+	cmake -S . -B $(CPP_BUILD) $(GENERATOR) -DPIMHBM_BUILD_TESTS=ON -DPIMHBM_BUILD_PYTHON=OFF \
+	  -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS) > $(CPP_BUILD).configure.log 2>&1 || \
+	  { mkdir -p build; cat $(CPP_BUILD).configure.log; exit 1; }
+	cmake --build $(CPP_BUILD) -j $$(nproc)
+	ctest --test-dir $(CPP_BUILD) --output-on-failure -j $$(nproc)
+
+test-py: install
+	$(PY) -m pytest tests
+
+bench: install
+	$(PY) bench/scan_bench.py
+
+clean:
+	rm -rf build $(VENV)

@@ -1,0 +1,27 @@
+"""pim-hbm-bypass: keeps JAX training correct when GPU memory or arithmetic silently goes wrong.
+
+Integrity scan (this module's first layer): per-chunk 64-bit digests of any tensor's raw bytes,
+non-finite counts and max |x|, computed inside ``jax.jit`` on XLA's own buffers, on CPU and GPU.
+"""
+
+__version__ = "0.1.0"
+
+from pimhbm.scan import (
+    DEFAULT_CHUNK_BYTES,
+    ScanResult,
+    num_chunks,
+    scan,
+    scan_tree,
+    verify,
+    verify_tree,
+)
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "ScanResult",
+    "num_chunks",
+    "scan",
+    "scan_tree",
+    "verify",
+    "verify_tree",
+]

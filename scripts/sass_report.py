@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Reports the shape of a kernel's inner loop from its SASS (cuobjdump --dump-sass).
+
+For each kernel whose name matches a pattern: finds the loops (backward branches), takes the
+innermost loop that holds 128-bit global loads (the streaming loop), and prints its size, its
+branches (the back-edge is one of them), predicated instructions and loads.
+
+usage: sass_report.py BINARY [NAME_REGEX] [--arch sm_90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+
+LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def dump(binary: str, arch: str) -> str:
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        sys.exit("sass_report: cuobjdump not found on PATH")
+    out = subprocess.run([tool, "--dump-sass", "--gpu-architecture", arch, binary],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"sass_report: cuobjdump failed: {out.stderr.strip()}")
+    return out.stdout
+
+
+def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
+    funcs: dict[str, list[tuple[int, str]]] = {}
+    current = None
+    for line in sass.splitlines():
+        if "Function :" in line:
+            current = line.split("Function :", 1)[1].strip()
+            funcs[current] = []
+        elif current and (m := LINE.search(line)):
+            funcs[current].append((int(m.group(1), 16), m.group(2)))
+    return funcs
+
+
+def streaming_loop(code: list[tuple[int, str]]):
+    loops = []
+    for addr, ins in code:
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", ins)
+        if m and int(m.group(1), 16) < addr:
+            loops.append((int(m.group(1), 16), addr))
+    body = lambda lo, hi: [ins for a, ins in code if lo <= a <= hi]
+    with_loads = [(lo, hi) for lo, hi in loops if any("LDG" in i and ".128" in i for i in body(lo, hi))]
+    if not with_loads:
+        return None
+    lo, hi = min(with_loads, key=lambda l: l[1] - l[0])
+    return body(lo, hi)
+
+
+def demangle(name: str) -> str:
+    tool = shutil.which("c++filt")
+    if tool is None:
+        return name
+    return subprocess.run([tool, name], capture_output=True, text=True).stdout.strip() or name
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("binary")
+    ap.add_argument("pattern", nargs="?", default="scan_kernel")
+    ap.add_argument("--arch", default="sm_90")
+    args = ap.parse_args()
+    funcs = functions(dump(args.binary, args.arch))
+    rows = 0
+    for name, code in sorted(funcs.items()):
+        if not re.search(args.pattern, name):
+            continue
+        loop = streaming_loop(code)
+        if loop is None:
+            continue
+        branches = [i for i in loop if re.search(r"\bBRA\b", i)]
+        predicated = [i for i in loop if i.startswith("@")]
+        loads = [i for i in loop if "LDG" in i]
+        print(f"{demangle(name)}\n  inner loop: {len(loop)} instructions, {len(branches)} branch "
+              f"(back-edge included), {len(predicated)} predicated, {len(loads)} loads "
+              f"({sum('.128' in l for l in loads)} x 128-bit)")
+        rows += 1
+    if rows == 0:
+        print(f"sass_report: no kernel matching {args.pattern!r} with a streaming loop")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

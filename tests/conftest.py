@@ -1,0 +1,32 @@
+import os
+import zlib
+import random
+
+import jax
+import numpy as np
+import pytest
+
+
+def pytest_report_header(config):
+    return [f"jax {jax.__version__}, devices: {jax.devices()}",
+            f"PIMHBM_SEED={_SEED} (set it to replay a run)"]
+
+
+_SEED = int(os.environ.get("PIMHBM_SEED", random.SystemRandom().randrange(2**32)))
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random inputs every run; the seed is in the report header and in failures."""
+    seed = (_SEED + zlib.crc32(request.node.nodeid.encode())) % 2**32
+    return np.random.default_rng(seed)
+
+
+def has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+requires_gpu = pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
