@@ -27,9 +27,10 @@ $(VENV)/.installed: $(VENV)/.ready $(SOURCES)
 
 # The C++ suite is built on its own (CUDA tests compile everywhere and skip without a GPU).
 test-cpp: $(VENV)/.ready
+	@mkdir -p build
 	cmake -S . -B $(CPP_BUILD) $(GENERATOR) -DPIMHBM_BUILD_TESTS=ON -DPIMHBM_BUILD_PYTHON=OFF \
 	  -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS) > $(CPP_BUILD).configure.log 2>&1 || \
-	  { mkdir -p build; cat $(CPP_BUILD).configure.log; exit 1; }
+	  { cat $(CPP_BUILD).configure.log; exit 1; }
 	cmake --build $(CPP_BUILD) -j $$(nproc)
 	ctest --test-dir $(CPP_BUILD) --output-on-failure -j $$(nproc)
 
