@@ -43,16 +43,21 @@ def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
 
 
 def streaming_loop(code: list[tuple[int, str]]):
+    """The kernel's own streaming loop: the first innermost loop that holds 128-bit global
+    loads (non-inlined device functions come after the kernel body and are not taken)."""
     loops = []
     for addr, ins in code:
         m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", ins)
         if m and int(m.group(1), 16) < addr:
             loops.append((int(m.group(1), 16), addr))
     body = lambda lo, hi: [ins for a, ins in code if lo <= a <= hi]
-    with_loads = [(lo, hi) for lo, hi in loops if any("LDG" in i and ".128" in i for i in body(lo, hi))]
-    if not with_loads:
+    streaming = [(lo, hi) for lo, hi in loops
+                 if any("LDG" in i and ".128" in i for i in body(lo, hi))]
+    innermost = [(lo, hi) for lo, hi in streaming
+                 if not any((lo, hi) != (a, b) and lo <= a and b <= hi for a, b in streaming)]
+    if not innermost:
         return None
-    lo, hi = min(with_loads, key=lambda l: l[1] - l[0])
+    lo, hi = min(innermost)
     return body(lo, hi)
 
 
@@ -72,7 +77,8 @@ def main() -> int:
     funcs = functions(dump(args.binary, args.arch))
     rows = 0
     for name, code in sorted(funcs.items()):
-        if not re.search(args.pattern, name):
+        pretty = demangle(name)
+        if not re.search(args.pattern, pretty):
             continue
         loop = streaming_loop(code)
         if loop is None:
@@ -80,9 +86,11 @@ def main() -> int:
         branches = [i for i in loop if re.search(r"\bBRA\b", i)]
         predicated = [i for i in loop if i.startswith("@")]
         loads = [i for i in loop if "LDG" in i]
-        print(f"{demangle(name)}\n  inner loop: {len(loop)} instructions, {len(branches)} branch "
-              f"(back-edge included), {len(predicated)} predicated, {len(loads)} loads "
-              f"({sum('.128' in l for l in loads)} x 128-bit)")
+        local = [i for i in loop if re.search(r"\b(LDL|STL)\b", i)]
+        pretty = re.sub(r"pimhbm::\w+::\(anonymous namespace\)::", "", pretty)
+        print(f"{pretty.split('(')[0]}\n  inner loop: {len(loop)} instructions, {len(branches)} "
+              f"branch (back-edge included), {len(predicated)} predicated, {len(loads)} loads "
+              f"({sum('.128' in l for l in loads)} x 128-bit), {len(local)} local-memory accesses")
         rows += 1
     if rows == 0:
         print(f"sass_report: no kernel matching {args.pattern!r} with a streaming loop")

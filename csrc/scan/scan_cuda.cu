@@ -11,8 +11,12 @@
 // * Ragged ends never read past the buffer: the last partial group of vectors is loaded under
 //   a predicate and its terms are selected away, and the last 0..15 bytes of a buffer are read
 //   one byte at a time under a predicate by thread 0.
-// * The finite checks work on whole 32-bit words (two bf16/f16 or four fp8 values at once)
-//   with integer arithmetic, so there is no per-element branch.
+// * The finite check rides on the max: the streaming pass keeps only the largest magnitude bit
+//   pattern (|x| with NaN/Inf included: one AND and half a 3-way max per word, two bf16 or
+//   four fp8 values at a time). A chunk whose largest pattern is NaN/Inf (rare: a damaged
+//   chunk) is read a second time by its block to count them and to take the max over the
+//   finite values exactly. Both passes are integer arithmetic on whole words, no per-element
+//   branch.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -26,14 +30,26 @@ namespace pimhbm::scan {
 namespace {
 
 constexpr int kUnroll = 4;
-constexpr int kMaxThreads = 1024;
+// Blocks of up to 256 threads, at least 8 of them resident per SM (full occupancy): the
+// compiler keeps the kernel within 32 registers.
+constexpr int kMaxThreads = 256;
+constexpr int kMinBlocks = 8;
 constexpr int kDefaultMaxThreads = 256;
 
 // ---- finite checks over 32-bit words ------------------------------------------------------
-// Each keeps a count of non-finite elements and a "max key": an integer that orders like |x|
-// over finite elements (the magnitude bits), turned into a float once per chunk.
+// Each dtype has
+//  * a fast state for the streaming pass: the largest magnitude bit pattern seen (NaN/Inf
+//    included), and kNonFiniteKey: a largest pattern >= this means some element is NaN/Inf;
+//  * an exact check for the second pass over a chunk that has NaN/Inf: the count of
+//    non-finite elements and the largest finite magnitude pattern.
+// Magnitude patterns order like |x| for finite values, so the max is an integer max; it is
+// turned into a float once per chunk.
 
 struct NoCheck {
+  using Fast = uint32_t;
+  static constexpr uint64_t kNonFiniteKey = ~0ull;
+  static __device__ Fast fast(Fast s, uint4) { return s; }
+  static __device__ uint64_t fast_key(Fast) { return 0; }
   __device__ void add(uint4) {}
   __device__ uint32_t count() const { return 0; }
   __device__ uint64_t max_key() const { return 0; }
@@ -41,10 +57,18 @@ struct NoCheck {
 };
 
 struct F32Check {
+  using Fast = uint32_t;
+  static constexpr uint64_t kNonFiniteKey = 0x7F800000u;  // exponent all ones
+  static __device__ Fast fast(Fast s, uint4 v) {
+    constexpr uint32_t m = 0x7FFFFFFFu;
+    return max(max(s, max(v.x & m, v.y & m)), max(v.z & m, v.w & m));
+  }
+  static __device__ uint64_t fast_key(Fast s) { return s; }
+
   uint32_t n = 0, mx = 0;
   __device__ void word(uint32_t w) {
     uint32_t a = w & 0x7FFFFFFFu;
-    uint32_t nf = (a + 0x00800000u) >> 31;  // a >= 0x7f800000 (exponent all ones)
+    uint32_t nf = (a + 0x00800000u) >> 31;  // a >= 0x7f800000
     n += nf;
     mx = max(mx, a & (nf - 1u));            // non-finite values count as 0
   }
@@ -55,6 +79,16 @@ struct F32Check {
 };
 
 struct F64Check {
+  using Fast = uint64_t;
+  static constexpr uint64_t kNonFiniteKey = 0x7FF0000000000000ull;
+  static __device__ Fast fast(Fast s, uint4 v) {
+    constexpr uint32_t m = 0x7FFFFFFFu;
+    const uint64_t a = (static_cast<uint64_t>(v.y & m) << 32) | v.x;
+    const uint64_t b = (static_cast<uint64_t>(v.w & m) << 32) | v.z;
+    return max(s, max(a, b));
+  }
+  static __device__ uint64_t fast_key(Fast s) { return s; }
+
   uint32_t n = 0;
   uint64_t mx = 0;
   __device__ void unit(uint32_t lo, uint32_t hi) {
@@ -72,11 +106,20 @@ struct F64Check {
   }
 };
 
-// Two 16-bit values per word. A lane |x| is non-finite when it is >= the first non-finite
-// pattern T; adding (0x8000 - T) sets the lane's top bit exactly then, and cannot carry into
-// the next lane because |x| <= 0x7fff.
-template <uint32_t kAdd, bool kBF16>
+// Two 16-bit values per word. Exact check: a lane |x| is non-finite when it is >= the first
+// non-finite pattern T; adding (0x8000 - T) sets the lane's top bit exactly then, and cannot
+// carry into the next lane because |x| <= 0x7fff.
+template <uint32_t kFirstNonFinite, bool kBF16>
 struct Half2Check {
+  using Fast = uint32_t;  // two lane maxima
+  static constexpr uint64_t kNonFiniteKey = kFirstNonFinite;
+  static __device__ Fast fast(Fast s, uint4 v) {
+    constexpr uint32_t m = 0x7FFF7FFFu;
+    return __vmaxu2(__vmaxu2(s, __vmaxu2(v.x & m, v.y & m)), __vmaxu2(v.z & m, v.w & m));
+  }
+  static __device__ uint64_t fast_key(Fast s) { return max(s & 0xFFFFu, s >> 16); }
+
+  static constexpr uint32_t kAdd = (0x8000u - kFirstNonFinite) * 0x00010001u;
   uint32_t n = 0, mx = 0;  // mx holds two lane maxima
   __device__ void word(uint32_t w) {
     uint32_t a = w & 0x7FFF7FFFu;
@@ -87,18 +130,29 @@ struct Half2Check {
   }
   __device__ void add(uint4 v) { word(v.x); word(v.y); word(v.z); word(v.w); }
   __device__ uint32_t count() const { return n; }
-  __device__ uint64_t max_key() const { return max(mx & 0xFFFFu, mx >> 16); }
+  __device__ uint64_t max_key() const { return fast_key(mx); }
   static __device__ float to_float(uint64_t k) {
     return kBF16 ? __uint_as_float(static_cast<uint32_t>(k) << 16)
                  : f16_abs_to_float(static_cast<uint32_t>(k));
   }
 };
-using BF16Check = Half2Check<0x00800080u, true>;   // non-finite: |x| >= 0x7f80
-using F16Check = Half2Check<0x04000400u, false>;   // non-finite: |x| >= 0x7c00
+using BF16Check = Half2Check<0x7F80u, true>;   // non-finite: |x| >= 0x7f80
+using F16Check = Half2Check<0x7C00u, false>;   // non-finite: |x| >= 0x7c00
 
-// Four 8-bit values per word, same trick with 8-bit lanes.
-template <uint32_t kAdd, bool kE4M3>
+// Four 8-bit values per word, same tricks with 8-bit lanes.
+template <uint32_t kFirstNonFinite, bool kE4M3>
 struct Byte4Check {
+  using Fast = uint32_t;  // four lane maxima
+  static constexpr uint64_t kNonFiniteKey = kFirstNonFinite;
+  static __device__ Fast fast(Fast s, uint4 v) {
+    constexpr uint32_t m = 0x7F7F7F7Fu;
+    return __vmaxu4(__vmaxu4(s, __vmaxu4(v.x & m, v.y & m)), __vmaxu4(v.z & m, v.w & m));
+  }
+  static __device__ uint64_t fast_key(Fast s) {
+    return max(max(s & 0xFFu, (s >> 8) & 0xFFu), max((s >> 16) & 0xFFu, s >> 24));
+  }
+
+  static constexpr uint32_t kAdd = (0x80u - kFirstNonFinite) * 0x01010101u;
   uint32_t n = 0, mx = 0;  // mx holds four lane maxima
   __device__ void word(uint32_t w) {
     uint32_t a = w & 0x7F7F7F7Fu;
@@ -109,16 +163,14 @@ struct Byte4Check {
   }
   __device__ void add(uint4 v) { word(v.x); word(v.y); word(v.z); word(v.w); }
   __device__ uint32_t count() const { return n; }
-  __device__ uint64_t max_key() const {
-    return max(max(mx & 0xFFu, (mx >> 8) & 0xFFu), max((mx >> 16) & 0xFFu, mx >> 24));
-  }
+  __device__ uint64_t max_key() const { return fast_key(mx); }
   static __device__ float to_float(uint64_t k) {
     return kE4M3 ? f8e4m3fn_abs_to_float(static_cast<uint32_t>(k))
                  : f8e5m2_abs_to_float(static_cast<uint32_t>(k));
   }
 };
-using E4M3Check = Byte4Check<0x01010101u, true>;   // non-finite: |x| == 0x7f (NaN)
-using E5M2Check = Byte4Check<0x04040404u, false>;  // non-finite: |x| >= 0x7c
+using E4M3Check = Byte4Check<0x7Fu, true>;   // non-finite: |x| == 0x7f (NaN)
+using E5M2Check = Byte4Check<0x7Cu, false>;  // non-finite: |x| >= 0x7c
 
 // ---- loads ----------------------------------------------------------------------------------
 
@@ -172,13 +224,6 @@ __device__ __forceinline__ uint4 load16_if(bool live, const uint8_t* p) {
   }
 }
 
-// Digest terms of the two units of one vector whose first unit has key `key`.
-__device__ __forceinline__ uint64_t vec_terms(uint4 v, uint64_t key) {
-  uint64_t lo = static_cast<uint64_t>(v.y) << 32 | v.x;
-  uint64_t hi = static_cast<uint64_t>(v.w) << 32 | v.z;
-  return unit_term(lo, key) + unit_term(hi, key + kUnitStride);
-}
-
 // ---- block reduction ------------------------------------------------------------------------
 
 struct Partial {
@@ -187,106 +232,132 @@ struct Partial {
   uint64_t max_key;
 };
 
-__device__ __forceinline__ Partial warp_reduce(Partial p) {
+// Butterfly reduction: every lane ends with the warp's total.
+__device__ __forceinline__ Partial warp_allreduce(Partial p) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
-    p.acc += __shfl_down_sync(0xFFFFFFFFu, p.acc, off);
-    p.count += __shfl_down_sync(0xFFFFFFFFu, p.count, off);
-    p.max_key = max(p.max_key, __shfl_down_sync(0xFFFFFFFFu, p.max_key, off));
+    p.acc += __shfl_xor_sync(0xFFFFFFFFu, p.acc, off);
+    p.count += __shfl_xor_sync(0xFFFFFFFFu, p.count, off);
+    p.max_key = max(p.max_key, __shfl_xor_sync(0xFFFFFFFFu, p.max_key, off));
   }
   return p;
 }
 
-// Sum / sum / max over the block; the result is valid in thread 0.
-__device__ __forceinline__ Partial block_reduce(Partial p) {
+// Sum / sum / max over the block, returned to every thread (so that the block can branch on
+// it uniformly).
+__device__ __forceinline__ Partial block_allreduce(Partial p) {
   __shared__ uint64_t s_acc[32];
   __shared__ uint32_t s_count[32];
   __shared__ uint64_t s_max[32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  p = warp_reduce(p);
+  p = warp_allreduce(p);
   if (lane == 0) {
     s_acc[warp] = p.acc;
     s_count[warp] = p.count;
     s_max[warp] = p.max_key;
   }
   __syncthreads();
-  if (warp == 0) {
-    const bool have = lane < static_cast<int>(blockDim.x >> 5);
-    p.acc = have ? s_acc[lane] : 0;
-    p.count = have ? s_count[lane] : 0;
-    p.max_key = have ? s_max[lane] : 0;
-    p = warp_reduce(p);
-  }
-  __syncthreads();  // shared memory is reused by the next chunk of this block
+  const bool have = lane < static_cast<int>(blockDim.x >> 5);
+  p.acc = have ? s_acc[lane] : 0;
+  p.count = have ? s_count[lane] : 0;
+  p.max_key = have ? s_max[lane] : 0;
+  p = warp_allreduce(p);
+  __syncthreads();  // shared memory is reused by the next reduction
   return p;
+}
+
+// ---- one pass over a chunk ------------------------------------------------------------------
+
+// Calls visit(v, key, units) for every 16-byte vector of the chunk that this thread owns:
+// `key` is the digest key of the vector's first 8-byte unit, `units` (0, 1 or 2) how many of
+// its units belong to the chunk. Vectors past the end are zero with units = 0.
+template <bool kAligned, class Visit>
+__device__ __forceinline__ void for_each_vector(const uint8_t* base, int64_t len, uint64_t key0,
+                                                Visit&& visit) {
+  const int64_t bd = blockDim.x;
+  const uint64_t key_step = static_cast<uint64_t>(2 * bd) * kUnitStride;
+  const int64_t nvec = len >> 4;
+  int64_t j = threadIdx.x;
+  uint64_t key = key0 + static_cast<uint64_t>(2 * j) * kUnitStride;
+  // Whole groups: kUnroll loads issued before any is used.
+  for (; j + (kUnroll - 1) * bd < nvec; j += kUnroll * bd) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = load16<kAligned>(base + 16 * (j + u * bd));
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      visit(v[u], key, 2);
+      key += key_step;
+    }
+  }
+  // The last partial group: loads under a predicate.
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t jj = j + u * bd;
+    const bool live = jj < nvec;
+    visit(load16_if<kAligned>(live, base + 16 * jj), key, live ? 2 : 0);
+    key += key_step;
+  }
+  // The last 0..15 bytes (only a buffer's last chunk has them): thread 0, byte loads.
+  const int64_t rem = len & 15;
+  const bool mine = threadIdx.x == 0;
+  const uint8_t* tail = base + 16 * nvec;
+  uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int b = 0; b < 16; ++b) {
+    const uint32_t byte = (mine && b < rem) ? __ldg(tail + b) : 0u;
+    w[b >> 2] |= byte << (8 * (b & 3));
+  }
+  const int units = mine ? static_cast<int>((rem + 7) >> 3) : 0;
+  visit(make_uint4(w[0], w[1], w[2], w[3]), key0 + static_cast<uint64_t>(2 * nvec) * kUnitStride,
+        units);
 }
 
 // ---- the kernel -----------------------------------------------------------------------------
 
+// The second pass over a chunk that holds NaN/Inf: exact count and largest finite magnitude.
+// Not inlined, so that its registers do not weigh on the streaming pass.
+template <class Check, bool kAligned>
+__device__ __noinline__ Partial exact_health(const uint8_t* base, int64_t len) {
+  Check exact;
+  for_each_vector<kAligned>(base, len, 0, [&](uint4 v, uint64_t, int) { exact.add(v); });
+  return block_allreduce(Partial{0, exact.count(), exact.max_key()});
+}
+
 // kVerify: compare with `expected` and write `mismatch`; otherwise write digests and health.
 template <class Check, bool kVerify, bool kAligned>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
     scan_kernel(const uint8_t* __restrict__ data, int64_t nbytes, int64_t chunk_bytes,
                 int64_t nchunks, uint32_t* __restrict__ digests, int32_t* __restrict__ nonfinite,
                 float* __restrict__ max_abs, const uint32_t* __restrict__ expected,
                 uint8_t* __restrict__ mismatch) {
-  const int64_t bd = blockDim.x;
-  const uint64_t key_step = static_cast<uint64_t>(2 * bd) * kUnitStride;  // per vector stride
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const uint8_t* base = data + c * chunk_bytes;
     const int64_t len = chunk_length(nbytes, chunk_bytes, c);
-    const int64_t nvec = len >> 4;
     const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
 
-    Check check;
+    // Streaming pass: digest terms and the fast magnitude max.
     uint64_t acc = 0;
-    int64_t j = threadIdx.x;
-    uint64_t key = key0 + static_cast<uint64_t>(2 * j) * kUnitStride;
+    typename Check::Fast fast = 0;
+    for_each_vector<kAligned>(base, len, key0, [&](uint4 v, uint64_t key, int units) {
+      const uint64_t lo = static_cast<uint64_t>(v.y) << 32 | v.x;
+      const uint64_t hi = static_cast<uint64_t>(v.w) << 32 | v.z;
+      const uint64_t t_lo = unit_term(lo, key), t_hi = unit_term(hi, key + kUnitStride);
+      acc += units >= 1 ? t_lo : 0;
+      acc += units >= 2 ? t_hi : 0;
+      if constexpr (!kVerify) fast = Check::fast(fast, v);  // zeros past the end: no effect
+    });
+    const Partial r = block_allreduce(Partial{acc, 0, Check::fast_key(fast)});
 
-    // Whole groups: kUnroll loads issued before any is used.
-    for (; j + (kUnroll - 1) * bd < nvec; j += kUnroll * bd) {
-      uint4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = load16<kAligned>(base + 16 * (j + u * bd));
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        acc += vec_terms(v[u], key);
-        check.add(v[u]);
-        key += key_step;
+    uint32_t count = 0;
+    uint64_t max_key = r.max_key;
+    if constexpr (!kVerify) {
+      if (r.max_key >= Check::kNonFiniteKey) {  // block-uniform: some element is NaN/Inf
+        const Partial e = exact_health<Check, kAligned>(base, len);
+        count = e.count;
+        max_key = e.max_key;
       }
     }
-    // The last partial group: loads and terms under a predicate.
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t jj = j + u * bd;
-      const bool live = jj < nvec;
-      const uint4 v = load16_if<kAligned>(live, base + 16 * jj);
-      const uint64_t t = vec_terms(v, key);
-      acc += live ? t : 0;
-      check.add(v);  // zeros are finite and have |x| = 0: no effect
-      key += key_step;
-    }
-    // The last 0..15 bytes (only the buffer's last chunk has them): thread 0, byte loads.
-    {
-      const int64_t rem = len & 15;
-      const bool mine = threadIdx.x == 0;
-      const uint8_t* tail = base + 16 * nvec;
-      uint32_t w[4] = {0, 0, 0, 0};
-#pragma unroll
-      for (int b = 0; b < 16; ++b) {
-        const uint32_t byte = (mine && b < rem) ? __ldg(tail + b) : 0u;
-        w[b >> 2] |= byte << (8 * (b & 3));
-      }
-      const uint64_t tkey = key0 + static_cast<uint64_t>(2 * nvec) * kUnitStride;
-      const uint64_t lo = static_cast<uint64_t>(w[1]) << 32 | w[0];
-      const uint64_t hi = static_cast<uint64_t>(w[3]) << 32 | w[2];
-      const uint64_t t_lo = unit_term(lo, tkey), t_hi = unit_term(hi, tkey + kUnitStride);
-      acc += (mine && rem > 0) ? t_lo : 0;
-      acc += (mine && rem > 8) ? t_hi : 0;
-      check.add(make_uint4(w[0], w[1], w[2], w[3]));
-    }
-
-    const Partial r = block_reduce(Partial{acc, check.count(), check.max_key()});
     if (threadIdx.x == 0) {
       const uint64_t d = finalize(r.acc, static_cast<uint64_t>(len), static_cast<uint64_t>(c));
       if constexpr (kVerify) {
@@ -294,8 +365,8 @@ __global__ void __launch_bounds__(kMaxThreads)
       } else {
         digests[2 * c] = digest_lo(d);
         digests[2 * c + 1] = digest_hi(d);
-        nonfinite[c] = static_cast<int32_t>(r.count);
-        max_abs[c] = Check::to_float(r.max_key);
+        nonfinite[c] = static_cast<int32_t>(count);
+        max_abs[c] = Check::to_float(max_key);
       }
     }
   }
