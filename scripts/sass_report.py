@@ -62,7 +62,7 @@ def streaming_loop(code: list[tuple[int, str]]):
 
 
 def demangle(name: str) -> str:
-    tool = shutil.which("c++filt")
+    tool = shutil.which("c++filt") or shutil.which("cu++filt")
     if tool is None:
         return name
     return subprocess.run([tool, name], capture_output=True, text=True).stdout.strip() or name
@@ -77,7 +77,7 @@ def main() -> int:
     funcs = functions(dump(args.binary, args.arch))
     rows = 0
     for name, code in sorted(funcs.items()):
-        pretty = demangle(name)
+        pretty = re.sub(r"[\w:]*\(anonymous namespace\)::", "", demangle(name))
         if not re.search(args.pattern, pretty):
             continue
         loop = streaming_loop(code)
@@ -87,7 +87,6 @@ def main() -> int:
         predicated = [i for i in loop if i.startswith("@")]
         loads = [i for i in loop if "LDG" in i]
         local = [i for i in loop if re.search(r"\b(LDL|STL)\b", i)]
-        pretty = re.sub(r"pimhbm::\w+::\(anonymous namespace\)::", "", pretty)
         print(f"{pretty.split('(')[0]}\n  inner loop: {len(loop)} instructions, {len(branches)} "
               f"branch (back-edge included), {len(predicated)} predicated, {len(loads)} loads "
               f"({sum('.128' in l for l in loads)} x 128-bit), {len(local)} local-memory accesses")

@@ -20,6 +20,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "pimhbm/cuda_check.h"
 #include "pimhbm/digest.h"
@@ -290,41 +291,42 @@ __device__ __forceinline__ void for_each_vector(const uint8_t* base, int64_t len
       key += key_step;
     }
   }
-  // The last partial group: loads under a predicate.
+  // The last partial group: loads under a predicate. Block-uniform test: a chunk that is a
+  // whole number of groups (every full 64 KiB chunk with the default shape) skips it.
+  if (nvec % (kUnroll * bd) != 0) {
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int64_t jj = j + u * bd;
-    const bool live = jj < nvec;
-    visit(load16_if<kAligned>(live, base + 16 * jj), key, live ? 2 : 0);
-    key += key_step;
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t jj = j + u * bd;
+      const bool live = jj < nvec;
+      visit(load16_if<kAligned>(live, base + 16 * jj), key, live ? 2 : 0);
+      key += key_step;
+    }
   }
-  // The last 0..15 bytes (only a buffer's last chunk has them): thread 0, byte loads.
+  // The last 0..15 bytes: only a buffer's last chunk has them (block-uniform test); thread 0
+  // reads them with byte loads under a predicate.
   const int64_t rem = len & 15;
-  const bool mine = threadIdx.x == 0;
-  const uint8_t* tail = base + 16 * nvec;
-  uint32_t w[4] = {0, 0, 0, 0};
+  if (rem != 0) {
+    const bool mine = threadIdx.x == 0;
+    const uint8_t* tail = base + 16 * nvec;
+    uint32_t w[4] = {0, 0, 0, 0};
 #pragma unroll
-  for (int b = 0; b < 16; ++b) {
-    const uint32_t byte = (mine && b < rem) ? __ldg(tail + b) : 0u;
-    w[b >> 2] |= byte << (8 * (b & 3));
+    for (int b = 0; b < 16; ++b) {
+      const uint32_t byte = (mine && b < rem) ? __ldg(tail + b) : 0u;
+      w[b >> 2] |= byte << (8 * (b & 3));
+    }
+    const int units = mine ? static_cast<int>((rem + 7) >> 3) : 0;
+    visit(make_uint4(w[0], w[1], w[2], w[3]),
+          key0 + static_cast<uint64_t>(2 * nvec) * kUnitStride, units);
   }
-  const int units = mine ? static_cast<int>((rem + 7) >> 3) : 0;
-  visit(make_uint4(w[0], w[1], w[2], w[3]), key0 + static_cast<uint64_t>(2 * nvec) * kUnitStride,
-        units);
 }
 
 // ---- the kernel -----------------------------------------------------------------------------
 
-// The second pass over a chunk that holds NaN/Inf: exact count and largest finite magnitude.
-// Not inlined, so that its registers do not weigh on the streaming pass.
-template <class Check, bool kAligned>
-__device__ __noinline__ Partial exact_health(const uint8_t* base, int64_t len) {
-  Check exact;
-  for_each_vector<kAligned>(base, len, 0, [&](uint4 v, uint64_t, int) { exact.add(v); });
-  return block_allreduce(Partial{0, exact.count(), exact.max_key()});
-}
-
 // kVerify: compare with `expected` and write `mismatch`; otherwise write digests and health.
+// A chunk whose largest magnitude pattern is NaN/Inf gets nonfinite[c] = -1 here: the
+// exact_health_kernel that runs next counts its non-finite values and takes its max |x|.
+// (A second kernel rather than a branch here: a call or the inlined second pass would cost
+// the streaming pass registers or spills on every chunk.)
 template <class Check, bool kVerify, bool kAligned>
 __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
     scan_kernel(const uint8_t* __restrict__ data, int64_t nbytes, int64_t chunk_bytes,
@@ -348,26 +350,38 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
       if constexpr (!kVerify) fast = Check::fast(fast, v);  // zeros past the end: no effect
     });
     const Partial r = block_allreduce(Partial{acc, 0, Check::fast_key(fast)});
-
-    uint32_t count = 0;
-    uint64_t max_key = r.max_key;
-    if constexpr (!kVerify) {
-      if (r.max_key >= Check::kNonFiniteKey) {  // block-uniform: some element is NaN/Inf
-        const Partial e = exact_health<Check, kAligned>(base, len);
-        count = e.count;
-        max_key = e.max_key;
-      }
-    }
     if (threadIdx.x == 0) {
       const uint64_t d = finalize(r.acc, static_cast<uint64_t>(len), static_cast<uint64_t>(c));
       if constexpr (kVerify) {
         mismatch[c] = d != digest_join(expected[2 * c], expected[2 * c + 1]) ? 1 : 0;
       } else {
+        const bool dirty = r.max_key >= Check::kNonFiniteKey;
         digests[2 * c] = digest_lo(d);
         digests[2 * c + 1] = digest_hi(d);
-        nonfinite[c] = static_cast<int32_t>(count);
-        max_abs[c] = Check::to_float(max_key);
+        nonfinite[c] = dirty ? -1 : 0;
+        max_abs[c] = Check::to_float(dirty ? 0 : r.max_key);
       }
+    }
+  }
+}
+
+// Second pass, only over the chunks the scan marked (nonfinite[c] == -1): exact count of
+// NaN/Inf and the largest finite |x|. Clean chunks cost one flag read per block.
+template <class Check, bool kAligned>
+__global__ void __launch_bounds__(kMaxThreads)
+    exact_health_kernel(const uint8_t* __restrict__ data, int64_t nbytes, int64_t chunk_bytes,
+                        int64_t nchunks, int32_t* __restrict__ nonfinite,
+                        float* __restrict__ max_abs) {
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    if (nonfinite[c] != -1) continue;  // block-uniform
+    const uint8_t* base = data + c * chunk_bytes;
+    Check exact;
+    for_each_vector<kAligned>(base, chunk_length(nbytes, chunk_bytes, c), 0,
+                              [&](uint4 v, uint64_t, int) { exact.add(v); });
+    const Partial e = block_allreduce(Partial{0, exact.count(), exact.max_key()});
+    if (threadIdx.x == 0) {
+      nonfinite[c] = static_cast<int32_t>(e.count);
+      max_abs[c] = Check::to_float(e.max_key);
     }
   }
 }
@@ -382,6 +396,9 @@ struct Args {
   uint8_t* mismatch;
 };
 
+// Blocks of the second pass: each loops over many chunks and reads one flag per chunk.
+constexpr int64_t kExactBlocks = 2048;
+
 template <class Check, bool kVerify>
 cudaError_t launch(const Args& a, int threads, int blocks, cudaStream_t stream) {
   const bool aligned = reinterpret_cast<uintptr_t>(a.data) % 16 == 0;
@@ -389,12 +406,21 @@ cudaError_t launch(const Args& a, int threads, int blocks, cudaStream_t stream) 
   kernel<<<blocks, threads, 0, stream>>>(a.data, a.nbytes, a.chunk_bytes, a.nchunks, a.digests,
                                          a.nonfinite, a.max_abs, a.expected, a.mismatch);
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
+  if constexpr (!kVerify && !std::is_same_v<Check, NoCheck>) {
+    auto exact = aligned ? exact_health_kernel<Check, true> : exact_health_kernel<Check, false>;
+    const int exact_blocks = static_cast<int>(std::min<int64_t>(a.nchunks, kExactBlocks));
+    exact<<<exact_blocks, threads, 0, stream>>>(a.data, a.nbytes, a.chunk_bytes, a.nchunks,
+                                                a.nonfinite, a.max_abs);
+    PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
+  }
   return cudaSuccess;
 }
 
-// Threads per block: enough for kUnroll vectors each, a whole number of warps, at most 256.
+// Threads per block: about 32 vectors (8 groups) per thread so that the per-chunk work (the
+// block reduction, the outputs) stays small next to the streaming; a whole number of warps,
+// 32 to 256. A 64 KiB chunk gets 128 threads.
 int default_threads(int64_t chunk_bytes) {
-  int64_t want = (chunk_bytes / 16 + kUnroll - 1) / kUnroll;
+  int64_t want = (chunk_bytes / 16 + 31) / 32;
   want = (want + 31) / 32 * 32;
   return static_cast<int>(std::clamp<int64_t>(want, 32, kDefaultMaxThreads));
 }

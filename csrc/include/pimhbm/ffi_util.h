@@ -5,7 +5,6 @@
 
 #include <cstdint>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <string_view>
 
@@ -36,11 +35,7 @@ inline std::string dtype_name(ffi::DataType t) {
     case ffi::DataType::F8E5M2: return "float8_e5m2";
     case ffi::DataType::C64: return "complex64";
     case ffi::DataType::C128: return "complex128";
-    default: {
-      std::ostringstream os;
-      os << "dtype #" << static_cast<int>(t);
-      return os.str();
-    }
+    default: return "dtype #" + std::to_string(static_cast<int>(t));
   }
 }
 
@@ -78,12 +73,12 @@ inline ffi::Error check_chunk_bytes(std::string_view op, int64_t chunk_bytes) {
   return ffi::Error::Success();
 }
 
+// Plain string building: no iostreams in handlers (a process may have loaded another
+// libstdc++ than the one this module was built against, and its locale facets differ).
 inline std::string shape_str(ffi::AnyBuffer::Dimensions dims) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < dims.size(); ++i) os << (i ? ", " : "") << dims[i];
-  os << (dims.size() == 1 ? ",)" : ")");
-  return os.str();
+  std::string out = "(";
+  for (size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
+  return out + (dims.size() == 1 ? ",)" : ")");
 }
 
 // Checks that `buf` has dtype `want` and exactly `count` elements (any shape).
