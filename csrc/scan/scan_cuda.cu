@@ -51,9 +51,6 @@ struct NoCheck {
   static constexpr uint64_t kNonFiniteKey = ~0ull;
   static __device__ Fast fast(Fast s, uint4) { return s; }
   static __device__ uint64_t fast_key(Fast) { return 0; }
-  __device__ void add(uint4) {}
-  __device__ uint32_t count() const { return 0; }
-  __device__ uint64_t max_key() const { return 0; }
   static __device__ float to_float(uint64_t) { return 0.0f; }
 };
 
