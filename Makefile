@@ -7,7 +7,7 @@ CPP_BUILD := build/cpp
 GENERATOR := $(shell command -v ninja >/dev/null 2>&1 && echo "-G Ninja")
 SOURCES := $(shell find csrc python -type f -not -path '*/__pycache__/*') CMakeLists.txt pyproject.toml
 
-.PHONY: demo test test-cpp test-py bench venv install clean
+.PHONY: demo test test-cpp test-py bench venv install gpu-carry clean
 
 demo: install
 	$(VENV)/bin/pimhbm demo
@@ -39,6 +39,10 @@ test-py: install
 
 bench: install
 	$(PY) bench/scan_bench.py
+
+# GoogleTest sources to take along to a GPU machine that has none (see scripts/gpu-check).
+gpu-carry:
+	mkdir -p .carry && rm -rf .carry/googletest && cp -r /usr/src/googletest .carry/
 
 clean:
 	rm -rf build $(VENV)
