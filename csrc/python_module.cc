@@ -4,6 +4,7 @@
 
 #include "pimhbm/digest.h"
 #include "scan/scan_ffi.h"
+#include "update/update_ffi.h"
 
 namespace nb = nanobind;
 
@@ -18,12 +19,16 @@ nb::dict registrations() {
   nb::dict cpu;
   cpu["pimhbm_scan"] = capsule(PimhbmScanCpu);
   cpu["pimhbm_verify"] = capsule(PimhbmVerifyCpu);
+  cpu["pimhbm_adamw"] = capsule(PimhbmAdamWCpu);
+  cpu["pimhbm_restore"] = capsule(PimhbmRestoreCpu);
   nb::dict out;
   out["cpu"] = cpu;
 #if defined(PIMHBM_WITH_CUDA)
   nb::dict cuda;
   cuda["pimhbm_scan"] = capsule(PimhbmScanCuda);
   cuda["pimhbm_verify"] = capsule(PimhbmVerifyCuda);
+  cuda["pimhbm_adamw"] = capsule(PimhbmAdamWCuda);
+  cuda["pimhbm_restore"] = capsule(PimhbmRestoreCuda);
   out["CUDA"] = cuda;
 #endif
   return out;

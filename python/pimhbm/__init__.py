@@ -25,3 +25,19 @@ __all__ = [
     "verify",
     "verify_tree",
 ]
+
+from pimhbm.update import (  # noqa: E402
+    AdamW,
+    AdamWState,
+    GuardState,
+    Slot,
+    UpdateReport,
+    adamw,
+    guard,
+    restore_unless,
+)
+
+__all__ += ["AdamW", "AdamWState", "GuardState", "Slot", "UpdateReport", "adamw", "guard",
+            "restore_unless"]
+
+from pimhbm import faults  # noqa: E402,F401

@@ -1,0 +1,94 @@
+// AdamW on one element, shared by the CPU reference and the CUDA kernel.
+//
+// The same operations in the same order as optax.adamw (scale_by_adam, add_decayed_weights,
+// scale_by_learning_rate, apply_updates), each rounded on its own: no fused multiply-add on
+// either side (the intrinsics below on the GPU; the CPU build does not contract), and IEEE
+// division and square root. So the CPU and CUDA paths agree bit for bit, and both agree with
+// optax to fp32 rounding. The bias corrections 1 - b^t are computed outside (by XLA, from the
+// step count held on the device) and passed in, so no pow() differs between platforms.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "pimhbm/digest.h"
+
+namespace pimhbm {
+
+struct AdamWHyper {
+  float b1, b2;                  // moment decays
+  float one_minus_b1, one_minus_b2;  // rounded as optax rounds (1 - b) in float32
+  float eps, eps_root;
+  float weight_decay;
+};
+
+// Per-step device scalars: the learning rate and the two bias corrections.
+struct AdamWStep {
+  float lr, bc1, bc2;
+};
+
+PIMHBM_HD float fmul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+PIMHBM_HD float fadd(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+PIMHBM_HD float fdiv(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+PIMHBM_HD float fsqrt(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return __builtin_sqrtf(a);
+#endif
+}
+
+// One AdamW step of one element: w is the fp32 weight (master, or the parameter itself).
+PIMHBM_HD void adamw_element(float g, float& w, float& m, float& v, const AdamWHyper& h,
+                             const AdamWStep& s) {
+  m = fadd(fmul(h.one_minus_b1, g), fmul(h.b1, m));
+  v = fadd(fmul(h.one_minus_b2, fmul(g, g)), fmul(h.b2, v));
+  const float m_hat = fdiv(m, s.bc1);
+  const float v_hat = fdiv(v, s.bc2);
+  float u = fdiv(m_hat, fadd(fsqrt(fadd(v_hat, h.eps_root)), h.eps));
+  u = fadd(u, fmul(h.weight_decay, w));
+  w = fadd(w, fmul(-s.lr, u));
+}
+
+// bfloat16 <-> float, round to nearest even (NaN stays NaN).
+PIMHBM_HD float bf16_to_float(uint16_t b) {
+  uint32_t bits = static_cast<uint32_t>(b) << 16;
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+PIMHBM_HD uint16_t float_to_bf16(float f) {
+#if defined(__CUDA_ARCH__)
+  uint32_t bits = __float_as_uint(f);
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+#endif
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+}  // namespace pimhbm

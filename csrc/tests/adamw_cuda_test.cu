@@ -1,0 +1,156 @@
+// The fused CUDA update against the CPU reference, bit for bit: every parameter kind, ragged
+// sizes and chunk sizes, damaged state and non-finite gradients; and the predicated restore.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <vector>
+
+#include "adamw_host_leaf.h"
+#include "cuda_test_util.h"
+#include "test_util.h"
+#include "update/adamw.h"
+#include "update/restore.h"
+
+namespace pimhbm::update {
+namespace {
+
+using ::pimhbm::testing::DeviceBuffer;
+using ::pimhbm::testing::rng_for_test;
+using testing::HostLeaf;
+using testing::kHyper;
+
+template <typename T>
+struct Mirror {  // a host vector and its device copy
+  std::vector<T>& host;
+  DeviceBuffer<T> dev;
+  explicit Mirror(std::vector<T>& h) : host(h), dev(h.size()) {}
+  cudaError_t up() { return dev.upload(host); }
+  cudaError_t down() {
+    cudaError_t err;
+    host = dev.download(&err);
+    return err;
+  }
+};
+
+// Runs the CUDA update on a copy of `h` and leaves the results in `h`'s write side.
+void run_gpu(HostLeaf& h, const float* step_host) {
+  Mirror<uint8_t> p(h.p), g(h.g), p_out(h.p_out);
+  Mirror<float> w(h.w), mu(h.mu), nu(h.nu), w_out(h.w_out), mu_out(h.mu_out), nu_out(h.nu_out);
+  Mirror<uint32_t> d_p(h.d_p), d_w(h.d_w), d_mu(h.d_mu), d_nu(h.d_nu), dn_p(h.dn_p),
+      dn_w(h.dn_w), dn_mu(h.dn_mu), dn_nu(h.dn_nu);
+  Mirror<int32_t> faults(h.faults), bad(h.bad);
+  std::vector<float> step_vec(step_host, step_host + 3);
+  Mirror<float> step(step_vec);
+  for (cudaError_t e : {p.up(), g.up(), p_out.up(), w.up(), mu.up(), nu.up(), w_out.up(),
+                        mu_out.up(), nu_out.up(), d_p.up(), d_w.up(), d_mu.up(), d_nu.up(),
+                        dn_p.up(), dn_w.up(), dn_mu.up(), dn_nu.up(), faults.up(), bad.up(),
+                        step.up()}) {
+    PIMHBM_ASSERT_CUDA(e);
+  }
+  AdamWLeaf L;
+  L.n = h.n, L.chunk_elems = h.chunk, L.param_bf16 = h.bf16, L.has_master = h.master;
+  L.p = p.dev.get(), L.master = w.dev.get(), L.mu = mu.dev.get(), L.nu = nu.dev.get();
+  L.g = g.dev.get();
+  L.d_p = d_p.dev.get(), L.d_master = d_w.dev.get(), L.d_mu = d_mu.dev.get();
+  L.d_nu = d_nu.dev.get();
+  L.p_out = p_out.dev.get(), L.master_out = w_out.dev.get(), L.mu_out = mu_out.dev.get();
+  L.nu_out = nu_out.dev.get();
+  L.dn_p = dn_p.dev.get(), L.dn_master = dn_w.dev.get(), L.dn_mu = dn_mu.dev.get();
+  L.dn_nu = dn_nu.dev.get();
+  L.faults = faults.dev.get(), L.grad_nonfinite = bad.dev.get();
+  PIMHBM_ASSERT_CUDA(adamw_cuda(L, kHyper, step.dev.get(), nullptr));
+  PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
+  for (cudaError_t e : {p_out.down(), w_out.down(), mu_out.down(), nu_out.down(), dn_p.down(),
+                        dn_w.down(), dn_mu.down(), dn_nu.down(), faults.down(), bad.down()}) {
+    PIMHBM_ASSERT_CUDA(e);
+  }
+}
+
+void damage(std::mt19937_64& rng, HostLeaf& h) {
+  if (h.n == 0) return;
+  h.p[(rng() % h.n) * h.psize()] ^= 0x04;
+  reinterpret_cast<uint8_t*>(h.mu.data())[(rng() % h.n) * 4 + 3] ^= 0x80;
+  for (int k = 0; k < 3; ++k) h.set(h.g, rng() % h.n, NAN);
+}
+
+class AdamWCuda : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
+
+TEST_P(AdamWCuda, MatchesTheCpuReferenceBitForBit) {
+  PIMHBM_SKIP_WITHOUT_GPU();
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  const auto [bf16, master] = GetParam();
+  const float step[3] = {3e-4f, 0.271f, 0.002997f};
+  std::vector<int64_t> sizes = {0, 1, 2, 3, 5, 15, 16, 17, 1000, 16383, 16384, 16385, 100003};
+  if (!::pimhbm::testing::small_sizes()) sizes.push_back(3000017);
+  for (int64_t n : sizes) {
+    for (int64_t chunk : {int64_t{16}, int64_t{1024}, int64_t{16384},
+                          16 * (1 + static_cast<int64_t>(rng() % 3000))}) {
+      for (bool damaged : {false, true}) {
+        HostLeaf cpu(rng, n, chunk, bf16, master);
+        if (damaged) damage(rng, cpu);
+        HostLeaf gpu = cpu;
+        adamw_cpu(cpu.view(), kHyper, step);
+        run_gpu(gpu, step);
+        const std::string what = "n " + std::to_string(n) + " chunk " + std::to_string(chunk);
+        ASSERT_EQ(gpu.p_out, cpu.p_out) << what;
+        ASSERT_EQ(gpu.w_out, cpu.w_out) << what;
+        ASSERT_EQ(gpu.mu_out, cpu.mu_out) << what;
+        ASSERT_EQ(gpu.nu_out, cpu.nu_out) << what;
+        ASSERT_EQ(gpu.dn_p, cpu.dn_p) << what;
+        ASSERT_EQ(gpu.dn_w, cpu.dn_w) << what;
+        ASSERT_EQ(gpu.dn_mu, cpu.dn_mu) << what;
+        ASSERT_EQ(gpu.dn_nu, cpu.dn_nu) << what;
+        ASSERT_EQ(gpu.faults, cpu.faults) << what;
+        ASSERT_EQ(gpu.bad, cpu.bad) << what;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(ParamKinds, AdamWCuda,
+                         ::testing::Values(std::make_tuple(false, false),
+                                           std::make_tuple(true, false),
+                                           std::make_tuple(true, true)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) ? "bf16" : "fp32") +
+                                  (std::get<1>(info.param) ? "_master" : "");
+                         });
+
+TEST(RestoreCuda, CopiesOnlyWhenTheStepDoesNotCommit) {
+  PIMHBM_SKIP_WITHOUT_GPU();
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  // More pairs than one launch takes, ragged and odd sizes.
+  std::vector<std::vector<uint8_t>> src, dst;
+  for (int k = 0; k < 70; ++k) {
+    const size_t n = rng() % 5000;
+    src.push_back(::pimhbm::testing::random_bytes(rng, n));
+    dst.push_back(::pimhbm::testing::random_bytes(rng, n));
+  }
+  for (int32_t commit : {1, 0}) {
+    std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> ds, dd;
+    std::vector<CopyPair> pairs;
+    for (size_t k = 0; k < src.size(); ++k) {
+      ds.push_back(std::make_unique<DeviceBuffer<uint8_t>>(src[k].size()));
+      dd.push_back(std::make_unique<DeviceBuffer<uint8_t>>(dst[k].size()));
+      PIMHBM_ASSERT_CUDA(ds.back()->upload(src[k]));
+      PIMHBM_ASSERT_CUDA(dd.back()->upload(dst[k]));
+      pairs.push_back({ds.back()->get(), dd.back()->get(), static_cast<int64_t>(src[k].size())});
+    }
+    std::vector<int32_t> flag_host = {commit};
+    DeviceBuffer<int32_t> flag(1);
+    PIMHBM_ASSERT_CUDA(flag.upload(flag_host));
+    PIMHBM_ASSERT_CUDA(restore_cuda(flag.get(), pairs, nullptr));
+    PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
+    for (size_t k = 0; k < src.size(); ++k) {
+      cudaError_t err;
+      const auto got = dd[k]->download(&err);
+      PIMHBM_ASSERT_CUDA(err);
+      ASSERT_EQ(got, commit ? dst[k] : src[k]) << "pair " << k << " commit " << commit;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace pimhbm::update

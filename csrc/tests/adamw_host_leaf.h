@@ -1,0 +1,106 @@
+// A parameter tensor's AdamW state on both sides (read and write), with digest tables, in host
+// memory: random contents, poisoned outputs. Shared by the CPU and CUDA update tests.
+#pragma once
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "scan/scan.h"
+#include "update/adamw.h"
+
+namespace pimhbm::update::testing {
+
+inline constexpr AdamWHyper kHyper{0.9f, 0.999f, 0.1f, 0.001f, 1e-8f, 0.0f, 1e-4f};
+
+// A tensor's state on both sides, with digest tables, in host memory.
+struct HostLeaf {
+  int64_t n, chunk;
+  bool bf16, master;
+  std::vector<uint8_t> p, g, p_out;
+  std::vector<float> w, mu, nu, w_out, mu_out, nu_out;
+  std::vector<uint32_t> d_p, d_w, d_mu, d_nu, dn_p, dn_w, dn_mu, dn_nu;
+  std::vector<int32_t> faults, bad;
+
+  int psize() const { return bf16 ? 2 : 4; }
+  int64_t chunks() const { return n == 0 ? 0 : (n + chunk - 1) / chunk; }
+
+  static std::vector<uint32_t> table_of(const void* data, int64_t n, int size, int64_t chunk) {
+    const int64_t nc = n == 0 ? 0 : (n + chunk - 1) / chunk;
+    std::vector<uint32_t> t(2 * nc);
+    std::vector<int32_t> nf(nc);
+    std::vector<float> mx(nc);
+    scan::scan_cpu(data, n * size, Elem::kRaw, chunk * size, t.data(), nf.data(), mx.data());
+    return t;
+  }
+
+  HostLeaf(std::mt19937_64& rng, int64_t n_, int64_t chunk_, bool bf16_, bool master_)
+      : n(n_), chunk(chunk_), bf16(bf16_), master(master_) {
+    std::normal_distribution<float> normal;
+    p.resize(n * psize());
+    g.resize(n * psize());
+    w.resize(master ? n : 0);
+    mu.resize(n);
+    nu.resize(n);
+    for (int64_t i = 0; i < n; ++i) {
+      const float pv = normal(rng), gv = normal(rng);
+      set(p, i, pv);
+      set(g, i, gv);
+      if (master) w[i] = pv + 1e-3f * normal(rng);
+      mu[i] = 0.1f * normal(rng);
+      nu[i] = std::fabs(0.01f * normal(rng));
+    }
+    d_p = table_of(p.data(), n, psize(), chunk);
+    d_w = table_of(w.data(), master ? n : 0, 4, chunk);
+    d_mu = table_of(mu.data(), n, 4, chunk);
+    d_nu = table_of(nu.data(), n, 4, chunk);
+    p_out.assign(p.size(), 0xAB);  // poisoned: every byte must be written
+    w_out.assign(w.size(), NAN);
+    mu_out.assign(n, NAN);
+    nu_out.assign(n, NAN);
+    dn_p.assign(d_p.size(), 0xDEAD);
+    dn_w.assign(d_w.size(), 0xDEAD);
+    dn_mu.assign(d_mu.size(), 0xDEAD);
+    dn_nu.assign(d_nu.size(), 0xDEAD);
+    faults.assign(chunks(), -1);
+    bad.assign(chunks(), -1);
+  }
+
+  float get(const std::vector<uint8_t>& v, int64_t i) const {
+    if (bf16) {
+      uint16_t b;
+      std::memcpy(&b, v.data() + 2 * i, 2);
+      return bf16_to_float(b);
+    }
+    float f;
+    std::memcpy(&f, v.data() + 4 * i, 4);
+    return f;
+  }
+  void set(std::vector<uint8_t>& v, int64_t i, float f) {
+    if (bf16) {
+      const uint16_t b = float_to_bf16(f);
+      std::memcpy(v.data() + 2 * i, &b, 2);
+    } else {
+      std::memcpy(v.data() + 4 * i, &f, 4);
+    }
+  }
+
+  AdamWLeaf view() {
+    AdamWLeaf L;
+    L.n = n;
+    L.chunk_elems = chunk;
+    L.param_bf16 = bf16;
+    L.has_master = master;
+    L.p = p.data(), L.master = w.data(), L.mu = mu.data(), L.nu = nu.data(), L.g = g.data();
+    L.d_p = d_p.data(), L.d_master = d_w.data(), L.d_mu = d_mu.data(), L.d_nu = d_nu.data();
+    L.p_out = p_out.data(), L.master_out = w_out.data(), L.mu_out = mu_out.data();
+    L.nu_out = nu_out.data();
+    L.dn_p = dn_p.data(), L.dn_master = dn_w.data(), L.dn_mu = dn_mu.data();
+    L.dn_nu = dn_nu.data();
+    L.faults = faults.data(), L.grad_nonfinite = bad.data();
+    return L;
+  }
+};
+
+}  // namespace pimhbm::update::testing

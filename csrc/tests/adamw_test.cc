@@ -1,0 +1,114 @@
+// The CPU reference of the guarded AdamW update: the math (against a plain re-statement of
+// optax's formulas), the digest tables it reads and writes, and the fault reports.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "scan/scan.h"
+#include "test_util.h"
+#include "update/adamw.h"
+#include "update/restore.h"
+#include "adamw_host_leaf.h"
+
+namespace pimhbm::update {
+namespace {
+
+using ::pimhbm::testing::rng_for_test;
+
+using testing::HostLeaf;
+using testing::kHyper;
+
+// optax.adamw restated with plain float operations (no fused multiply-add on this target).
+void optax_step(float g, float& w, float& m, float& v, const float* s) {
+  m = 0.1f * g + 0.9f * m;
+  v = 0.001f * (g * g) + 0.999f * v;
+  const float m_hat = m / s[1], v_hat = v / s[2];
+  float u = m_hat / (std::sqrt(v_hat + 0.0f) + 1e-8f);
+  u = u + 1e-4f * w;
+  w = w + (-s[0]) * u;
+}
+
+class AdamWCpu : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
+
+TEST_P(AdamWCpu, MatchesOptaxFormulasAndWritesTheDigestsOfWhatItWrote) {
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  const auto [bf16, master] = GetParam();
+  const float step[3] = {1e-3f, 1.0f - std::pow(0.9f, 3.0f), 1.0f - std::pow(0.999f, 3.0f)};
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{17}, int64_t{1000},
+                    int64_t{16384}, int64_t{40001}}) {
+    HostLeaf h(rng, n, 16 * (1 + static_cast<int64_t>(rng() % 100)), bf16, master);
+    adamw_cpu(h.view(), kHyper, step);
+    for (int64_t i = 0; i < n; ++i) {
+      float w = master ? h.w[i] : h.get(h.p, i), m = h.mu[i], v = h.nu[i];
+      optax_step(h.get(h.g, i), w, m, v, step);
+      ASSERT_EQ(h.mu_out[i], m) << i;
+      ASSERT_EQ(h.nu_out[i], v) << i;
+      if (master) ASSERT_EQ(h.w_out[i], w) << i;
+      ASSERT_EQ(h.get(h.p_out, i), bf16 ? bf16_to_float(float_to_bf16(w)) : w) << i;
+    }
+    EXPECT_EQ(h.dn_p, HostLeaf::table_of(h.p_out.data(), n, h.psize(), h.chunk));
+    EXPECT_EQ(h.dn_mu, HostLeaf::table_of(h.mu_out.data(), n, 4, h.chunk));
+    EXPECT_EQ(h.dn_nu, HostLeaf::table_of(h.nu_out.data(), n, 4, h.chunk));
+    if (master) EXPECT_EQ(h.dn_w, HostLeaf::table_of(h.w_out.data(), n, 4, h.chunk));
+    for (int64_t c = 0; c < h.chunks(); ++c) {
+      EXPECT_EQ(h.faults[c], 0);
+      EXPECT_EQ(h.bad[c], 0);
+    }
+  }
+}
+
+TEST_P(AdamWCpu, ReportsDamagedStateAndNonFiniteGradientsByChunk) {
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  const auto [bf16, master] = GetParam();
+  const float step[3] = {1e-3f, 0.1f, 0.001f};
+  HostLeaf h(rng, 50000, 1024, bf16, master);
+  // One bit flipped in each state tensor, NaN/Inf in the gradient, at random places.
+  const int64_t ip = rng() % h.n, imu = rng() % h.n, inu = rng() % h.n, iw = rng() % h.n;
+  h.p[ip * h.psize() + rng() % h.psize()] ^= static_cast<uint8_t>(1u << (rng() % 8));
+  reinterpret_cast<uint8_t*>(h.mu.data())[imu * 4 + rng() % 4] ^= static_cast<uint8_t>(1u << (rng() % 8));
+  reinterpret_cast<uint8_t*>(h.nu.data())[inu * 4 + rng() % 4] ^= static_cast<uint8_t>(1u << (rng() % 8));
+  if (master) reinterpret_cast<uint8_t*>(h.w.data())[iw * 4 + rng() % 4] ^= 0x10;
+  std::vector<int32_t> want_bad(h.chunks(), 0);
+  for (int k = 0; k < 7; ++k) {
+    const int64_t i = rng() % h.n;
+    if (!std::isfinite(h.get(h.g, i))) continue;
+    h.set(h.g, i, k % 2 ? INFINITY : NAN);
+    ++want_bad[i / h.chunk];
+  }
+  adamw_cpu(h.view(), kHyper, step);
+  std::vector<int32_t> want(h.chunks(), 0);
+  want[ip / h.chunk] |= kFaultParam;
+  want[imu / h.chunk] |= kFaultMu;
+  want[inu / h.chunk] |= kFaultNu;
+  if (master) want[iw / h.chunk] |= kFaultMaster;
+  EXPECT_EQ(h.faults, want);
+  EXPECT_EQ(h.bad, want_bad);
+}
+
+INSTANTIATE_TEST_SUITE_P(ParamKinds, AdamWCpu,
+                         ::testing::Values(std::make_tuple(false, false),
+                                           std::make_tuple(true, false),
+                                           std::make_tuple(true, true)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) ? "bf16" : "fp32") +
+                                  (std::get<1>(info.param) ? "_master" : "");
+                         });
+
+TEST(Restore, CopiesOnlyWhenTheStepDoesNotCommit) {
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  auto a = ::pimhbm::testing::random_bytes(rng, 1001), b = ::pimhbm::testing::random_bytes(rng, 1001);
+  const auto b0 = b;
+  const int32_t commit = 1, skip = 0;
+  restore_cpu(&commit, {{a.data(), b.data(), 1001}});
+  EXPECT_EQ(b, b0);
+  restore_cpu(&skip, {{a.data(), b.data(), 1001}});
+  EXPECT_EQ(b, a);
+}
+
+}  // namespace
+}  // namespace pimhbm::update

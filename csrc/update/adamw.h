@@ -1,0 +1,73 @@
+// The guarded AdamW update of one parameter tensor, in one pass over memory.
+//
+// It reads the current state (parameter, optional fp32 master weight, fp32 moments) and the
+// gradient, checks every chunk of the state against the digest table written by the previous
+// update, counts non-finite gradient values, and writes the updated state -- with its new
+// digest tables -- into the other copy of the state (the write side). Nothing is written to
+// the read side, so a step that must not commit leaves it bit-identical: the caller decides
+// commit or skip after every tensor is done (restore.h), on the device.
+#pragma once
+
+#include <cstdint>
+
+#include "pimhbm/adamw_math.h"
+
+#if defined(PIMHBM_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
+namespace pimhbm::update {
+
+// Bits of the per-chunk fault map: which state tensor failed its digest check.
+enum FaultBits : int32_t {
+  kFaultParam = 1,
+  kFaultMaster = 2,
+  kFaultMu = 4,
+  kFaultNu = 8,
+};
+
+struct AdamWLeaf {
+  int64_t n = 0;            // elements
+  int64_t chunk_elems = 0;  // elements per chunk (the same chunks for every tensor of the leaf)
+  bool param_bf16 = false;  // parameter and gradient dtype: bf16 (else fp32)
+  bool has_master = false;  // fp32 master weights (only with bf16 parameters)
+
+  // read side: the state as committed by the previous update, and the gradient
+  const void* p = nullptr;
+  const float* master = nullptr;
+  const float* mu = nullptr;
+  const float* nu = nullptr;
+  const void* g = nullptr;
+  const uint32_t* d_p = nullptr;  // digest tables, uint32 (nchunks, 2)
+  const uint32_t* d_master = nullptr;
+  const uint32_t* d_mu = nullptr;
+  const uint32_t* d_nu = nullptr;
+
+  // write side
+  void* p_out = nullptr;
+  float* master_out = nullptr;
+  float* mu_out = nullptr;
+  float* nu_out = nullptr;
+  uint32_t* dn_p = nullptr;
+  uint32_t* dn_master = nullptr;
+  uint32_t* dn_mu = nullptr;
+  uint32_t* dn_nu = nullptr;
+
+  // per-chunk reports
+  int32_t* faults = nullptr;          // FaultBits
+  int32_t* grad_nonfinite = nullptr;  // NaN/Inf gradient values
+};
+
+int64_t leaf_chunks(const AdamWLeaf& leaf);
+
+// CPU reference: plain loops, digests through scan::chunk_digest.
+// `step` holds lr, bc1, bc2 (host memory).
+void adamw_cpu(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step);
+
+#if defined(PIMHBM_WITH_CUDA)
+// The fused kernel; `step` points to lr, bc1, bc2 in device memory (no host sync).
+cudaError_t adamw_cuda(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step,
+                       cudaStream_t stream);
+#endif
+
+}  // namespace pimhbm::update

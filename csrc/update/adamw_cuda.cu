@@ -1,0 +1,293 @@
+// The fused guarded AdamW kernel: one block per chunk; every thread takes groups of four
+// elements with vector loads of every tensor, checks the old digests, updates, writes the new
+// state, and digests it -- all in registers, one pass over memory. The block sums the digest
+// terms (order-independent, see digest.h) and thread 0 writes the chunk's tables and reports.
+//
+// The math is adamw_math.h, bit for bit the CPU reference's. A ragged last group (chunk length
+// not a multiple of 4) is handled by thread 0 with element loads and stores under predicates;
+// missing elements read as zero and are never written, as the digest's zero padding expects.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "pimhbm/cuda_check.h"
+#include "pimhbm/digest.h"
+#include "update/adamw.h"
+
+namespace pimhbm::update {
+namespace {
+
+constexpr int kThreads = 256;
+
+struct Group {    // four elements of every tensor, as raw words
+  uint32_t p[4];  // fp32 bits, or bf16 bits in the low half
+  uint32_t g[4];
+  float master[4], mu[4], nu[4];
+};
+
+__device__ __forceinline__ float param_value(uint32_t bits, bool bf16) {
+  return bf16 ? bf16_to_float(static_cast<uint16_t>(bits)) : __uint_as_float(bits);
+}
+
+__device__ __forceinline__ bool finite_param(uint32_t bits, bool bf16) {
+  return bf16 ? (bits & 0x7FFFu) < 0x7F80u : (bits & 0x7FFFFFFFu) < 0x7F800000u;
+}
+
+// Digest terms of four fp32 words: two units (the second present only when `units` >= 2).
+__device__ __forceinline__ uint64_t terms_f32(const uint32_t (&w)[4], uint64_t key, int units) {
+  const uint64_t a = unit_term(static_cast<uint64_t>(w[1]) << 32 | w[0], key);
+  const uint64_t b = unit_term(static_cast<uint64_t>(w[3]) << 32 | w[2], key + kUnitStride);
+  return (units >= 1 ? a : 0) + (units >= 2 ? b : 0);
+}
+
+// Digest term of four bf16 values: one unit.
+__device__ __forceinline__ uint64_t terms_bf16(const uint32_t (&w)[4], uint64_t key, int units) {
+  const uint64_t u = static_cast<uint64_t>(w[3] & 0xFFFFu) << 48 |
+                     static_cast<uint64_t>(w[2] & 0xFFFFu) << 32 | (w[1] & 0xFFFFu) << 16 |
+                     (w[0] & 0xFFFFu);
+  const uint64_t t = unit_term(u, key);
+  return units >= 1 ? t : 0;
+}
+
+__device__ __forceinline__ uint4 ldg4(const void* p) {
+  return __ldcs(static_cast<const uint4*>(p));
+}
+__device__ __forceinline__ uint2 ldg2(const void* p) {
+  return __ldcs(static_cast<const uint2*>(p));
+}
+
+struct Sums {
+  uint64_t old_p = 0, old_master = 0, old_mu = 0, old_nu = 0;
+  uint64_t new_p = 0, new_master = 0, new_mu = 0, new_nu = 0;
+  uint32_t bad = 0;
+};
+
+// Loads group `gi` of the chunk starting at element `first`: all four elements (kFull) or the
+// first `live` of them, the rest zero.
+template <bool kBF16, bool kMaster, bool kFull>
+__device__ __forceinline__ void load_group(const AdamWLeaf& L, int64_t e, int live, Group& x) {
+  if constexpr (kFull) {
+    if constexpr (kBF16) {
+      const uint2 p = ldg2(static_cast<const uint16_t*>(L.p) + e);
+      const uint2 g = ldg2(static_cast<const uint16_t*>(L.g) + e);
+      x.p[0] = p.x & 0xFFFFu, x.p[1] = p.x >> 16, x.p[2] = p.y & 0xFFFFu, x.p[3] = p.y >> 16;
+      x.g[0] = g.x & 0xFFFFu, x.g[1] = g.x >> 16, x.g[2] = g.y & 0xFFFFu, x.g[3] = g.y >> 16;
+    } else {
+      const uint4 p = ldg4(static_cast<const float*>(L.p) + e);
+      const uint4 g = ldg4(static_cast<const float*>(L.g) + e);
+      x.p[0] = p.x, x.p[1] = p.y, x.p[2] = p.z, x.p[3] = p.w;
+      x.g[0] = g.x, x.g[1] = g.y, x.g[2] = g.z, x.g[3] = g.w;
+    }
+    const float4 mu = __ldcs(reinterpret_cast<const float4*>(L.mu + e));
+    const float4 nu = __ldcs(reinterpret_cast<const float4*>(L.nu + e));
+    x.mu[0] = mu.x, x.mu[1] = mu.y, x.mu[2] = mu.z, x.mu[3] = mu.w;
+    x.nu[0] = nu.x, x.nu[1] = nu.y, x.nu[2] = nu.z, x.nu[3] = nu.w;
+    if constexpr (kMaster) {
+      const float4 m = __ldcs(reinterpret_cast<const float4*>(L.master + e));
+      x.master[0] = m.x, x.master[1] = m.y, x.master[2] = m.z, x.master[3] = m.w;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const bool on = k < live;
+      if constexpr (kBF16) {
+        x.p[k] = on ? static_cast<const uint16_t*>(L.p)[e + k] : 0u;
+        x.g[k] = on ? static_cast<const uint16_t*>(L.g)[e + k] : 0u;
+      } else {
+        x.p[k] = on ? static_cast<const uint32_t*>(L.p)[e + k] : 0u;
+        x.g[k] = on ? static_cast<const uint32_t*>(L.g)[e + k] : 0u;
+      }
+      x.mu[k] = on ? L.mu[e + k] : 0.0f;
+      x.nu[k] = on ? L.nu[e + k] : 0.0f;
+      if constexpr (kMaster) x.master[k] = on ? L.master[e + k] : 0.0f;
+    }
+  }
+}
+
+template <bool kBF16, bool kMaster, bool kFull>
+__device__ __forceinline__ void process_group(const AdamWLeaf& L, const AdamWHyper& h,
+                                              const AdamWStep& s, int64_t first, int64_t gi,
+                                              int live, uint64_t key0, Sums& sum) {
+  const int64_t e = first + 4 * gi;
+  Group x;
+  load_group<kBF16, kMaster, kFull>(L, e, live, x);
+
+  // Old digests. fp32 tensors: units 2gi, 2gi+1; bf16 tensors: unit gi.
+  const uint64_t key32 = key0 + static_cast<uint64_t>(2 * gi) * kUnitStride;
+  const uint64_t key16 = key0 + static_cast<uint64_t>(gi) * kUnitStride;
+  const int units32 = kFull ? 2 : (live + 1) / 2;
+  const int units16 = kFull ? 1 : (live > 0 ? 1 : 0);
+  uint32_t w[4];
+  sum.old_p += kBF16 ? terms_bf16(x.p, key16, units16) : terms_f32(x.p, key32, units32);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) w[k] = __float_as_uint(x.mu[k]);
+  sum.old_mu += terms_f32(w, key32, units32);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) w[k] = __float_as_uint(x.nu[k]);
+  sum.old_nu += terms_f32(w, key32, units32);
+  if constexpr (kMaster) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = __float_as_uint(x.master[k]);
+    sum.old_master += terms_f32(w, key32, units32);
+  }
+
+  // Update; missing elements (ragged end) become zero bits and are not stored.
+  uint32_t p_new[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const bool on = kFull || k < live;
+    const float g = param_value(x.g[k], kBF16);
+    sum.bad += (on && !finite_param(x.g[k], kBF16)) ? 1u : 0u;
+    float wt = kMaster ? x.master[k] : param_value(x.p[k], kBF16);
+    adamw_element(g, wt, x.mu[k], x.nu[k], h, s);
+    x.master[k] = on ? wt : 0.0f;
+    x.mu[k] = on ? x.mu[k] : 0.0f;
+    x.nu[k] = on ? x.nu[k] : 0.0f;
+    p_new[k] = on ? (kBF16 ? float_to_bf16(wt) : __float_as_uint(wt)) : 0u;
+  }
+
+  // Stores.
+  if constexpr (kFull) {
+    if constexpr (kBF16) {
+      *reinterpret_cast<uint2*>(static_cast<uint16_t*>(L.p_out) + e) =
+          make_uint2(p_new[0] | p_new[1] << 16, p_new[2] | p_new[3] << 16);
+    } else {
+      *reinterpret_cast<uint4*>(static_cast<float*>(L.p_out) + e) =
+          make_uint4(p_new[0], p_new[1], p_new[2], p_new[3]);
+    }
+    *reinterpret_cast<float4*>(L.mu_out + e) = make_float4(x.mu[0], x.mu[1], x.mu[2], x.mu[3]);
+    *reinterpret_cast<float4*>(L.nu_out + e) = make_float4(x.nu[0], x.nu[1], x.nu[2], x.nu[3]);
+    if constexpr (kMaster) {
+      *reinterpret_cast<float4*>(L.master_out + e) =
+          make_float4(x.master[0], x.master[1], x.master[2], x.master[3]);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (k < live) {
+        if constexpr (kBF16) {
+          static_cast<uint16_t*>(L.p_out)[e + k] = static_cast<uint16_t>(p_new[k]);
+        } else {
+          static_cast<uint32_t*>(L.p_out)[e + k] = p_new[k];
+        }
+        L.mu_out[e + k] = x.mu[k];
+        L.nu_out[e + k] = x.nu[k];
+        if constexpr (kMaster) L.master_out[e + k] = x.master[k];
+      }
+    }
+  }
+
+  // New digests.
+  sum.new_p += kBF16 ? terms_bf16(p_new, key16, units16) : terms_f32(p_new, key32, units32);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) w[k] = __float_as_uint(x.mu[k]);
+  sum.new_mu += terms_f32(w, key32, units32);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) w[k] = __float_as_uint(x.nu[k]);
+  sum.new_nu += terms_f32(w, key32, units32);
+  if constexpr (kMaster) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = __float_as_uint(x.master[k]);
+    sum.new_master += terms_f32(w, key32, units32);
+  }
+}
+
+__device__ __forceinline__ void warp_sum(Sums& s) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    s.old_p += __shfl_xor_sync(0xFFFFFFFFu, s.old_p, off);
+    s.old_master += __shfl_xor_sync(0xFFFFFFFFu, s.old_master, off);
+    s.old_mu += __shfl_xor_sync(0xFFFFFFFFu, s.old_mu, off);
+    s.old_nu += __shfl_xor_sync(0xFFFFFFFFu, s.old_nu, off);
+    s.new_p += __shfl_xor_sync(0xFFFFFFFFu, s.new_p, off);
+    s.new_master += __shfl_xor_sync(0xFFFFFFFFu, s.new_master, off);
+    s.new_mu += __shfl_xor_sync(0xFFFFFFFFu, s.new_mu, off);
+    s.new_nu += __shfl_xor_sync(0xFFFFFFFFu, s.new_nu, off);
+    s.bad += __shfl_xor_sync(0xFFFFFFFFu, s.bad, off);
+  }
+}
+
+// Sums over the block; valid in thread 0.
+__device__ __forceinline__ Sums block_sum(Sums s) {
+  __shared__ Sums shared[kThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  warp_sum(s);
+  if (lane == 0) shared[warp] = s;
+  __syncthreads();
+  if (warp == 0) {
+    s = lane < static_cast<int>(blockDim.x >> 5) ? shared[lane] : Sums{};
+    warp_sum(s);
+  }
+  __syncthreads();  // `shared` is reused by the next chunk
+  return s;
+}
+
+__device__ __forceinline__ bool table_matches(const uint32_t* t, int64_t c, uint64_t d) {
+  return d == digest_join(t[2 * c], t[2 * c + 1]);
+}
+__device__ __forceinline__ void table_write(uint32_t* t, int64_t c, uint64_t d) {
+  t[2 * c] = digest_lo(d);
+  t[2 * c + 1] = digest_hi(d);
+}
+
+template <bool kBF16, bool kMaster>
+__global__ void __launch_bounds__(kThreads)
+    adamw_kernel(const AdamWLeaf L, const AdamWHyper h, const float* __restrict__ step,
+                 int64_t nchunks) {
+  const AdamWStep s{step[0], step[1], step[2]};
+  constexpr int psize = kBF16 ? 2 : 4;
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const int64_t first = c * L.chunk_elems;
+    const int64_t count = min(L.chunk_elems, L.n - first);
+    const int64_t full_groups = count >> 2;
+    const int rem = static_cast<int>(count & 3);
+    const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
+    Sums sum;
+    for (int64_t gi = threadIdx.x; gi < full_groups; gi += blockDim.x) {
+      process_group<kBF16, kMaster, true>(L, h, s, first, gi, 4, key0, sum);
+    }
+    if (rem != 0) {  // block-uniform: only a tensor's last chunk can be ragged
+      const int live = threadIdx.x == 0 ? rem : 0;
+      process_group<kBF16, kMaster, false>(L, h, s, first, full_groups, live, key0, sum);
+    }
+    const Sums t = block_sum(sum);
+    if (threadIdx.x == 0) {
+      const auto len = [&](int size) { return static_cast<uint64_t>(count * size); };
+      const uint64_t cc = static_cast<uint64_t>(c);
+      int32_t faults = 0;
+      faults |= table_matches(L.d_p, c, finalize(t.old_p, len(psize), cc)) ? 0 : kFaultParam;
+      faults |= table_matches(L.d_mu, c, finalize(t.old_mu, len(4), cc)) ? 0 : kFaultMu;
+      faults |= table_matches(L.d_nu, c, finalize(t.old_nu, len(4), cc)) ? 0 : kFaultNu;
+      table_write(L.dn_p, c, finalize(t.new_p, len(psize), cc));
+      table_write(L.dn_mu, c, finalize(t.new_mu, len(4), cc));
+      table_write(L.dn_nu, c, finalize(t.new_nu, len(4), cc));
+      if constexpr (kMaster) {
+        faults |= table_matches(L.d_master, c, finalize(t.old_master, len(4), cc)) ? 0
+                                                                                   : kFaultMaster;
+        table_write(L.dn_master, c, finalize(t.new_master, len(4), cc));
+      }
+      L.faults[c] = faults;
+      L.grad_nonfinite[c] = static_cast<int32_t>(t.bad);
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t adamw_cuda(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step,
+                       cudaStream_t stream) {
+  const int64_t nchunks = leaf_chunks(leaf);
+  if (nchunks == 0) return cudaSuccess;
+  const int blocks = static_cast<int>(std::min<int64_t>(nchunks, 0x7FFFFFFF));
+  if (leaf.param_bf16 && leaf.has_master) {
+    adamw_kernel<true, true><<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
+  } else if (leaf.param_bf16) {
+    adamw_kernel<true, false><<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
+  } else {
+    adamw_kernel<false, false><<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
+  }
+  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
+  return cudaSuccess;
+}
+
+}  // namespace pimhbm::update

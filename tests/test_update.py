@@ -1,0 +1,311 @@
+"""pimhbm.adamw (the guarded fused update) and pimhbm.guard, on the CPU backend."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import pimhbm
+from conftest import requires_gpu
+
+LR = 1e-3
+
+
+def random_params(rng, dtype=np.float32, shapes=((300, 77), (77,), (5, 3, 7), (16384,), (16385,))):
+    return {f"t{i}": jnp.asarray(rng.standard_normal(s).astype(dtype)) for i, s in enumerate(shapes)}
+
+
+def random_grads(rng, params):
+    return jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape).astype(p.dtype)), params)
+
+
+def bits(tree):
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def current_view(state):
+    return (state.params, state.master, state.mu, state.nu, state.digests)
+
+
+def make_step(opt):
+    return jax.jit(lambda g, s, lr: opt.update(g, s, lr), donate_argnums=1)
+
+
+# The bias corrections as a compiled step computes them (XLA's pow inside jit can differ from
+# eager pow by an ulp; the update itself must not).
+_scalars = jax.jit(lambda count: pimhbm.update._step_scalars(LR, count, 0.9, 0.999))
+
+
+def numpy_adamw(g, w, m, v, count, lr=LR, b1=0.9, b2=0.999, eps=1e-8, wd=1e-4):
+    """optax.adamw's formulas in NumPy float32, one IEEE-rounded operation at a time."""
+    f = np.float32
+    with np.errstate(all="ignore"):
+        m = f(1 - b1) * g + f(b1) * m
+        v = f(1 - b2) * (g * g) + f(b2) * v
+        _, bc1, bc2 = np.asarray(_scalars(jnp.int32(count)))  # 1 - b^t by XLA, as in a step
+        u = (m / bc1) / (np.sqrt(v / bc2 + f(0)) + f(eps))
+        u = u + f(wd) * w
+        w = w + f(-lr) * u
+    return w, m, v
+
+
+def test_fault_free_fp32_is_the_optax_formula_bit_for_bit(rng):
+    params = random_params(rng)
+    opt = pimhbm.adamw(LR)
+    state = opt.init(params)
+    step = make_step(opt)
+    ref = {k: (np.asarray(p), np.zeros(p.shape, np.float32), np.zeros(p.shape, np.float32))
+           for k, p in params.items()}
+    for i in range(40):
+        g = random_grads(rng, params)
+        state, report = step(g, state, jnp.float32(LR))
+        ref = {k: numpy_adamw(np.asarray(g[k]), *ref[k], count=i + 1) for k in ref}
+        assert bool(report.committed) and int(report.digest_faults) == 0
+    assert int(state.step) == 40
+    for k, (w, m, v) in ref.items():
+        assert np.asarray(state.params[k]).tobytes() == w.tobytes(), k
+        assert np.asarray(state.mu[k]).tobytes() == m.tobytes(), k
+        assert np.asarray(state.nu[k]).tobytes() == v.tobytes(), k
+
+
+def test_fault_free_fp32_agrees_with_optax(rng):
+    """optax under XLA may fuse multiply-adds; agreement is to fp32 rounding."""
+    params = random_params(rng)
+    opt, tx = pimhbm.adamw(LR), optax.adamw(LR)
+    state, ostate, oparams = opt.init(params), tx.init(params), params
+    step = make_step(opt)
+    ostep = jax.jit(lambda g, s, p: tx.update(g, s, p))
+    for _ in range(60):
+        g = random_grads(rng, params)
+        state, _ = step(g, state, jnp.float32(LR))
+        updates, ostate = ostep(g, ostate, oparams)
+        oparams = optax.apply_updates(oparams, updates)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(state.params[k]), np.asarray(oparams[k]),
+                                   rtol=2e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(state.mu[k]), np.asarray(ostate[0].mu[k]),
+                                   rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(state.nu[k]), np.asarray(ostate[0].nu[k]),
+                                   rtol=1e-5, atol=1e-9)
+
+
+def test_bf16_with_master_weights_is_the_optax_formula_on_the_master(rng):
+    params = random_params(rng, ml_dtypes.bfloat16)
+    opt = pimhbm.adamw(LR, master_weights=True)
+    state = opt.init(params)
+    step = make_step(opt)
+    ref = {k: (np.asarray(p, np.float32), np.zeros(p.shape, np.float32),
+               np.zeros(p.shape, np.float32)) for k, p in params.items()}
+    for i in range(30):
+        g = random_grads(rng, params)  # bf16 gradients, as the model produces them
+        state, report = step(g, state, jnp.float32(LR))
+        ref = {k: numpy_adamw(np.asarray(g[k], np.float32), *ref[k], count=i + 1) for k in ref}
+        assert bool(report.committed)
+    for k, (w, m, v) in ref.items():
+        assert np.asarray(state.master[k]).tobytes() == w.tobytes(), k
+        assert np.asarray(state.params[k]).tobytes() == w.astype(ml_dtypes.bfloat16).tobytes(), k
+        assert np.asarray(state.mu[k]).tobytes() == m.tobytes(), k
+
+
+def test_digests_of_the_new_state_are_the_scan_digests(rng):
+    params = random_params(rng, ml_dtypes.bfloat16)
+    opt = pimhbm.adamw(LR, master_weights=True, chunk_elems=1024)
+    state = make_step(opt)(random_grads(rng, params), opt.init(params), jnp.float32(LR))[0]
+    for name in ("params", "master", "mu", "nu"):
+        key = {"params": "p"}.get(name, name)
+        tables = jax.tree.structure(params).flatten_up_to(state.digests)
+        for leaf, d in zip(jax.tree.leaves(getattr(state, name)), tables):
+            want = pimhbm.scan(leaf, 1024 * leaf.dtype.itemsize).digests
+            np.testing.assert_array_equal(np.asarray(d[key]), np.asarray(want))
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16_master"])
+def test_nonfinite_gradients_skip_the_step_bit_exactly(rng, kind):
+    dtype = np.float32 if kind == "fp32" else ml_dtypes.bfloat16
+    params = random_params(rng, dtype)
+    opt = pimhbm.adamw(LR, master_weights=kind != "fp32", chunk_elems=256)
+    step = make_step(opt)
+    state = opt.init(params)
+    for _ in range(3):
+        state, _ = step(random_grads(rng, params), state, jnp.float32(LR))
+    before = bits(current_view(state))
+    clean = random_grads(rng, params)
+    # NaN / Inf at random positions of random leaves.
+    g = dict(clean)
+    names = sorted(g)
+    poisoned = {}
+    for k in range(5):
+        name = names[int(rng.integers(len(names)))]
+        flat = np.asarray(g[name]).reshape(-1).copy()
+        i = int(rng.integers(flat.size))
+        flat[i] = [np.nan, np.inf, -np.inf][k % 3]
+        g[name] = jnp.asarray(flat.reshape(g[name].shape))
+        poisoned.setdefault(name, set()).add(i // 256)
+    step_before = int(state.step)
+    state, report = step(g, state, jnp.float32(LR))
+    assert not bool(report.committed)
+    assert int(report.grad_nonfinite) == sum(
+        int(np.sum(~np.isfinite(np.asarray(v, np.float32)))) for v in g.values())
+    assert int(state.step) == step_before
+    assert bits(current_view(state)) == before, "a skipped step changed the state"
+    for name, chunks in poisoned.items():
+        assert set(np.flatnonzero(np.asarray(report.grad_nonfinite_maps[name]))) == chunks
+    # The next clean step is the step that would have come: skipping == never having seen it.
+    state, report = step(clean, state, jnp.float32(LR))
+    assert bool(report.committed) and int(state.step) == step_before + 1
+
+
+@pytest.mark.parametrize("target,bit", [("params", pimhbm.update.FAULT_PARAM),
+                                        ("master", pimhbm.update.FAULT_MASTER),
+                                        ("mu", pimhbm.update.FAULT_MU),
+                                        ("nu", pimhbm.update.FAULT_NU)])
+def test_a_flipped_bit_in_the_state_skips_and_reports_its_chunk(rng, target, bit):
+    params = random_params(rng, ml_dtypes.bfloat16)
+    chunk = 512
+    opt = pimhbm.adamw(LR, master_weights=True, chunk_elems=chunk)
+    step = make_step(opt)
+    state = opt.init(params)
+    state, _ = step(random_grads(rng, params), state, jnp.float32(LR))
+    # Flip one bit of one element of one tensor of the current slot, outside any update.
+    name = sorted(params)[int(rng.integers(len(params)))]
+    slot = state.slots[state.current]
+    tree = getattr(slot, target)
+    leaf = tree[name]
+    i, b = int(rng.integers(leaf.size)), int(rng.integers(8 * leaf.dtype.itemsize))
+    flipped = pimhbm.faults.flip_bit(leaf, i, b)
+    slot = slot._replace(**{target: dict(tree, **{name: flipped})})
+    slots = list(state.slots)
+    slots[state.current] = slot
+    state = pimhbm.AdamWState(tuple(slots), state.current, state.step)
+    before = bits(current_view(state))
+    state, report = step(random_grads(rng, params), state, jnp.float32(LR))
+    assert not bool(report.committed)
+    assert int(report.digest_faults) == 1
+    fmap = {k: np.asarray(v) for k, v in report.fault_maps.items()}
+    assert np.flatnonzero(fmap[name]).tolist() == [i // chunk]
+    assert fmap[name][i // chunk] == bit
+    assert all(not v.any() for k, v in fmap.items() if k != name)
+    assert bits(current_view(state)) == before
+
+
+def test_learning_rate_changes_without_recompiling(rng):
+    params = random_params(rng)
+    opt = pimhbm.adamw(LR)
+    step = make_step(opt)
+    state = opt.init(params)
+    for i in range(6):
+        state, _ = step(random_grads(rng, params), state, jnp.float32(LR * (i + 1)))
+    assert step._cache_size() == 2  # one program per slot parity, never more
+
+
+def test_the_compiled_step_has_no_conditional_and_no_host_transfer(rng):
+    params = random_params(rng, ml_dtypes.bfloat16)
+    opt = pimhbm.adamw(LR, master_weights=True)
+    state = opt.init(params)
+    grads = random_grads(rng, params)
+
+    def train_step(state, grads):  # the update plus a loss-like use of the parameters
+        state, report = opt.update(grads, state)
+        return state, report, sum(jnp.sum(p.astype(jnp.float32)) for p in jax.tree.leaves(state.params))
+
+    hlo = jax.jit(train_step, donate_argnums=0).lower(state, grads).compile().as_text()
+    assert "pimhbm_adamw" in hlo and "pimhbm_restore" in hlo
+    forbidden = re.findall(r"\b(conditional|send|recv|outfeed|infeed|host_callback|"
+                           r"xla_python_cpu_callback|xla_ffi_python_cpu_callback)\b", hlo)
+    assert forbidden == [], forbidden
+    # The state is updated in place: no copy of any non-empty buffer.
+    copies = [l for l in hlo.splitlines() if re.search(r"= \S+\[[^\]]*\]\S* copy\(", l)
+              and not re.search(r"\[0[,\]]", l)]
+    assert copies == [], copies
+
+
+def test_bad_inputs_raise_clear_errors(rng):
+    params = random_params(rng)
+    opt = pimhbm.adamw(LR)
+    state = opt.init(params)
+    grads = random_grads(rng, params)
+    with pytest.raises(ValueError, match="structure of the parameters"):
+        opt.update({"t0": grads["t0"]}, state)
+    wrong = dict(grads, t1=grads["t1"].astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"gradient \['t1'\] is bfloat16"):
+        opt.update(wrong, state)
+    with pytest.raises(ValueError, match="chunk_elems"):
+        pimhbm.adamw(LR, chunk_elems=100)
+    with pytest.raises(TypeError, match="master weights are for bfloat16"):
+        pimhbm.adamw(LR, master_weights=True).init(params)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        opt.init({"x": jnp.zeros(4, jnp.int32)})
+    with pytest.raises(ValueError, match="does not match"):
+        pimhbm.restore_unless(jnp.int32(0), [jnp.zeros(3)], [jnp.zeros(4)])
+
+
+def test_the_handler_rejects_a_wrong_digest_table():
+    """Called around the Python checks: a clear error from the handler, no crash."""
+    pimhbm.scan(np.zeros(1, np.float32))
+    n = 100
+    f = lambda k: jnp.zeros((k,), jnp.float32)
+    t = lambda k: jnp.zeros((k, 2), jnp.uint32)
+    args = [f(n), f(0), f(n), f(n), f(n), t(7), t(0), t(1), t(1),
+            f(n), f(0), f(n), f(n), t(1), t(0), t(1), t(1), f(3)]
+    outs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[9:17]] + [
+        jax.ShapeDtypeStruct((1,), jnp.int32)] * 2
+    call = jax.ffi.ffi_call("pimhbm_adamw", outs)
+    with pytest.raises(Exception, match=r"digests of the parameters must be a uint32 digest table of shape \(1, 2\)"):
+        jax.block_until_ready(call(*args, chunk_elems=np.int64(16384), b1=np.float32(0.9),
+                                   b2=np.float32(0.999), one_minus_b1=np.float32(0.1),
+                                   one_minus_b2=np.float32(0.001), eps=np.float32(1e-8),
+                                   eps_root=np.float32(0), weight_decay=np.float32(0)))
+
+
+def test_guard_skips_nonfinite_and_damaged_state_bit_exactly(rng):
+    params = random_params(rng)
+    params["t1"] = params["t1"].at[0].set(-0.0)  # -0.0 must survive a skipped step
+    tx = pimhbm.guard(optax.adamw(LR))
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, g):
+        updates, state = tx.update(g, state, params)
+        return optax.apply_updates(params, updates), state
+
+    params, state = step(params, state, random_grads(rng, params))
+    assert bool(state.committed)
+    p0, s0 = bits(params), bits(state.inner)
+    g = random_grads(rng, params)
+    g["t2"] = g["t2"].at[1, 1, 1].set(jnp.nan)
+    params, state = step(params, state, g)
+    assert not bool(state.committed) and int(state.skipped) == 1
+    assert bits(params) == p0 and bits(state.inner) == s0
+    # Damage the wrapped optimizer's first moment: the next update is refused.
+    mu = state.inner[0].mu
+    mu = dict(mu, t0=pimhbm.faults.flip_bit(mu["t0"], 123, 30))
+    inner = (state.inner[0]._replace(mu=mu),) + tuple(state.inner[1:])
+    state = state._replace(inner=inner)
+    p1 = bits(params)
+    params, state = step(params, state, random_grads(rng, params))
+    assert not bool(state.committed) and int(state.skipped) == 2
+    assert bits(params) == p1
+
+
+@requires_gpu
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "bf16_master"])
+def test_gpu_update_equals_cpu_update(rng, kind):
+    dtype = np.float32 if kind == "fp32" else ml_dtypes.bfloat16
+    params = random_params(rng, dtype)
+    opt = pimhbm.adamw(LR, master_weights=kind == "bf16_master", chunk_elems=1024)
+    results = {}
+    for platform in ("cpu", "gpu"):
+        dev = jax.devices(platform)[0]
+        with jax.default_device(dev):
+            state = opt.init(jax.device_put(params, dev))
+            step = make_step(opt)
+            grng = np.random.default_rng(7)
+            for _ in range(5):
+                g = jax.device_put(random_grads(grng, params), dev)
+                state, report = step(g, state, jnp.float32(LR))
+            results[platform] = bits(current_view(state))
+    assert results["cpu"] == results["gpu"]
