@@ -1,8 +1,12 @@
 import os
-import zlib
 import random
+import zlib
 
-import jax
+# Four virtual CPU devices, for the data-parallel tests; set before JAX starts.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=4").strip()
+
+import jax  # noqa: E402
 import numpy as np
 import pytest
 

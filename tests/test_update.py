@@ -309,3 +309,42 @@ def test_gpu_update_equals_cpu_update(rng, kind):
                 state, report = step(g, state, jnp.float32(LR))
             results[platform] = bits(current_view(state))
     assert results["cpu"] == results["gpu"]
+
+
+def test_the_verdict_is_global_across_devices(rng):
+    """State sharded over 4 devices (each device updates its own shard, with its own digests):
+    a NaN in one device's gradient shard makes every device skip."""
+    import functools
+    from jax.sharding import Mesh, PartitionSpec as P
+    if len(jax.devices("cpu")) < 4:
+        pytest.skip("needs 4 CPU devices")
+    mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("dp",))
+    opt = pimhbm.adamw(LR, chunk_elems=64)
+    params = {"w": jnp.asarray(rng.standard_normal((4 * 1000,)).astype(np.float32))}
+    spec = P("dp")
+
+    def state_specs(current):
+        return pimhbm.AdamWState((spec, spec), current, P())
+
+    init = jax.jit(jax.shard_map(opt.init, mesh=mesh, in_specs=spec, out_specs=state_specs(0)))
+    state = init(params)
+
+    def make(current):
+        def local(g, state):
+            state, report = opt.update(g, state, jnp.float32(LR), axis_name="dp")
+            return state, report.committed[None], report.grad_nonfinite[None]
+        return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, state_specs(current)),
+                                     out_specs=(state_specs(1 - current), spec, spec)),
+                       donate_argnums=1)
+
+    steps = {0: make(0), 1: make(1)}
+    g = {"w": jnp.asarray(rng.standard_normal((4000,)).astype(np.float32))}
+    state, committed, bad = steps[state.current](g, state)
+    assert np.asarray(committed).all() and int(state.step) == 1
+    before = bits(current_view(state))
+    g_bad = np.asarray(g["w"]).copy()
+    g_bad[3 * 1000 + int(rng.integers(1000))] = np.nan  # only the last device's shard
+    state, committed, bad = steps[state.current]({"w": jnp.asarray(g_bad)}, state)
+    assert not np.asarray(committed).any(), "every device must skip"
+    assert (np.asarray(bad) == 1).all()
+    assert bits(current_view(state)) == before and int(state.step) == 1

@@ -41,3 +41,7 @@ __all__ += ["AdamW", "AdamWState", "GuardState", "Slot", "UpdateReport", "adamw"
             "restore_unless"]
 
 from pimhbm import faults  # noqa: E402,F401
+
+from pimhbm.gate import healthy_mean, insulate, insulate_tree, probe  # noqa: E402
+
+__all__ += ["healthy_mean", "insulate", "insulate_tree", "probe"]

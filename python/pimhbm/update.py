@@ -49,7 +49,7 @@ class Slot(NamedTuple):
     master: Any  # fp32 master weights, or None
     mu: Any  # fp32
     nu: Any  # fp32
-    digests: Any  # per leaf: dict of uint32 (nchunks, 2) tables, keys p, master, mu, nu
+    digests: Any  # per leaf: dict of uint32 (nchunks, 2) tables: p, mu, nu (and master)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -110,8 +110,8 @@ def _leaf_digests(p, master, mu, nu, chunk_elems) -> dict[str, jax.Array]:
     tables = {"p": scan(p, chunk_elems * p.dtype.itemsize).digests,
               "mu": scan(mu, chunk_elems * 4).digests,
               "nu": scan(nu, chunk_elems * 4).digests}
-    tables["master"] = (scan(master, chunk_elems * 4).digests if master is not None
-                        else jnp.zeros((0, 2), jnp.uint32))
+    if master is not None:
+        tables["master"] = scan(master, chunk_elems * 4).digests
     return tables
 
 
@@ -219,9 +219,8 @@ class AdamW:
             out["digests"][k] for out in outs for k in names]
         restored = iter(restore_unless(commit, sources, dests))
         new = [{k: next(restored) for k in names} for _ in outs]
-        for leaf, out in zip(new, outs):
+        for leaf in new:
             leaf["digests"] = {k: next(restored) for k in names}
-            leaf["digests"].setdefault("master", out["digests"]["master"])
         unflat = lambda xs: jax.tree.unflatten(treedef, xs)
         new_slot = Slot(unflat([l["p"] for l in new]),
                         unflat([l["master"] for l in new]) if read.master is not None else None,
@@ -244,12 +243,14 @@ class AdamW:
     def _leaf_update(self, p, master, mu, nu, g, d, wp, wmaster, wmu, wnu, wd, scalars):
         n = p.size
         nchunks = _num_chunks(n, self.chunk_elems)
-        empty = jnp.zeros((0,), jnp.float32)
         has_master = master is not None
+        # Without master weights their slots in the call are empty placeholders.
+        empty = jnp.zeros((0,), jnp.float32)
+        no_table = jnp.zeros((0, 2), jnp.uint32)
         args = [p, master if has_master else empty, mu, nu, g,
-                d["p"], d["master"], d["mu"], d["nu"],
+                d["p"], d["master"] if has_master else no_table, d["mu"], d["nu"],
                 wp, wmaster if has_master else empty, wmu, wnu,
-                wd["p"], wd["master"], wd["mu"], wd["nu"],
+                wd["p"], wd["master"] if has_master else no_table, wd["mu"], wd["nu"],
                 scalars]
         out_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[9:17]] + [
             jax.ShapeDtypeStruct((nchunks,), jnp.int32),
