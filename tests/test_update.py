@@ -41,13 +41,14 @@ _scalars = jax.jit(lambda count: pimhbm.update._step_scalars(LR, count, 0.9, 0.9
 
 
 def numpy_adamw(g, w, m, v, count, lr=LR, b1=0.9, b2=0.999, eps=1e-8, wd=1e-4):
-    """optax.adamw's formulas in NumPy float32, one IEEE-rounded operation at a time."""
+    """optax.adamw's formulas in NumPy float32, one IEEE-rounded operation at a time; the bias
+    corrections applied as products with their reciprocals, as the fused update does."""
     f = np.float32
     with np.errstate(all="ignore"):
         m = f(1 - b1) * g + f(b1) * m
         v = f(1 - b2) * (g * g) + f(b2) * v
         _, bc1, bc2 = np.asarray(_scalars(jnp.int32(count)))  # 1 - b^t by XLA, as in a step
-        u = (m / bc1) / (np.sqrt(v / bc2 + f(0)) + f(eps))
+        u = (m * (f(1) / bc1)) / (np.sqrt(v * (f(1) / bc2) + f(0)) + f(eps))
         u = u + f(wd) * w
         w = w + f(-lr) * u
     return w, m, v

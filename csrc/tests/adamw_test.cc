@@ -20,11 +20,13 @@ using ::pimhbm::testing::rng_for_test;
 using testing::HostLeaf;
 using testing::kHyper;
 
-// optax.adamw restated with plain float operations (no fused multiply-add on this target).
+// optax.adamw restated with plain float operations (no fused multiply-add on this target),
+// bias corrections applied as products with their reciprocals (adamw_math.h says why).
 void optax_step(float g, float& w, float& m, float& v, const float* s) {
   m = 0.1f * g + 0.9f * m;
   v = 0.001f * (g * g) + 0.999f * v;
-  const float m_hat = m / s[1], v_hat = v / s[2];
+  const float inv_bc1 = 1.0f / s[1], inv_bc2 = 1.0f / s[2];
+  const float m_hat = m * inv_bc1, v_hat = v * inv_bc2;
   float u = m_hat / (std::sqrt(v_hat + 0.0f) + 1e-8f);
   u = u + 1e-4f * w;
   w = w + (-s[0]) * u;

@@ -61,13 +61,19 @@ struct AdamWLeaf {
 int64_t leaf_chunks(const AdamWLeaf& leaf);
 
 // CPU reference: plain loops, digests through scan::chunk_digest.
-// `step` holds lr, bc1, bc2 (host memory).
+// `step` holds lr, 1 - b1^t, 1 - b2^t (host memory).
 void adamw_cpu(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step);
 
 #if defined(PIMHBM_WITH_CUDA)
+// How the kernel is run: groups of four elements each thread loads before computing them
+// (1 or 2; 0 = the default, 1). Results are the same bit for bit; the benchmark compares.
+struct AdamWLaunch {
+  int groups_in_flight = 0;
+};
+
 // The fused kernel; `step` points to lr, bc1, bc2 in device memory (no host sync).
 cudaError_t adamw_cuda(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step,
-                       cudaStream_t stream);
+                       cudaStream_t stream, AdamWLaunch options = {});
 #endif
 
 }  // namespace pimhbm::update

@@ -53,7 +53,7 @@ void store_param(const AdamWLeaf& leaf, void* p, int64_t i, float w) {
 }  // namespace
 
 void adamw_cpu(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step) {
-  const AdamWStep s{step[0], step[1], step[2]};
+  const AdamWStep s = adamw_step(step);
   const int psize = leaf.param_bf16 ? 2 : 4;
   const int64_t nchunks = leaf_chunks(leaf);
   for (int64_t c = 0; c < nchunks; ++c) {

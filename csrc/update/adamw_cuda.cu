@@ -18,6 +18,7 @@ namespace pimhbm::update {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kDefaultInFlight = 1;
 
 struct Group {    // four elements of every tensor, as raw words
   uint32_t p[4];  // fp32 bits, or bf16 bits in the low half
@@ -104,13 +105,12 @@ __device__ __forceinline__ void load_group(const AdamWLeaf& L, int64_t e, int li
   }
 }
 
+// Checks, updates, stores and digests group `gi` (already loaded into x).
 template <bool kBF16, bool kMaster, bool kFull>
 __device__ __forceinline__ void process_group(const AdamWLeaf& L, const AdamWHyper& h,
                                               const AdamWStep& s, int64_t first, int64_t gi,
-                                              int live, uint64_t key0, Sums& sum) {
+                                              int live, uint64_t key0, Group& x, Sums& sum) {
   const int64_t e = first + 4 * gi;
-  Group x;
-  load_group<kBF16, kMaster, kFull>(L, e, live, x);
 
   // Old digests. fp32 tensors: units 2gi, 2gi+1; bf16 tensors: unit gi.
   const uint64_t key32 = key0 + static_cast<uint64_t>(2 * gi) * kUnitStride;
@@ -230,11 +230,13 @@ __device__ __forceinline__ void table_write(uint32_t* t, int64_t c, uint64_t d) 
   t[2 * c + 1] = digest_hi(d);
 }
 
-template <bool kBF16, bool kMaster>
+// kInFlight: groups whose loads a thread issues before it computes the first of them (more
+// bytes in flight per thread, more registers).
+template <bool kBF16, bool kMaster, int kInFlight>
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel(const AdamWLeaf L, const AdamWHyper h, const float* __restrict__ step,
                  int64_t nchunks) {
-  const AdamWStep s{step[0], step[1], step[2]};
+  const AdamWStep s = adamw_step(step);
   constexpr int psize = kBF16 ? 2 : 4;
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const int64_t first = c * L.chunk_elems;
@@ -243,12 +245,29 @@ __global__ void __launch_bounds__(kThreads)
     const int rem = static_cast<int>(count & 3);
     const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
     Sums sum;
-    for (int64_t gi = threadIdx.x; gi < full_groups; gi += blockDim.x) {
-      process_group<kBF16, kMaster, true>(L, h, s, first, gi, 4, key0, sum);
+    const int64_t bd = blockDim.x;
+    int64_t gi = threadIdx.x;
+    for (; gi + (kInFlight - 1) * bd < full_groups; gi += kInFlight * bd) {
+      Group x[kInFlight];
+#pragma unroll
+      for (int k = 0; k < kInFlight; ++k) {
+        load_group<kBF16, kMaster, true>(L, first + 4 * (gi + k * bd), 4, x[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < kInFlight; ++k) {
+        process_group<kBF16, kMaster, true>(L, h, s, first, gi + k * bd, 4, key0, x[k], sum);
+      }
+    }
+    for (; gi < full_groups; gi += bd) {  // what is left: fewer than kInFlight groups
+      Group x;
+      load_group<kBF16, kMaster, true>(L, first + 4 * gi, 4, x);
+      process_group<kBF16, kMaster, true>(L, h, s, first, gi, 4, key0, x, sum);
     }
     if (rem != 0) {  // block-uniform: only a tensor's last chunk can be ragged
       const int live = threadIdx.x == 0 ? rem : 0;
-      process_group<kBF16, kMaster, false>(L, h, s, first, full_groups, live, key0, sum);
+      Group x;
+      load_group<kBF16, kMaster, false>(L, first + 4 * full_groups, live, x);
+      process_group<kBF16, kMaster, false>(L, h, s, first, full_groups, live, key0, x, sum);
     }
     const Sums t = block_sum(sum);
     if (threadIdx.x == 0) {
@@ -272,19 +291,30 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <int kInFlight>
+void launch(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step, int64_t nchunks,
+            cudaStream_t stream) {
+  const int blocks = static_cast<int>(std::min<int64_t>(nchunks, 0x7FFFFFFF));
+  if (leaf.param_bf16 && leaf.has_master) {
+    adamw_kernel<true, true, kInFlight><<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
+  } else if (leaf.param_bf16) {
+    adamw_kernel<true, false, kInFlight><<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
+  } else {
+    adamw_kernel<false, false, kInFlight><<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
+  }
+}
+
 }  // namespace
 
 cudaError_t adamw_cuda(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, AdamWLaunch options) {
   const int64_t nchunks = leaf_chunks(leaf);
   if (nchunks == 0) return cudaSuccess;
-  const int blocks = static_cast<int>(std::min<int64_t>(nchunks, 0x7FFFFFFF));
-  if (leaf.param_bf16 && leaf.has_master) {
-    adamw_kernel<true, true><<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
-  } else if (leaf.param_bf16) {
-    adamw_kernel<true, false><<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
-  } else {
-    adamw_kernel<false, false><<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
+  switch (options.groups_in_flight) {
+    case 0: launch<kDefaultInFlight>(leaf, hyper, step, nchunks, stream); break;
+    case 1: launch<1>(leaf, hyper, step, nchunks, stream); break;
+    case 2: launch<2>(leaf, hyper, step, nchunks, stream); break;
+    default: return cudaErrorInvalidValue;
   }
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
   return cudaSuccess;
