@@ -1,9 +1,20 @@
 // The one compiled Python module, pimhbm._core: hands the FFI handlers to JAX.
 // Every op has one target name for both platforms (cpu and CUDA).
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+
+#include "backup/shm_region.h"
+#include "backup/snapshot.h"
 
 #include "pimhbm/digest.h"
 #include "scan/scan_ffi.h"
+#include "faults/inject_ffi.h"
+#include "repair/repair_ffi.h"
 #include "update/update_ffi.h"
 
 namespace nb = nanobind;
@@ -21,6 +32,10 @@ nb::dict registrations() {
   cpu["pimhbm_verify"] = capsule(PimhbmVerifyCpu);
   cpu["pimhbm_adamw"] = capsule(PimhbmAdamWCpu);
   cpu["pimhbm_restore"] = capsule(PimhbmRestoreCpu);
+  cpu["pimhbm_repair"] = capsule(PimhbmRepairCpu);
+  cpu["pimhbm_restore_clean"] = capsule(PimhbmRestoreCleanCpu);
+  cpu["pimhbm_inject"] = capsule(PimhbmInjectCpu);
+  cpu["pimhbm_snapshot"] = capsule(PimhbmSnapshotCpu);
   nb::dict out;
   out["cpu"] = cpu;
 #if defined(PIMHBM_WITH_CUDA)
@@ -29,9 +44,54 @@ nb::dict registrations() {
   cuda["pimhbm_verify"] = capsule(PimhbmVerifyCuda);
   cuda["pimhbm_adamw"] = capsule(PimhbmAdamWCuda);
   cuda["pimhbm_restore"] = capsule(PimhbmRestoreCuda);
+  cuda["pimhbm_repair"] = capsule(PimhbmRepairCuda);
+  cuda["pimhbm_restore_clean"] = capsule(PimhbmRestoreCleanCuda);
+  cuda["pimhbm_inject"] = capsule(PimhbmInjectCuda);
+  cuda["pimhbm_snapshot"] = capsule(PimhbmSnapshotCuda);
   out["CUDA"] = cuda;
 #endif
   return out;
+}
+
+using pimhbm::backup::ShmRegion;
+
+nb::dlpack::dtype parse_dtype(const std::string& name) {
+  using nb::dlpack::dtype_code;
+  const auto make = [](dtype_code code, int bits) {
+    return nb::dlpack::dtype{static_cast<uint8_t>(code), static_cast<uint8_t>(bits), 1};
+  };
+  if (name == "float32") return make(dtype_code::Float, 32);
+  if (name == "float16") return make(dtype_code::Float, 16);
+  if (name == "float64") return make(dtype_code::Float, 64);
+  if (name == "bfloat16") return make(dtype_code::Bfloat, 16);
+  if (name == "uint8") return make(dtype_code::UInt, 8);
+  if (name == "uint16") return make(dtype_code::UInt, 16);
+  if (name == "uint32") return make(dtype_code::UInt, 32);
+  if (name == "uint64") return make(dtype_code::UInt, 64);
+  if (name == "int8") return make(dtype_code::Int, 8);
+  if (name == "int32") return make(dtype_code::Int, 32);
+  if (name == "int64") return make(dtype_code::Int, 64);
+  throw std::invalid_argument("unsupported dtype for a region view: " + name);
+}
+
+// A view of `shape` elements of `dtype` at `offset` bytes into the region; the view keeps the
+// region mapped for as long as it lives.
+template <typename... Framework>
+nb::ndarray<Framework...> region_view(std::shared_ptr<ShmRegion> region, int64_t offset,
+                                   std::vector<size_t> shape, const std::string& dtype) {
+  const nb::dlpack::dtype dt = parse_dtype(dtype);
+  int64_t count = 1;
+  for (size_t d : shape) count *= static_cast<int64_t>(d);
+  const int64_t bytes = count * dt.bits / 8;
+  if (offset < 0 || offset + bytes > region->nbytes()) {
+    throw std::out_of_range("view of " + std::to_string(bytes) + " bytes at offset " +
+                            std::to_string(offset) + " is outside the region of " +
+                            std::to_string(region->nbytes()) + " bytes");
+  }
+  auto* keep = new std::shared_ptr<ShmRegion>(region);
+  nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<std::shared_ptr<ShmRegion>*>(p); });
+  return nb::ndarray<Framework...>(region->data() + offset, shape.size(), shape.data(), owner,
+                                nullptr, dt, nb::device::cpu::value, 0);
 }
 
 }  // namespace
@@ -46,5 +106,25 @@ NB_MODULE(_core, m) {
   m.attr("with_cuda") = false;
 #endif
   m.attr("default_chunk_bytes") = pimhbm::kDefaultChunkBytes;
+
+  nb::class_<ShmRegion>(m, "ShmRegion",
+                        "A named POSIX shared-memory region, owned by C++; outlives the process.")
+      .def_static("create", &ShmRegion::create, nb::arg("name"), nb::arg("nbytes"),
+                  "Creates (or resizes) the region /name.")
+      .def_static("open", &ShmRegion::open, nb::arg("name"), "Maps the existing region /name.")
+      .def_static("unlink", &ShmRegion::unlink, nb::arg("name"), "Removes the region's name.")
+      .def_prop_ro("address", [](const ShmRegion& r) { return reinterpret_cast<uintptr_t>(r.data()); })
+      .def_prop_ro("nbytes", &ShmRegion::nbytes)
+      .def_prop_ro("name", &ShmRegion::name)
+      .def("pin", &ShmRegion::pin, "Page-locks the region for fast device-to-host copies.")
+      .def_prop_ro("pinned", &ShmRegion::pinned)
+      .def("numpy", &region_view<nb::numpy>, nb::arg("offset"), nb::arg("shape"),
+           nb::arg("dtype"), "A NumPy view of region memory (no copy).")
+      .def("jax", &region_view<nb::jax>, nb::arg("offset"), nb::arg("shape"), nb::arg("dtype"),
+           "A JAX array on the CPU over region memory, through DLPack (no copy).");
+  m.def("snapshot_wait", &pimhbm::backup::snapshot_wait,
+        "Blocks until every snapshot copy issued so far is done.");
+  m.def("snapshot_pending", &pimhbm::backup::snapshot_pending,
+        "Whether a snapshot copy is still running.");
   m.attr("chunk_align") = pimhbm::kChunkAlign;
 }

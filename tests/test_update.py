@@ -251,8 +251,9 @@ def test_the_handler_rejects_a_wrong_digest_table():
     f = lambda k: jnp.zeros((k,), jnp.float32)
     t = lambda k: jnp.zeros((k, 2), jnp.uint32)
     args = [f(n), f(0), f(n), f(n), f(n), t(7), t(0), t(1), t(1),
-            f(n), f(0), f(n), f(n), t(1), t(0), t(1), t(1), f(3)]
-    outs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[9:17]] + [
+            f(n), f(0), f(n), f(n), t(1), t(0), t(1), t(1),
+            f(0), f(0), f(0), f(0), t(0), t(0), t(0), t(0), f(3)]
+    outs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[9:25]] + [
         jax.ShapeDtypeStruct((1,), jnp.int32)] * 2
     call = jax.ffi.ffi_call("pimhbm_adamw", outs)
     with pytest.raises(Exception, match=r"digests of the parameters must be a uint32 digest table of shape \(1, 2\)"):

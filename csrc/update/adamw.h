@@ -6,6 +6,11 @@
 // digest tables -- into the other copy of the state (the write side). Nothing is written to
 // the read side, so a step that must not commit leaves it bit-identical: the caller decides
 // commit or skip after every tensor is done (restore.h), on the device.
+//
+// Optionally it also writes the new state into a device copy (the mirror, a backup for
+// chunk-level repair) -- but only for chunks whose read side verified, so that a damaged
+// chunk never overwrites its last good copy. (On the GPU this needs the chunk's verdict before
+// its first write: the kernel reads the chunk twice, the second time from L2.)
 #pragma once
 
 #include <cstdint>
@@ -52,6 +57,18 @@ struct AdamWLeaf {
   uint32_t* dn_master = nullptr;
   uint32_t* dn_mu = nullptr;
   uint32_t* dn_nu = nullptr;
+
+  // optional mirror (the device copy): written with the write side, chunk by chunk, only
+  // where every tensor of the chunk verified
+  bool has_mirror = false;
+  void* p_mirror = nullptr;
+  float* master_mirror = nullptr;
+  float* mu_mirror = nullptr;
+  float* nu_mirror = nullptr;
+  uint32_t* dm_p = nullptr;
+  uint32_t* dm_master = nullptr;
+  uint32_t* dm_mu = nullptr;
+  uint32_t* dm_nu = nullptr;
 
   // per-chunk reports
   int32_t* faults = nullptr;          // FaultBits

@@ -105,14 +105,10 @@ __device__ __forceinline__ void load_group(const AdamWLeaf& L, int64_t e, int li
   }
 }
 
-// Checks, updates, stores and digests group `gi` (already loaded into x).
+// Digest terms of the state of group `gi` as it was read (the old digests).
 template <bool kBF16, bool kMaster, bool kFull>
-__device__ __forceinline__ void process_group(const AdamWLeaf& L, const AdamWHyper& h,
-                                              const AdamWStep& s, int64_t first, int64_t gi,
-                                              int live, uint64_t key0, Group& x, Sums& sum) {
-  const int64_t e = first + 4 * gi;
-
-  // Old digests. fp32 tensors: units 2gi, 2gi+1; bf16 tensors: unit gi.
+__device__ __forceinline__ void old_terms(const Group& x, int64_t gi, int live, uint64_t key0,
+                                          Sums& sum) {
   const uint64_t key32 = key0 + static_cast<uint64_t>(2 * gi) * kUnitStride;
   const uint64_t key16 = key0 + static_cast<uint64_t>(gi) * kUnitStride;
   const int units32 = kFull ? 2 : (live + 1) / 2;
@@ -130,6 +126,54 @@ __device__ __forceinline__ void process_group(const AdamWLeaf& L, const AdamWHyp
     for (int k = 0; k < 4; ++k) w[k] = __float_as_uint(x.master[k]);
     sum.old_master += terms_f32(w, key32, units32);
   }
+}
+
+// Stores four new values of every tensor (all of them, or the first `live`).
+template <bool kBF16, bool kMaster, bool kFull>
+__device__ __forceinline__ void store_group(void* p_dst, float* master_dst, float* mu_dst,
+                                            float* nu_dst, int64_t e, int live,
+                                            const uint32_t (&p_new)[4], const Group& x) {
+  if constexpr (kFull) {
+    if constexpr (kBF16) {
+      *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p_dst) + e) =
+          make_uint2(p_new[0] | p_new[1] << 16, p_new[2] | p_new[3] << 16);
+    } else {
+      *reinterpret_cast<uint4*>(static_cast<float*>(p_dst) + e) =
+          make_uint4(p_new[0], p_new[1], p_new[2], p_new[3]);
+    }
+    *reinterpret_cast<float4*>(mu_dst + e) = make_float4(x.mu[0], x.mu[1], x.mu[2], x.mu[3]);
+    *reinterpret_cast<float4*>(nu_dst + e) = make_float4(x.nu[0], x.nu[1], x.nu[2], x.nu[3]);
+    if constexpr (kMaster) {
+      *reinterpret_cast<float4*>(master_dst + e) =
+          make_float4(x.master[0], x.master[1], x.master[2], x.master[3]);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (k < live) {
+        if constexpr (kBF16) {
+          static_cast<uint16_t*>(p_dst)[e + k] = static_cast<uint16_t>(p_new[k]);
+        } else {
+          static_cast<uint32_t*>(p_dst)[e + k] = p_new[k];
+        }
+        mu_dst[e + k] = x.mu[k];
+        nu_dst[e + k] = x.nu[k];
+        if constexpr (kMaster) master_dst[e + k] = x.master[k];
+      }
+    }
+  }
+}
+
+// Updates group `gi` (already loaded into x), stores it to the write side (and to the mirror
+// when `to_mirror`, a block-uniform flag) and adds its new digest terms -- and its old ones
+// too when kOld (single-pass kernel).
+template <bool kBF16, bool kMaster, bool kFull, bool kOld>
+__device__ __forceinline__ void process_group(const AdamWLeaf& L, const AdamWHyper& h,
+                                              const AdamWStep& s, int64_t first, int64_t gi,
+                                              int live, uint64_t key0, Group& x, Sums& sum,
+                                              bool to_mirror) {
+  const int64_t e = first + 4 * gi;
+  if constexpr (kOld) old_terms<kBF16, kMaster, kFull>(x, gi, live, key0, sum);
 
   // Update; missing elements (ragged end) become zero bits and are not stored.
   uint32_t p_new[4];
@@ -145,39 +189,19 @@ __device__ __forceinline__ void process_group(const AdamWLeaf& L, const AdamWHyp
     x.nu[k] = on ? x.nu[k] : 0.0f;
     p_new[k] = on ? (kBF16 ? float_to_bf16(wt) : __float_as_uint(wt)) : 0u;
   }
-
-  // Stores.
-  if constexpr (kFull) {
-    if constexpr (kBF16) {
-      *reinterpret_cast<uint2*>(static_cast<uint16_t*>(L.p_out) + e) =
-          make_uint2(p_new[0] | p_new[1] << 16, p_new[2] | p_new[3] << 16);
-    } else {
-      *reinterpret_cast<uint4*>(static_cast<float*>(L.p_out) + e) =
-          make_uint4(p_new[0], p_new[1], p_new[2], p_new[3]);
-    }
-    *reinterpret_cast<float4*>(L.mu_out + e) = make_float4(x.mu[0], x.mu[1], x.mu[2], x.mu[3]);
-    *reinterpret_cast<float4*>(L.nu_out + e) = make_float4(x.nu[0], x.nu[1], x.nu[2], x.nu[3]);
-    if constexpr (kMaster) {
-      *reinterpret_cast<float4*>(L.master_out + e) =
-          make_float4(x.master[0], x.master[1], x.master[2], x.master[3]);
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (k < live) {
-        if constexpr (kBF16) {
-          static_cast<uint16_t*>(L.p_out)[e + k] = static_cast<uint16_t>(p_new[k]);
-        } else {
-          static_cast<uint32_t*>(L.p_out)[e + k] = p_new[k];
-        }
-        L.mu_out[e + k] = x.mu[k];
-        L.nu_out[e + k] = x.nu[k];
-        if constexpr (kMaster) L.master_out[e + k] = x.master[k];
-      }
-    }
+  store_group<kBF16, kMaster, kFull>(L.p_out, L.master_out, L.mu_out, L.nu_out, e, live, p_new,
+                                     x);
+  if (to_mirror) {
+    store_group<kBF16, kMaster, kFull>(L.p_mirror, L.master_mirror, L.mu_mirror, L.nu_mirror, e,
+                                       live, p_new, x);
   }
 
   // New digests.
+  const uint64_t key32 = key0 + static_cast<uint64_t>(2 * gi) * kUnitStride;
+  const uint64_t key16 = key0 + static_cast<uint64_t>(gi) * kUnitStride;
+  const int units32 = kFull ? 2 : (live + 1) / 2;
+  const int units16 = kFull ? 1 : (live > 0 ? 1 : 0);
+  uint32_t w[4];
   sum.new_p += kBF16 ? terms_bf16(p_new, key16, units16) : terms_f32(p_new, key32, units32);
 #pragma unroll
   for (int k = 0; k < 4; ++k) w[k] = __float_as_uint(x.mu[k]);
@@ -207,18 +231,16 @@ __device__ __forceinline__ void warp_sum(Sums& s) {
   }
 }
 
-// Sums over the block; valid in thread 0.
+// Sums over the block, returned to every thread (the mirror decision is block-uniform).
 __device__ __forceinline__ Sums block_sum(Sums s) {
   __shared__ Sums shared[kThreads / 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   warp_sum(s);
   if (lane == 0) shared[warp] = s;
   __syncthreads();
-  if (warp == 0) {
-    s = lane < static_cast<int>(blockDim.x >> 5) ? shared[lane] : Sums{};
-    warp_sum(s);
-  }
-  __syncthreads();  // `shared` is reused by the next chunk
+  s = lane < static_cast<int>(blockDim.x >> 5) ? shared[lane] : Sums{};
+  warp_sum(s);
+  __syncthreads();  // `shared` is reused by the next reduction
   return s;
 }
 
@@ -230,22 +252,61 @@ __device__ __forceinline__ void table_write(uint32_t* t, int64_t c, uint64_t d) 
   t[2 * c + 1] = digest_hi(d);
 }
 
+// Which state tensors of chunk c failed their digest check, from the old digest sums.
+template <bool kMaster>
+__device__ __forceinline__ int32_t chunk_faults(const AdamWLeaf& L, int64_t c, int64_t count,
+                                                int psize, const Sums& t) {
+  const auto len = [&](int size) { return static_cast<uint64_t>(count * size); };
+  const uint64_t cc = static_cast<uint64_t>(c);
+  int32_t faults = 0;
+  faults |= table_matches(L.d_p, c, finalize(t.old_p, len(psize), cc)) ? 0 : kFaultParam;
+  faults |= table_matches(L.d_mu, c, finalize(t.old_mu, len(4), cc)) ? 0 : kFaultMu;
+  faults |= table_matches(L.d_nu, c, finalize(t.old_nu, len(4), cc)) ? 0 : kFaultNu;
+  if constexpr (kMaster) {
+    faults |= table_matches(L.d_master, c, finalize(t.old_master, len(4), cc)) ? 0 : kFaultMaster;
+  }
+  return faults;
+}
+
 // kInFlight: groups whose loads a thread issues before it computes the first of them (more
 // bytes in flight per thread, more registers).
-template <bool kBF16, bool kMaster, int kInFlight>
+// kMirror: also write the device copy, chunk by chunk where the chunk verified. The chunk's
+// verdict must be known before its first write, so the kernel first reads the chunk's state
+// to check its digests (phase A) and then reads it again -- from L2, a chunk is 48-64 KiB --
+// to update it (phase B).
+template <bool kBF16, bool kMaster, int kInFlight, bool kMirror>
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel(const AdamWLeaf L, const AdamWHyper h, const float* __restrict__ step,
                  int64_t nchunks) {
   const AdamWStep s = adamw_step(step);
   constexpr int psize = kBF16 ? 2 : 4;
+  const int64_t bd = blockDim.x;
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const int64_t first = c * L.chunk_elems;
     const int64_t count = min(L.chunk_elems, L.n - first);
     const int64_t full_groups = count >> 2;
     const int rem = static_cast<int>(count & 3);
     const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
+    const int tail_live = threadIdx.x == 0 ? rem : 0;
+
+    Sums old;
+    bool to_mirror = false;
+    if constexpr (kMirror) {  // phase A: the chunk's verdict
+      for (int64_t gi = threadIdx.x; gi < full_groups; gi += bd) {
+        Group x;
+        load_group<kBF16, kMaster, true>(L, first + 4 * gi, 4, x);
+        old_terms<kBF16, kMaster, true>(x, gi, 4, key0, old);
+      }
+      if (rem != 0) {  // block-uniform
+        Group x;
+        load_group<kBF16, kMaster, false>(L, first + 4 * full_groups, tail_live, x);
+        old_terms<kBF16, kMaster, false>(x, full_groups, tail_live, key0, old);
+      }
+      old = block_sum(old);
+      to_mirror = chunk_faults<kMaster>(L, c, count, psize, old) == 0;  // same in every thread
+    }
+
     Sums sum;
-    const int64_t bd = blockDim.x;
     int64_t gi = threadIdx.x;
     for (; gi + (kInFlight - 1) * bd < full_groups; gi += kInFlight * bd) {
       Group x[kInFlight];
@@ -255,35 +316,42 @@ __global__ void __launch_bounds__(kThreads)
       }
 #pragma unroll
       for (int k = 0; k < kInFlight; ++k) {
-        process_group<kBF16, kMaster, true>(L, h, s, first, gi + k * bd, 4, key0, x[k], sum);
+        process_group<kBF16, kMaster, true, !kMirror>(L, h, s, first, gi + k * bd, 4, key0, x[k],
+                                                       sum, to_mirror);
       }
     }
     for (; gi < full_groups; gi += bd) {  // what is left: fewer than kInFlight groups
       Group x;
       load_group<kBF16, kMaster, true>(L, first + 4 * gi, 4, x);
-      process_group<kBF16, kMaster, true>(L, h, s, first, gi, 4, key0, x, sum);
+      process_group<kBF16, kMaster, true, !kMirror>(L, h, s, first, gi, 4, key0, x, sum,
+                                                     to_mirror);
     }
     if (rem != 0) {  // block-uniform: only a tensor's last chunk can be ragged
-      const int live = threadIdx.x == 0 ? rem : 0;
       Group x;
-      load_group<kBF16, kMaster, false>(L, first + 4 * full_groups, live, x);
-      process_group<kBF16, kMaster, false>(L, h, s, first, full_groups, live, key0, x, sum);
+      load_group<kBF16, kMaster, false>(L, first + 4 * full_groups, tail_live, x);
+      process_group<kBF16, kMaster, false, !kMirror>(L, h, s, first, full_groups, tail_live,
+                                                      key0, x, sum, to_mirror);
     }
     const Sums t = block_sum(sum);
     if (threadIdx.x == 0) {
       const auto len = [&](int size) { return static_cast<uint64_t>(count * size); };
       const uint64_t cc = static_cast<uint64_t>(c);
-      int32_t faults = 0;
-      faults |= table_matches(L.d_p, c, finalize(t.old_p, len(psize), cc)) ? 0 : kFaultParam;
-      faults |= table_matches(L.d_mu, c, finalize(t.old_mu, len(4), cc)) ? 0 : kFaultMu;
-      faults |= table_matches(L.d_nu, c, finalize(t.old_nu, len(4), cc)) ? 0 : kFaultNu;
-      table_write(L.dn_p, c, finalize(t.new_p, len(psize), cc));
-      table_write(L.dn_mu, c, finalize(t.new_mu, len(4), cc));
-      table_write(L.dn_nu, c, finalize(t.new_nu, len(4), cc));
+      const int32_t faults = chunk_faults<kMaster>(L, c, count, psize, kMirror ? old : t);
+      const uint64_t dp = finalize(t.new_p, len(psize), cc);
+      const uint64_t dmu = finalize(t.new_mu, len(4), cc);
+      const uint64_t dnu = finalize(t.new_nu, len(4), cc);
+      table_write(L.dn_p, c, dp);
+      table_write(L.dn_mu, c, dmu);
+      table_write(L.dn_nu, c, dnu);
+      if (to_mirror) {
+        table_write(L.dm_p, c, dp);
+        table_write(L.dm_mu, c, dmu);
+        table_write(L.dm_nu, c, dnu);
+      }
       if constexpr (kMaster) {
-        faults |= table_matches(L.d_master, c, finalize(t.old_master, len(4), cc)) ? 0
-                                                                                   : kFaultMaster;
-        table_write(L.dn_master, c, finalize(t.new_master, len(4), cc));
+        const uint64_t dw = finalize(t.new_master, len(4), cc);
+        table_write(L.dn_master, c, dw);
+        if (to_mirror) table_write(L.dm_master, c, dw);
       }
       L.faults[c] = faults;
       L.grad_nonfinite[c] = static_cast<int32_t>(t.bad);
@@ -291,17 +359,32 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <int kInFlight>
+template <int kInFlight, bool kMirror>
 void launch(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step, int64_t nchunks,
             cudaStream_t stream) {
   const int blocks = static_cast<int>(std::min<int64_t>(nchunks, 0x7FFFFFFF));
   if (leaf.param_bf16 && leaf.has_master) {
-    adamw_kernel<true, true, kInFlight><<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
+    adamw_kernel<true, true, kInFlight, kMirror>
+        <<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
   } else if (leaf.param_bf16) {
-    adamw_kernel<true, false, kInFlight><<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
+    adamw_kernel<true, false, kInFlight, kMirror>
+        <<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
   } else {
-    adamw_kernel<false, false, kInFlight><<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
+    adamw_kernel<false, false, kInFlight, kMirror>
+        <<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
   }
+}
+
+template <bool kMirror>
+cudaError_t launch_in_flight(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step,
+                             int64_t nchunks, cudaStream_t stream, int in_flight) {
+  switch (in_flight) {
+    case 0: launch<kDefaultInFlight, kMirror>(leaf, hyper, step, nchunks, stream); break;
+    case 1: launch<1, kMirror>(leaf, hyper, step, nchunks, stream); break;
+    case 2: launch<2, kMirror>(leaf, hyper, step, nchunks, stream); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -310,12 +393,10 @@ cudaError_t adamw_cuda(const AdamWLeaf& leaf, const AdamWHyper& hyper, const flo
                        cudaStream_t stream, AdamWLaunch options) {
   const int64_t nchunks = leaf_chunks(leaf);
   if (nchunks == 0) return cudaSuccess;
-  switch (options.groups_in_flight) {
-    case 0: launch<kDefaultInFlight>(leaf, hyper, step, nchunks, stream); break;
-    case 1: launch<1>(leaf, hyper, step, nchunks, stream); break;
-    case 2: launch<2>(leaf, hyper, step, nchunks, stream); break;
-    default: return cudaErrorInvalidValue;
-  }
+  PIMHBM_CUDA_RETURN_IF_ERROR(
+      leaf.has_mirror
+          ? launch_in_flight<true>(leaf, hyper, step, nchunks, stream, options.groups_in_flight)
+          : launch_in_flight<false>(leaf, hyper, step, nchunks, stream, options.groups_in_flight));
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
   return cudaSuccess;
 }

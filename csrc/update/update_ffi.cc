@@ -38,6 +38,9 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
     ffi::DataType dtype;
     int64_t count;
   };
+  const bool has_mirror = b.p_m->element_count() != 0 && n != 0;
+  const int64_t nr = has_mirror ? n : 0, nrm = has_mirror ? nm : 0;
+  const int64_t nchunks_r = has_mirror ? nchunks : 0, nchunks_rm = has_mirror ? nchunks_m : 0;
   const Check checks[] = {
       {"gradient", b.g, pt, n},
       {"master", b.master, ffi::DataType::F32, nm},
@@ -48,6 +51,10 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
       {"new master", *b.master_out, ffi::DataType::F32, nm},
       {"new mu", *b.mu_out, ffi::DataType::F32, n},
       {"new nu", *b.nu_out, ffi::DataType::F32, n},
+      {"mirror parameters", *b.p_m, pt, nr},
+      {"mirror master", *b.master_m, ffi::DataType::F32, nrm},
+      {"mirror mu", *b.mu_m, ffi::DataType::F32, nr},
+      {"mirror nu", *b.nu_m, ffi::DataType::F32, nr},
       {"fault map", *b.faults, ffi::DataType::S32, nchunks},
       {"gradient non-finite map", *b.grad_nonfinite, ffi::DataType::S32, nchunks},
   };
@@ -67,7 +74,11 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
                 {"new digests of the parameters", *b.dn_p, nchunks},
                 {"new digests of the master weights", *b.dn_master, nchunks_m},
                 {"new digests of mu", *b.dn_mu, nchunks},
-                {"new digests of nu", *b.dn_nu, nchunks}};
+                {"new digests of nu", *b.dn_nu, nchunks},
+                {"mirror digests of the parameters", *b.dm_p, nchunks_r},
+                {"mirror digests of the master weights", *b.dm_master, nchunks_rm},
+                {"mirror digests of mu", *b.dm_mu, nchunks_r},
+                {"mirror digests of nu", *b.dm_nu, nchunks_r}};
   for (const auto& t : tables) {
     if (auto err = check_digest_table(kAdamW, t.name, t.buf, t.chunks); err.failure()) return err;
   }
@@ -94,6 +105,15 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
   L.dn_master = static_cast<uint32_t*>(b.dn_master->untyped_data());
   L.dn_mu = static_cast<uint32_t*>(b.dn_mu->untyped_data());
   L.dn_nu = static_cast<uint32_t*>(b.dn_nu->untyped_data());
+  L.has_mirror = has_mirror;
+  L.p_mirror = b.p_m->untyped_data();
+  L.master_mirror = static_cast<float*>(b.master_m->untyped_data());
+  L.mu_mirror = static_cast<float*>(b.mu_m->untyped_data());
+  L.nu_mirror = static_cast<float*>(b.nu_m->untyped_data());
+  L.dm_p = static_cast<uint32_t*>(b.dm_p->untyped_data());
+  L.dm_master = static_cast<uint32_t*>(b.dm_master->untyped_data());
+  L.dm_mu = static_cast<uint32_t*>(b.dm_mu->untyped_data());
+  L.dm_nu = static_cast<uint32_t*>(b.dm_nu->untyped_data());
   L.faults = static_cast<int32_t*>(b.faults->untyped_data());
   L.grad_nonfinite = static_cast<int32_t*>(b.grad_nonfinite->untyped_data());
   // The write side must not be the read side: the read side is what a skipped step keeps.
@@ -149,19 +169,25 @@ ffi::Error adamw_cpu_impl(ffi::AnyBuffer p, ffi::AnyBuffer master, ffi::AnyBuffe
                           ffi::AnyBuffer d_master, ffi::AnyBuffer d_mu, ffi::AnyBuffer d_nu,
                           ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
                           ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+                          ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+                          ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
                           ffi::AnyBuffer step, ffi::Result<ffi::AnyBuffer> p_out,
                           ffi::Result<ffi::AnyBuffer> master_out,
                           ffi::Result<ffi::AnyBuffer> mu_out, ffi::Result<ffi::AnyBuffer> nu_out,
                           ffi::Result<ffi::AnyBuffer> dn_p, ffi::Result<ffi::AnyBuffer> dn_master,
                           ffi::Result<ffi::AnyBuffer> dn_mu, ffi::Result<ffi::AnyBuffer> dn_nu,
+                          ffi::Result<ffi::AnyBuffer> p_m, ffi::Result<ffi::AnyBuffer> master_m,
+                          ffi::Result<ffi::AnyBuffer> mu_m, ffi::Result<ffi::AnyBuffer> nu_m,
+                          ffi::Result<ffi::AnyBuffer> dm_p, ffi::Result<ffi::AnyBuffer> dm_master,
+                          ffi::Result<ffi::AnyBuffer> dm_mu, ffi::Result<ffi::AnyBuffer> dm_nu,
                           ffi::Result<ffi::AnyBuffer> faults,
                           ffi::Result<ffi::AnyBuffer> grad_nonfinite, int64_t chunk_elems,
                           float b1, float b2, float omb1, float omb2, float eps, float eps_root,
                           float wd) {
-  AdamWBuffers b{p,      master,     mu,     nu,     g,     d_p,       d_master,
-                 d_mu,   d_nu,       step,   p_out,  master_out,       mu_out,
-                 nu_out, dn_p,       dn_master,      dn_mu, dn_nu,     faults,
-                 grad_nonfinite};
+  AdamWBuffers b{p,     master,   mu,    nu,        g,     d_p,   d_master, d_mu,
+                 d_nu,  step,     p_out, master_out, mu_out, nu_out, dn_p,   dn_master,
+                 dn_mu, dn_nu,    p_m,   master_m,  mu_m,  nu_m,  dm_p,   dm_master,
+                 dm_mu, dm_nu,    faults, grad_nonfinite};
   AdamWLeaf leaf;
   if (auto err = validate_adamw(b, attrs(chunk_elems, b1, b2, omb1, omb2, eps, eps_root, wd),
                                 &leaf);

@@ -16,8 +16,9 @@ namespace ffi = xla::ffi;
 // The buffers of pimhbm_adamw, in argument order (see python/pimhbm/update.py).
 struct AdamWBuffers {
   ffi::AnyBuffer p, master, mu, nu, g, d_p, d_master, d_mu, d_nu, step;
-  ffi::Result<ffi::AnyBuffer> p_out, master_out, mu_out, nu_out, dn_p, dn_master, dn_mu, dn_nu,
-      faults, grad_nonfinite;
+  ffi::Result<ffi::AnyBuffer> p_out, master_out, mu_out, nu_out, dn_p, dn_master, dn_mu, dn_nu;
+  ffi::Result<ffi::AnyBuffer> p_m, master_m, mu_m, nu_m, dm_p, dm_master, dm_mu, dm_nu;
+  ffi::Result<ffi::AnyBuffer> faults, grad_nonfinite;
 };
 
 struct AdamWAttrs {
@@ -62,8 +63,24 @@ XLA_FFI_Error* PimhbmRestoreCuda(XLA_FFI_CallFrame* call_frame);
       .Arg<xla::ffi::AnyBuffer>()        /* digests of master */                             \
       .Arg<xla::ffi::AnyBuffer>()        /* digests of mu */                                 \
       .Arg<xla::ffi::AnyBuffer>()        /* digests of nu (aliased with result 7) */         \
+      .Arg<xla::ffi::AnyBuffer>()        /* mirror: p (0 elements: no mirror; result 8) */   \
+      .Arg<xla::ffi::AnyBuffer>()        /* master */                                        \
+      .Arg<xla::ffi::AnyBuffer>()        /* mu */                                            \
+      .Arg<xla::ffi::AnyBuffer>()        /* nu */                                            \
+      .Arg<xla::ffi::AnyBuffer>()        /* digests of p */                                  \
+      .Arg<xla::ffi::AnyBuffer>()        /* digests of master */                             \
+      .Arg<xla::ffi::AnyBuffer>()        /* digests of mu */                                 \
+      .Arg<xla::ffi::AnyBuffer>()        /* digests of nu (result 15) */                     \
       .Arg<xla::ffi::AnyBuffer>()        /* step scalars: lr, 1 - b1^t, 1 - b2^t */          \
       .Ret<xla::ffi::AnyBuffer>()        /* p' */                                            \
+      .Ret<xla::ffi::AnyBuffer>()        /* master' */                                       \
+      .Ret<xla::ffi::AnyBuffer>()        /* mu' */                                           \
+      .Ret<xla::ffi::AnyBuffer>()        /* nu' */                                           \
+      .Ret<xla::ffi::AnyBuffer>()        /* digests of p' */                                 \
+      .Ret<xla::ffi::AnyBuffer>()        /* digests of master' */                            \
+      .Ret<xla::ffi::AnyBuffer>()        /* digests of mu' */                                \
+      .Ret<xla::ffi::AnyBuffer>()        /* digests of nu' */                                \
+      .Ret<xla::ffi::AnyBuffer>()        /* mirror: p' */                                    \
       .Ret<xla::ffi::AnyBuffer>()        /* master' */                                       \
       .Ret<xla::ffi::AnyBuffer>()        /* mu' */                                           \
       .Ret<xla::ffi::AnyBuffer>()        /* nu' */                                           \

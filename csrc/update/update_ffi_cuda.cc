@@ -16,6 +16,8 @@ ffi::Error adamw_cuda_impl(cudaStream_t stream, ffi::AnyBuffer p, ffi::AnyBuffer
                            ffi::AnyBuffer d_p, ffi::AnyBuffer d_master, ffi::AnyBuffer d_mu,
                            ffi::AnyBuffer d_nu, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
                            ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+                           ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
+                           ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
                            ffi::AnyBuffer, ffi::AnyBuffer step,
                            ffi::Result<ffi::AnyBuffer> p_out,
                            ffi::Result<ffi::AnyBuffer> master_out,
@@ -23,14 +25,19 @@ ffi::Error adamw_cuda_impl(cudaStream_t stream, ffi::AnyBuffer p, ffi::AnyBuffer
                            ffi::Result<ffi::AnyBuffer> nu_out, ffi::Result<ffi::AnyBuffer> dn_p,
                            ffi::Result<ffi::AnyBuffer> dn_master,
                            ffi::Result<ffi::AnyBuffer> dn_mu, ffi::Result<ffi::AnyBuffer> dn_nu,
+                           ffi::Result<ffi::AnyBuffer> p_m, ffi::Result<ffi::AnyBuffer> master_m,
+                           ffi::Result<ffi::AnyBuffer> mu_m, ffi::Result<ffi::AnyBuffer> nu_m,
+                           ffi::Result<ffi::AnyBuffer> dm_p,
+                           ffi::Result<ffi::AnyBuffer> dm_master,
+                           ffi::Result<ffi::AnyBuffer> dm_mu, ffi::Result<ffi::AnyBuffer> dm_nu,
                            ffi::Result<ffi::AnyBuffer> faults,
                            ffi::Result<ffi::AnyBuffer> grad_nonfinite, int64_t chunk_elems,
                            float b1, float b2, float omb1, float omb2, float eps,
                            float eps_root, float wd) {
-  AdamWBuffers b{p,      master,     mu,     nu,     g,     d_p,       d_master,
-                 d_mu,   d_nu,       step,   p_out,  master_out,       mu_out,
-                 nu_out, dn_p,       dn_master,      dn_mu, dn_nu,     faults,
-                 grad_nonfinite};
+  AdamWBuffers b{p,     master,   mu,    nu,        g,     d_p,   d_master, d_mu,
+                 d_nu,  step,     p_out, master_out, mu_out, nu_out, dn_p,   dn_master,
+                 dn_mu, dn_nu,    p_m,   master_m,  mu_m,  nu_m,  dm_p,   dm_master,
+                 dm_mu, dm_nu,    faults, grad_nonfinite};
   const AdamWHyper hyper{b1, b2, omb1, omb2, eps, eps_root, wd};
   AdamWLeaf leaf;
   if (auto err = validate_adamw(b, AdamWAttrs{chunk_elems, hyper}, &leaf); err.failure()) {

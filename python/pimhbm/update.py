@@ -37,6 +37,7 @@ from pimhbm._ffi import ensure_registered
 from pimhbm.scan import scan, verify
 
 DEFAULT_CHUNK_ELEMS = 16384  # 64 KiB of every fp32 tensor, 32 KiB of every bf16 tensor
+DEVICE_COPY_CHUNK_ELEMS = 4096
 
 FAULT_PARAM, FAULT_MASTER, FAULT_MU, FAULT_NU = 1, 2, 4, 8
 FAULT_NAMES = {FAULT_PARAM: "param", FAULT_MASTER: "master", FAULT_MU: "mu", FAULT_NU: "nu"}
@@ -54,13 +55,16 @@ class Slot(NamedTuple):
 
 @jax.tree_util.register_pytree_node_class
 class AdamWState:
-    """Both slots, which one is current (static: part of the tree structure), and the number of
-    committed steps (a device scalar)."""
+    """Both slots, which one is current (static: part of the tree structure), the number of
+    committed steps (a device scalar), and the device copy (``mirror``: a third slot that holds
+    the current state, or None)."""
 
-    def __init__(self, slots: tuple[Slot, Slot], current: int, step: jax.Array):
+    def __init__(self, slots: tuple[Slot, Slot], current: int, step: jax.Array,
+                 mirror: Slot | None = None):
         self.slots = slots
         self.current = current
         self.step = step
+        self.mirror = mirror
 
     @property
     def params(self) -> Any:
@@ -83,13 +87,17 @@ class AdamWState:
     def digests(self) -> Any:
         return self.slots[self.current].digests
 
+    def replace_current(self, slot: Slot) -> "AdamWState":
+        slots = (slot, self.slots[1]) if self.current == 0 else (self.slots[0], slot)
+        return AdamWState(slots, self.current, self.step, self.mirror)
+
     def tree_flatten(self):
-        return (self.slots, self.step), self.current
+        return (self.slots, self.step, self.mirror), self.current
 
     @classmethod
     def tree_unflatten(cls, current, children):
-        slots, step = children
-        return cls(tuple(slots), current, step)
+        slots, step, mirror = children
+        return cls(tuple(slots), current, step, mirror)
 
 
 class UpdateReport(NamedTuple):
@@ -123,6 +131,29 @@ def _step_scalars(lr, count, b1, b2) -> jax.Array:
                       bc2.astype(jnp.float32)])
 
 
+def slot_tensors(slot: Slot, treedef) -> list[dict[str, tuple[jax.Array, jax.Array]]]:
+    """Per leaf, {name: (tensor, digest table)} for p, mu, nu (and master)."""
+    flat = treedef.flatten_up_to
+    masters = flat(slot.master) if slot.master is not None else [None] * treedef.num_leaves
+    out = []
+    for p, m, mu, nu, d in zip(flat(slot.params), masters, flat(slot.mu), flat(slot.nu),
+                               flat(slot.digests)):
+        leaf = {"p": (p, d["p"]), "mu": (mu, d["mu"]), "nu": (nu, d["nu"])}
+        if m is not None:
+            leaf["master"] = (m, d["master"])
+        out.append(leaf)
+    return out
+
+
+def slot_from_tensors(leaves: list[dict[str, tuple[jax.Array, jax.Array]]], treedef) -> Slot:
+    unflat = lambda xs: jax.tree.unflatten(treedef, xs)
+    has_master = "master" in leaves[0] if leaves else False
+    return Slot(unflat([l["p"][0] for l in leaves]),
+                unflat([l["master"][0] for l in leaves]) if has_master else None,
+                unflat([l["mu"][0] for l in leaves]), unflat([l["nu"][0] for l in leaves]),
+                unflat([{k: v[1] for k, v in l.items()} for l in leaves]))
+
+
 @dataclasses.dataclass(frozen=True)
 class AdamW:
     """Guarded, fused AdamW. Build it with :func:`adamw`."""
@@ -135,16 +166,21 @@ class AdamW:
     weight_decay: float = 1e-4
     master_weights: bool = False
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
+    device_copy: bool = False
 
     def __post_init__(self):
         if self.chunk_elems <= 0 or self.chunk_elems % 16:
             raise ValueError(f"chunk_elems must be a positive multiple of 16, got {self.chunk_elems}")
 
+    def chunk_bytes(self, dtype: Any) -> int:
+        """Digest chunk of a state tensor of this dtype: chunk_elems elements."""
+        return self.chunk_elems * jnp.dtype(dtype).itemsize
+
     # -- setting up --------------------------------------------------------------------------
 
     def init(self, params: Any) -> AdamWState:
-        """Both slots from the parameters: moments at zero, master weights (if any) from the
-        parameters, digests of everything."""
+        """Both slots from the parameters (and the device copy, with ``device_copy``): moments
+        at zero, master weights (if any) from the parameters, digests of everything."""
         ensure_registered()
         for path, p in jax.tree_util.tree_leaves_with_path(params):
             dtype = jnp.asarray(p).dtype
@@ -167,9 +203,10 @@ class AdamW:
                 params, masters, mu, nu, is_leaf=lambda x: x is None)
             return Slot(params, master, mu, nu, digests)
 
-        build = jax.jit(lambda p: (one_slot(p), one_slot(p)))
-        a, b = build(params)
-        return AdamWState((a, b), 0, jnp.zeros((), jnp.int32))
+        copies = 3 if self.device_copy else 2
+        slots = jax.jit(lambda p: tuple(one_slot(p) for _ in range(copies)))(params)
+        return AdamWState((slots[0], slots[1]), 0, jnp.zeros((), jnp.int32),
+                          slots[2] if self.device_copy else None)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -180,9 +217,13 @@ class AdamW:
         scalar, or None for the configured one) can change every step without recompiling.
         Inside ``shard_map``, pass the data-parallel ``axis_name``: the verdict is global."""
         ensure_registered()
+        if (state.mirror is not None) != self.device_copy:
+            raise ValueError("the state was made with device_copy="
+                             f"{state.mirror is not None}, this optimizer has {self.device_copy}")
         cur, nxt = state.current, 1 - state.current
         read, write = state.slots[cur], state.slots[nxt]
         self._check_grads(grads, read.params)
+        treedef = jax.tree.structure(read.params)
 
         count = state.step + 1
         if learning_rate is None:
@@ -190,15 +231,11 @@ class AdamW:
                              else self.learning_rate)
         scalars = _step_scalars(learning_rate, count, self.b1, self.b2)
 
-        treedef = jax.tree.structure(read.params)
-        flat = lambda tree: treedef.flatten_up_to(tree)
-        no_master = [None] * treedef.num_leaves
-        r_master = flat(read.master) if read.master is not None else no_master
-        w_master = flat(write.master) if write.master is not None else no_master
-        outs = [self._leaf_update(*args, scalars) for args in zip(
-            flat(read.params), r_master, flat(read.mu), flat(read.nu), flat(grads),
-            flat(read.digests), flat(write.params), w_master, flat(write.mu), flat(write.nu),
-            flat(write.digests))]
+        reads = slot_tensors(read, treedef)
+        writes = slot_tensors(write, treedef)
+        mirrors = slot_tensors(state.mirror, treedef) if state.mirror is not None else [None] * len(reads)
+        outs = [self._leaf_update(r, g, w, m, scalars) for r, g, w, m in
+                zip(reads, treedef.flatten_up_to(grads), writes, mirrors)]
 
         faults = [o["faults"] for o in outs]
         bad = [o["grad_nonfinite"] for o in outs]
@@ -209,25 +246,23 @@ class AdamW:
             n_bad = jax.lax.psum(n_bad, axis_name)
         commit = ((n_faults == 0) & (n_bad == 0)).astype(jnp.int32)
 
-        # Commit or skip: put the read slot back into the written slot when skipping.
-        names = ["p", "mu", "nu"] + (["master"] if read.master is not None else [])
-        read_leaves = [dict(p=p, mu=a, nu=b, master=m, digests=d) for p, a, b, m, d in zip(
-            flat(read.params), flat(read.mu), flat(read.nu), r_master, flat(read.digests))]
-        sources = [leaf[k] for leaf in read_leaves for k in names] + [
-            leaf["digests"][k] for leaf in read_leaves for k in names]
-        dests = [out[k] for out in outs for k in names] + [
-            out["digests"][k] for out in outs for k in names]
+        # Commit or skip: when skipping, the read slot goes back into the written slot, and
+        # into the mirror where the read side verified (elsewhere the mirror was not written).
+        names = list(reads[0]) if reads else []
+        sources = [r[k][i] for r in reads for k in names for i in (0, 1)]
+        dests = [o["write"][k][i] for o in outs for k in names for i in (0, 1)]
         restored = iter(restore_unless(commit, sources, dests))
-        new = [{k: next(restored) for k in names} for _ in outs]
-        for leaf in new:
-            leaf["digests"] = {k: next(restored) for k in names}
-        unflat = lambda xs: jax.tree.unflatten(treedef, xs)
-        new_slot = Slot(unflat([l["p"] for l in new]),
-                        unflat([l["master"] for l in new]) if read.master is not None else None,
-                        unflat([l["mu"] for l in new]), unflat([l["nu"] for l in new]),
-                        unflat([l["digests"] for l in new]))
+        new_write = [{k: (next(restored), next(restored)) for k in names} for _ in outs]
+        new_slot = slot_from_tensors(new_write, treedef)
+        new_mirror = None
+        if state.mirror is not None:
+            new_mirror = slot_from_tensors([
+                {k: restore_clean(commit, o["faults"], r[k], o["mirror"][k],
+                                  self.chunk_bytes(r[k][0].dtype)) for k in names}
+                for r, o in zip(reads, outs)], treedef)
         slots = (read, new_slot) if cur == 0 else (new_slot, read)
-        new_state = AdamWState(slots, nxt, state.step + commit)
+        new_state = AdamWState(slots, nxt, state.step + commit, new_mirror)
+        unflat = lambda xs: jax.tree.unflatten(treedef, xs)
         report = UpdateReport(commit.astype(bool), n_bad, n_faults, unflat(faults), unflat(bad))
         return new_state, report
 
@@ -240,42 +275,63 @@ class AdamW:
                 raise ValueError(f"gradient {jax.tree_util.keystr(path)} is {g.dtype}{tuple(g.shape)}; "
                                  f"it must match its parameter, {p.dtype}{tuple(p.shape)}")
 
-    def _leaf_update(self, p, master, mu, nu, g, d, wp, wmaster, wmu, wnu, wd, scalars):
+    def _leaf_update(self, read, g, write, mirror, scalars):
+        """The pimhbm_adamw call of one leaf. read/write/mirror: {name: (tensor, table)}."""
+        p = read["p"][0]
         n = p.size
         nchunks = _num_chunks(n, self.chunk_elems)
-        has_master = master is not None
-        # Without master weights their slots in the call are empty placeholders.
-        empty = jnp.zeros((0,), jnp.float32)
-        no_table = jnp.zeros((0, 2), jnp.uint32)
-        args = [p, master if has_master else empty, mu, nu, g,
-                d["p"], d["master"] if has_master else no_table, d["mu"], d["nu"],
-                wp, wmaster if has_master else empty, wmu, wnu,
-                wd["p"], wd["master"] if has_master else no_table, wd["mu"], wd["nu"],
-                scalars]
-        out_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[9:17]] + [
+        has_master = "master" in read
+        # Absent tensors (no master weights, no mirror) are empty placeholders in the call.
+        empty = (jnp.zeros((0,), jnp.float32), jnp.zeros((0, 2), jnp.uint32))
+        empty_p = (jnp.zeros((0,), p.dtype), jnp.zeros((0, 2), jnp.uint32))
+        order = ["p", "master", "mu", "nu"]
+
+        def side(tensors):
+            if tensors is None:
+                return [empty_p, empty, empty, empty]
+            return [tensors.get(k, empty) for k in order]
+
+        r, w, m = side(read), side(write), side(mirror)
+        args = ([t[0] for t in r] + [g] + [t[1] for t in r] + [t[0] for t in w] +
+                [t[1] for t in w] + [t[0] for t in m] + [t[1] for t in m] + [scalars])
+        out_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[9:25]] + [
             jax.ShapeDtypeStruct((nchunks,), jnp.int32),
             jax.ShapeDtypeStruct((nchunks,), jnp.int32)]
-        aliases = {9: 0, 11: 2, 12: 3, 13: 4, 15: 6, 16: 7}
-        if has_master:
-            aliases |= {10: 1, 14: 5}
+        present = {"p": True, "master": has_master, "mu": True, "nu": True}
+        aliases = {}
+        for side_at, side_present in ((9, True), (17, mirror is not None)):
+            for j, k in enumerate(order):
+                if side_present and present[k]:
+                    aliases[side_at + j] = side_at - 9 + j          # the tensor
+                    aliases[side_at + 4 + j] = side_at - 9 + 4 + j  # its table
         outs = jax.ffi.ffi_call("pimhbm_adamw", out_types, input_output_aliases=aliases)(
             *args, chunk_elems=np.int64(self.chunk_elems), b1=np.float32(self.b1),
             b2=np.float32(self.b2), one_minus_b1=np.float32(1 - self.b1),
             one_minus_b2=np.float32(1 - self.b2), eps=np.float32(self.eps),
             eps_root=np.float32(self.eps_root), weight_decay=np.float32(self.weight_decay))
-        return {"p": outs[0], "master": outs[1] if has_master else None, "mu": outs[2],
-                "nu": outs[3], "digests": {"p": outs[4], "master": outs[5], "mu": outs[6],
-                                           "nu": outs[7]},
-                "faults": outs[8], "grad_nonfinite": outs[9]}
+        names = [k for k in order if present[k]]
+        result = {"write": {k: (outs[order.index(k)], outs[4 + order.index(k)]) for k in names},
+                  "faults": outs[16], "grad_nonfinite": outs[17]}
+        if mirror is not None:
+            result["mirror"] = {k: (outs[8 + order.index(k)], outs[12 + order.index(k)])
+                                for k in names}
+        return result
 
 
 def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0.9,
           b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
           weight_decay: float = 1e-4, *, master_weights: bool = False,
-          chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> AdamW:
+          chunk_elems: int | None = None, device_copy: bool = False) -> AdamW:
     """Guarded fused AdamW; arguments as ``optax.adamw`` (``learning_rate`` may be a schedule
-    of the step count). ``master_weights``: keep fp32 master weights for bf16 parameters."""
-    return AdamW(learning_rate, b1, b2, eps, eps_root, weight_decay, master_weights, chunk_elems)
+    of the step count). ``master_weights``: keep fp32 master weights for bf16 parameters.
+    ``device_copy``: keep a current copy of the state on the device, written in the same pass,
+    for chunk-level repair. ``chunk_elems``: elements per digest chunk (default 16384, or 4096
+    with a device copy: the update then reads each chunk twice and the second read must come
+    from L2)."""
+    if chunk_elems is None:
+        chunk_elems = DEVICE_COPY_CHUNK_ELEMS if device_copy else DEFAULT_CHUNK_ELEMS
+    return AdamW(learning_rate, b1, b2, eps, eps_root, weight_decay, master_weights, chunk_elems,
+                 device_copy)
 
 
 def restore_unless(commit: jax.Array, sources: list[jax.Array],
@@ -297,6 +353,19 @@ def restore_unless(commit: jax.Array, sources: list[jax.Array],
         input_output_aliases={1 + k + i: i for i in range(k)})(
             jnp.asarray(commit, jnp.int32).reshape(1), *sources, *dests)
     return list(outs)
+
+
+def restore_clean(commit: jax.Array, faults: jax.Array, src: tuple[jax.Array, jax.Array],
+                  dst: tuple[jax.Array, jax.Array], chunk_bytes: int) -> tuple[jax.Array, jax.Array]:
+    """(tensor, table) ``dst``, where ``commit`` is 0 overwritten chunk by chunk from ``src`` for
+    the chunks whose ``faults`` entry is 0 (in place)."""
+    return tuple(jax.ffi.ffi_call(
+        "pimhbm_restore_clean",
+        [jax.ShapeDtypeStruct(dst[0].shape, dst[0].dtype),
+         jax.ShapeDtypeStruct(dst[1].shape, dst[1].dtype)],
+        input_output_aliases={4: 0, 5: 1})(
+            jnp.asarray(commit, jnp.int32).reshape(1), faults, src[0], src[1], dst[0], dst[1],
+            chunk_bytes=np.int64(chunk_bytes)))
 
 
 # -- guard: commit-or-skip around any optax transformation ---------------------------------------

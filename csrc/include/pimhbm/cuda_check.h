@@ -14,3 +14,6 @@
 
 // After a kernel launch: configuration errors surface here, not at the launch itself.
 #define PIMHBM_CUDA_RETURN_LAUNCH_ERROR() PIMHBM_CUDA_RETURN_IF_ERROR(cudaPeekAtLastError())
+
+// Alias used by host code that returns cudaError_t from a helper.
+#define PIMHBM_CUDA_RETURN(expr) PIMHBM_CUDA_RETURN_IF_ERROR(expr)

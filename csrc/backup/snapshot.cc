@@ -1,0 +1,175 @@
+// "pimhbm_snapshot": (buffers...) -> ticket int32[1]; attributes: the region's address and
+// size, and one byte offset per buffer. The Python side lays the region out and passes only
+// offsets inside it; the handler checks every copy stays inside the region.
+#include "backup/snapshot.h"
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "pimhbm/ffi_util.h"
+
+#if defined(PIMHBM_WITH_CUDA)
+#include "pimhbm/cuda_check.h"
+#endif
+
+namespace pimhbm::backup {
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Copy {
+  const void* src;
+  uint8_t* dst;
+  int64_t bytes;
+};
+
+ffi::Error plan(const ffi::RemainingArgs& args, int64_t region, int64_t region_bytes,
+                ffi::Span<const int64_t> offsets, ffi::AnyBuffer ticket, std::vector<Copy>* copies) {
+  constexpr const char* kOp = "pimhbm.snapshot";
+  if (region == 0) return ffi_util::invalid(kOp, "no region");
+  if (offsets.size() != args.size()) {
+    return ffi_util::invalid(kOp, std::to_string(args.size()) + " buffers but " +
+                                      std::to_string(offsets.size()) + " offsets");
+  }
+  if (auto err = ffi_util::check_buffer(kOp, "ticket", ticket, ffi::DataType::S32, 1);
+      err.failure()) {
+    return err;
+  }
+  copies->clear();
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto buf = args.get<ffi::AnyBuffer>(i);
+    if (!buf) return ffi_util::invalid(kOp, "argument " + std::to_string(i) + " is not a buffer");
+    const int64_t bytes = static_cast<int64_t>(buf->size_bytes());
+    if (offsets[i] < 0 || offsets[i] + bytes > region_bytes) {
+      return ffi_util::invalid(kOp, "buffer " + std::to_string(i) + " (" + std::to_string(bytes) +
+                                        " bytes at offset " + std::to_string(offsets[i]) +
+                                        ") does not fit in the region of " +
+                                        std::to_string(region_bytes) + " bytes");
+    }
+    copies->push_back({buf->untyped_data(),
+                       reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(region)) + offsets[i],
+                       bytes});
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error snapshot_cpu_impl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> ticket,
+                             int64_t region, int64_t region_bytes,
+                             ffi::Span<const int64_t> offsets) {
+  std::vector<Copy> copies;
+  if (auto err = plan(args, region, region_bytes, offsets, *ticket, &copies); err.failure()) {
+    return err;
+  }
+  for (const Copy& c : copies) std::memcpy(c.dst, c.src, static_cast<size_t>(c.bytes));
+  *static_cast<int32_t*>(ticket->untyped_data()) = 0;
+  return ffi::Error::Success();
+}
+
+#if defined(PIMHBM_WITH_CUDA)
+// One side stream and two events per device: `ready` marks XLA's stream, `done` the copies.
+struct DeviceCopier {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t ready = nullptr, done = nullptr;
+};
+std::mutex copiers_mutex;
+std::map<int, DeviceCopier>& copiers() {
+  static auto* m = new std::map<int, DeviceCopier>();  // never destroyed: used at exit
+  return *m;
+}
+
+cudaError_t copier_for_current_device(DeviceCopier** out) {
+  int dev;
+  PIMHBM_CUDA_RETURN(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(copiers_mutex);
+  DeviceCopier& c = copiers()[dev];
+  if (c.stream == nullptr) {
+    PIMHBM_CUDA_RETURN(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
+    PIMHBM_CUDA_RETURN(cudaEventCreateWithFlags(&c.ready, cudaEventDisableTiming));
+    PIMHBM_CUDA_RETURN(cudaEventCreateWithFlags(&c.done, cudaEventDisableTiming));
+  }
+  *out = &c;
+  return cudaSuccess;
+}
+
+cudaError_t issue(cudaStream_t xla_stream, const std::vector<Copy>& copies, int32_t* ticket) {
+  DeviceCopier* c;
+  PIMHBM_CUDA_RETURN(copier_for_current_device(&c));
+  PIMHBM_CUDA_RETURN(cudaEventRecord(c->ready, xla_stream));
+  PIMHBM_CUDA_RETURN(cudaStreamWaitEvent(c->stream, c->ready, 0));
+  for (const Copy& cp : copies) {
+    PIMHBM_CUDA_RETURN(cudaMemcpyAsync(cp.dst, cp.src, static_cast<size_t>(cp.bytes),
+                                       cudaMemcpyDeviceToHost, c->stream));
+  }
+  PIMHBM_CUDA_RETURN(cudaEventRecord(c->done, c->stream));
+  // The ticket is only a result for XLA to keep the call; it holds 0.
+  PIMHBM_CUDA_RETURN(cudaMemsetAsync(ticket, 0, sizeof(int32_t), xla_stream));
+  return cudaSuccess;
+}
+
+ffi::Error snapshot_cuda_impl(cudaStream_t stream, ffi::RemainingArgs args,
+                              ffi::Result<ffi::AnyBuffer> ticket, int64_t region,
+                              int64_t region_bytes, ffi::Span<const int64_t> offsets) {
+  std::vector<Copy> copies;
+  if (auto err = plan(args, region, region_bytes, offsets, *ticket, &copies); err.failure()) {
+    return err;
+  }
+  cudaError_t err = issue(stream, copies, static_cast<int32_t*>(ticket->untyped_data()));
+  return err == cudaSuccess ? ffi::Error::Success()
+                            : ffi::Error::Internal(std::string("pimhbm.snapshot: CUDA error: ") +
+                                                   cudaGetErrorString(err));
+}
+#endif
+
+}  // namespace
+
+void snapshot_wait() {
+#if defined(PIMHBM_WITH_CUDA)
+  std::lock_guard<std::mutex> lock(copiers_mutex);
+  for (auto& [dev, c] : copiers()) {
+    const cudaError_t err = cudaEventSynchronize(c.done);
+    if (err != cudaSuccess) {
+      throw std::runtime_error(std::string("snapshot copy failed: ") + cudaGetErrorString(err));
+    }
+  }
+#endif
+}
+
+bool snapshot_pending() {
+#if defined(PIMHBM_WITH_CUDA)
+  std::lock_guard<std::mutex> lock(copiers_mutex);
+  for (auto& [dev, c] : copiers()) {
+    const cudaError_t err = cudaEventQuery(c.done);
+    if (err == cudaErrorNotReady) return true;
+    if (err != cudaSuccess) {
+      throw std::runtime_error(std::string("snapshot copy failed: ") + cudaGetErrorString(err));
+    }
+  }
+#endif
+  return false;
+}
+
+}  // namespace pimhbm::backup
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmSnapshotCpu, pimhbm::backup::snapshot_cpu_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .RemainingArgs()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<int64_t>("region")
+                                  .Attr<int64_t>("region_bytes")
+                                  .Attr<xla::ffi::Span<const int64_t>>("offsets"));
+
+#if defined(PIMHBM_WITH_CUDA)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmSnapshotCuda, pimhbm::backup::snapshot_cuda_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .RemainingArgs()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<int64_t>("region")
+                                  .Attr<int64_t>("region_bytes")
+                                  .Attr<xla::ffi::Span<const int64_t>>("offsets"));
+#endif

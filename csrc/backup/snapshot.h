@@ -1,0 +1,25 @@
+// The snapshot op: copies device (or host) buffers into a shared-memory region, off the
+// critical path. On the GPU the copies run on a side stream that waits for XLA's stream;
+// snapshot_wait() blocks until the last copies are done (the caller does so before anything
+// may overwrite the buffers being copied), snapshot_pending() asks without blocking.
+#pragma once
+
+#include <cstdint>
+
+namespace pimhbm::backup {
+
+// Waits for every snapshot copy issued so far, on every device. Throws on a CUDA error.
+void snapshot_wait();
+// Whether a snapshot copy is still running.
+bool snapshot_pending();
+
+}  // namespace pimhbm::backup
+
+#include "xla/ffi/api/c_api.h"
+
+extern "C" {
+XLA_FFI_Error* PimhbmSnapshotCpu(XLA_FFI_CallFrame* call_frame);
+#if defined(PIMHBM_WITH_CUDA)
+XLA_FFI_Error* PimhbmSnapshotCuda(XLA_FFI_CallFrame* call_frame);
+#endif
+}

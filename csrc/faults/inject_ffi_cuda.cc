@@ -1,0 +1,29 @@
+#include <string>
+
+#include "faults/inject_ffi.h"
+
+namespace pimhbm::faults {
+namespace {
+
+ffi::Error inject_cuda_impl(cudaStream_t stream, ffi::AnyBuffer, ffi::AnyBuffer spec,
+                            ffi::Result<ffi::AnyBuffer> x) {
+  Format format;
+  if (auto err = validate_inject(*x, spec, &format); err.failure()) return err;
+  cudaError_t err = inject_cuda(static_cast<uint8_t*>(x->untyped_data()),
+                                static_cast<int64_t>(x->size_bytes()), format,
+                                static_cast<const int32_t*>(spec.untyped_data()), stream);
+  return err == cudaSuccess ? ffi::Error::Success()
+                            : ffi::Error::Internal(std::string("pimhbm.inject: CUDA error: ") +
+                                                   cudaGetErrorString(err));
+}
+
+}  // namespace
+}  // namespace pimhbm::faults
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmInjectCuda, pimhbm::faults::inject_cuda_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

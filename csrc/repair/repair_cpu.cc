@@ -1,0 +1,61 @@
+#include <algorithm>
+#include <cstring>
+
+#include "pimhbm/digest.h"
+#include "repair/repair.h"
+#include "scan/scan.h"
+
+namespace pimhbm::repair {
+namespace {
+
+int64_t nchunks(int64_t nbytes, int64_t chunk_bytes) { return num_chunks(nbytes, chunk_bytes); }
+
+bool verifies(const uint8_t* data, int64_t nbytes, int64_t chunk_bytes, const uint32_t* table,
+              int64_t c) {
+  const int64_t len = chunk_length(nbytes, chunk_bytes, c);
+  const uint64_t d = scan::chunk_digest(data + c * chunk_bytes, len, c);
+  return d == digest_join(table[2 * c], table[2 * c + 1]);
+}
+
+}  // namespace
+
+void repair_cpu(const int32_t* chunks, int64_t nlisted, const ChunkedTensor& src,
+                const MutableChunkedTensor& dst, int32_t* status) {
+  const int64_t n = nchunks(dst.nbytes, dst.chunk_bytes);
+  for (int64_t k = 0; k < nlisted; ++k) {
+    const int64_t c = chunks[k];
+    if (c < 0) {
+      status[k] = kNotListed;
+      continue;
+    }
+    if (c >= n) {
+      status[k] = kOutOfRange;
+      continue;
+    }
+    if (!verifies(src.data, src.nbytes, src.chunk_bytes, src.table, c)) {
+      status[k] = kSourceDamaged;
+      continue;
+    }
+    const int64_t len = chunk_length(dst.nbytes, dst.chunk_bytes, c);
+    std::memcpy(dst.data + c * dst.chunk_bytes, src.data + c * src.chunk_bytes, len);
+    dst.table[2 * c] = src.table[2 * c];
+    dst.table[2 * c + 1] = src.table[2 * c + 1];
+    status[k] = verifies(dst.data, dst.nbytes, dst.chunk_bytes, dst.table, c) ? kRepaired
+                                                                              : kStillDamaged;
+  }
+}
+
+void restore_clean_cpu(const int32_t* commit, const int32_t* faults, const ChunkedTensor& src,
+                       const MutableChunkedTensor& dst) {
+  if (*commit != 0) return;
+  const int64_t n = nchunks(dst.nbytes, dst.chunk_bytes);
+  for (int64_t c = 0; c < n; ++c) {
+    if (faults[c] != 0) continue;
+    const int64_t len = chunk_length(dst.nbytes, dst.chunk_bytes, c);
+    std::memcpy(dst.data + c * dst.chunk_bytes, src.data + c * src.chunk_bytes, len);
+    dst.table[2 * c] = src.table[2 * c];
+    dst.table[2 * c + 1] = src.table[2 * c + 1];
+  }
+}
+
+}  // namespace pimhbm::repair

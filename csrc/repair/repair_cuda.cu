@@ -1,0 +1,92 @@
+// Repair and the mirror's restore on the GPU: one block per listed (or selected) chunk.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "pimhbm/block_digest.cuh"
+#include "pimhbm/cuda_check.h"
+#include "repair/repair.h"
+
+namespace pimhbm::repair {
+namespace {
+
+constexpr int kThreads = 256;
+
+__device__ __forceinline__ bool block_verifies(const uint8_t* data, int64_t nbytes,
+                                               int64_t chunk_bytes, const uint32_t* table,
+                                               int64_t c, uint64_t* scratch) {
+  const uint64_t d = block_chunk_digest(data + c * chunk_bytes,
+                                        chunk_length(nbytes, chunk_bytes, c),
+                                        static_cast<uint64_t>(c), scratch);
+  return d == digest_join(table[2 * c], table[2 * c + 1]);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    repair_kernel(const int32_t* __restrict__ chunks, int64_t nlisted, ChunkedTensor src,
+                  MutableChunkedTensor dst, int32_t* __restrict__ status) {
+  __shared__ uint64_t scratch[32];
+  const int64_t n = num_chunks(dst.nbytes, dst.chunk_bytes);
+  for (int64_t k = blockIdx.x; k < nlisted; k += gridDim.x) {
+    const int64_t c = chunks[k];  // block-uniform
+    int32_t result;
+    if (c < 0) {
+      result = kNotListed;
+    } else if (c >= n) {
+      result = kOutOfRange;
+    } else if (!block_verifies(src.data, src.nbytes, src.chunk_bytes, src.table, c, scratch)) {
+      result = kSourceDamaged;
+    } else {
+      block_copy(src.data + c * src.chunk_bytes, dst.data + c * dst.chunk_bytes,
+                 chunk_length(dst.nbytes, dst.chunk_bytes, c));
+      if (threadIdx.x == 0) {
+        dst.table[2 * c] = src.table[2 * c];
+        dst.table[2 * c + 1] = src.table[2 * c + 1];
+      }
+      __syncthreads();
+      result = block_verifies(dst.data, dst.nbytes, dst.chunk_bytes, dst.table, c, scratch)
+                   ? kRepaired
+                   : kStillDamaged;
+    }
+    if (threadIdx.x == 0) status[k] = result;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    restore_clean_kernel(const int32_t* __restrict__ commit, const int32_t* __restrict__ faults,
+                         ChunkedTensor src, MutableChunkedTensor dst) {
+  if (*commit != 0) return;  // uniform: the common case ends here
+  const int64_t n = num_chunks(dst.nbytes, dst.chunk_bytes);
+  for (int64_t c = blockIdx.x; c < n; c += gridDim.x) {
+    if (faults[c] != 0) continue;  // block-uniform
+    block_copy(src.data + c * src.chunk_bytes, dst.data + c * dst.chunk_bytes,
+               chunk_length(dst.nbytes, dst.chunk_bytes, c));
+    if (threadIdx.x == 0) {
+      dst.table[2 * c] = src.table[2 * c];
+      dst.table[2 * c + 1] = src.table[2 * c + 1];
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t repair_cuda(const int32_t* chunks, int64_t nlisted, const ChunkedTensor& src,
+                        const MutableChunkedTensor& dst, int32_t* status, cudaStream_t stream) {
+  if (nlisted == 0) return cudaSuccess;
+  const int blocks = static_cast<int>(std::min<int64_t>(nlisted, 4096));
+  repair_kernel<<<blocks, kThreads, 0, stream>>>(chunks, nlisted, src, dst, status);
+  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
+  return cudaSuccess;
+}
+
+cudaError_t restore_clean_cuda(const int32_t* commit, const int32_t* faults,
+                               const ChunkedTensor& src, const MutableChunkedTensor& dst,
+                               cudaStream_t stream) {
+  const int64_t n = num_chunks(dst.nbytes, dst.chunk_bytes);
+  if (n == 0) return cudaSuccess;
+  const int blocks = static_cast<int>(std::min<int64_t>(n, 1024));
+  restore_clean_kernel<<<blocks, kThreads, 0, stream>>>(commit, faults, src, dst);
+  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
+  return cudaSuccess;
+}
+
+}  // namespace pimhbm::repair

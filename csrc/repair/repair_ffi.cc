@@ -1,0 +1,124 @@
+#include "repair/repair_ffi.h"
+
+#include <string>
+
+namespace pimhbm::repair {
+
+using ffi_util::check_buffer;
+using ffi_util::check_chunk_bytes;
+using ffi_util::check_digest_table;
+using ffi_util::dtype_name;
+using ffi_util::invalid;
+
+namespace {
+
+ffi::Error check_pair(const char* op, const ffi::AnyBuffer& src, const ffi::AnyBuffer& src_table,
+                      const ffi::AnyBuffer& dst, const ffi::AnyBuffer& dst_table,
+                      int64_t chunk_bytes, int64_t* nchunks) {
+  if (auto err = check_chunk_bytes(op, chunk_bytes); err.failure()) return err;
+  if (src.element_type() != dst.element_type() || src.size_bytes() != dst.size_bytes()) {
+    return invalid(op, "source " + dtype_name(src.element_type()) +
+                           ffi_util::shape_str(src.dimensions()) + " does not match target " +
+                           dtype_name(dst.element_type()) + ffi_util::shape_str(dst.dimensions()));
+  }
+  *nchunks = num_chunks(static_cast<int64_t>(dst.size_bytes()), chunk_bytes);
+  if (auto err = check_digest_table(op, "source digests", src_table, *nchunks); err.failure()) {
+    return err;
+  }
+  return check_digest_table(op, "target digests", dst_table, *nchunks);
+}
+
+}  // namespace
+
+ffi::Error validate_repair(const ffi::AnyBuffer& chunks, const ffi::AnyBuffer& src,
+                           const ffi::AnyBuffer& src_table, const ffi::AnyBuffer& dst,
+                           const ffi::AnyBuffer& dst_table, const ffi::AnyBuffer& status,
+                           int64_t chunk_bytes) {
+  constexpr const char* kOp = "pimhbm.repair";
+  int64_t n;
+  if (auto err = check_pair(kOp, src, src_table, dst, dst_table, chunk_bytes, &n); err.failure()) {
+    return err;
+  }
+  const int64_t k = static_cast<int64_t>(chunks.element_count());
+  if (auto err = check_buffer(kOp, "chunk list", chunks, ffi::DataType::S32, k); err.failure()) {
+    return err;
+  }
+  return check_buffer(kOp, "status", status, ffi::DataType::S32, k);
+}
+
+ffi::Error validate_restore_clean(const ffi::AnyBuffer& commit, const ffi::AnyBuffer& faults,
+                                  const ffi::AnyBuffer& src, const ffi::AnyBuffer& src_table,
+                                  const ffi::AnyBuffer& dst, const ffi::AnyBuffer& dst_table,
+                                  int64_t chunk_bytes) {
+  constexpr const char* kOp = "pimhbm.restore_clean";
+  int64_t n;
+  if (auto err = check_pair(kOp, src, src_table, dst, dst_table, chunk_bytes, &n); err.failure()) {
+    return err;
+  }
+  if (auto err = check_buffer(kOp, "commit flag", commit, ffi::DataType::S32, 1); err.failure()) {
+    return err;
+  }
+  return check_buffer(kOp, "fault map", faults, ffi::DataType::S32, n);
+}
+
+namespace {
+
+ffi::Error repair_cpu_impl(ffi::AnyBuffer chunks, ffi::AnyBuffer src, ffi::AnyBuffer src_table,
+                           ffi::AnyBuffer, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> dst,
+                           ffi::Result<ffi::AnyBuffer> dst_table,
+                           ffi::Result<ffi::AnyBuffer> status, int64_t chunk_bytes) {
+  if (auto err = validate_repair(chunks, src, src_table, *dst, *dst_table, *status, chunk_bytes);
+      err.failure()) {
+    return err;
+  }
+  repair_cpu(static_cast<const int32_t*>(chunks.untyped_data()),
+             static_cast<int64_t>(chunks.element_count()), chunked(src, src_table, chunk_bytes),
+             mutable_chunked(*dst, *dst_table, chunk_bytes),
+             static_cast<int32_t*>(status->untyped_data()));
+  return ffi::Error::Success();
+}
+
+ffi::Error restore_clean_cpu_impl(ffi::AnyBuffer commit, ffi::AnyBuffer faults,
+                                  ffi::AnyBuffer src, ffi::AnyBuffer src_table, ffi::AnyBuffer,
+                                  ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> dst,
+                                  ffi::Result<ffi::AnyBuffer> dst_table, int64_t chunk_bytes) {
+  if (auto err = validate_restore_clean(commit, faults, src, src_table, *dst, *dst_table,
+                                        chunk_bytes);
+      err.failure()) {
+    return err;
+  }
+  restore_clean_cpu(static_cast<const int32_t*>(commit.untyped_data()),
+                    static_cast<const int32_t*>(faults.untyped_data()),
+                    chunked(src, src_table, chunk_bytes),
+                    mutable_chunked(*dst, *dst_table, chunk_bytes));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace pimhbm::repair
+
+// chunks, src, src_table, dst, dst_table -> dst, dst_table (aliased), status
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmRepairCpu, pimhbm::repair::repair_cpu_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<int64_t>("chunk_bytes"));
+
+// commit, faults, src, src_table, dst, dst_table -> dst, dst_table (aliased)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmRestoreCleanCpu, pimhbm::repair::restore_clean_cpu_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<int64_t>("chunk_bytes"));

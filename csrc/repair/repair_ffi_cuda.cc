@@ -1,0 +1,75 @@
+#include <string>
+
+#include "repair/repair_ffi.h"
+
+namespace pimhbm::repair {
+namespace {
+
+ffi::Error cuda_error(const char* op, cudaError_t err) {
+  return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(err));
+}
+
+ffi::Error repair_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, ffi::AnyBuffer src,
+                            ffi::AnyBuffer src_table, ffi::AnyBuffer, ffi::AnyBuffer,
+                            ffi::Result<ffi::AnyBuffer> dst,
+                            ffi::Result<ffi::AnyBuffer> dst_table,
+                            ffi::Result<ffi::AnyBuffer> status, int64_t chunk_bytes) {
+  if (auto err = validate_repair(chunks, src, src_table, *dst, *dst_table, *status, chunk_bytes);
+      err.failure()) {
+    return err;
+  }
+  cudaError_t err = repair_cuda(static_cast<const int32_t*>(chunks.untyped_data()),
+                                static_cast<int64_t>(chunks.element_count()),
+                                chunked(src, src_table, chunk_bytes),
+                                mutable_chunked(*dst, *dst_table, chunk_bytes),
+                                static_cast<int32_t*>(status->untyped_data()), stream);
+  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.repair", err);
+}
+
+ffi::Error restore_clean_cuda_impl(cudaStream_t stream, ffi::AnyBuffer commit,
+                                   ffi::AnyBuffer faults, ffi::AnyBuffer src,
+                                   ffi::AnyBuffer src_table, ffi::AnyBuffer, ffi::AnyBuffer,
+                                   ffi::Result<ffi::AnyBuffer> dst,
+                                   ffi::Result<ffi::AnyBuffer> dst_table, int64_t chunk_bytes) {
+  if (auto err = validate_restore_clean(commit, faults, src, src_table, *dst, *dst_table,
+                                        chunk_bytes);
+      err.failure()) {
+    return err;
+  }
+  cudaError_t err = restore_clean_cuda(static_cast<const int32_t*>(commit.untyped_data()),
+                                       static_cast<const int32_t*>(faults.untyped_data()),
+                                       chunked(src, src_table, chunk_bytes),
+                                       mutable_chunked(*dst, *dst_table, chunk_bytes), stream);
+  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.restore_clean", err);
+}
+
+}  // namespace
+}  // namespace pimhbm::repair
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmRepairCuda, pimhbm::repair::repair_cuda_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<int64_t>("chunk_bytes"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmRestoreCleanCuda, pimhbm::repair::restore_clean_cuda_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<int64_t>("chunk_bytes"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
