@@ -45,3 +45,16 @@ from pimhbm import faults  # noqa: E402,F401
 from pimhbm.gate import healthy_mean, insulate, insulate_tree, probe  # noqa: E402
 
 __all__ += ["healthy_mean", "insulate", "insulate_tree", "probe"]
+
+from pimhbm.repair import (  # noqa: E402
+    NOT_LISTED,
+    OUT_OF_RANGE,
+    REPAIRED,
+    SOURCE_DAMAGED,
+    STILL_DAMAGED,
+    backup_snapshot,
+    repair,
+)
+
+__all__ += ["NOT_LISTED", "OUT_OF_RANGE", "REPAIRED", "SOURCE_DAMAGED", "STILL_DAMAGED",
+            "backup_snapshot", "repair"]

@@ -211,11 +211,13 @@ class AdamW:
     # -- one step ------------------------------------------------------------------------------
 
     def update(self, grads: Any, state: AdamWState, learning_rate: Any = None, *,
-               axis_name: str | None = None) -> tuple[AdamWState, UpdateReport]:
+               axis_name: str | None = None, gate: Any = None) -> tuple[AdamWState, UpdateReport]:
         """One guarded step. Call it inside ``jax.jit`` with the state donated. Returns the new
         state (the other slot is now current) and the report. ``learning_rate`` (a device
         scalar, or None for the configured one) can change every step without recompiling.
-        Inside ``shard_map``, pass the data-parallel ``axis_name``: the verdict is global."""
+        Inside ``shard_map``, pass the data-parallel ``axis_name``: the verdict is global.
+        ``gate`` (a device bool): when false the step does not commit either (the recovery
+        engine holds steps back this way until a skipped one has been replayed)."""
         ensure_registered()
         if (state.mirror is not None) != self.device_copy:
             raise ValueError("the state was made with device_copy="
@@ -244,7 +246,10 @@ class AdamW:
         if axis_name is not None:
             n_faults = jax.lax.psum(n_faults, axis_name)
             n_bad = jax.lax.psum(n_bad, axis_name)
-        commit = ((n_faults == 0) & (n_bad == 0)).astype(jnp.int32)
+        commit = (n_faults == 0) & (n_bad == 0)
+        if gate is not None:
+            commit &= jnp.asarray(gate, jnp.bool_)
+        commit = commit.astype(jnp.int32)
 
         # Commit or skip: when skipping, the read slot goes back into the written slot, and
         # into the mirror where the read side verified (elsewhere the mirror was not written).

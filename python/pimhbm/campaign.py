@@ -1,0 +1,155 @@
+"""Fault campaigns: a seeded plan of faults of every kind, injected into a live run, and the
+check that each one was detected, located to its chunk and repaired.
+
+Kinds:
+  param_flip, master_flip, moment_flip  one bit of one element of the current state
+  row_burst         1-2 KiB of one state tensor overwritten with random bytes (a failed row)
+  grad_nonfinite    NaN/+Inf/-Inf written into one gradient value inside the step (transient)
+  double_fault      the same bit flipped in the current state and in the device copy
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from pimhbm import faults
+
+KINDS = ("param_flip", "master_flip", "moment_flip", "row_burst", "grad_nonfinite", "double_fault")
+
+
+@dataclasses.dataclass
+class Planned:
+    step: int
+    kind: str
+    path: str
+    tensor: str  # "p", "master", "mu", "nu", or "gradient"
+    element: int = 0
+    bit: int = 0
+    byte_offset: int = 0
+    length: int = 0
+    value: str = "nan"
+    chunks: tuple[int, ...] = ()  # where it must be found
+    detected: bool = False
+    repaired: bool = False
+
+
+class Campaign:
+    """``counts``: faults per kind; spread over steps [first_step, last_step] by ``seed``."""
+
+    def __init__(self, trainer: Any, counts: dict[str, int], last_step: int, seed: int = 0,
+                 first_step: int = 2):
+        unknown = set(counts) - set(KINDS)
+        if unknown:
+            raise ValueError(f"unknown fault kinds {sorted(unknown)}; known: {KINDS}")
+        self.rng = np.random.default_rng(seed)
+        self.chunk_elems = trainer.opt.chunk_elems
+        info = trainer.tensor_info()
+        by_tensor = {}
+        for path, tensor, n, size in info:
+            by_tensor.setdefault(tensor, []).append((path, n, size))
+        if "master" not in by_tensor and counts.get("master_flip"):
+            raise ValueError("master_flip needs master weights")
+        self.plan: list[Planned] = []
+        for kind, count in counts.items():
+            for _ in range(count):
+                step = int(self.rng.integers(first_step, last_step + 1))
+                self.plan.append(self._draw(kind, step, by_tensor, trainer))
+        self.plan.sort(key=lambda f: f.step)
+        self._by_step: dict[int, list[Planned]] = {}
+        for f in self.plan:
+            self._by_step.setdefault(f.step, []).append(f)
+        self._avoid_cancelling()
+
+    def _draw(self, kind, step, by_tensor, trainer) -> Planned:
+        rng = self.rng
+        pick = lambda tensors: (lambda t: (t, *by_tensor[t][int(rng.integers(len(by_tensor[t])))]))(
+            tensors[int(rng.integers(len(tensors)))])
+        if kind in ("param_flip", "master_flip", "moment_flip", "double_fault"):
+            tensor, path, n, size = pick({"param_flip": ["p"], "master_flip": ["master"],
+                                          "moment_flip": ["mu", "nu"],
+                                          "double_fault": list(by_tensor)}[kind])
+            e = int(rng.integers(n))
+            return Planned(step, kind, path, tensor, element=e, bit=int(rng.integers(8 * size)),
+                           chunks=(e // self.chunk_elems,))
+        if kind == "row_burst":
+            tensor, path, n, size = pick(list(by_tensor))
+            nbytes = n * size
+            length = min(nbytes, int(rng.integers(1024, 2049)))
+            off = int(rng.integers(0, nbytes - length + 1))
+            cb = self.chunk_elems * size
+            return Planned(step, kind, path, tensor, byte_offset=off, length=length,
+                           chunks=tuple(range(off // cb, (off + length - 1) // cb + 1)))
+        if kind == "grad_nonfinite":
+            leaves = [(path, n, size) for path, n, size in by_tensor["p"]]
+            li = int(rng.integers(len(leaves)))
+            path, n, _ = leaves[li]
+            e = int(rng.integers(n))
+            return Planned(step, kind, path, "gradient", element=e,
+                           value=["nan", "inf", "-inf"][int(rng.integers(3))],
+                           chunks=(e // self.chunk_elems,))
+        raise ValueError(kind)
+
+    def _avoid_cancelling(self) -> None:
+        # Two flips of the same bit before one step would undo each other: move one a step on.
+        seen = set()
+        for f in self.plan:
+            while (key := (f.step, f.path, f.tensor, f.element, f.bit, f.kind != "row_burst")) in seen:
+                f.step += 1
+            seen.add(key)
+        self._by_step = {}
+        for f in sorted(self.plan, key=lambda f: f.step):
+            self._by_step.setdefault(f.step, []).append(f)
+
+    # -- called by the trainer -----------------------------------------------------------------
+
+    def before_step(self, trainer: Any, step: int, attempt: int) -> np.ndarray | None:
+        if attempt != 1:  # faults are transient: a replay runs clean
+            return None
+        grad = None
+        for f in self._by_step.get(step, []):
+            if f.kind == "grad_nonfinite":
+                leaf = trainer.paths.index(f.path)
+                grad = np.concatenate([[leaf], faults.spec(faults.NONFINITE, offset=f.element,
+                                                            value=f.value)]).astype(np.int32)
+            elif f.kind == "row_burst":
+                trainer.inject(f.path, f.tensor, faults.spec(
+                    faults.OVERWRITE, offset=f.byte_offset, length=f.length,
+                    seed=int(self.rng.integers(2**31))))
+            else:
+                size = 2 if (f.tensor == "p" and trainer.opt.master_weights) else 4
+                if f.tensor == "p" and not trainer.opt.master_weights:
+                    size = next(s for p, t, _, s in trainer.tensor_info() if p == f.path and t == "p")
+                fault = faults.spec(faults.FLIP_BIT, offset=f.element * size + f.bit // 8,
+                                    bit=f.bit % 8)
+                trainer.inject(f.path, f.tensor, fault)
+                if f.kind == "double_fault":
+                    trainer.inject(f.path, f.tensor, fault, into_copy=True)
+        return grad
+
+    def before_scrub(self, trainer: Any, step: int) -> None:
+        pass
+
+    # -- the verdict ---------------------------------------------------------------------------
+
+    def check(self, stats: Any) -> dict[str, dict[str, int]]:
+        """Marks each planned fault detected (an incident at its step names every chunk it
+        damaged) and repaired (that incident's action succeeded); counts by kind."""
+        found: dict[tuple[int, str, str, int], str] = {}
+        for inc in stats.incidents:
+            for path, tensor, chunk in inc.locations:
+                found[(inc.step, path, tensor, chunk)] = inc.action
+        table = {k: {"injected": 0, "detected": 0, "repaired": 0, "missed": 0} for k in KINDS}
+        for f in self.plan:
+            actions = [found.get((f.step, f.path, f.tensor, c)) for c in f.chunks]
+            f.detected = all(a is not None for a in actions)
+            f.repaired = f.detected and all(
+                a.startswith(("repaired", "restored", "step skipped")) for a in actions)
+            row = table[f.kind]
+            row["injected"] += 1
+            row["detected"] += f.detected
+            row["repaired"] += f.repaired
+            row["missed"] += not f.detected
+        return {k: v for k, v in table.items() if v["injected"]}

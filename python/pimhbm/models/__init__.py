@@ -1,0 +1,1 @@
+"""Models trained under protection by the tools, tests and benchmarks."""

@@ -1,0 +1,557 @@
+"""The recovery engine: train under protection, locate every fault, repair it in place, replay.
+
+Each step runs one compiled program (per slot parity) that computes the gradients, updates the
+state with :class:`pimhbm.AdamW` (digests checked and rewritten in the same pass, a device copy
+kept current) and leaves a small fault summary on the device. The host fetches that summary
+asynchronously and acts one step later, so the steady-state loop never waits for the device.
+
+A step that saw damage commits nothing, and the *halt* flag it sets on the device makes every
+step after it commit nothing too, so that nothing is applied out of order. When the host learns
+of it, it
+
+1. repairs the damaged chunks in place from the device copy (each source chunk checked against
+   its digest first, each repaired chunk checked after) -- or, when the device copy is damaged
+   too, restores the whole state from the newest host snapshot in shared memory;
+2. clears the halt flag and replays the skipped steps from the batch log;
+3. goes on, with the same compiled programs.
+
+Host snapshots are taken every ``snapshot_every`` steps into POSIX shared memory (off the
+critical path); a process killed mid-run resumes from there (:meth:`Trainer.resume`).
+Every program the run can need is compiled ahead of time from shapes by :meth:`Trainer.prewarm`;
+``Trainer.compiles`` counts backend compilations after that (there should be none).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pimhbm
+from pimhbm import faults as faults_mod
+from pimhbm._ffi import ensure_registered
+from pimhbm.backup import HostBackup, TensorSpec, specs_of
+from pimhbm.update import (FAULT_NAMES, AdamW, AdamWState, Slot, slot_from_tensors,
+                           slot_tensors)
+
+TENSORS = ("p", "master", "mu", "nu")
+TENSOR_BIT = {"p": 1, "master": 2, "mu": 4, "nu": 8}
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class TrainState(NamedTuple):
+    opt: AdamWState
+    halted: jax.Array  # int32: a step was skipped and not yet replayed; later steps skip too
+
+
+@dataclasses.dataclass
+class Incident:
+    """One fault the engine handled: where, what it did about it."""
+
+    step: int
+    kind: str  # "state" (digest mismatch), "gradient" (NaN/Inf), "device copy" (scrub)
+    locations: list[tuple[str, str, int]]  # (leaf, tensor, chunk)
+    action: str  # "repaired from the device copy", "restored from host snapshot @N", ...
+    replayed: int = 0
+
+
+@dataclasses.dataclass
+class RunStats:
+    steps_committed: int = 0
+    steps_skipped: int = 0
+    steps_replayed: int = 0
+    repairs: int = 0
+    host_restores: int = 0
+    snapshots: int = 0
+    scrubs: int = 0
+    compiles_after_prewarm: int = 0
+    losses: dict[int, float] = dataclasses.field(default_factory=dict)
+    incidents: list[Incident] = dataclasses.field(default_factory=list)
+
+
+def _keystr(path) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+class Trainer:
+    """Protected training of ``loss_fn(params, batch) -> scalar`` with a device copy and
+    (optionally) host snapshots in shared memory ``shm_name``.
+
+    ``batch_fn(step) -> dict of numpy arrays`` gives the batch of a step (1-based); batches are
+    logged so that replays (also after a crash) use exactly the same data.
+    ``inject_gradients``: compile the step with a hook that can write NaN/Inf into a gradient
+    (for fault campaigns); costs one tiny kernel per leaf per step."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], opt: AdamW, params: Any,
+                 batch_fn: Callable[[int], dict[str, np.ndarray]], *,
+                 learning_rate: Callable[[int], float] | None = None,
+                 shm_name: str | None = None, snapshot_every: int = 25, log_ring: int | None = None,
+                 scrub_every: int = 10, repair_capacity: int = 16, fault_capacity: int = 64,
+                 inject_gradients: bool = False, device: Any = None, resume: bool = False):
+        ensure_registered()
+        if not opt.device_copy:
+            raise ValueError("the recovery engine needs the device copy: pimhbm.adamw(..., "
+                             "device_copy=True)")
+        self.loss_fn, self.opt, self.batch_fn = loss_fn, opt, batch_fn
+        # The learning rate of a step: a host function of the step, or the optimizer's own
+        # (a constant, or a schedule it evaluates on the device).
+        self.learning_rate = learning_rate or (
+            (lambda step: float("nan")) if callable(opt.learning_rate)
+            else (lambda step: float(opt.learning_rate)))
+        self.device = device or jax.devices()[0]
+        self.snapshot_every, self.scrub_every = snapshot_every, scrub_every
+        self.repair_capacity, self.fault_capacity = repair_capacity, fault_capacity
+        self.inject_gradients = inject_gradients
+        self.stats = RunStats()
+        self._compile_count = 0
+        self._counting = False
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+        params = jax.device_put(params, self.device)
+        self.treedef = jax.tree.structure(params)
+        self.paths = [_keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+        self.names = list(TENSORS) if opt.master_weights else ["p", "mu", "nu"]
+        self.sizes = [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
+        self.nchunks = [-(-n // opt.chunk_elems) for n in self.sizes]
+        self.chunk_base = np.concatenate([[0], np.cumsum(self.nchunks)]).astype(np.int64)
+
+        sample = {k: np.asarray(v) for k, v in batch_fn(1).items()}
+        self.batch_keys = sorted(sample)
+        self.batch_specs = specs_of((k, sample[k]) for k in self.batch_keys)
+
+        self.backup = None
+        if shm_name is not None:
+            ring = log_ring or (snapshot_every + 8) * 2
+            tensors = self._snapshot_specs(params)
+            self.backup = HostBackup(shm_name, tensors, self.batch_specs, ring, create=not resume)
+
+        self.state = None
+        self.next_step = 1
+        if resume:
+            self.resume()
+        else:
+            self.state = TrainState(self.opt.init(params), jax.device_put(np.int32(0), self.device))
+        self._programs: dict[Any, Any] = {}
+
+    # -- compile counting ----------------------------------------------------------------------
+
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT and self._counting:
+            self._compile_count += 1
+
+    @property
+    def compiles(self) -> int:
+        """Backend compilations since :meth:`prewarm` finished."""
+        return self._compile_count
+
+    # -- the programs --------------------------------------------------------------------------
+
+    def _step_fn(self, state: TrainState, batch: dict, lr: jax.Array, grad_fault: jax.Array):
+        loss, grads = jax.value_and_grad(self.loss_fn)(state.opt.params, batch)
+        if self.inject_gradients:
+            leaves = self.treedef.flatten_up_to(grads)
+            spec = jnp.where(jnp.arange(len(leaves))[:, None] == grad_fault[0], grad_fault[1:],
+                             jnp.zeros((8,), jnp.int32))
+            grads = jax.tree.unflatten(self.treedef, [
+                faults_mod.inject_in_graph(g, spec[i]) for i, g in enumerate(leaves)])
+        lr = None if callable(self.opt.learning_rate) else lr
+        opt, report = self.opt.update(grads, state.opt, lr, gate=state.halted == 0)
+        halted = state.halted | (~report.committed).astype(jnp.int32)
+        return TrainState(opt, halted), loss, self._summary(report)
+
+    def _fault_list(self, maps: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """(global chunk index, value) of the first fault_capacity non-zero map entries."""
+        flat = jnp.concatenate([m.reshape(-1) for m in maps]) if maps else jnp.zeros((0,), jnp.int32)
+        (idx,) = jnp.nonzero(flat, size=self.fault_capacity, fill_value=-1)
+        return idx.astype(jnp.int32), jnp.where(idx >= 0, flat[jnp.maximum(idx, 0)], 0)
+
+    def _summary(self, report) -> jax.Array:
+        """int32: committed, NaN/Inf gradients, faulty chunks, then the fault list (index,
+        bits) and the NaN/Inf gradient list (index, count)."""
+        f_idx, f_bits = self._fault_list(self.treedef.flatten_up_to(report.fault_maps))
+        g_idx, g_cnt = self._fault_list(self.treedef.flatten_up_to(report.grad_nonfinite_maps))
+        head = jnp.stack([report.committed.astype(jnp.int32), report.grad_nonfinite,
+                          report.digest_faults])
+        return jnp.concatenate([head, f_idx, f_bits, g_idx, g_cnt])
+
+    def _repair_fn(self, state: TrainState, lists: jax.Array, *, into_copy: bool):
+        """Repairs listed chunks of the current slot from the device copy (or, into_copy, the
+        device copy from the current slot). lists: int32 (leaves, tensors, capacity)."""
+        opt = state.opt
+        cur = slot_tensors(opt.slots[opt.current], self.treedef)
+        copy = slot_tensors(opt.mirror, self.treedef)
+        src, dst = (cur, copy) if into_copy else (copy, cur)
+        statuses, new = [], []
+        for i, (s_leaf, d_leaf) in enumerate(zip(src, dst)):
+            leaf = {}
+            for j, k in enumerate(self.names):
+                (t, tt), status = pimhbm.repair(lists[i, j], s_leaf[k], d_leaf[k],
+                                                self.opt.chunk_bytes(s_leaf[k][0].dtype))
+                leaf[k] = (t, tt)
+                statuses.append(status)
+            new.append(leaf)
+        slot = slot_from_tensors(new, self.treedef)
+        if into_copy:
+            opt = AdamWState(opt.slots, opt.current, opt.step, slot)
+        else:
+            opt = opt.replace_current(slot)
+        return TrainState(opt, state.halted), jnp.stack(statuses).reshape(lists.shape)
+
+    def _scrub_fn(self, state: TrainState) -> jax.Array:
+        """A full digest sweep of the current slot and the device copy: per chunk, the bits of
+        the current slot's damaged tensors, and those of the copy shifted by 4."""
+        opt = state.opt
+        maps = []
+        for cur, copy in zip(slot_tensors(opt.slots[opt.current], self.treedef),
+                             slot_tensors(opt.mirror, self.treedef)):
+            acc = jnp.zeros((cur["p"][1].shape[0],), jnp.int32)
+            for k in self.names:
+                cb = self.opt.chunk_bytes(cur[k][0].dtype)
+                acc |= pimhbm.verify(cur[k][0], cur[k][1], cb).astype(jnp.int32) * TENSOR_BIT[k]
+                acc |= pimhbm.verify(copy[k][0], copy[k][1], cb).astype(jnp.int32) * (TENSOR_BIT[k] << 4)
+            maps.append(acc)
+        idx, bits = self._fault_list(maps)
+        return jnp.concatenate([idx, bits])
+
+    def _snapshot_fn(self, state: TrainState, *, slot: int) -> jax.Array:
+        opt = state.opt
+        tensors = [x for leaf in slot_tensors(opt.slots[opt.current], self.treedef)
+                   for k in self.names for x in leaf[k]]
+        return pimhbm.backup_snapshot(tensors, self.backup.region, self.backup.offsets(slot))
+
+    def _snapshot_specs(self, params) -> list[TensorSpec]:
+        named = []
+        for path, p in zip(self.paths, jax.tree.leaves(params)):
+            n = int(np.prod(p.shape))
+            chunks = -(-n // self.opt.chunk_elems)
+            for k in self.names:
+                dtype = p.dtype if k == "p" else jnp.float32
+                named.append((f"{path}/{k}", jax.ShapeDtypeStruct(p.shape, dtype)))
+                named.append((f"{path}/{k}#digests", jax.ShapeDtypeStruct((chunks, 2), jnp.uint32)))
+        return specs_of(named)
+
+    def _abstract_state(self, current: int) -> TrainState:
+        shapes = jax.eval_shape(self.opt.init, jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), self.state.opt.params))
+        sharding = jax.sharding.SingleDeviceSharding(self.device)
+        put = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        opt = jax.tree.map(put, AdamWState(shapes.slots, current, shapes.step, shapes.mirror))
+        return TrainState(opt, put(jax.ShapeDtypeStruct((), jnp.int32)))
+
+    def prewarm(self, cache_dir: str | None = None) -> dict[str, int]:
+        """Compiles every program the run can need -- the step, the repairs, the scrub, the
+        snapshots, fault injection -- from shapes alone (no device memory is touched), and
+        starts counting compilations. ``cache_dir``: a persistent compilation cache, keyed by
+        this library's version (a sub-folder per version)."""
+        if cache_dir is not None:
+            jax.config.update("jax_compilation_cache_dir",
+                              os.path.join(cache_dir, f"pimhbm-{pimhbm.__version__}"))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        t0 = time.perf_counter()
+        sharding = jax.sharding.SingleDeviceSharding(self.device)
+        sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        batch = {s.name: sds(s.shape, s.dtype) for s in self.batch_specs}
+        lists = sds((len(self.paths), len(self.names), self.repair_capacity), jnp.int32)
+        for current in (0, 1):
+            st = self._abstract_state(current)
+            self._programs["step", current] = jax.jit(self._step_fn, donate_argnums=0).lower(
+                st, batch, sds((), jnp.float32), sds((9,), jnp.int32)).compile()
+            for into_copy in (False, True):
+                fn = lambda s, l, c=into_copy: self._repair_fn(s, l, into_copy=c)
+                self._programs["repair", current, into_copy] = jax.jit(
+                    fn, donate_argnums=0).lower(st, lists).compile()
+            self._programs["scrub", current] = jax.jit(self._scrub_fn).lower(st).compile()
+            if self.backup is not None:
+                for slot in (0, 1):
+                    fn = lambda s, slot=slot: self._snapshot_fn(s, slot=slot)
+                    self._programs["snapshot", current, slot] = jax.jit(fn).lower(st).compile()
+        # Fault injection on every state tensor shape (campaigns), and the host-side checks of
+        # snapshots (verify on the CPU).
+        faults_mod.prewarm(jax.tree.leaves(self._abstract_state(0).opt.slots[0]), self.device)
+        if self.backup is not None:
+            self._host_verify_programs()
+        self.prewarm_seconds = time.perf_counter() - t0
+        self._compile_count = 0
+        self._counting = True
+        return {"programs": len(self._programs), "seconds": round(self.prewarm_seconds, 2)}
+
+    def _host_verify_programs(self) -> None:
+        cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+        for t, table in zip(self.backup.tensors[0::2], self.backup.tensors[1::2]):
+            key = ("host_verify", t.shape, t.dtype)
+            if key in self._programs:
+                continue
+            cb = self.opt.chunk_bytes(t.dtype)
+            self._programs[key] = jax.jit(lambda x, d, cb=cb: pimhbm.verify(x, d, cb)).lower(
+                jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=cpu),
+                jax.ShapeDtypeStruct(table.shape, table.dtype, sharding=cpu)).compile()
+
+    def hlo_text(self) -> str:
+        """The compiled step's HLO (both parities compile the same program shape)."""
+        return self._programs["step", 0].as_text()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _batch(self, step: int) -> dict[str, jax.Array]:
+        logged = self.backup.logged_batch(step) if self.backup is not None else None
+        if logged is None:
+            arrays = self.batch_fn(step)
+            logged = [np.asarray(arrays[k]) for k in self.batch_keys]
+            if self.backup is not None:
+                self.backup.log_batch(step, logged)
+        return {k: jax.device_put(a, self.device) for k, a in zip(self.batch_keys, logged)}
+
+    def _dispatch(self, step: int, grad_fault: np.ndarray | None) -> jax.Array:
+        batch = self._batch(step)
+        lr = jax.device_put(np.float32(self.learning_rate(step)), self.device)
+        gf = np.zeros(9, np.int32) if grad_fault is None else grad_fault
+        program = self._programs["step", self.state.opt.current]
+        self.state, loss, summary = program(self.state, batch, lr, jax.device_put(gf, self.device))
+        summary.copy_to_host_async()
+        loss.copy_to_host_async()
+        return loss, summary
+
+    def run(self, until: int, campaign: Any = None, progress: Callable[[int, RunStats], None] | None = None) -> RunStats:
+        """Trains up to step ``until`` (inclusive). ``campaign``: an object with
+        ``before_step(trainer, step, attempt) -> grad fault spec or None`` and
+        ``before_scrub(trainer, step)`` that injects faults (see pimhbm.campaign)."""
+        if not self._programs:
+            raise RuntimeError("call prewarm() first: every program is compiled ahead of time")
+        pending: collections.deque = collections.deque()
+        attempts: collections.Counter = collections.Counter()
+        snapshot = None  # (slot, step, ticket) in flight
+        step = self.next_step
+        while step <= until or pending:
+            if step <= until and len(pending) < 2:
+                attempts[step] += 1
+                gf = campaign.before_step(self, step, attempts[step]) if campaign else None
+                loss, summary = self._dispatch(step, gf)
+                scrub = None
+                if self.scrub_every and step % self.scrub_every == 0:
+                    if campaign:
+                        campaign.before_scrub(self, step)
+                    scrub = self._programs["scrub", self.state.opt.current](self.state)
+                    scrub.copy_to_host_async()
+                if (self.backup is not None and snapshot is None and self.snapshot_every and
+                        step % self.snapshot_every == 0):
+                    slot = self.backup.slot_for_next()
+                    self.backup.begin(slot, step)
+                    ticket = self._programs["snapshot", self.state.opt.current, slot](self.state)
+                    snapshot = (slot, step, ticket)
+                pending.append((step, loss, summary, scrub))
+                step += 1
+                continue
+            done, loss, summary, scrub = pending.popleft()
+            s = np.asarray(summary)
+            committed = bool(s[0])
+            if snapshot is not None and snapshot[1] == done:
+                snapshot = self._finish_snapshot(snapshot, committed)
+            if committed:
+                self.stats.steps_committed += 1
+                self.stats.losses[done] = float(loss)
+                self.next_step = done + 1
+                if scrub is not None:
+                    self._handle_scrub(done, np.asarray(scrub))
+                if progress:
+                    progress(done, self.stats)
+                continue
+            # A skipped step: every step dispatched after it skipped too (halt flag); their
+            # summaries may name more damage (injected while they were in flight).
+            self.stats.steps_skipped += 1 + len(pending)
+            later = [(t, np.asarray(later_summary)) for t, _, later_summary, _ in pending]
+            pending.clear()
+            if snapshot is not None:
+                snapshot = self._finish_snapshot(snapshot, False)
+            replay_from = self._handle_fault([(done, s)] + later)
+            self.stats.steps_replayed += step - replay_from
+            step = replay_from
+        if snapshot is not None:
+            self._finish_snapshot(snapshot, True)
+        self.stats.compiles_after_prewarm = self.compiles
+        return self.stats
+
+    # -- handling faults -----------------------------------------------------------------------
+
+    def _locate(self, idx: int, bits: int, shift: int = 0) -> list[tuple[str, str, int]]:
+        leaf = int(np.searchsorted(self.chunk_base, idx, side="right") - 1)
+        chunk = idx - int(self.chunk_base[leaf])
+        return [(self.paths[leaf], k, chunk) for k in self.names if (bits >> shift) & TENSOR_BIT[k]]
+
+    def _decode(self, values: np.ndarray) -> list[tuple[int, int]]:
+        k = self.fault_capacity
+        return [(int(i), int(b)) for i, b in zip(values[:k], values[k:2 * k]) if i >= 0]
+
+    def _handle_fault(self, summaries: list[tuple[int, np.ndarray]]) -> int:
+        """Repairs after the skipped steps (the first, and those halted behind it); returns the
+        step to resume from."""
+        k = self.fault_capacity
+        first = summaries[0][0]
+        state_faults: dict[int, int] = {}
+        overflow = False
+        for step, s in summaries:
+            faults = self._decode(s[3:3 + 2 * k])
+            grads = self._decode(s[3 + 2 * k:3 + 4 * k])
+            overflow |= int(s[2]) > len(faults)
+            new = [(i, b) for i, b in faults if state_faults.get(i, 0) | b != state_faults.get(i, 0)]
+            for i, b in new:
+                state_faults[i] = state_faults.get(i, 0) | b
+            if new:
+                locs = [loc for i, b in new for loc in self._locate(i, b)]
+                self.stats.incidents.append(Incident(step, "state", locs, ""))
+            if grads:
+                locs = [(self._locate(i, 1)[0][0], "gradient", self._chunk_of(i)) for i, _ in grads]
+                self.stats.incidents.append(Incident(step, "gradient", locs, "step skipped, replayed"))
+        pending_state = [inc for inc in self.stats.incidents if inc.kind == "state" and not inc.action]
+        if state_faults:
+            if overflow or not self._repair(sorted(state_faults.items()), into_copy=False):
+                snap_step = self._restore_from_host()
+                for inc in pending_state:
+                    inc.action = f"restored from host snapshot @{snap_step}"
+                return snap_step + 1
+            for inc in pending_state:
+                inc.action = "repaired from the device copy"
+        self.state = TrainState(self.state.opt, jax.device_put(np.int32(0), self.device))
+        return first
+
+    def _chunk_of(self, idx: int) -> int:
+        leaf = int(np.searchsorted(self.chunk_base, idx, side="right") - 1)
+        return idx - int(self.chunk_base[leaf])
+
+    def _repair(self, faults: list[tuple[int, int]], *, into_copy: bool, shift: int = 0) -> bool:
+        """Repairs the listed (chunk, bits); True if every chunk verified afterwards."""
+        todo = [(self._locate(i, b, shift)) for i, b in faults]
+        work = [loc for locs in todo for loc in locs]
+        while work:
+            lists = np.full((len(self.paths), len(self.names), self.repair_capacity), -1, np.int32)
+            fill = collections.Counter()
+            rest = []
+            for path, k, chunk in work:
+                li, ti = self.paths.index(path), self.names.index(k)
+                if fill[li, ti] < self.repair_capacity:
+                    lists[li, ti, fill[li, ti]] = chunk
+                    fill[li, ti] += 1
+                else:
+                    rest.append((path, k, chunk))
+            program = self._programs["repair", self.state.opt.current, into_copy]
+            self.state, status = program(self.state, jax.device_put(lists, self.device))
+            status = np.asarray(status)
+            self.stats.repairs += int(np.sum(status == pimhbm.REPAIRED))
+            if np.any((lists >= 0) & (status != pimhbm.REPAIRED)):
+                return False
+            work = rest
+        return True
+
+    def _handle_scrub(self, step: int, values: np.ndarray) -> None:
+        self.stats.scrubs += 1
+        found = self._decode(values)
+        copy_faults = [(i, b) for i, b in found if b >> 4]
+        if not copy_faults:
+            return
+        locs = [loc for i, b in copy_faults for loc in self._locate(i, b, 4)]
+        ok = self._repair(copy_faults, into_copy=True, shift=4)
+        self.stats.incidents.append(Incident(step, "device copy", locs,
+                                             "device copy repaired from the current state" if ok
+                                             else "device copy repair failed"))
+
+    # -- host snapshots ------------------------------------------------------------------------
+
+    def _finish_snapshot(self, snapshot, committed: bool):
+        slot, step, ticket = snapshot
+        jax.block_until_ready(ticket)
+        pimhbm._core.snapshot_wait()
+        if committed:
+            self.backup.complete(slot)
+            self.stats.snapshots += 1
+        return None
+
+    def _load_snapshot(self) -> int:
+        """Puts the newest snapshot that verifies into every copy of the state; returns its
+        step. Raises if there is none."""
+        for step, slot in self.backup.newest():
+            views = self.backup.snapshot_views(slot)
+            ok = True
+            for t, table, spec in zip(views[0::2], views[1::2], self.backup.tensors[0::2]):
+                program = self._programs.get(("host_verify", spec.shape, spec.dtype))
+                if program is None:
+                    self._host_verify_programs()
+                    program = self._programs[("host_verify", spec.shape, spec.dtype)]
+                if np.asarray(program(t, table)).any():
+                    ok = False
+                    break
+            if not ok:
+                continue
+            leaves = []
+            it = iter(views)
+            for _ in self.paths:
+                leaves.append({k: (next(it), next(it)) for k in self.names})
+            # Fresh buffers (may_alias=False): on the CPU a put would otherwise alias the region.
+            copies = [slot_from_tensors([{k: tuple(jax.device_put(x, self.device, may_alias=False) for x in v)
+                                          for k, v in leaf.items()} for leaf in leaves],
+                                        self.treedef) for _ in range(3)]
+            opt = AdamWState((copies[0], copies[1]), 0,
+                             jax.device_put(np.int32(step), self.device), copies[2])
+            self.state = TrainState(opt, jax.device_put(np.int32(0), self.device))
+            return step
+        raise RuntimeError("no host snapshot verifies: cannot restore")
+
+    def _restore_from_host(self) -> int:
+        if self.backup is None:
+            raise RuntimeError("the device copy is damaged too and there is no host snapshot "
+                               "(pass shm_name= to keep one)")
+        step = self._load_snapshot()
+        self.stats.host_restores += 1
+        return step
+
+    def resume(self) -> int:
+        """After a crash: the state from the newest host snapshot; the run goes on (and replays
+        the logged batches) from the step after it. Returns that snapshot's step."""
+        if self.backup is None:
+            raise RuntimeError("resume needs the shared-memory backup (shm_name=)")
+        step = self._load_snapshot()
+        self.next_step = step + 1
+        return step
+
+    # -- fault injection into the live state (campaigns, tests) ---------------------------------
+
+    def inject(self, path: str, tensor: str, fault: np.ndarray, *, into_copy: bool = False) -> None:
+        """Applies ``fault`` (pimhbm.faults.spec) in place to one tensor of the current slot (or
+        of the device copy)."""
+        opt = self.state.opt
+        slot = opt.mirror if into_copy else opt.slots[opt.current]
+        leaves = slot_tensors(slot, self.treedef)
+        i = self.paths.index(path)
+        t, table = leaves[i][tensor]
+        leaves[i][tensor] = (faults_mod.inject(t, fault), table)
+        new = slot_from_tensors(leaves, self.treedef)
+        opt = (AdamWState(opt.slots, opt.current, opt.step, new) if into_copy
+               else opt.replace_current(new))
+        self.state = TrainState(opt, self.state.halted)
+
+    def tensor_info(self) -> list[tuple[str, str, int, int]]:
+        """(leaf path, tensor, elements, bytes per element) of every protected tensor."""
+        out = []
+        for path, p in zip(self.paths, jax.tree.leaves(self.state.opt.params)):
+            for k in self.names:
+                out.append((path, k, int(p.size), p.dtype.itemsize if k == "p" else 4))
+        return out
+
+    # -- results -------------------------------------------------------------------------------
+
+    def current_state(self) -> dict[str, np.ndarray]:
+        """The committed state as host arrays, by leaf and tensor (for comparisons)."""
+        out = {}
+        opt = self.state.opt
+        for path, leaf in zip(self.paths, slot_tensors(opt.slots[opt.current], self.treedef)):
+            for k in self.names:
+                out[f"{path}/{k}"] = np.asarray(leaf[k][0])
+        return out
+
+    def close(self, unlink: bool = False) -> None:
+        if self.backup is not None and unlink:
+            HostBackup.unlink(self.backup.name)

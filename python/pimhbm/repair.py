@@ -1,0 +1,47 @@
+"""Chunk-level repair in place, and the snapshot op (device or host buffers -> shared memory)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pimhbm._ffi import ensure_registered
+
+# Status of each listed chunk (csrc/repair/repair.h).
+NOT_LISTED, REPAIRED, SOURCE_DAMAGED, STILL_DAMAGED, OUT_OF_RANGE = 0, 1, -1, -2, -3
+
+
+def repair(chunks: jax.Array, src: tuple[jax.Array, jax.Array], dst: tuple[jax.Array, jax.Array],
+           chunk_bytes: int) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """Rewrites the listed ``chunks`` (int32, -1 = none) of ``dst`` = (tensor, digest table)
+    from ``src`` = (tensor, table), in place. Each source chunk is checked against its digest
+    first (a damaged source is never copied), each target chunk after. Returns the new
+    (tensor, table) and a status per listed chunk (REPAIRED, SOURCE_DAMAGED, ...)."""
+    ensure_registered()
+    (t, table), (s, s_table) = dst, src
+    if s.shape != t.shape or s.dtype != t.dtype:
+        raise ValueError(f"source {s.dtype}{tuple(s.shape)} does not match target "
+                         f"{t.dtype}{tuple(t.shape)}")
+    outs = jax.ffi.ffi_call(
+        "pimhbm_repair",
+        [jax.ShapeDtypeStruct(t.shape, t.dtype), jax.ShapeDtypeStruct(table.shape, table.dtype),
+         jax.ShapeDtypeStruct(chunks.shape, jnp.int32)],
+        input_output_aliases={3: 0, 4: 1})(
+            chunks.astype(jnp.int32), s, s_table, t, table, chunk_bytes=np.int64(chunk_bytes))
+    return (outs[0], outs[1]), outs[2]
+
+
+def backup_snapshot(tensors: list[jax.Array], region: Any, offsets: list[int]) -> jax.Array:
+    """Copies ``tensors`` into the shared-memory ``region`` at ``offsets`` (on the GPU on a side
+    stream, after everything before it on XLA's stream). Returns a ticket (int32[1]) that is
+    ready once the copies were issued; ``pimhbm._core.snapshot_wait()`` waits for them."""
+    ensure_registered()
+    if len(tensors) != len(offsets):
+        raise ValueError(f"{len(tensors)} tensors but {len(offsets)} offsets")
+    return jax.ffi.ffi_call("pimhbm_snapshot", jax.ShapeDtypeStruct((1,), jnp.int32),
+                            has_side_effect=True)(
+        *tensors, region=np.int64(region.address), region_bytes=np.int64(region.nbytes),
+        offsets=np.asarray(offsets, np.int64))
