@@ -61,7 +61,7 @@ class Campaign:
         self._by_step: dict[int, list[Planned]] = {}
         for f in self.plan:
             self._by_step.setdefault(f.step, []).append(f)
-        self._avoid_cancelling()
+        self._avoid_cancelling(first_step, last_step)
 
     def _draw(self, kind, step, by_tensor, trainer) -> Planned:
         rng = self.rng
@@ -92,13 +92,16 @@ class Campaign:
                            chunks=(e // self.chunk_elems,))
         raise ValueError(kind)
 
-    def _avoid_cancelling(self) -> None:
-        # Two flips of the same bit before one step would undo each other: move one a step on.
+    def _avoid_cancelling(self, first_step: int, last_step: int) -> None:
+        # Two flips of the same bit before one step would undo each other, and a step carries
+        # one gradient fault: move such a fault a step on.
         seen = set()
         for f in self.plan:
-            while (key := (f.step, f.path, f.tensor, f.element, f.bit, f.kind != "row_burst")) in seen:
-                f.step += 1
-            seen.add(key)
+            key_of = lambda f: ((f.step, "gradient") if f.kind == "grad_nonfinite" else
+                                (f.step, f.path, f.tensor, f.element, f.bit, f.kind != "row_burst"))
+            while key_of(f) in seen:  # the next step, wrapping round inside the run
+                f.step = f.step + 1 if f.step < last_step else first_step
+            seen.add(key_of(f))
         self._by_step = {}
         for f in sorted(self.plan, key=lambda f: f.step):
             self._by_step.setdefault(f.step, []).append(f)

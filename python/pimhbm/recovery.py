@@ -131,13 +131,13 @@ class Trainer:
             tensors = self._snapshot_specs(params)
             self.backup = HostBackup(shm_name, tensors, self.batch_specs, ring, create=not resume)
 
+        self._programs: dict[Any, Any] = {}
         self.state = None
         self.next_step = 1
         if resume:
             self.resume()
         else:
             self.state = TrainState(self.opt.init(params), jax.device_put(np.int32(0), self.device))
-        self._programs: dict[Any, Any] = {}
 
     # -- compile counting ----------------------------------------------------------------------
 
@@ -327,6 +327,12 @@ class Trainer:
         attempts: collections.Counter = collections.Counter()
         snapshot = None  # (slot, step, ticket) in flight
         step = self.next_step
+        if self.backup is not None and not self.backup.newest():
+            # A first snapshot of the starting state, so that a host restore is always possible.
+            slot = self.backup.slot_for_next()
+            self.backup.begin(slot, step - 1)
+            ticket = self._programs["snapshot", self.state.opt.current, slot](self.state)
+            self._finish_snapshot((slot, step - 1, ticket), True)
         while step <= until or pending:
             if step <= until and len(pending) < 2:
                 attempts[step] += 1
@@ -398,11 +404,10 @@ class Trainer:
             faults = self._decode(s[3:3 + 2 * k])
             grads = self._decode(s[3 + 2 * k:3 + 4 * k])
             overflow |= int(s[2]) > len(faults)
-            new = [(i, b) for i, b in faults if state_faults.get(i, 0) | b != state_faults.get(i, 0)]
-            for i, b in new:
+            for i, b in faults:
                 state_faults[i] = state_faults.get(i, 0) | b
-            if new:
-                locs = [loc for i, b in new for loc in self._locate(i, b)]
+            if faults:  # every damaged chunk this step saw (damage persists until repaired)
+                locs = [loc for i, b in faults for loc in self._locate(i, b)]
                 self.stats.incidents.append(Incident(step, "state", locs, ""))
             if grads:
                 locs = [(self._locate(i, 1)[0][0], "gradient", self._chunk_of(i)) for i, _ in grads]

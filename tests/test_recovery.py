@@ -1,0 +1,186 @@
+"""The recovery engine on the CPU: fault injection, repair, shared-memory backups, the fault
+campaign (every fault found, located and repaired; the run ends bit-identical to a run without
+faults; nothing compiles after prewarm) and a SIGKILL + resume."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import uuid
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pimhbm
+from pimhbm import faults
+from pimhbm.backup import HostBackup, specs_of
+from pimhbm.campaign import KINDS, Campaign
+from pimhbm.models import mlp
+from pimhbm.recovery import Trainer
+
+HERE = os.path.dirname(__file__)
+
+
+@pytest.fixture
+def shm_name():
+    name = f"pimhbm_test_{uuid.uuid4().hex[:12]}"
+    yield name
+    HostBackup.unlink(name)
+
+
+def make_trainer(name, inject=False, resume=False):
+    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+    tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=name, snapshot_every=10,
+                 scrub_every=5, inject_gradients=inject, resume=resume)
+    tr.prewarm()
+    return tr
+
+
+def same_state(a, b):
+    return a.keys() == b.keys() and all(
+        a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+# -- fault injection ------------------------------------------------------------------------------
+
+def test_injections_do_exactly_what_they_say(rng):
+    x = rng.standard_normal(1000).astype(np.float32)
+    y = np.asarray(faults.flip_bit(jnp.asarray(x), 123, 30))
+    diff = np.flatnonzero(x.view(np.uint32) != y.view(np.uint32))
+    assert diff.tolist() == [123] and (x.view(np.uint32)[123] ^ y.view(np.uint32)[123]) == 1 << 30
+    y = np.asarray(faults.overwrite(jnp.asarray(x), 1000, 1500, seed=7))
+    changed = np.flatnonzero(x.view(np.uint8) != y.view(np.uint8))
+    assert changed.min() >= 1000 and changed.max() < 2500 and changed.size > 1400
+    z = np.asarray(faults.overwrite(jnp.asarray(x), 1000, 1500, seed=7))
+    assert y.tobytes() == z.tobytes()  # deterministic from the seed
+    b = rng.standard_normal(100).astype(ml_dtypes.bfloat16)
+    for value, check in (("nan", np.isnan), ("inf", np.isposinf), ("-inf", np.isneginf)):
+        c = np.asarray(faults.set_nonfinite(jnp.asarray(b), 42, value), np.float32)
+        assert check(c[42]) and np.sum(~np.isfinite(c)) == 1
+    w = np.asarray(faults.wipe(jnp.asarray(x), seed=3))
+    assert np.mean(w.view(np.uint8) != x.view(np.uint8)) > 0.99
+    with pytest.raises(IndexError):
+        faults.flip_bit(jnp.asarray(x), 1000, 0)
+    with pytest.raises(ValueError):
+        faults.overwrite(jnp.asarray(x), 3990, 100, seed=1)
+
+
+def test_repair_checks_the_source_and_the_target(rng):
+    cb = 1024
+    good = rng.standard_normal(5000).astype(np.float32)
+    table = pimhbm.scan(good, cb).digests
+    damaged = np.asarray(faults.flip_bit(jnp.asarray(good), 700, 5))  # chunk 2
+    damaged = np.asarray(faults.flip_bit(jnp.asarray(damaged), 4100, 9))  # chunk 16
+    backup = good.copy()
+    backup_table = table
+    bad_backup = np.asarray(faults.flip_bit(jnp.asarray(good), 4101, 1))  # chunk 16 damaged too
+    chunks = jnp.asarray([2, 16, -1, 99], jnp.int32)
+    (fixed, fixed_table), status = pimhbm.repair(chunks, (jnp.asarray(backup), backup_table),
+                                                 (jnp.asarray(damaged), table), cb)
+    assert np.asarray(status).tolist() == [pimhbm.REPAIRED, pimhbm.REPAIRED, pimhbm.NOT_LISTED,
+                                           pimhbm.OUT_OF_RANGE]
+    assert np.asarray(fixed).tobytes() == good.tobytes()
+    (partly, _), status = pimhbm.repair(chunks[:2], (jnp.asarray(bad_backup), backup_table),
+                                        (jnp.asarray(damaged), table), cb)
+    assert np.asarray(status).tolist() == [pimhbm.REPAIRED, pimhbm.SOURCE_DAMAGED]
+    assert not np.asarray(pimhbm.verify(partly, table, cb))[2]
+    assert np.asarray(pimhbm.verify(partly, table, cb))[16]  # not copied from a damaged source
+
+
+# -- shared memory ----------------------------------------------------------------------------------
+
+def test_region_memory_is_visible_to_jax_without_a_copy(shm_name, rng):
+    x = rng.standard_normal((4, 33)).astype(np.float32)
+    backup = HostBackup(shm_name, specs_of([("x", x)]), specs_of([("b", x)]), ring=2, create=True)
+    offset = backup.offsets(0)[0]
+    view = backup.region.numpy(offset, [4, 33], "float32")
+    view[:] = x
+    j = backup.snapshot_views(0)[0]
+    assert j.unsafe_buffer_pointer() == backup.region.address + offset  # the same memory
+    assert float(jnp.sum(j)) == pytest.approx(float(x.sum()), rel=1e-6)
+    view[1, 2] += 1000.0  # a write on the NumPy side is seen by the JAX array
+    assert float(jnp.sum(j)) == pytest.approx(float(x.sum()) + 1000.0, rel=1e-6)
+    # Another process-level handle on the same name sees the same bytes.
+    again = HostBackup(shm_name, specs_of([("x", x)]), specs_of([("b", x)]), ring=2, create=False)
+    assert np.asarray(again.snapshot_views(0)[0]).tobytes() == view.tobytes()
+    with pytest.raises(ValueError, match="another state layout"):
+        HostBackup(shm_name, specs_of([("y", x)]), specs_of([("b", x)]), ring=2, create=False)
+
+
+def test_batch_log_ring(shm_name):
+    spec = specs_of([("x", np.zeros(3, np.int32))])
+    backup = HostBackup(shm_name, spec, spec, ring=4, create=True)
+    for step in range(1, 10):
+        backup.log_batch(step, [np.arange(3, dtype=np.int32) + step])
+    assert backup.logged_batch(9)[0].tolist() == [9, 10, 11]
+    assert backup.logged_batch(5) is None  # overwritten by step 9
+    assert backup.last_logged_step() == 9
+    with pytest.raises(ValueError, match="the log holds"):
+        backup.log_batch(10, [np.zeros(4, np.int32)])
+
+
+# -- the engine ---------------------------------------------------------------------------------
+
+def test_fault_free_run_reports_nothing_and_compiles_nothing(shm_name):
+    tr = make_trainer(shm_name)
+    stats = tr.run(50)
+    assert stats.incidents == [] and stats.steps_skipped == 0 and stats.steps_committed == 50
+    assert stats.compiles_after_prewarm == 0
+    assert stats.snapshots >= 4 and stats.scrubs == 10
+    assert stats.losses[50] < 0.7 * stats.losses[1]  # it learns
+    hlo = tr.hlo_text()
+    assert re.findall(r"\b(conditional|send|recv|outfeed|infeed|xla_python_cpu_callback|"
+                      r"xla_ffi_python_cpu_callback)\b", hlo) == []
+
+
+def test_fault_campaign_ends_bit_identical_to_the_fault_free_run(shm_name):
+    steps = 200
+    reference = make_trainer(shm_name + "_ref", inject=True)
+    ref_stats = reference.run(steps)
+    ref_state = reference.current_state()
+    reference.close(unlink=True)
+    assert ref_stats.incidents == []
+
+    tr = make_trainer(shm_name, inject=True)
+    campaign = Campaign(tr, {kind: 50 for kind in KINDS}, last_step=steps, seed=20261129)
+    stats = tr.run(steps, campaign=campaign)
+    table = campaign.check(stats)
+    for kind, row in table.items():
+        assert row["injected"] >= 50, kind
+        assert row["detected"] == row["injected"], (kind, row)
+        assert row["repaired"] == row["injected"], (kind, row)
+    assert stats.host_restores >= 1  # the double faults took the host path
+    assert stats.compiles_after_prewarm == 0
+    assert same_state(tr.current_state(), ref_state), "the run did not end bit-identical"
+
+
+def test_sigkill_mid_run_resumes_from_shared_memory(shm_name, tmp_path):
+    worker = os.path.join(HERE, "crash_worker.py")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    ref = tmp_path / "ref.npz"
+    subprocess.run([sys.executable, worker, shm_name + "_ref", "90", str(ref)], check=True,
+                   env=env, capture_output=True, timeout=600)
+    HostBackup.unlink(shm_name + "_ref")
+    proc = subprocess.Popen([sys.executable, worker, shm_name, "90", str(tmp_path / "x.npz"),
+                             "--pace", "0.02"], stdout=subprocess.PIPE, text=True, env=env)
+    last = 0
+    for line in proc.stdout:
+        if line.startswith("step"):
+            last = int(line.split()[1])
+            if last >= 47:
+                proc.send_signal(signal.SIGKILL)
+                break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL and last < 90
+    out = tmp_path / "resumed.npz"
+    done = subprocess.run([sys.executable, worker, shm_name, "90", str(out), "--resume"],
+                          check=True, env=env, capture_output=True, text=True, timeout=600)
+    resumed_from = int(re.search(r"resumed from step (\d+)", done.stdout).group(1))
+    assert 30 <= resumed_from <= last
+    a, b = np.load(ref), np.load(out)
+    assert sorted(a.files) == sorted(b.files)
+    assert all(a[k].tobytes() == b[k].tobytes() for k in a.files), "resume was not bit-identical"
