@@ -35,7 +35,14 @@ struct Mirror {  // a host vector and its device copy
 };
 
 // Runs the CUDA update on a copy of `h` and leaves the results in `h`'s write side.
-void run_gpu(HostLeaf& h, const float* step_host, int in_flight) {
+// The device copy's side of a run (filled when `mirror` is set).
+struct MirrorOut {
+  std::vector<uint8_t> p;
+  std::vector<float> w, mu, nu;
+  std::vector<uint32_t> dp, dw, dmu, dnu;
+};
+
+void run_gpu(HostLeaf& h, const float* step_host, int in_flight, MirrorOut* mirror = nullptr) {
   Mirror<uint8_t> p(h.p), g(h.g), p_out(h.p_out);
   Mirror<float> w(h.w), mu(h.mu), nu(h.nu), w_out(h.w_out), mu_out(h.mu_out), nu_out(h.nu_out);
   Mirror<uint32_t> d_p(h.d_p), d_w(h.d_w), d_mu(h.d_mu), d_nu(h.d_nu), dn_p(h.dn_p),
@@ -60,11 +67,36 @@ void run_gpu(HostLeaf& h, const float* step_host, int in_flight) {
   L.dn_p = dn_p.dev.get(), L.dn_master = dn_w.dev.get(), L.dn_mu = dn_mu.dev.get();
   L.dn_nu = dn_nu.dev.get();
   L.faults = faults.dev.get(), L.grad_nonfinite = bad.dev.get();
+  std::vector<uint8_t> pm(h.p.size(), 0x5A);
+  std::vector<float> wm(h.w.size(), 7.0f), mum(h.n, 7.0f), num(h.n, 7.0f);
+  std::vector<uint32_t> tp(h.d_p.size(), 3), tw(h.d_w.size(), 3), tmu(h.d_mu.size(), 3),
+      tnu(h.d_nu.size(), 3);
+  Mirror<uint8_t> m_p(pm);
+  Mirror<float> m_w(wm), m_mu(mum), m_nu(num);
+  Mirror<uint32_t> m_dp(tp), m_dw(tw), m_dmu(tmu), m_dnu(tnu);
+  if (mirror) {
+    for (cudaError_t e : {m_p.up(), m_w.up(), m_mu.up(), m_nu.up(), m_dp.up(), m_dw.up(),
+                          m_dmu.up(), m_dnu.up()}) {
+      PIMHBM_ASSERT_CUDA(e);
+    }
+    L.has_mirror = true;
+    L.p_mirror = m_p.dev.get(), L.master_mirror = m_w.dev.get(), L.mu_mirror = m_mu.dev.get();
+    L.nu_mirror = m_nu.dev.get();
+    L.dm_p = m_dp.dev.get(), L.dm_master = m_dw.dev.get(), L.dm_mu = m_dmu.dev.get();
+    L.dm_nu = m_dnu.dev.get();
+  }
   PIMHBM_ASSERT_CUDA(adamw_cuda(L, kHyper, step.dev.get(), nullptr, AdamWLaunch{in_flight}));
   PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
   for (cudaError_t e : {p_out.down(), w_out.down(), mu_out.down(), nu_out.down(), dn_p.down(),
                         dn_w.down(), dn_mu.down(), dn_nu.down(), faults.down(), bad.down()}) {
     PIMHBM_ASSERT_CUDA(e);
+  }
+  if (mirror) {
+    for (cudaError_t e : {m_p.down(), m_w.down(), m_mu.down(), m_nu.down(), m_dp.down(),
+                          m_dw.down(), m_dmu.down(), m_dnu.down()}) {
+      PIMHBM_ASSERT_CUDA(e);
+    }
+    *mirror = MirrorOut{pm, wm, mum, num, tp, tw, tmu, tnu};
   }
 }
 
@@ -153,6 +185,48 @@ TEST_P(AdamWCuda, MatchesTheCpuReferenceBitForBit) {
             ASSERT_EQ(gpu.dn_nu, cpu.dn_nu) << what;
           }
         }
+      }
+    }
+  }
+}
+
+TEST_P(AdamWCuda, DeviceCopyMatchesTheCpuReference) {
+  PIMHBM_SKIP_WITHOUT_GPU();
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  const auto [bf16, master] = GetParam();
+  const float step[3] = {3e-4f, 0.271f, 0.002997f};
+  for (int64_t n : {int64_t{1}, int64_t{5}, int64_t{4097}, int64_t{100003}}) {
+    for (int64_t chunk : {int64_t{16}, int64_t{4096}}) {
+      HostLeaf cpu(rng, n, chunk, bf16, master);
+      // Damage one state chunk: the mirror must keep its old content there.
+      cpu.mu[rng() % n] += 1.0f;
+      HostLeaf gpu = cpu;
+      std::vector<uint8_t> pm(cpu.p.size(), 0x5A);
+      std::vector<float> wm(cpu.w.size(), 7.0f), mum(n, 7.0f), num(n, 7.0f);
+      std::vector<uint32_t> tp(cpu.d_p.size(), 3), tw(cpu.d_w.size(), 3),
+          tmu(cpu.d_mu.size(), 3), tnu(cpu.d_nu.size(), 3);
+      AdamWLeaf L = cpu.view();
+      L.has_mirror = true;
+      L.p_mirror = pm.data(), L.master_mirror = wm.data(), L.mu_mirror = mum.data();
+      L.nu_mirror = num.data();
+      L.dm_p = tp.data(), L.dm_master = tw.data(), L.dm_mu = tmu.data(), L.dm_nu = tnu.data();
+      adamw_cpu(L, kHyper, step);
+      for (int in_flight : {1, 2}) {
+        HostLeaf g = gpu;
+        MirrorOut out;
+        run_gpu(g, step, in_flight, &out);
+        const std::string what = "n " + std::to_string(n) + " chunk " + std::to_string(chunk);
+        ASSERT_EQ(g.faults, cpu.faults) << what;
+        ASSERT_EQ(g.p_out, cpu.p_out) << what;
+        ASSERT_EQ(out.p, pm) << what;
+        ASSERT_EQ(out.w, wm) << what;
+        ASSERT_EQ(out.mu, mum) << what;
+        ASSERT_EQ(out.nu, num) << what;
+        ASSERT_EQ(out.dp, tp) << what;
+        ASSERT_EQ(out.dw, tw) << what;
+        ASSERT_EQ(out.dmu, tmu) << what;
+        ASSERT_EQ(out.dnu, tnu) << what;
       }
     }
   }

@@ -1,0 +1,143 @@
+// The CUDA repair, mirror restore and fault injection against the CPU reference.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "cuda_test_util.h"
+#include "faults/inject.h"
+#include "repair/repair.h"
+#include "scan/scan.h"
+#include "test_util.h"
+
+namespace pimhbm {
+namespace {
+
+using testing::DeviceBuffer;
+using testing::random_bytes;
+using testing::rng_for_test;
+
+std::vector<uint32_t> table_of(const std::vector<uint8_t>& x, int64_t chunk) {
+  const int64_t n = num_chunks(static_cast<int64_t>(x.size()), chunk);
+  std::vector<uint32_t> t(2 * n);
+  std::vector<int32_t> nf(n);
+  std::vector<float> mx(n);
+  scan::scan_cpu(x.data(), static_cast<int64_t>(x.size()), Elem::kRaw, chunk, t.data(), nf.data(),
+                 mx.data());
+  return t;
+}
+
+template <typename T>
+std::vector<T> down(const DeviceBuffer<T>& b) {
+  cudaError_t err;
+  auto v = b.download(&err);
+  EXPECT_EQ(err, cudaSuccess);
+  return v;
+}
+
+TEST(RepairCuda, MatchesCpu) {
+  PIMHBM_SKIP_WITHOUT_GPU();
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  for (int64_t len : {int64_t{100}, int64_t{4096}, int64_t{100003}}) {
+    for (int64_t chunk : {int64_t{16}, int64_t{256}, int64_t{4096}}) {
+      auto good = random_bytes(rng, len);
+      const auto table = table_of(good, chunk);
+      const int64_t n = num_chunks(len, chunk);
+      auto src = good, dst = good;
+      std::vector<int32_t> chunks;
+      for (int k = 0; k < 20; ++k) {
+        const int64_t at = rng() % len;
+        dst[at] ^= 1 + rng() % 255;
+        if (k % 5 == 0) src[at] ^= 0x40;  // some backups damaged too
+        chunks.push_back(static_cast<int32_t>(at / chunk));
+      }
+      chunks.push_back(-1);
+      chunks.push_back(static_cast<int32_t>(n + 3));
+      // CPU
+      auto cpu_dst = dst;
+      auto cpu_table = table;
+      std::vector<int32_t> cpu_status(chunks.size());
+      repair::repair_cpu(chunks.data(), static_cast<int64_t>(chunks.size()),
+                         {src.data(), len, chunk, table.data()},
+                         {cpu_dst.data(), len, chunk, cpu_table.data()}, cpu_status.data());
+      // GPU
+      DeviceBuffer<uint8_t> d_src(len), d_dst(len);
+      DeviceBuffer<uint32_t> d_st(table.size()), d_dt(table.size());
+      DeviceBuffer<int32_t> d_chunks(chunks.size()), d_status(chunks.size());
+      PIMHBM_ASSERT_CUDA(d_src.upload(src));
+      PIMHBM_ASSERT_CUDA(d_dst.upload(dst));
+      PIMHBM_ASSERT_CUDA(d_st.upload(table));
+      PIMHBM_ASSERT_CUDA(d_dt.upload(table));
+      PIMHBM_ASSERT_CUDA(d_chunks.upload(chunks));
+      PIMHBM_ASSERT_CUDA(d_status.poison());
+      PIMHBM_ASSERT_CUDA(repair::repair_cuda(d_chunks.get(), static_cast<int64_t>(chunks.size()),
+                                             {d_src.get(), len, chunk, d_st.get()},
+                                             {d_dst.get(), len, chunk, d_dt.get()},
+                                             d_status.get(), nullptr));
+      PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
+      EXPECT_EQ(down(d_status), cpu_status) << len << " " << chunk;
+      EXPECT_EQ(down(d_dst), cpu_dst) << len << " " << chunk;
+      EXPECT_EQ(down(d_dt), cpu_table) << len << " " << chunk;
+    }
+  }
+}
+
+TEST(RestoreCleanCuda, MatchesCpu) {
+  PIMHBM_SKIP_WITHOUT_GPU();
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  const int64_t len = 50001, chunk = 512, n = num_chunks(len, chunk);
+  auto src = random_bytes(rng, len), dst = random_bytes(rng, len);
+  auto st = table_of(src, chunk), dt = table_of(dst, chunk);
+  std::vector<int32_t> faults(n);
+  for (auto& f : faults) f = rng() % 4 == 0 ? 8 : 0;
+  for (int32_t commit : {1, 0}) {
+    auto cpu = dst;
+    auto cpu_t = dt;
+    repair::restore_clean_cpu(&commit, faults.data(), {src.data(), len, chunk, st.data()},
+                              {cpu.data(), len, chunk, cpu_t.data()});
+    DeviceBuffer<uint8_t> d_src(len), d_dst(len);
+    DeviceBuffer<uint32_t> d_st(st.size()), d_dt(dt.size());
+    DeviceBuffer<int32_t> d_faults(n), d_commit(1);
+    PIMHBM_ASSERT_CUDA(d_src.upload(src));
+    PIMHBM_ASSERT_CUDA(d_dst.upload(dst));
+    PIMHBM_ASSERT_CUDA(d_st.upload(st));
+    PIMHBM_ASSERT_CUDA(d_dt.upload(dt));
+    PIMHBM_ASSERT_CUDA(d_faults.upload(faults));
+    PIMHBM_ASSERT_CUDA(d_commit.upload(std::vector<int32_t>{commit}));
+    PIMHBM_ASSERT_CUDA(repair::restore_clean_cuda(d_commit.get(), d_faults.get(),
+                                                  {d_src.get(), len, chunk, d_st.get()},
+                                                  {d_dst.get(), len, chunk, d_dt.get()}, nullptr));
+    PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
+    EXPECT_EQ(down(d_dst), cpu) << commit;
+    EXPECT_EQ(down(d_dt), cpu_t) << commit;
+  }
+}
+
+TEST(InjectCuda, MatchesCpu) {
+  PIMHBM_SKIP_WITHOUT_GPU();
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  const int64_t len = 70000;
+  const auto x = random_bytes(rng, len);
+  for (int32_t kind : {0, 1, 2, 3, 4}) {
+    for (faults::Format format : {faults::kRawBytes, faults::kFloat32, faults::kBFloat16}) {
+      const uint64_t off = kind == 3 ? rng() % 20000 : rng() % (len + 100);
+      const std::vector<int32_t> spec = {kind, static_cast<int32_t>(off), 0,
+                                         static_cast<int32_t>(rng() % 3000), static_cast<int32_t>(rng() % 8),
+                                         static_cast<int32_t>(rng() % 1000), static_cast<int32_t>(rng() % 3), 0};
+      auto cpu = x;
+      faults::inject_cpu(cpu.data(), len, format, spec.data());
+      DeviceBuffer<uint8_t> d(len);
+      DeviceBuffer<int32_t> d_spec(8);
+      PIMHBM_ASSERT_CUDA(d.upload(x));
+      PIMHBM_ASSERT_CUDA(d_spec.upload(spec));
+      PIMHBM_ASSERT_CUDA(faults::inject_cuda(d.get(), len, format, d_spec.get(), nullptr));
+      PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
+      EXPECT_EQ(down(d), cpu) << "kind " << kind << " format " << format;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace pimhbm
