@@ -184,3 +184,33 @@ def test_sigkill_mid_run_resumes_from_shared_memory(shm_name, tmp_path):
     a, b = np.load(ref), np.load(out)
     assert sorted(a.files) == sorted(b.files)
     assert all(a[k].tobytes() == b[k].tobytes() for k in a.files), "resume was not bit-identical"
+
+
+def test_a_fault_on_one_device_is_located_to_that_device(shm_name):
+    """Data parallel over the 4 virtual CPU devices: each holds a copy of the state. A bit
+    flipped in one device's copy makes every device skip (the verdict is global), is located to
+    (device, tensor, chunk), is repaired, and the run ends as the fault-free one."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    reference = make_trainer(shm_name + "_ref")
+    reference.run(30)
+    ref_state = reference.current_state()
+    reference.close(unlink=True)
+
+    class OneDevice:
+        def before_step(self, trainer, step, attempt):
+            if step == 12 and attempt == 1:
+                trainer.inject("w1", "mu", faults.spec(faults.FLIP_BIT, offset=4 * 700 + 2, bit=5),
+                               device=2)
+            return None
+
+        def before_scrub(self, trainer, step):
+            pass
+
+    tr = make_trainer(shm_name)
+    stats = tr.run(30, campaign=OneDevice())
+    state_incidents = [i for i in stats.incidents if i.kind == "state"]
+    assert state_incidents and state_incidents[0].step == 12
+    assert state_incidents[0].locations == [(2, "w1", "mu", 700 // 256)]
+    assert state_incidents[0].action == "repaired from the device copy"
+    assert same_state(tr.current_state(), ref_state)

@@ -142,7 +142,7 @@ class Campaign:
         damaged) and repaired (that incident's action succeeded); counts by kind."""
         found: dict[tuple[int, str, str, int], str] = {}
         for inc in stats.incidents:
-            for path, tensor, chunk in inc.locations:
+            for _device, path, tensor, chunk in inc.locations:
                 found[(inc.step, path, tensor, chunk)] = inc.action
         table = {k: {"injected": 0, "detected": 0, "repaired": 0, "missed": 0} for k in KINDS}
         for f in self.plan:

@@ -37,8 +37,9 @@ import pimhbm
 from pimhbm import faults as faults_mod
 from pimhbm._ffi import ensure_registered
 from pimhbm.backup import HostBackup, TensorSpec, specs_of
-from pimhbm.update import (FAULT_NAMES, AdamW, AdamWState, Slot, slot_from_tensors,
-                           slot_tensors)
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from pimhbm.update import AdamW, AdamWState, slot_from_tensors, slot_tensors
 
 TENSORS = ("p", "master", "mu", "nu")
 TENSOR_BIT = {"p": 1, "master": 2, "mu": 4, "nu": 8}
@@ -56,7 +57,7 @@ class Incident:
 
     step: int
     kind: str  # "state" (digest mismatch), "gradient" (NaN/Inf), "device copy" (scrub)
-    locations: list[tuple[str, str, int]]  # (leaf, tensor, chunk)
+    locations: list[tuple[int, str, str, int]]  # (device, leaf, tensor, chunk)
     action: str  # "repaired from the device copy", "restored from host snapshot @N", ...
     replayed: int = 0
 
@@ -93,7 +94,7 @@ class Trainer:
                  learning_rate: Callable[[int], float] | None = None,
                  shm_name: str | None = None, snapshot_every: int = 25, log_ring: int | None = None,
                  scrub_every: int = 10, repair_capacity: int = 16, fault_capacity: int = 64,
-                 inject_gradients: bool = False, device: Any = None, resume: bool = False):
+                 inject_gradients: bool = False, devices: Any = None, resume: bool = False):
         ensure_registered()
         if not opt.device_copy:
             raise ValueError("the recovery engine needs the device copy: pimhbm.adamw(..., "
@@ -104,7 +105,13 @@ class Trainer:
         self.learning_rate = learning_rate or (
             (lambda step: float("nan")) if callable(opt.learning_rate)
             else (lambda step: float(opt.learning_rate)))
-        self.device = device or jax.devices()[0]
+        # Data parallel over `devices` (default: every device of the default backend; one is
+        # fine): each holds a full copy of the protected state and a slice of every batch.
+        devices = list(devices) if devices is not None else jax.devices()
+        self.mesh = Mesh(np.array(devices), ("dp",))
+        self.devices = devices
+        self.replicated = NamedSharding(self.mesh, P())
+        self.by_device = NamedSharding(self.mesh, P("dp"))
         self.snapshot_every, self.scrub_every = snapshot_every, scrub_every
         self.repair_capacity, self.fault_capacity = repair_capacity, fault_capacity
         self.inject_gradients = inject_gradients
@@ -113,7 +120,7 @@ class Trainer:
         self._counting = False
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
-        params = jax.device_put(params, self.device)
+        params = jax.device_put(params, self.replicated)
         self.treedef = jax.tree.structure(params)
         self.paths = [_keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
         self.names = list(TENSORS) if opt.master_weights else ["p", "mu", "nu"]
@@ -122,6 +129,10 @@ class Trainer:
         self.chunk_base = np.concatenate([[0], np.cumsum(self.nchunks)]).astype(np.int64)
 
         sample = {k: np.asarray(v) for k, v in batch_fn(1).items()}
+        for k, v in sample.items():
+            if v.ndim == 0 or v.shape[0] % len(devices):
+                raise ValueError(f"batch array {k!r} of shape {v.shape}: its first dimension must "
+                                 f"split evenly over {len(devices)} devices")
         self.batch_keys = sorted(sample)
         self.batch_specs = specs_of((k, sample[k]) for k in self.batch_keys)
 
@@ -137,7 +148,16 @@ class Trainer:
         if resume:
             self.resume()
         else:
-            self.state = TrainState(self.opt.init(params), jax.device_put(np.int32(0), self.device))
+            opt_state = jax.jit(self.opt.init, out_shardings=self.replicated)(params)
+            self.state = TrainState(opt_state, self._put(np.int32(0)))
+
+    def _put(self, x: Any, sharding: Any = None, copy: bool = False) -> jax.Array:
+        if copy:
+            # Through a fresh host copy: a device put with may_alias=False still shares the
+            # source's buffer on the source's own device, and every copy of the state must own
+            # its buffers (they are donated).
+            x = np.array(x)
+        return jax.device_put(x, sharding or self.replicated)
 
     # -- compile counting ----------------------------------------------------------------------
 
@@ -153,7 +173,11 @@ class Trainer:
     # -- the programs --------------------------------------------------------------------------
 
     def _step_fn(self, state: TrainState, batch: dict, lr: jax.Array, grad_fault: jax.Array):
+        """One device's part of a step (inside shard_map over 'dp'): gradients of its slice of
+        the batch, their mean over devices, the guarded update with a global verdict."""
         loss, grads = jax.value_and_grad(self.loss_fn)(state.opt.params, batch)
+        loss = jax.lax.pmean(loss, "dp")
+        grads = jax.lax.pmean(grads, "dp")
         if self.inject_gradients:
             leaves = self.treedef.flatten_up_to(grads)
             spec = jnp.where(jnp.arange(len(leaves))[:, None] == grad_fault[0], grad_fault[1:],
@@ -161,9 +185,10 @@ class Trainer:
             grads = jax.tree.unflatten(self.treedef, [
                 faults_mod.inject_in_graph(g, spec[i]) for i, g in enumerate(leaves)])
         lr = None if callable(self.opt.learning_rate) else lr
-        opt, report = self.opt.update(grads, state.opt, lr, gate=state.halted == 0)
+        opt, report = self.opt.update(grads, state.opt, lr, gate=state.halted == 0,
+                                      axis_name="dp")
         halted = state.halted | (~report.committed).astype(jnp.int32)
-        return TrainState(opt, halted), loss, self._summary(report)
+        return TrainState(opt, halted), loss, self._summary(report)[None]
 
     def _fault_list(self, maps: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
         """(global chunk index, value) of the first fault_capacity non-zero map entries."""
@@ -201,7 +226,7 @@ class Trainer:
             opt = AdamWState(opt.slots, opt.current, opt.step, slot)
         else:
             opt = opt.replace_current(slot)
-        return TrainState(opt, state.halted), jnp.stack(statuses).reshape(lists.shape)
+        return TrainState(opt, state.halted), jnp.stack(statuses).reshape(lists.shape)[None]
 
     def _scrub_fn(self, state: TrainState) -> jax.Array:
         """A full digest sweep of the current slot and the device copy: per chunk, the bits of
@@ -217,9 +242,10 @@ class Trainer:
                 acc |= pimhbm.verify(copy[k][0], copy[k][1], cb).astype(jnp.int32) * (TENSOR_BIT[k] << 4)
             maps.append(acc)
         idx, bits = self._fault_list(maps)
-        return jnp.concatenate([idx, bits])
+        return jnp.concatenate([idx, bits])[None]
 
     def _snapshot_fn(self, state: TrainState, *, slot: int) -> jax.Array:
+        """Runs on the first device's copy only (one writer into the region)."""
         opt = state.opt
         tensors = [x for leaf in slot_tensors(opt.slots[opt.current], self.treedef)
                    for k in self.names for x in leaf[k]]
@@ -236,10 +262,10 @@ class Trainer:
                 named.append((f"{path}/{k}#digests", jax.ShapeDtypeStruct((chunks, 2), jnp.uint32)))
         return specs_of(named)
 
-    def _abstract_state(self, current: int) -> TrainState:
+    def _abstract_state(self, current: int, sharding: Any = None) -> TrainState:
         shapes = jax.eval_shape(self.opt.init, jax.tree.map(
             lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), self.state.opt.params))
-        sharding = jax.sharding.SingleDeviceSharding(self.device)
+        sharding = sharding or self.replicated
         put = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
         opt = jax.tree.map(put, AdamWState(shapes.slots, current, shapes.step, shapes.mirror))
         return TrainState(opt, put(jax.ShapeDtypeStruct((), jnp.int32)))
@@ -254,26 +280,37 @@ class Trainer:
                               os.path.join(cache_dir, f"pimhbm-{pimhbm.__version__}"))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         t0 = time.perf_counter()
-        sharding = jax.sharding.SingleDeviceSharding(self.device)
-        sds = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-        batch = {s.name: sds(s.shape, s.dtype) for s in self.batch_specs}
+        rep, dev = self.replicated, self.by_device
+        sds = lambda shape, dtype, sh=rep: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+        batch = {s.name: sds(s.shape, s.dtype, dev) for s in self.batch_specs}
         lists = sds((len(self.paths), len(self.names), self.repair_capacity), jnp.int32)
+        first = jax.sharding.SingleDeviceSharding(self.devices[0])
+        # State and scalars replicated, batches split, per-device reports stacked on 'dp'.
+        # check_vma=False: the state's copies are equal on every device by construction (the
+        # verdict is global), which the checker cannot see through the custom calls.
+        manual = lambda fn, ins, outs: jax.shard_map(fn, mesh=self.mesh, in_specs=ins,
+                                                     out_specs=outs, check_vma=False)
         for current in (0, 1):
             st = self._abstract_state(current)
-            self._programs["step", current] = jax.jit(self._step_fn, donate_argnums=0).lower(
+            step = manual(self._step_fn, (P(), P("dp"), P(), P()), (P(), P(), P("dp")))
+            self._programs["step", current] = jax.jit(step, donate_argnums=0).lower(
                 st, batch, sds((), jnp.float32), sds((9,), jnp.int32)).compile()
             for into_copy in (False, True):
-                fn = lambda s, l, c=into_copy: self._repair_fn(s, l, into_copy=c)
+                fn = manual(lambda s, l, c=into_copy: self._repair_fn(s, l, into_copy=c),
+                            (P(), P()), (P(), P("dp")))
                 self._programs["repair", current, into_copy] = jax.jit(
                     fn, donate_argnums=0).lower(st, lists).compile()
-            self._programs["scrub", current] = jax.jit(self._scrub_fn).lower(st).compile()
+            scrub = manual(self._scrub_fn, (P(),), P("dp"))
+            self._programs["scrub", current] = jax.jit(scrub).lower(st).compile()
             if self.backup is not None:
+                one = self._abstract_state(current, first)
                 for slot in (0, 1):
                     fn = lambda s, slot=slot: self._snapshot_fn(s, slot=slot)
-                    self._programs["snapshot", current, slot] = jax.jit(fn).lower(st).compile()
+                    self._programs["snapshot", current, slot] = jax.jit(fn).lower(one).compile()
         # Fault injection on every state tensor shape (campaigns), and the host-side checks of
         # snapshots (verify on the CPU).
-        faults_mod.prewarm(jax.tree.leaves(self._abstract_state(0).opt.slots[0]), self.device)
+        for leaf in jax.tree.leaves(self._abstract_state(0).opt.slots[0]):
+            self._inject_program(leaf.shape, leaf.dtype)
         if self.backup is not None:
             self._host_verify_programs()
         self.prewarm_seconds = time.perf_counter() - t0
@@ -296,6 +333,42 @@ class Trainer:
         """The compiled step's HLO (both parities compile the same program shape)."""
         return self._programs["step", 0].as_text()
 
+    def _first_copy(self, state: TrainState) -> TrainState:
+        """The first device's copy of the state, as single-device arrays (no copy)."""
+        return jax.tree.map(lambda a: a.addressable_shards[0].data, state)
+
+    @property
+    def _serialize(self) -> bool:
+        # The host platform's virtual devices share one thread pool: programs with collectives
+        # queued back to back can each hold threads the other's rendezvous waits for, and hang
+        # (seen with 4 virtual devices on 2 cores). There each program is waited for before
+        # the next is queued. GPUs run each device's programs on their own streams: no wait.
+        return self.devices[0].platform == "cpu" and len(self.devices) > 1
+
+    def _settle(self, *values: Any) -> None:
+        if self._serialize:
+            jax.block_until_ready(values)
+
+    def _run_snapshot(self, slot: int) -> jax.Array:
+        program = self._programs["snapshot", self.state.opt.current, slot]
+        ticket = program(self._first_copy(self.state))
+        self._settle(ticket)
+        return ticket
+
+    def _inject_program(self, shape, dtype):
+        """Fault injection into some devices' copies of a replicated tensor, in place: one
+        program for all devices, a spec row per device (kind 0: leave this copy alone)."""
+        key = ("inject", tuple(shape), jnp.dtype(dtype))
+        if key not in self._programs:
+            fn = jax.shard_map(lambda x, spec: faults_mod.inject_in_graph(x, spec[0]),
+                               mesh=self.mesh, in_specs=(P(), P("dp")), out_specs=P(),
+                               check_vma=False)
+            self._programs[key] = jax.jit(fn, donate_argnums=0).lower(
+                jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated),
+                jax.ShapeDtypeStruct((len(self.devices), 8), jnp.int32,
+                                     sharding=self.by_device)).compile()
+        return self._programs[key]
+
     # -- the loop ------------------------------------------------------------------------------
 
     def _batch(self, step: int) -> dict[str, jax.Array]:
@@ -305,14 +378,15 @@ class Trainer:
             logged = [np.asarray(arrays[k]) for k in self.batch_keys]
             if self.backup is not None:
                 self.backup.log_batch(step, logged)
-        return {k: jax.device_put(a, self.device) for k, a in zip(self.batch_keys, logged)}
+        return {k: self._put(a, self.by_device) for k, a in zip(self.batch_keys, logged)}
 
     def _dispatch(self, step: int, grad_fault: np.ndarray | None) -> jax.Array:
         batch = self._batch(step)
-        lr = jax.device_put(np.float32(self.learning_rate(step)), self.device)
+        lr = self._put(np.float32(self.learning_rate(step)))
         gf = np.zeros(9, np.int32) if grad_fault is None else grad_fault
         program = self._programs["step", self.state.opt.current]
-        self.state, loss, summary = program(self.state, batch, lr, jax.device_put(gf, self.device))
+        self.state, loss, summary = program(self.state, batch, lr, self._put(gf))
+        self._settle(self.state, summary)
         summary.copy_to_host_async()
         loss.copy_to_host_async()
         return loss, summary
@@ -331,8 +405,7 @@ class Trainer:
             # A first snapshot of the starting state, so that a host restore is always possible.
             slot = self.backup.slot_for_next()
             self.backup.begin(slot, step - 1)
-            ticket = self._programs["snapshot", self.state.opt.current, slot](self.state)
-            self._finish_snapshot((slot, step - 1, ticket), True)
+            self._finish_snapshot((slot, step - 1, self._run_snapshot(slot)), True)
         while step <= until or pending:
             if step <= until and len(pending) < 2:
                 attempts[step] += 1
@@ -343,19 +416,19 @@ class Trainer:
                     if campaign:
                         campaign.before_scrub(self, step)
                     scrub = self._programs["scrub", self.state.opt.current](self.state)
+                    self._settle(scrub)
                     scrub.copy_to_host_async()
                 if (self.backup is not None and snapshot is None and self.snapshot_every and
                         step % self.snapshot_every == 0):
                     slot = self.backup.slot_for_next()
                     self.backup.begin(slot, step)
-                    ticket = self._programs["snapshot", self.state.opt.current, slot](self.state)
-                    snapshot = (slot, step, ticket)
+                    snapshot = (slot, step, self._run_snapshot(slot))
                 pending.append((step, loss, summary, scrub))
                 step += 1
                 continue
             done, loss, summary, scrub = pending.popleft()
-            s = np.asarray(summary)
-            committed = bool(s[0])
+            s = np.asarray(summary)  # [devices, summary]
+            committed = bool(s[0, 0])  # the verdict is global: the same on every device
             if snapshot is not None and snapshot[1] == done:
                 snapshot = self._finish_snapshot(snapshot, committed)
             if committed:
@@ -384,34 +457,39 @@ class Trainer:
 
     # -- handling faults -----------------------------------------------------------------------
 
-    def _locate(self, idx: int, bits: int, shift: int = 0) -> list[tuple[str, str, int]]:
+    def _locate(self, idx: int, bits: int, shift: int = 0,
+                device: int = 0) -> list[tuple[int, str, str, int]]:
         leaf = int(np.searchsorted(self.chunk_base, idx, side="right") - 1)
         chunk = idx - int(self.chunk_base[leaf])
-        return [(self.paths[leaf], k, chunk) for k in self.names if (bits >> shift) & TENSOR_BIT[k]]
+        return [(device, self.paths[leaf], k, chunk) for k in self.names
+                if (bits >> shift) & TENSOR_BIT[k]]
 
     def _decode(self, values: np.ndarray) -> list[tuple[int, int]]:
         k = self.fault_capacity
         return [(int(i), int(b)) for i, b in zip(values[:k], values[k:2 * k]) if i >= 0]
 
     def _handle_fault(self, summaries: list[tuple[int, np.ndarray]]) -> int:
-        """Repairs after the skipped steps (the first, and those halted behind it); returns the
-        step to resume from."""
+        """Repairs after the skipped steps (the first, and those halted behind it; each summary
+        has a row per device); returns the step to resume from."""
         k = self.fault_capacity
         first = summaries[0][0]
-        state_faults: dict[int, int] = {}
+        state_faults: dict[int, int] = {}  # chunk -> bits, over every device
         overflow = False
-        for step, s in summaries:
-            faults = self._decode(s[3:3 + 2 * k])
-            grads = self._decode(s[3 + 2 * k:3 + 4 * k])
-            overflow |= int(s[2]) > len(faults)
-            for i, b in faults:
-                state_faults[i] = state_faults.get(i, 0) | b
-            if faults:  # every damaged chunk this step saw (damage persists until repaired)
-                locs = [loc for i, b in faults for loc in self._locate(i, b)]
+        for step, rows in summaries:
+            locs, grad_locs = [], []
+            for device, s in enumerate(rows):
+                faults = self._decode(s[3:3 + 2 * k])
+                overflow |= int(s[2]) > len(faults)
+                for i, b in faults:
+                    state_faults[i] = state_faults.get(i, 0) | b
+                    locs += self._locate(i, b, device=device)
+                for i, _ in self._decode(s[3 + 2 * k:3 + 4 * k]):
+                    grad_locs.append((device, self._locate(i, 1)[0][1], "gradient", self._chunk_of(i)))
+            if locs:  # every damaged chunk this step saw (damage persists until repaired)
                 self.stats.incidents.append(Incident(step, "state", locs, ""))
-            if grads:
-                locs = [(self._locate(i, 1)[0][0], "gradient", self._chunk_of(i)) for i, _ in grads]
-                self.stats.incidents.append(Incident(step, "gradient", locs, "step skipped, replayed"))
+            if grad_locs:
+                self.stats.incidents.append(Incident(step, "gradient", grad_locs,
+                                                     "step skipped, replayed"))
         pending_state = [inc for inc in self.stats.incidents if inc.kind == "state" and not inc.action]
         if state_faults:
             if overflow or not self._repair(sorted(state_faults.items()), into_copy=False):
@@ -421,7 +499,7 @@ class Trainer:
                 return snap_step + 1
             for inc in pending_state:
                 inc.action = "repaired from the device copy"
-        self.state = TrainState(self.state.opt, jax.device_put(np.int32(0), self.device))
+        self.state = TrainState(self.state.opt, self._put(np.int32(0)))
         return first
 
     def _chunk_of(self, idx: int) -> int:
@@ -430,8 +508,9 @@ class Trainer:
 
     def _repair(self, faults: list[tuple[int, int]], *, into_copy: bool, shift: int = 0) -> bool:
         """Repairs the listed (chunk, bits); True if every chunk verified afterwards."""
-        todo = [(self._locate(i, b, shift)) for i, b in faults]
-        work = [loc for locs in todo for loc in locs]
+        # Every device repairs the same chunks of its copy: where a device's chunk is intact
+        # the repair rewrites the same bytes.
+        work = sorted({loc[1:] for i, b in faults for loc in self._locate(i, b, shift)})
         while work:
             lists = np.full((len(self.paths), len(self.names), self.repair_capacity), -1, np.int32)
             fill = collections.Counter()
@@ -444,21 +523,25 @@ class Trainer:
                 else:
                     rest.append((path, k, chunk))
             program = self._programs["repair", self.state.opt.current, into_copy]
-            self.state, status = program(self.state, jax.device_put(lists, self.device))
-            status = np.asarray(status)
-            self.stats.repairs += int(np.sum(status == pimhbm.REPAIRED))
-            if np.any((lists >= 0) & (status != pimhbm.REPAIRED)):
+            self.state, status = program(self.state, self._put(lists))
+            status = np.asarray(status)  # [devices, leaves, tensors, capacity]
+            self.stats.repairs += int(np.sum(status[0] == pimhbm.REPAIRED))
+            if np.any((lists[None] >= 0) & (status != pimhbm.REPAIRED)):
                 return False
             work = rest
         return True
 
-    def _handle_scrub(self, step: int, values: np.ndarray) -> None:
+    def _handle_scrub(self, step: int, rows: np.ndarray) -> None:
         self.stats.scrubs += 1
-        found = self._decode(values)
-        copy_faults = [(i, b) for i, b in found if b >> 4]
+        copy_faults, locs = {}, []
+        for device, values in enumerate(rows):
+            for i, b in self._decode(values):
+                if b >> 4:
+                    copy_faults[i] = copy_faults.get(i, 0) | b
+                    locs += self._locate(i, b, 4, device=device)
         if not copy_faults:
             return
-        locs = [loc for i, b in copy_faults for loc in self._locate(i, b, 4)]
+        copy_faults = sorted(copy_faults.items())
         ok = self._repair(copy_faults, into_copy=True, shift=4)
         self.stats.incidents.append(Incident(step, "device copy", locs,
                                              "device copy repaired from the current state" if ok
@@ -496,12 +579,11 @@ class Trainer:
             for _ in self.paths:
                 leaves.append({k: (next(it), next(it)) for k in self.names})
             # Fresh buffers (may_alias=False): on the CPU a put would otherwise alias the region.
-            copies = [slot_from_tensors([{k: tuple(jax.device_put(x, self.device, may_alias=False) for x in v)
+            copies = [slot_from_tensors([{k: tuple(self._put(x, copy=True) for x in v)
                                           for k, v in leaf.items()} for leaf in leaves],
                                         self.treedef) for _ in range(3)]
-            opt = AdamWState((copies[0], copies[1]), 0,
-                             jax.device_put(np.int32(step), self.device), copies[2])
-            self.state = TrainState(opt, jax.device_put(np.int32(0), self.device))
+            opt = AdamWState((copies[0], copies[1]), 0, self._put(np.int32(step)), copies[2])
+            self.state = TrainState(opt, self._put(np.int32(0)))
             return step
         raise RuntimeError("no host snapshot verifies: cannot restore")
 
@@ -524,15 +606,20 @@ class Trainer:
 
     # -- fault injection into the live state (campaigns, tests) ---------------------------------
 
-    def inject(self, path: str, tensor: str, fault: np.ndarray, *, into_copy: bool = False) -> None:
+    def inject(self, path: str, tensor: str, fault: np.ndarray, *, into_copy: bool = False,
+               device: int | None = None) -> None:
         """Applies ``fault`` (pimhbm.faults.spec) in place to one tensor of the current slot (or
-        of the device copy)."""
+        of the device copy), on one device's copy (``device``) or on every device's."""
         opt = self.state.opt
         slot = opt.mirror if into_copy else opt.slots[opt.current]
         leaves = slot_tensors(slot, self.treedef)
         i = self.paths.index(path)
         t, table = leaves[i][tensor]
-        leaves[i][tensor] = (faults_mod.inject(t, fault), table)
+        specs = np.zeros((len(self.devices), 8), np.int32)
+        specs[slice(None) if device is None else device] = fault
+        t = self._inject_program(t.shape, t.dtype)(t, self._put(specs, self.by_device))
+        self._settle(t)
+        leaves[i][tensor] = (t, table)
         new = slot_from_tensors(leaves, self.treedef)
         opt = (AdamWState(opt.slots, opt.current, opt.step, new) if into_copy
                else opt.replace_current(new))
@@ -551,7 +638,7 @@ class Trainer:
     def current_state(self) -> dict[str, np.ndarray]:
         """The committed state as host arrays, by leaf and tensor (for comparisons)."""
         out = {}
-        opt = self.state.opt
+        opt = self._first_copy(self.state).opt
         for path, leaf in zip(self.paths, slot_tensors(opt.slots[opt.current], self.treedef)):
             for k in self.names:
                 out[f"{path}/{k}"] = np.asarray(leaf[k][0])

@@ -192,7 +192,9 @@ class AdamW:
                                 "weights are for bfloat16 parameters")
 
         def one_slot(p_tree):
-            params = jax.tree.map(jnp.asarray, p_tree)
+            # A copy: every slot needs its own buffers (they are donated and written in place),
+            # and none may be the caller's.
+            params = jax.tree.map(lambda p: jnp.copy(jnp.asarray(p)), p_tree)
             master = (jax.tree.map(lambda p: p.astype(jnp.float32), params)
                       if self.master_weights else None)
             mu = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)

@@ -1,0 +1,207 @@
+"""A Llama-3 decoder in plain JAX, trained under protection by ``pimhbm demo`` and ``pimhbm llama3``.
+
+Token embedding, N decoder layers (RMSNorm eps 1e-5; grouped-query attention with rotary
+position embeddings, theta 500000; SwiGLU MLP), a final RMSNorm and an untied LM head. Weights
+are kept in the Hugging Face layout (linear weights as [out, in]), so a safetensors checkpoint
+of the ``model.layers.N.self_attn.q_proj.weight`` kind loads by name.
+
+``llama3_8b()`` is the published 8B configuration; ``tiny()`` the same code at a size a 2-core
+CPU trains in seconds (byte-level vocabulary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    dtype: str = "bfloat16"  # parameter (and activation) dtype
+
+    def __post_init__(self):
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even (rotary embeddings rotate pairs)")
+
+    def num_params(self) -> int:
+        h, i, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+        return 2 * self.vocab * h + h + self.layers * layer
+
+
+def llama3_8b(layers: int = 32, vocab: int = 128256) -> Config:
+    return Config(vocab=vocab, hidden=4096, intermediate=14336, layers=layers, heads=32,
+                  kv_heads=8, head_dim=128)
+
+
+def tiny(layers: int = 2, hidden: int = 64, vocab: int = 256) -> Config:
+    return Config(vocab=vocab, hidden=hidden, intermediate=int(hidden * 3.5), layers=layers,
+                  heads=4, kv_heads=2, head_dim=hidden // 4)
+
+
+# -- parameters -------------------------------------------------------------------------------
+
+def _layer_shapes(cfg: Config) -> dict[str, tuple[int, ...]]:
+    q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    return {"input_layernorm": (cfg.hidden,), "q_proj": (q, cfg.hidden), "k_proj": (kv, cfg.hidden),
+            "v_proj": (kv, cfg.hidden), "o_proj": (cfg.hidden, q),
+            "post_attention_layernorm": (cfg.hidden,), "gate_proj": (cfg.intermediate, cfg.hidden),
+            "up_proj": (cfg.intermediate, cfg.hidden), "down_proj": (cfg.hidden, cfg.intermediate)}
+
+
+def init(key: jax.Array, cfg: Config) -> dict[str, Any]:
+    """Random weights (normal, std 0.02; norms at one) in the parameter dtype."""
+    dtype = jnp.dtype(cfg.dtype)
+    keys = iter(jax.random.split(key, 2 + 9 * cfg.layers))
+
+    def weight(shape):
+        if len(shape) == 1:
+            return jnp.ones(shape, dtype)
+        return (0.02 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+    return {"embed": weight((cfg.vocab, cfg.hidden)),
+            "layers": [{name: weight(shape) for name, shape in _layer_shapes(cfg).items()}
+                       for _ in range(cfg.layers)],
+            "norm": jnp.ones((cfg.hidden,), dtype),
+            "lm_head": weight((cfg.vocab, cfg.hidden))}
+
+
+def abstract_params(cfg: Config) -> dict[str, Any]:
+    """The parameters' shapes and dtypes (ShapeDtypeStructs): prewarm without memory."""
+    dtype = jnp.dtype(cfg.dtype)
+    sds = lambda shape: jax.ShapeDtypeStruct(shape, dtype)
+    return {"embed": sds((cfg.vocab, cfg.hidden)),
+            "layers": [{n: sds(s) for n, s in _layer_shapes(cfg).items()} for _ in range(cfg.layers)],
+            "norm": sds((cfg.hidden,)), "lm_head": sds((cfg.vocab, cfg.hidden))}
+
+
+# -- the model --------------------------------------------------------------------------------
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, Hugging Face convention: the two halves of each head rotate together."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles = positions[:, None].astype(jnp.float32) * inv_freq[None, :]  # [T, d/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[None, :, None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[None, :, None, :]
+    x32 = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-x32[..., d // 2:], x32[..., :d // 2]], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _linear(x: jax.Array, w: jax.Array) -> jax.Array:  # w: [out, in]
+    return jnp.einsum("...i,oi->...o", x, w)
+
+
+def decoder_layer(p: dict[str, jax.Array], x: jax.Array, cfg: Config,
+                  attention_impl: str | None = None) -> jax.Array:
+    b, t, _ = x.shape
+    h = rms_norm(x, p["input_layernorm"], cfg.norm_eps)
+    q = _linear(h, p["q_proj"]).reshape(b, t, cfg.heads, cfg.head_dim)
+    k = _linear(h, p["k_proj"]).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+    v = _linear(h, p["v_proj"]).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+    pos = jnp.arange(t)
+    q, k = rope(q, pos, cfg.rope_theta), rope(k, pos, cfg.rope_theta)
+    a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
+    x = x + _linear(a.reshape(b, t, cfg.heads * cfg.head_dim), p["o_proj"])
+    h = rms_norm(x, p["post_attention_layernorm"], cfg.norm_eps)
+    mlp = jax.nn.silu(_linear(h, p["gate_proj"])) * _linear(h, p["up_proj"])
+    return x + _linear(mlp, p["down_proj"])
+
+
+def forward(params: dict[str, Any], tokens: jax.Array, cfg: Config,
+            attention_impl: str | None = None) -> jax.Array:
+    """Logits [B, T, vocab] (float32) of int32 tokens [B, T]."""
+    x = params["embed"][tokens]
+    for layer in params["layers"]:
+        x = decoder_layer(layer, x, cfg, attention_impl)
+    x = rms_norm(x, params["norm"], cfg.norm_eps)
+    return _linear(x, params["lm_head"]).astype(jnp.float32)
+
+
+def loss(params: dict[str, Any], batch: dict[str, jax.Array], cfg: Config,
+         attention_impl: str | None = None) -> jax.Array:
+    """Mean next-token cross-entropy of batch["tokens"] [B, T+1]."""
+    tokens = batch["tokens"]
+    logits = forward(params, tokens[:, :-1], cfg, attention_impl)
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
+# -- Hugging Face safetensors -----------------------------------------------------------------
+
+def hf_names(cfg: Config) -> dict[str, tuple]:
+    """Hugging Face tensor name -> path into our parameter tree."""
+    names = {"model.embed_tokens.weight": ("embed",), "model.norm.weight": ("norm",),
+             "lm_head.weight": ("lm_head",)}
+    for i in range(cfg.layers):
+        for n in _layer_shapes(cfg):
+            group = "self_attn" if n.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else (
+                "mlp" if n.endswith(("gate_proj", "up_proj", "down_proj")) else None)
+            hf = f"model.layers.{i}.{group}.{n}.weight" if group else f"model.layers.{i}.{n}.weight"
+            names[hf] = ("layers", i, n)
+    return names
+
+
+def load_safetensors(paths: str | list[str], cfg: Config) -> dict[str, Any]:
+    """Weights from Hugging Face safetensors file(s), checked against ``cfg`` by name, shape
+    and completeness, cast to the parameter dtype."""
+    from safetensors.numpy import load_file
+
+    tensors: dict[str, np.ndarray] = {}
+    for path in [paths] if isinstance(paths, str) else paths:
+        tensors.update(load_file(path))
+    wanted = hf_names(cfg)
+    missing = sorted(set(wanted) - set(tensors))
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    shapes = abstract_params(cfg)
+    params = jax.tree.map(lambda s: None, shapes)
+    dtype = jnp.dtype(cfg.dtype)
+    for name, path in wanted.items():
+        want = shapes
+        for k in path:
+            want = want[k]
+        array = tensors[name]
+        if tuple(array.shape) != tuple(want.shape):
+            raise ValueError(f"{name} has shape {tuple(array.shape)}, the config wants "
+                             f"{tuple(want.shape)}")
+        node = params
+        for k in path[:-1]:
+            node = node[k]
+        node[path[-1]] = jnp.asarray(np.asarray(array, np.float32)).astype(dtype)
+    return params
+
+
+def save_safetensors(params: dict[str, Any], path: str, cfg: Config) -> None:
+    """Writes the parameters under their Hugging Face names (float32)."""
+    from safetensors.numpy import save_file
+
+    out = {}
+    for name, tree_path in hf_names(cfg).items():
+        node = params
+        for k in tree_path:
+            node = node[k]
+        out[name] = np.asarray(node, np.float32)
+    save_file(out, path)

@@ -1,0 +1,169 @@
+"""The Llama-3 model against an independent float64 NumPy implementation, and the safetensors
+loader against a checkpoint written here."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pimhbm.models import llama3
+
+# -- an independent reference, float64 NumPy, written from the Llama-3 definition --------------
+
+
+def np_rms(x, w, eps=1e-5):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def np_rope(x, theta=500000.0):  # x: [T, heads, d]; rotate_half convention
+    t, _, d = x.shape
+    inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
+    ang = np.arange(t)[:, None] * inv[None, :]
+    cos = np.concatenate([np.cos(ang)] * 2, -1)[:, None, :]
+    sin = np.concatenate([np.sin(ang)] * 2, -1)[:, None, :]
+    rot = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)
+    return x * cos + rot * sin
+
+
+def np_layer(p, x, cfg):  # x: [T, H] of one sequence
+    t = x.shape[0]
+    h = np_rms(x, p["input_layernorm"])
+    q = (h @ p["q_proj"].T).reshape(t, cfg.heads, cfg.head_dim)
+    k = (h @ p["k_proj"].T).reshape(t, cfg.kv_heads, cfg.head_dim)
+    v = (h @ p["v_proj"].T).reshape(t, cfg.kv_heads, cfg.head_dim)
+    q, k = np_rope(q), np_rope(k)
+    group = cfg.heads // cfg.kv_heads
+    out = np.zeros((t, cfg.heads, cfg.head_dim))
+    mask = np.tril(np.ones((t, t), bool))
+    for hd in range(cfg.heads):
+        kv = hd // group
+        s = q[:, hd] @ k[:, kv].T / np.sqrt(cfg.head_dim)
+        s = np.where(mask, s, -np.inf)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        w /= w.sum(-1, keepdims=True)
+        out[:, hd] = w @ v[:, kv]
+    x = x + out.reshape(t, -1) @ p["o_proj"].T
+    h = np_rms(x, p["post_attention_layernorm"])
+    g = h @ p["gate_proj"].T
+    return x + ((g / (1 + np.exp(-g))) * (h @ p["up_proj"].T)) @ p["down_proj"].T
+
+
+def np_forward(params, tokens, cfg):
+    outs = []
+    for seq in tokens:
+        x = params["embed"][seq]
+        for layer in params["layers"]:
+            x = np_layer(layer, x, cfg)
+        outs.append(np_rms(x, params["norm"]) @ params["lm_head"].T)
+    return np.stack(outs)
+
+
+def to64(tree):
+    return jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
+
+
+def fp32_config(**kw):
+    return llama3.Config(**{**llama3.tiny().__dict__, "dtype": "float32", **kw})
+
+
+def test_one_layer_matches_the_numpy_reference(rng):
+    cfg = fp32_config(hidden=32, intermediate=96, heads=4, kv_heads=2, head_dim=8, layers=1)
+    params = llama3.init(jax.random.key(int(rng.integers(1 << 30))), cfg)
+    layer = jax.tree.map(lambda a: a * 5.0 if a.ndim == 2 else a, params["layers"][0])  # not tiny
+    x = rng.standard_normal((2, 11, 32)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda p, x: llama3.decoder_layer(p, x, cfg))(layer, x))
+    want = np.stack([np_layer(to64(layer), x64, cfg) for x64 in x.astype(np.float64)])
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < 1e-5, err
+
+
+def test_whole_model_matches_the_numpy_reference(rng):
+    cfg = fp32_config(layers=2)
+    params = llama3.init(jax.random.key(int(rng.integers(1 << 30))), cfg)
+    params = jax.tree.map(lambda a: a * 10.0 if a.ndim == 2 else a, params)
+    tokens = rng.integers(0, cfg.vocab, size=(2, 13)).astype(np.int32)
+    got = np.asarray(jax.jit(lambda p, t: llama3.forward(p, t, cfg))(params, tokens))
+    want = np_forward(to64(params), tokens, cfg)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < 1e-5, err
+
+
+def test_bf16_model_stays_close_to_the_reference(rng):
+    cfg = llama3.tiny()
+    params = llama3.init(jax.random.key(3), cfg)
+    params = jax.tree.map(lambda a: a * 10.0 if a.ndim == 2 else a, params)
+    tokens = rng.integers(0, cfg.vocab, size=(1, 16)).astype(np.int32)
+    got = np.asarray(jax.jit(lambda p, t: llama3.forward(p, t, cfg))(params, tokens))
+    want = np_forward(to64(params), tokens, cfg)
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < 3e-2, err  # bf16 weights and activations
+
+
+def test_loss_is_the_mean_next_token_cross_entropy(rng):
+    cfg = fp32_config(layers=1)
+    params = llama3.init(jax.random.key(5), cfg)
+    tokens = rng.integers(0, cfg.vocab, size=(2, 9)).astype(np.int32)
+    logits = np_forward(to64(params), tokens[:, :-1], cfg)
+    logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1,
+                                  keepdims=True)) - logits.max(-1, keepdims=True)
+    want = -np.mean(np.take_along_axis(logp, tokens[:, 1:, None], -1))
+    got = float(llama3.loss(params, {"tokens": jnp.asarray(tokens)}, cfg))
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_8b_configuration():
+    cfg = llama3.llama3_8b()
+    assert (cfg.vocab, cfg.hidden, cfg.intermediate, cfg.layers, cfg.heads, cfg.kv_heads,
+            cfg.head_dim) == (128256, 4096, 14336, 32, 32, 8, 128)
+    assert 8.0e9 < cfg.num_params() < 8.1e9  # Llama-3-8B: 8.03 B parameters
+    shapes = llama3.abstract_params(llama3.llama3_8b(layers=1))
+    assert shapes["layers"][0]["k_proj"].shape == (1024, 4096)
+
+
+def test_safetensors_checkpoint_loads_by_name(tmp_path, rng):
+    from safetensors.numpy import save_file
+
+    cfg = fp32_config(layers=2)
+    # A checkpoint in the Hugging Face layout, written by hand here.
+    tensors = {"model.embed_tokens.weight": rng.standard_normal((cfg.vocab, cfg.hidden)),
+               "model.norm.weight": rng.standard_normal(cfg.hidden),
+               "lm_head.weight": rng.standard_normal((cfg.vocab, cfg.hidden))}
+    q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    for i in range(cfg.layers):
+        pre = f"model.layers.{i}."
+        tensors |= {pre + "self_attn.q_proj.weight": rng.standard_normal((q, cfg.hidden)),
+                    pre + "self_attn.k_proj.weight": rng.standard_normal((kv, cfg.hidden)),
+                    pre + "self_attn.v_proj.weight": rng.standard_normal((kv, cfg.hidden)),
+                    pre + "self_attn.o_proj.weight": rng.standard_normal((cfg.hidden, q)),
+                    pre + "mlp.gate_proj.weight": rng.standard_normal((cfg.intermediate, cfg.hidden)),
+                    pre + "mlp.up_proj.weight": rng.standard_normal((cfg.intermediate, cfg.hidden)),
+                    pre + "mlp.down_proj.weight": rng.standard_normal((cfg.hidden, cfg.intermediate)),
+                    pre + "input_layernorm.weight": rng.standard_normal(cfg.hidden),
+                    pre + "post_attention_layernorm.weight": rng.standard_normal(cfg.hidden)}
+    tensors = {k: v.astype(np.float32) for k, v in tensors.items()}
+    path = str(tmp_path / "model.safetensors")
+    save_file(tensors, path)
+    params = llama3.load_safetensors(path, cfg)
+    assert np.array_equal(np.asarray(params["layers"][1]["k_proj"]),
+                          tensors["model.layers.1.self_attn.k_proj.weight"])
+    assert np.array_equal(np.asarray(params["embed"]), tensors["model.embed_tokens.weight"])
+    # The loaded model computes what the reference computes from the file's tensors.
+    tokens = rng.integers(0, cfg.vocab, size=(1, 7)).astype(np.int32)
+    got = np.asarray(llama3.forward(params, tokens, cfg))
+    want = np_forward(to64(params), tokens, cfg)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+    # Round trip through our own writer.
+    path2 = str(tmp_path / "again.safetensors")
+    llama3.save_safetensors(params, path2, cfg)
+    again = llama3.load_safetensors(path2, cfg)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again)))
+    # Wrong or missing tensors are named.
+    bad = dict(tensors)
+    bad["model.layers.0.mlp.up_proj.weight"] = np.zeros((3, 3), np.float32)
+    save_file(bad, path)
+    with pytest.raises(ValueError, match=r"up_proj.weight has shape \(3, 3\)"):
+        llama3.load_safetensors(path, cfg)
+    del bad["model.norm.weight"]
+    save_file(bad, path)
+    with pytest.raises(ValueError, match="lacks 1 tensors"):
+        llama3.load_safetensors(path, cfg)
