@@ -98,6 +98,9 @@ nb::ndarray<Framework...> region_view(std::shared_ptr<ShmRegion> region, int64_t
 
 NB_MODULE(_core, m) {
   m.doc() = "pim-hbm-bypass: FFI handlers (CPU and CUDA) for JAX";
+  // Regions can be alive at interpreter exit (JAX arrays over their memory are released in an
+  // order Python does not promise); that is not a leak worth a warning.
+  nb::set_leak_warnings(false);
   m.def("registrations", &registrations,
         "Map platform -> {target name -> FFI handler capsule}, for jax.ffi.register_ffi_target.");
 #if defined(PIMHBM_WITH_CUDA)

@@ -197,12 +197,16 @@ class Trainer:
         return idx.astype(jnp.int32), jnp.where(idx >= 0, flat[jnp.maximum(idx, 0)], 0)
 
     def _summary(self, report) -> jax.Array:
-        """int32: committed, NaN/Inf gradients, faulty chunks, then the fault list (index,
-        bits) and the NaN/Inf gradient list (index, count)."""
-        f_idx, f_bits = self._fault_list(self.treedef.flatten_up_to(report.fault_maps))
-        g_idx, g_cnt = self._fault_list(self.treedef.flatten_up_to(report.grad_nonfinite_maps))
-        head = jnp.stack([report.committed.astype(jnp.int32), report.grad_nonfinite,
-                          report.digest_faults])
+        """This device's int32 summary: committed (global), NaN/Inf gradients and faulty chunks
+        (both of this device), then the fault list (index, bits) and the NaN/Inf gradient list
+        (index, count)."""
+        fault_maps = self.treedef.flatten_up_to(report.fault_maps)
+        grad_maps = self.treedef.flatten_up_to(report.grad_nonfinite_maps)
+        f_idx, f_bits = self._fault_list(fault_maps)
+        g_idx, g_cnt = self._fault_list(grad_maps)
+        local_faults = sum((jnp.count_nonzero(m).astype(jnp.int32) for m in fault_maps), jnp.int32(0))
+        local_bad = sum((jnp.sum(m, dtype=jnp.int32) for m in grad_maps), jnp.int32(0))
+        head = jnp.stack([report.committed.astype(jnp.int32), local_bad, local_faults])
         return jnp.concatenate([head, f_idx, f_bits, g_idx, g_cnt])
 
     def _repair_fn(self, state: TrainState, lists: jax.Array, *, into_copy: bool):
