@@ -1,4 +1,4 @@
-"""The ``pimhbm`` command."""
+"""The ``pimhbm`` command: the main job (demo) and the tools."""
 
 from __future__ import annotations
 
@@ -10,22 +10,40 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pimhbm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="the main job: damage a model-sized pytree, find every fault")
-    demo.add_argument("--hidden", type=int, default=512, help="model width (default 512)")
-    demo.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
-    demo.add_argument("--vocab", type=int, default=8192, help="vocabulary size (default 8192)")
-    demo.add_argument("--flips", type=int, default=32, help="bit flips to inject (default 32)")
-    demo.add_argument("--nonfinite", type=int, default=6, help="NaN/Inf values to inject")
-    demo.add_argument("--chunk-bytes", type=int, default=None, help="digest chunk size")
+    demo = sub.add_parser("demo", help="the main job: train a Llama-3 twice, with and without a "
+                                       "fault campaign, and show the runs end bit-identical")
+    demo.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    demo.add_argument("--faults", type=int, default=12, help="faults of each kind (default 12)")
+    demo.add_argument("--kinds", nargs="*", default=None,
+                      help="fault kinds (default: all of param_flip master_flip moment_flip "
+                           "row_burst grad_nonfinite double_fault)")
+    demo.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    demo.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
+    demo.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
+    demo.add_argument("--seq", type=int, default=64, help="bytes per sequence (default 64)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    demo.add_argument("--out", default="demo-out", help="folder for metrics.json and loss.png")
     demo.add_argument("--device", default=None, help="cpu or gpu (default: JAX's default)")
+
+    scan = sub.add_parser("scan-demo", help="damage a model-sized pytree, find every fault by "
+                                            "its chunk digests")
+    scan.add_argument("--hidden", type=int, default=512)
+    scan.add_argument("--layers", type=int, default=4)
+    scan.add_argument("--vocab", type=int, default=8192)
+    scan.add_argument("--flips", type=int, default=32)
+    scan.add_argument("--nonfinite", type=int, default=6)
+    scan.add_argument("--chunk-bytes", type=int, default=None)
+    scan.add_argument("--seed", type=int, default=0)
+    scan.add_argument("--device", default=None)
 
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from pimhbm import demo as demo_mod
-        return demo_mod.run(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+        from pimhbm import demo as module
+    elif args.command == "scan-demo":
+        from pimhbm import scan_demo as module
+    else:
+        parser.error(f"unknown command {args.command}")
+    return module.run(args)
 
 
 if __name__ == "__main__":

@@ -1,151 +1,235 @@
-"""``pimhbm demo``: damage a model-sized pytree and find every fault by its chunk digests.
+"""``pimhbm demo`` (``make demo``): train a small Llama-3 twice with the same seed -- once without
+faults, once under a campaign of every kind of fault -- and show that the second run ends
+bit-identical to the first, every fault found, located and repaired.
 
-A Llama-style parameter tree (bf16 weights) with its AdamW state (fp32 master weights and
-moments) is scanned once; then random single-bit flips and NaN/Inf values are written into it.
-A second pass (verify + scan) must find every flip in exactly the chunk it was written to, every
-non-finite value in its chunk, and nothing else. The table and the verdict are computed from
-what the device reported, never assumed.
+The model learns the project's own text (byte level). While it runs: a progress bar with the
+step, the loss and the faults injected / detected / repaired. At the end: a table by kind of
+fault, the steps skipped and replayed, compilations after prewarm, the cost of protection; a
+JSON file of every metric and a PNG of both loss curves with the faults marked. The verdict is
+computed from the two final states; a missed fault or a mismatch exits non-zero.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import os
 import time
+import uuid
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from rich.console import Console
-from rich.progress import Progress
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import pimhbm
-from pimhbm import faults
+from pimhbm.backup import HostBackup
+from pimhbm.campaign import KINDS, Campaign
+from pimhbm.data import corpus_bytes
+from pimhbm.models import llama3
+from pimhbm.train import llama_trainer, text_batches, warmup_cosine
 
 
-def llama_like_tree(key: jax.Array, hidden: int, layers: int, vocab: int) -> dict[str, Any]:
-    """Parameters (bf16) and AdamW state (fp32) with Llama-3 proportions (GQA 4:1, SwiGLU)."""
-    inter = int(hidden * 3.5) // 64 * 64
-    kv = hidden // 4
-    shapes = {"embed": (vocab, hidden), "final_norm": (hidden,), "lm_head": (hidden, vocab)}
-    for i in range(layers):
-        shapes |= {f"layer{i}.attn_norm": (hidden,), f"layer{i}.q": (hidden, hidden),
-                   f"layer{i}.k": (hidden, kv), f"layer{i}.v": (hidden, kv),
-                   f"layer{i}.o": (hidden, hidden), f"layer{i}.mlp_norm": (hidden,),
-                   f"layer{i}.gate": (hidden, inter), f"layer{i}.up": (hidden, inter),
-                   f"layer{i}.down": (inter, hidden)}
-    keys = jax.random.split(key, len(shapes))
-    master = {name: 0.02 * jax.random.normal(k, s, jnp.float32)
-              for (name, s), k in zip(shapes.items(), keys)}
-    return {
-        "params": jax.tree.map(lambda m: m.astype(jnp.bfloat16), master),
-        "master": master,
-        "mu": jax.tree.map(lambda m: 1e-3 * m, master),
-        "nu": jax.tree.map(lambda m: 1e-6 * m * m, master),
-    }
+def _run(console, title, trainer, steps, campaign=None):
+    """Runs with a live progress bar; returns (stats, seconds of the run)."""
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(),
+               TextColumn("step {task.completed:>4}/{task.total}"), TextColumn("loss {task.fields[loss]}"),
+               TextColumn("{task.fields[faults]}"), TimeElapsedColumn()]
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task(title, total=steps, loss="-", faults="")
+
+        def update(step, stats):
+            faults = ""
+            if campaign is not None and (step % 5 == 0 or step == steps):
+                table = campaign.check(stats)
+                inj = sum(f.step <= step for f in campaign.plan)
+                det = sum(r["detected"] for r in table.values())
+                rep = sum(r["repaired"] for r in table.values())
+                faults = f"faults injected {inj:>3} detected {det:>3} repaired {rep:>3}"
+            progress.update(task, completed=step, loss=f"{stats.losses[step]:.3f}",
+                            **({"faults": faults} if faults else {}))
+
+        t0 = time.perf_counter()
+        stats = trainer.run(steps, campaign=campaign, progress=update)
+        return stats, time.perf_counter() - t0
 
 
-def _path_str(path: Any) -> str:
-    return jax.tree_util.keystr(path, simple=True, separator="/")
+def _plain_step_seconds(cfg, data, args, device) -> float:
+    """Seconds per step of the same training without protection -- optax.adamw on fp32 master
+    weights, bf16 parameters cast from them, the same batches and learning rates, no digests,
+    no copy, no checks -- over the same number of steps."""
+    params = jax.device_put(llama3.init(jax.random.key(args.seed), cfg), device)
+    master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    tx = optax.inject_hyperparams(optax.adamw)(learning_rate=3e-3, weight_decay=0.01)
+    lr_of = warmup_cosine(3e-3, 20, args.steps)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(state, batch, lr):
+        master, opt, params = state
+        opt.hyperparams["learning_rate"] = lr
+        loss, grads = jax.value_and_grad(lambda p: llama3.loss(p, batch, cfg))(params)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        updates, opt = tx.update(grads, opt, master)
+        master = optax.apply_updates(master, updates)
+        return (master, opt, jax.tree.map(lambda m: m.astype(jnp.bfloat16), master)), loss
+
+    batch_fn = text_batches(data, args.batch, args.seq, args.seed)
+    state = (master, tx.init(master), params)
+    jax.block_until_ready(step(jax.tree.map(jnp.copy, state), jax.device_put(batch_fn(1), device),
+                               np.float32(0)))  # compile outside the timing
+    t0 = time.perf_counter()
+    for s in range(1, args.steps + 1):
+        state, loss = step(state, jax.device_put(batch_fn(s), device), np.float32(lr_of(s)))
+    jax.block_until_ready(loss)
+    return (time.perf_counter() - t0) / args.steps
+
+
+def _plot(path, ref_losses, losses, campaign, kinds, identical):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 5), dpi=120)
+    steps = sorted(ref_losses)
+    ax.plot(steps, [ref_losses[s] for s in steps], lw=2.5, color="#9ecae1", label="without faults")
+    steps = sorted(losses)
+    ax.plot(steps, [losses[s] for s in steps], lw=1, color="#08519c", label="under the fault campaign")
+    colors = dict(zip(KINDS, ["#e41a1c", "#ff7f00", "#984ea3", "#4daf4a", "#f781bf", "#a65628"]))
+    ymax = max(max(ref_losses.values()), max(losses.values()))
+    for kind in kinds:
+        xs = [f.step for f in campaign.plan if f.kind == kind]
+        ax.scatter(xs, [ymax * 1.02] * len(xs), marker="v", s=18, color=colors[kind],
+                   label=f"{kind} ({len(xs)})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats per byte)")
+    ax.set_title("Llama-3 (tiny) under protection: the two runs end " +
+                 ("bit-identical" if identical else "DIFFERENT"))
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def run(args: Any) -> int:
     console = Console()
     if args.device:
         jax.config.update("jax_default_device", jax.devices(args.device)[0])
-    chunk = args.chunk_bytes or pimhbm.DEFAULT_CHUNK_BYTES
-    rng = np.random.default_rng(args.seed)
-    device = jax.devices()[0] if not args.device else jax.devices(args.device)[0]
-    console.print(f"[bold]pimhbm demo[/] on {device.platform.upper()} ({device.device_kind}), "
-                  f"chunks of {chunk} bytes, seed {args.seed}")
+    device = jax.devices(args.device)[0] if args.device else jax.devices()[0]
+    kinds = args.kinds or list(KINDS)
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        console.print(f"[red]unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}[/]")
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    cfg = llama3.tiny(layers=args.layers, hidden=args.hidden)
+    data = corpus_bytes()
+    console.print(f"[bold]pimhbm demo[/]: Llama-3 ({cfg.layers} layers, hidden {cfg.hidden}, "
+                  f"{cfg.num_params() / 1e6:.2f} M parameters, bf16 with fp32 master weights) on "
+                  f"{len(data) / 1e3:.0f} KB of text, {args.steps} steps of {args.batch}x{args.seq} "
+                  f"bytes, on {device.platform.upper()} ({device.device_kind}); seed {args.seed}")
+    names = [f"pimhbm_demo_{uuid.uuid4().hex[:10]}_{k}" for k in ("clean", "faults")]
+    common = dict(steps=args.steps, batch=args.batch, seq=args.seq, seed=args.seed,
+                  shm_name=None, inject_gradients=True, devices=[device])
+    try:
+        # Run 1: without faults. The same compiled programs as run 2 (fault hooks included).
+        clean = llama_trainer(cfg, data, **{**common, "shm_name": names[0]})
+        pre = clean.prewarm()
+        console.print(f"prewarm: {pre['programs']} programs compiled from shapes in "
+                      f"{pre['seconds']:.1f} s")
+        ref_stats, ref_seconds = _run(console, "without faults", clean, args.steps)
+        ref_state = clean.current_state()
 
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("building the model state", total=4)
-        tree = llama_like_tree(jax.random.key(args.seed), args.hidden, args.layers, args.vocab)
-        tree = jax.block_until_ready(tree)
-        nbytes = sum(x.nbytes for x in jax.tree.leaves(tree))
-        n_params = sum(x.size for x in jax.tree.leaves(tree["params"]))
-        progress.advance(task)
+        # Run 2: the same, under the campaign.
+        faulty = llama_trainer(cfg, data, **{**common, "shm_name": names[1]})
+        faulty.prewarm()
+        counts = {k: args.faults for k in kinds}
+        campaign = Campaign(faulty, counts, last_step=args.steps, seed=args.seed + 1)
+        stats, seconds = _run(console, "under faults", faulty, args.steps, campaign)
+        state = faulty.current_state()
+    finally:
+        for n in names:
+            HostBackup.unlink(n)
 
-        progress.update(task, description="scanning (digests, finite check)")
-        scan = jax.jit(pimhbm.scan_tree, static_argnames="chunk_bytes")
-        jax.block_until_ready(scan(tree, chunk_bytes=chunk))  # compile outside the timing
-        t0 = time.perf_counter()
-        reference = jax.block_until_ready(scan(tree, chunk_bytes=chunk))
-        scan_s = time.perf_counter() - t0
-        progress.advance(task)
+    table = campaign.check(stats)
+    identical = state.keys() == ref_state.keys() and all(
+        state[k].tobytes() == ref_state[k].tobytes() for k in state)
+    differing = [k for k in state if state[k].tobytes() != ref_state[k].tobytes()]
+    missed = sum(r["missed"] for r in table.values())
+    unrepaired = sum(r["detected"] - r["repaired"] for r in table.values())
+    protected = ref_seconds / args.steps
+    plain = _plain_step_seconds(cfg, data, args, device)
 
-        progress.update(task, description=f"injecting {args.flips} bit flips, "
-                                          f"{args.nonfinite} NaN/Inf")
-        flips = faults.random_bit_flips(rng, tree, args.flips)
-        leaves = dict(jax.tree_util.tree_leaves_with_path(tree))
-        for path, index, bit in flips:
-            leaves[path] = faults.flip_bit(leaves[path], index, bit)
-        float_paths = [p for p in leaves if p[0].key != "params"]
-        bad_values = []
-        for _ in range(args.nonfinite):
-            path = float_paths[int(rng.integers(len(float_paths)))]
-            index = int(rng.integers(leaves[path].size))
-            value = [np.nan, np.inf, -np.inf][int(rng.integers(3))]
-            flat = leaves[path].reshape(-1).at[index].set(value)
-            leaves[path] = flat.reshape(leaves[path].shape)
-            bad_values.append((path, index, value))
-        damaged = jax.tree_util.tree_unflatten(jax.tree.structure(tree), list(leaves.values()))
-        progress.advance(task)
+    out = Table(title="Faults by kind")
+    for col in ("kind", "injected", "detected", "repaired", "missed"):
+        out.add_column(col, justify="left" if col == "kind" else "right")
+    for kind, row in table.items():
+        out.add_row(kind, str(row["injected"]), str(row["detected"]), str(row["repaired"]),
+                    f"[red]{row['missed']}[/]" if row["missed"] else "0")
+    console.print(out)
+    facts = Table(show_header=False, title="The run under faults")
+    facts.add_column(justify="left")
+    facts.add_column(justify="right")
+    rows = [("steps committed (replays included)", stats.steps_committed),
+            ("steps skipped (then replayed)", stats.steps_skipped),
+            ("steps replayed", stats.steps_replayed),
+            ("chunks repaired from the device copy", stats.repairs),
+            ("restores from the host snapshot (double faults)", stats.host_restores),
+            ("host snapshots taken", stats.snapshots), ("scrubs", stats.scrubs),
+            ("compilations after prewarm (both runs)", clean.compiles + faulty.compiles),
+            ("time per protected step, no faults", f"{protected * 1e3:.1f} ms"),
+            ("time per unprotected step (optax.adamw)", f"{plain * 1e3:.1f} ms"),
+            ("cost of protection on this device", f"{(protected / plain - 1) * 100:+.0f} %"),
+            ("final loss, both runs", f"{ref_stats.losses[args.steps]:.4f} / "
+                                      f"{stats.losses[args.steps]:.4f}")]
+    for k, v in rows:
+        facts.add_row(k, str(v))
+    console.print(facts)
+    if device.platform == "cpu":
+        console.print("[dim]On a CPU the guarded update runs the plain reference loops (digests "
+                      "computed chunk by chunk); the cost of protection is measured on the GPU by "
+                      "`pimhbm llama3` and bench/.[/]")
 
-        progress.update(task, description="verifying")
-        verify = jax.jit(pimhbm.verify_tree, static_argnames="chunk_bytes")
-        mismatch = jax.device_get(verify(damaged, reference, chunk_bytes=chunk))
-        rescan = jax.device_get(scan(damaged, chunk_bytes=chunk))
-        progress.advance(task)
+    metrics = {
+        "model": cfg.__dict__, "steps": args.steps, "batch": args.batch, "seq": args.seq,
+        "seed": args.seed, "device": f"{device.platform} ({device.device_kind})",
+        "faults": table, "steps_committed": stats.steps_committed,
+        "steps_skipped": stats.steps_skipped, "steps_replayed": stats.steps_replayed,
+        "repairs": stats.repairs, "host_restores": stats.host_restores,
+        "snapshots": stats.snapshots, "scrubs": stats.scrubs,
+        "compilations_after_prewarm": clean.compiles + faulty.compiles,
+        "seconds_per_protected_step": protected, "seconds_per_plain_step": plain,
+        "bit_identical": identical, "differing_tensors": differing,
+        "losses_without_faults": ref_stats.losses, "losses_under_faults": stats.losses,
+        "incidents": [{"step": i.step, "kind": i.kind, "action": i.action,
+                       "locations": [list(l) for l in i.locations]} for i in stats.incidents],
+        "faults_planned": [{"step": f.step, "kind": f.kind, "tensor": f"{f.path}/{f.tensor}",
+                            "chunks": list(f.chunks), "detected": f.detected,
+                            "repaired": f.repaired} for f in campaign.plan],
+    }
+    with open(os.path.join(args.out, "metrics.json"), "w") as f:
+        json.dump(metrics, f, indent=1)
+    plot = os.path.join(args.out, "loss.png")
+    _plot(plot, ref_stats.losses, stats.losses, campaign, kinds, identical)
+    console.print(f"metrics: {os.path.join(args.out, 'metrics.json')}; plot: {plot}")
 
-    mismatch_by_path = dict(jax.tree_util.tree_leaves_with_path(mismatch))
-    nonfinite_by_path = {p: r.nonfinite for p, r in jax.tree_util.tree_leaves_with_path(
-        rescan, is_leaf=lambda r: isinstance(r, pimhbm.ScanResult))}
-
-    # Which chunks should be flagged: the chunk of every flip and of every overwritten value
-    # (writing a NaN changes the bytes too).
-    expected: dict[Any, set[int]] = {}
-    for path, index, _ in flips + bad_values:
-        expected.setdefault(path, set()).add(index * leaves[path].dtype.itemsize // chunk)
-
-    table = Table(title=f"{len(flips)} bit flips: where they were written, where they were found")
-    for col in ("#", "tensor", "element", "bit", "chunk", "found"):
-        table.add_column(col, justify="right" if col in ("#", "element", "bit", "chunk") else "left")
-    found = 0
-    for k, (path, index, bit) in enumerate(flips):
-        c = index * leaves[path].dtype.itemsize // chunk
-        hit = bool(mismatch_by_path[path][c])
-        found += hit
-        table.add_row(str(k + 1), _path_str(path), str(index), str(bit), str(c),
-                      "[green]yes[/]" if hit else "[red]MISSED[/]")
-    console.print(table)
-
-    nf_table = Table(title=f"{len(bad_values)} NaN/Inf values written into fp32 state")
-    for col in ("tensor", "element", "value", "chunk", "non-finite count in chunk"):
-        nf_table.add_column(col)
-    nonfinite_found = 0
-    for path, index, value in bad_values:
-        c = index * leaves[path].dtype.itemsize // chunk
-        count = int(nonfinite_by_path[path][c])
-        nonfinite_found += count > 0
-        nf_table.add_row(_path_str(path), str(index), str(value), str(c),
-                         f"[green]{count}[/]" if count else "[red]0 (MISSED)[/]")
-    if bad_values:
-        console.print(nf_table)
-
-    false_alarms = sum(int(np.count_nonzero(m)) - len(expected.get(p, set()) & set(np.flatnonzero(m)))
-                       for p, m in mismatch_by_path.items())
-    flagged = sum(int(np.count_nonzero(m)) for m in mismatch_by_path.values())
-    total_chunks = sum(m.size for m in mismatch_by_path.values())
-    console.print(
-        f"state: {nbytes / 2**20:.1f} MiB in {len(leaves)} tensors ({n_params / 1e6:.1f} M "
-        f"parameters), {total_chunks} chunks; scan {scan_s * 1e3:.1f} ms = "
-        f"{nbytes / scan_s / 1e9:.2f} GB/s on {device.platform}")
-    console.print(f"bit flips found in their chunk: {found}/{len(flips)}; NaN/Inf found: "
-                  f"{nonfinite_found}/{len(bad_values)}; chunks flagged: {flagged}; "
-                  f"false alarms: {false_alarms}")
-    ok = found == len(flips) and nonfinite_found == len(bad_values) and false_alarms == 0
-    console.print("[bold green]verdict: every fault was found in its chunk, no false alarm[/]"
-                  if ok else "[bold red]verdict: FAILED (see the tables above)[/]")
+    ok = identical and missed == 0 and unrepaired == 0 and clean.compiles + faulty.compiles == 0
+    if ok:
+        console.print(f"[bold green]verdict: bit-identical[/] -- all {sum(r['injected'] for r in table.values())} "
+                      "faults found in their chunk and repaired; the run under faults ended with "
+                      "exactly the state of the run without.")
+    else:
+        why = []
+        if not identical:
+            why.append(f"the final states differ in {len(differing)} tensors ({', '.join(differing[:3])})")
+        if missed:
+            why.append(f"{missed} faults were missed")
+        if unrepaired:
+            why.append(f"{unrepaired} faults were found but not repaired")
+        if clean.compiles + faulty.compiles:
+            why.append(f"{clean.compiles + faulty.compiles} compilations after prewarm")
+        console.print("[bold red]verdict: FAILED[/] -- " + "; ".join(why))
     return 0 if ok else 1

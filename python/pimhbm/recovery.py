@@ -167,7 +167,7 @@ class Trainer:
 
     @property
     def compiles(self) -> int:
-        """Backend compilations since :meth:`prewarm` finished."""
+        """Backend compilations while this trainer ran (after :meth:`prewarm`)."""
         return self._compile_count
 
     # -- the programs --------------------------------------------------------------------------
@@ -319,7 +319,6 @@ class Trainer:
             self._host_verify_programs()
         self.prewarm_seconds = time.perf_counter() - t0
         self._compile_count = 0
-        self._counting = True
         return {"programs": len(self._programs), "seconds": round(self.prewarm_seconds, 2)}
 
     def _host_verify_programs(self) -> None:
@@ -401,6 +400,14 @@ class Trainer:
         ``before_scrub(trainer, step)`` that injects faults (see pimhbm.campaign)."""
         if not self._programs:
             raise RuntimeError("call prewarm() first: every program is compiled ahead of time")
+        self._counting = True  # compilations are counted while the run goes on
+        try:
+            return self._run(until, campaign, progress)
+        finally:
+            self._counting = False
+            self.stats.compiles_after_prewarm = self.compiles
+
+    def _run(self, until, campaign, progress) -> RunStats:
         pending: collections.deque = collections.deque()
         attempts: collections.Counter = collections.Counter()
         snapshot = None  # (slot, step, ticket) in flight
@@ -456,7 +463,6 @@ class Trainer:
             step = replay_from
         if snapshot is not None:
             self._finish_snapshot(snapshot, True)
-        self.stats.compiles_after_prewarm = self.compiles
         return self.stats
 
     # -- handling faults -----------------------------------------------------------------------

@@ -1,0 +1,65 @@
+"""Training a Llama-3 under protection: the model, a byte-level text stream, the guarded update
+with a device copy, host snapshots, the asynchronous fault loop and prewarm, in one call.
+
+    trainer = pimhbm.train.llama_trainer(llama3.tiny(), text, steps=300)
+    trainer.prewarm()
+    stats = trainer.run(300)
+
+Data parallel over every device there is (one included): see pimhbm.recovery.Trainer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+import pimhbm
+from pimhbm.models import llama3
+from pimhbm.recovery import Trainer
+
+
+def text_batches(data: bytes, batch: int, seq: int, seed: int) -> Callable[[int], dict[str, np.ndarray]]:
+    """batch_fn(step) -> {"tokens": int32 [batch, seq + 1]}: windows of the byte stream at
+    positions drawn from (seed, step), so that any step's batch can be made again."""
+    tokens = np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+    if tokens.size < seq + 2:
+        raise ValueError(f"the text has {tokens.size} bytes; a window needs {seq + 1}")
+
+    def batch_fn(step: int) -> dict[str, np.ndarray]:
+        starts = np.random.default_rng([seed, step]).integers(0, tokens.size - seq - 1, batch)
+        return {"tokens": np.stack([tokens[s:s + seq + 1] for s in starts])}
+
+    return batch_fn
+
+
+def warmup_cosine(peak: float, warmup: int, steps: int, floor: float = 0.1) -> Callable[[int], float]:
+    """The learning rate of a step (a host function: passed to the device as a scalar)."""
+    def lr(step: int) -> float:
+        if step <= warmup:
+            return peak * step / max(warmup, 1)
+        t = min(1.0, (step - warmup) / max(steps - warmup, 1))
+        return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * t)))
+    return lr
+
+
+def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 16, seq: int = 64,
+                  peak_lr: float = 3e-3, warmup: int = 20, seed: int = 0,
+                  chunk_elems: int = 1024, shm_name: str | None = None,
+                  snapshot_every: int = 25, scrub_every: int = 10,
+                  inject_gradients: bool = False, devices: Any = None,
+                  attention_impl: str | None = None, params: Any = None) -> Trainer:
+    """A protected trainer of the Llama-3 ``cfg`` on byte-level ``data``: bf16 parameters with
+    fp32 master weights and moments, a device copy for chunk repair, and (with ``shm_name``)
+    host snapshots in shared memory."""
+    if params is None:
+        params = llama3.init(jax.random.key(seed), cfg)
+    opt = pimhbm.adamw(peak_lr, weight_decay=0.01, master_weights=cfg.dtype == "bfloat16",
+                       device_copy=True, chunk_elems=chunk_elems)
+    loss = lambda p, b: llama3.loss(p, b, cfg, attention_impl)
+    return Trainer(loss, opt, params, text_batches(data, batch, seq, seed),
+                   learning_rate=warmup_cosine(peak_lr, warmup, steps), shm_name=shm_name,
+                   snapshot_every=snapshot_every, scrub_every=scrub_every,
+                   inject_gradients=inject_gradients, devices=devices)

@@ -1,0 +1,23 @@
+"""A short run of the main job (`pimhbm demo`), end to end, as a user runs it."""
+
+import json
+import os
+import subprocess
+import sys
+
+
+def test_short_demo_run_ends_bit_identical(tmp_path):
+    out = tmp_path / "demo"
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one device, as `make demo` runs
+    r = subprocess.run([sys.executable, "-m", "pimhbm.cli", "demo", "--steps", "40", "--faults",
+                        "3", "--layers", "1", "--hidden", "32", "--batch", "8", "--seq", "32",
+                        "--out", str(out)], capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "verdict: bit-identical" in r.stdout
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["bit_identical"] is True
+    assert metrics["compilations_after_prewarm"] == 0
+    assert all(row["injected"] == 3 and row["repaired"] == 3 for row in metrics["faults"].values())
+    assert len(metrics["faults"]) == 6
+    assert (out / "loss.png").stat().st_size > 10_000
