@@ -85,6 +85,15 @@ def bench_case(kind, n_params, leaves):
     upd = jax.jit(lambda s, g, lr: opt.update(g, s, lr)[0], donate_argnums=0)
     t, state = timed_loop(upd, state, (grads, jnp.float32(LR)))
     out["pimhbm.adamw (guarded)"] = t
+    # The same with the device copy kept current (written in the same pass, verified chunks).
+    del state
+    opt_copy = pimhbm.adamw(LR, master_weights=bf16, device_copy=True)
+    state_copy = opt_copy.init(params)
+    upd_copy = jax.jit(lambda s, g, lr: opt_copy.update(g, s, lr)[0], donate_argnums=0)
+    t_copy, state_copy = timed_loop(upd_copy, state_copy, (grads, jnp.float32(LR)))
+    out["pimhbm.adamw + device copy"] = t_copy
+    del state_copy
+    state = opt.init(params)
     # A step that must skip (NaN in the gradient): the predicated restore copies the state back.
     bad = dict(grads)
     bad["w0"] = bad["w0"].at[12345].set(jnp.nan)

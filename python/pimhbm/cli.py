@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -36,13 +37,31 @@ def main(argv: list[str] | None = None) -> int:
     scan.add_argument("--seed", type=int, default=0)
     scan.add_argument("--device", default=None)
 
+    from pimhbm.tools import gate, llama3, recover, shard
+
+    tools = {"gate": (gate, "prewarm from shapes, and the insulation gate on injected NaN/Inf"),
+             "shard": (shard, "a mesh over the devices, the state sharded, per-shard digests"),
+             "recover": (recover, "the fault campaign on a data-parallel state, with the "
+                                  "collective fault map as (device, tensor, chunk)"),
+             "llama3": (llama3, "Llama-3-8B-dimension layers under protection: step time "
+                                "protected vs unprotected, and a fault campaign")}
+    for name, (module, help_text) in tools.items():
+        module.add_arguments(sub.add_parser(name, help=help_text, description=module.__doc__))
+
     args = parser.parse_args(argv)
+    if args.command in ("demo", "recover") or (args.command == "llama3" and args.deterministic):
+        # Exact replay needs a deterministic step: on GPUs XLA's default attention and some
+        # reductions are not bit-repeatable. Set before JAX starts its backends (harmless on
+        # CPUs); its own cost is not the cost of protection.
+        flags = os.environ.get("XLA_FLAGS", "")
+        if "xla_gpu_deterministic_ops" not in flags:
+            os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_deterministic_ops=true").strip()
     if args.command == "demo":
         from pimhbm import demo as module
     elif args.command == "scan-demo":
         from pimhbm import scan_demo as module
     else:
-        parser.error(f"unknown command {args.command}")
+        module = tools[args.command][0]
     return module.run(args)
 
 

@@ -130,7 +130,10 @@ def run(args: Any) -> int:
     console.print(f"[bold]pimhbm demo[/]: Llama-3 ({cfg.layers} layers, hidden {cfg.hidden}, "
                   f"{cfg.num_params() / 1e6:.2f} M parameters, bf16 with fp32 master weights) on "
                   f"{len(data) / 1e3:.0f} KB of text, {args.steps} steps of {args.batch}x{args.seq} "
-                  f"bytes, on {device.platform.upper()} ({device.device_kind}); seed {args.seed}")
+                  f"bytes, on {device.platform.upper()} ({device.device_kind}); seed {args.seed}; "
+                  "exact-replay mode (XLA deterministic ops): " +
+                  ("on" if "xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
+                   else "off"))
     names = [f"pimhbm_demo_{uuid.uuid4().hex[:10]}_{k}" for k in ("clean", "faults")]
     common = dict(steps=args.steps, batch=args.batch, seq=args.seq, seed=args.seed,
                   shm_name=None, inject_gradients=True, devices=[device])

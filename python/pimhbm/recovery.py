@@ -151,6 +151,23 @@ class Trainer:
             opt_state = jax.jit(self.opt.init, out_shardings=self.replicated)(params)
             self.state = TrainState(opt_state, self._put(np.int32(0)))
 
+    def restart(self, params: Any) -> None:
+        """A new run from ``params`` with the same compiled programs (statistics, snapshots and
+        the batch log start over)."""
+        params = jax.device_put(params, self.replicated)
+        if jax.tree.structure(params) != self.treedef:
+            raise ValueError("restart needs parameters of the same structure")
+        self.state = TrainState(jax.jit(self.opt.init, out_shardings=self.replicated)(params),
+                                self._put(np.int32(0)))
+        self.stats = RunStats()
+        self.next_step = 1
+        self._compile_count = 0
+        if self.backup is not None:
+            for slot in (0, 1):
+                self.backup._slot_header(slot)[:] = 0
+            for r in range(self.backup.ring):
+                self.backup._record_header(r)[:] = 0
+
     def _put(self, x: Any, sharding: Any = None, copy: bool = False) -> jax.Array:
         if copy:
             # Through a fresh host copy: a device put with may_alias=False still shares the

@@ -1,0 +1,1 @@
+"""The commands of ``pimhbm`` besides the demo: gate, shard, recover, llama3."""

@@ -1,0 +1,193 @@
+"""``pimhbm llama3``: Llama-3-8B-dimension layers trained under protection on a GPU.
+
+Measures the step time with full protection (digests checked and rewritten in the update pass,
+commit-or-skip on the device, the device copy kept current, the fault summary read one step
+later) against the same step with plain ``optax.adamw``, then runs a fault campaign at this
+scale and checks that it ends bit-identical to the same run without faults.
+
+Bit-identical replays need a deterministic step: on GPUs run with
+XLA_FLAGS=--xla_gpu_deterministic_ops=true (``--deterministic`` sets it; its own cost is
+reported apart, it is not the cost of protection).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--layers", type=int, default=2, help="decoder layers of 8B dimensions (default 2)")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per step (default 16384)")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    p.add_argument("--vocab", type=int, default=8192,
+                   help="vocabulary (default 8192: the layers, not the LM head, are measured)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    p.add_argument("--campaign-steps", type=int, default=30, help="steps of the fault campaign")
+    p.add_argument("--faults", type=int, default=2, help="faults of each kind in the campaign")
+    p.add_argument("--no-campaign", action="store_true", help="only the timings")
+    p.add_argument("--deterministic", action="store_true",
+                   help="set XLA_FLAGS=--xla_gpu_deterministic_ops=true (needed for bit-identical "
+                        "replays on GPUs)")
+    p.add_argument("--json", default=None, help="write the figures here")
+
+
+def _median_step(step, carry, batches, lrs):
+    import jax
+    carry = step(carry, batches[0], lrs[0])
+    jax.block_until_ready(carry)
+    times = []
+    for rep in range(3):
+        t0 = time.perf_counter()
+        for b, lr in zip(batches, lrs):
+            carry = step(carry, b, lr)
+        jax.block_until_ready(carry)
+        times.append((time.perf_counter() - t0) / len(batches))
+    return statistics.median(times), carry
+
+
+def run(args: Any) -> int:
+    if args.deterministic and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_gpu_deterministic_ops=true").strip()
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from rich.console import Console
+    from rich.table import Table
+
+    import pimhbm
+    from pimhbm.backup import HostBackup
+    from pimhbm.campaign import KINDS, Campaign
+    from pimhbm.models import llama3
+    from pimhbm.train import llama_trainer, warmup_cosine
+
+    console = Console()
+    dev = jax.devices()[0]
+    if args.tokens % args.seq:
+        console.print("[red]--tokens must be a multiple of --seq[/]")
+        return 2
+    batch = args.tokens // args.seq
+    cfg = llama3.llama3_8b(layers=args.layers, vocab=args.vocab)
+    console.print(f"[bold]pimhbm llama3[/]: {args.layers} Llama-3-8B layers (hidden 4096, "
+                  f"intermediate 14336, GQA 32/8, head 128), vocab {args.vocab}, "
+                  f"{cfg.num_params() / 1e6:.0f} M parameters (bf16, fp32 master and moments), "
+                  f"{batch} x {args.seq} = {args.tokens} tokens a step, on {dev.device_kind}; "
+                  f"deterministic ops: {'on' if 'deterministic_ops=true' in os.environ.get('XLA_FLAGS', '') else 'off'}")
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, size=4_000_000, dtype=np.uint8).tobytes()  # random bytes
+    attention = "cudnn" if dev.platform == "gpu" else None
+    lr_of = warmup_cosine(3e-4, 5, 1000)
+    results: dict[str, Any] = {"device": dev.device_kind, "layers": args.layers,
+                               "tokens": args.tokens, "params": cfg.num_params()}
+
+    # Plain: optax.adamw on fp32 master weights, bf16 parameters cast from them.
+    fresh = lambda: llama3.init(jax.random.key(0), cfg)  # the same weights every time
+    params = fresh()
+    master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    tx = optax.inject_hyperparams(optax.adamw)(learning_rate=3e-4, weight_decay=0.01)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def plain_step(state, b, lr):
+        master, opt, params = state
+        opt.hyperparams["learning_rate"] = lr
+        loss, grads = jax.value_and_grad(lambda p: llama3.loss(p, b, cfg, attention))(params)
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        updates, opt = tx.update(grads, opt, master)
+        master = optax.apply_updates(master, updates)
+        return master, opt, jax.tree.map(lambda m: m.astype(jnp.bfloat16), master)
+
+    from pimhbm.train import text_batches
+    batch_fn = text_batches(data, batch, args.seq, 0)
+    batches = [jax.device_put(batch_fn(s + 1)) for s in range(args.steps)]
+    lrs = [np.float32(lr_of(s + 1)) for s in range(args.steps)]
+    console.print("timing the unprotected step (optax.adamw) ...")
+    plain, carry = _median_step(plain_step, (master, tx.init(master), params), batches, lrs)
+    del carry, master, params  # donated
+    results["plain_ms"] = plain * 1e3
+
+    # Protected: the recovery engine's step (fault hooks compiled in, as in the campaign).
+    name = f"pimhbm_llama3_{uuid.uuid4().hex[:8]}"
+    trainer = llama_trainer(cfg, data, steps=1000, batch=batch, seq=args.seq, peak_lr=3e-4,
+                            warmup=5, chunk_elems=4096, shm_name=name, snapshot_every=0,
+                            scrub_every=0, inject_gradients=True, devices=[dev],
+                            attention_impl=attention, params=fresh())
+    try:
+        console.print("prewarm (every program, from shapes) ...")
+        before = dev.memory_stats() or {}
+        pre = trainer.prewarm()
+        after = dev.memory_stats() or {}
+        results["prewarm_seconds"] = pre["seconds"]
+        results["prewarm_device_bytes"] = (after.get("bytes_in_use", 0) - before.get("bytes_in_use", 0)
+                                           if before else None)
+        console.print(f"  {pre['programs']} programs in {pre['seconds']:.1f} s; device memory used "
+                      f"by compiling: {results['prewarm_device_bytes']} bytes")
+        console.print("timing the protected step ...")
+        trainer.run(3)  # warm
+        times = []
+        for rep in range(3):
+            start = trainer.next_step
+            t0 = time.perf_counter()
+            trainer.run(start + args.steps - 1)
+            times.append((time.perf_counter() - t0) / args.steps)
+        protected = statistics.median(times)
+        results["protected_ms"] = protected * 1e3
+        results["overhead"] = protected / plain - 1
+        results["compiles_after_prewarm"] = trainer.compiles
+
+        table = Table(title=f"step time, {args.tokens} tokens, {dev.device_kind}")
+        for col in ("step", "ms", "vs plain"):
+            table.add_column(col, justify="left" if col == "step" else "right")
+        table.add_row("plain optax.adamw", f"{plain * 1e3:.2f}", "1.000x")
+        table.add_row("protected (pimhbm)", f"{protected * 1e3:.2f}", f"{protected / plain:.3f}x")
+        console.print(table)
+        console.print(f"cost of protection: {results['overhead'] * 100:+.2f} % (target <= 2 %): " +
+                      ("[green]met[/]" if results["overhead"] <= 0.02 else "[red]not met[/]"))
+
+        if not args.no_campaign:
+            steps = args.campaign_steps
+            trainer.snapshot_every, trainer.scrub_every = 10, 5
+            console.print(f"fault campaign: {args.faults} faults of each kind over {steps} steps, "
+                          "against the same run without faults ...")
+            trainer.restart(fresh())
+            t0 = time.perf_counter()
+            ref_stats = trainer.run(steps)
+            ref_state = trainer.current_state()
+            trainer.restart(fresh())
+            campaign = Campaign(trainer, {k: args.faults for k in KINDS}, last_step=steps, seed=1)
+            stats = trainer.run(steps, campaign=campaign)
+            state = trainer.current_state()
+            identical = all(state[k].tobytes() == ref_state[k].tobytes() for k in state)
+            found = campaign.check(stats)
+            results["campaign"] = {"faults": found, "bit_identical": identical,
+                                   "repairs": stats.repairs, "host_restores": stats.host_restores,
+                                   "steps_skipped": stats.steps_skipped,
+                                   "compiles_after_prewarm": trainer.compiles,
+                                   "seconds": time.perf_counter() - t0,
+                                   "reference_incidents": len(ref_stats.incidents)}
+            t = Table(title="fault campaign at 8B-layer scale")
+            for col in ("kind", "injected", "detected", "repaired", "missed"):
+                t.add_column(col, justify="left" if col == "kind" else "right")
+            for kind, row in found.items():
+                t.add_row(kind, *(str(row[c]) for c in ("injected", "detected", "repaired", "missed")))
+            console.print(t)
+            console.print(f"repairs from the device copy {stats.repairs}, host restores "
+                          f"{stats.host_restores}, compilations after prewarm {trainer.compiles}; "
+                          "final state " + ("[green]bit-identical[/] to the run without faults"
+                                            if identical else "[red]DIFFERENT[/]"))
+    finally:
+        HostBackup.unlink(name)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    ok = results.get("compiles_after_prewarm", 1) == 0 and (
+        args.no_campaign or (results["campaign"]["bit_identical"] and
+                             all(r["missed"] == 0 for r in results["campaign"]["faults"].values())))
+    return 0 if ok else 1
