@@ -100,10 +100,14 @@ void run_gpu(HostLeaf& h, const float* step_host, int in_flight, MirrorOut* mirr
   }
 }
 
-// Every NaN bit pattern replaced by one (fp32 or bf16 words).
-std::vector<float> canonical(std::vector<float> v) {
-  for (float& x : v) x = std::isnan(x) ? NAN : x;
-  return v;
+// Every NaN bit pattern replaced by one; compared as bit patterns (NaN != NaN as floats).
+std::vector<uint32_t> canonical(const std::vector<float>& v) {
+  std::vector<uint32_t> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    const float x = std::isnan(v[i]) ? NAN : v[i];
+    std::memcpy(&out[i], &x, 4);
+  }
+  return out;
 }
 std::vector<uint8_t> canonical_params(const HostLeaf& h, std::vector<uint8_t> v) {
   for (int64_t i = 0; i < h.n; ++i) {
