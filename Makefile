@@ -7,7 +7,7 @@ CPP_BUILD := build/cpp
 GENERATOR := $(shell command -v ninja >/dev/null 2>&1 && echo "-G Ninja")
 SOURCES := $(shell find csrc python -type f -not -path '*/__pycache__/*') CMakeLists.txt pyproject.toml
 
-.PHONY: demo test test-cpp test-py bench venv install gpu-carry clean
+.PHONY: build-cpp demo test test-cpp test-py bench venv install gpu-carry clean
 
 demo: install
 	$(VENV)/bin/pimhbm demo
@@ -26,12 +26,14 @@ $(VENV)/.installed: $(VENV)/.ready $(SOURCES)
 	touch $@
 
 # The C++ suite is built on its own (CUDA tests compile everywhere and skip without a GPU).
-test-cpp: $(VENV)/.ready
+build-cpp: $(VENV)/.ready
 	@mkdir -p build
 	cmake -S . -B $(CPP_BUILD) $(GENERATOR) -DPIMHBM_BUILD_TESTS=ON -DPIMHBM_BUILD_PYTHON=OFF \
 	  -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS) > $(CPP_BUILD).configure.log 2>&1 || \
 	  { cat $(CPP_BUILD).configure.log; exit 1; }
 	cmake --build $(CPP_BUILD) -j $$(nproc)
+
+test-cpp: build-cpp
 	ctest --test-dir $(CPP_BUILD) --output-on-failure -j $$(nproc)
 
 test-py: install

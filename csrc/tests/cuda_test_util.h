@@ -49,7 +49,10 @@ class DeviceBuffer {
   cudaError_t upload(const std::vector<T>& host) {
     return count_ ? cudaMemcpy(ptr_, host.data(), bytes(), cudaMemcpyHostToDevice) : cudaSuccess;
   }
-  cudaError_t poison() { return count_ ? cudaMemset(ptr_, 0xFF, bytes()) : cudaSuccess; }
+  // Fills with `byte` so that an output a kernel never wrote shows up in the comparison.
+  cudaError_t poison(int byte = 0xFF) {
+    return count_ ? cudaMemset(ptr_, byte, bytes()) : cudaSuccess;
+  }
   std::vector<T> download(cudaError_t* err) const {
     std::vector<T> host(count_);
     *err = count_ ? cudaMemcpy(host.data(), ptr_, bytes(), cudaMemcpyDeviceToHost) : cudaSuccess;

@@ -69,7 +69,7 @@ TEST(RepairCuda, MatchesCpu) {
       PIMHBM_ASSERT_CUDA(d_st.upload(table));
       PIMHBM_ASSERT_CUDA(d_dt.upload(table));
       PIMHBM_ASSERT_CUDA(d_chunks.upload(chunks));
-      PIMHBM_ASSERT_CUDA(d_status.poison());
+      PIMHBM_ASSERT_CUDA(d_status.poison(0x5A));  // not a status: an unwritten one shows
       PIMHBM_ASSERT_CUDA(repair::repair_cuda(d_chunks.get(), static_cast<int64_t>(chunks.size()),
                                              {d_src.get(), len, chunk, d_st.get()},
                                              {d_dst.get(), len, chunk, d_dt.get()},
@@ -79,6 +79,48 @@ TEST(RepairCuda, MatchesCpu) {
       EXPECT_EQ(down(d_dst), cpu_dst) << len << " " << chunk;
       EXPECT_EQ(down(d_dt), cpu_table) << len << " " << chunk;
     }
+  }
+}
+
+// Every chunk listed, over ragged lengths: the short last chunk (and its short last unit)
+// goes through the block digest on both sides of the copy.
+TEST(RepairCuda, RaggedLastChunk) {
+  PIMHBM_SKIP_WITHOUT_GPU();
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  for (int trial = 0; trial < 40; ++trial) {
+    const int64_t chunk = 16 * (1 + static_cast<int64_t>(rng() % 256));
+    const int64_t len = 1 + static_cast<int64_t>(rng() % (8 * chunk));
+    const int64_t n = num_chunks(len, chunk);
+    auto good = random_bytes(rng, len);
+    const auto table = table_of(good, chunk);
+    auto src = good, dst = good;
+    dst[len - 1] ^= 1 + rng() % 255;  // the last byte always damaged
+    for (int k = 0; k < 3; ++k) dst[rng() % len] ^= 0x10;
+    if (trial % 4 == 0) src[rng() % len] ^= 0x01;  // sometimes the backup too
+    std::vector<int32_t> chunks(n);
+    for (int64_t c = 0; c < n; ++c) chunks[c] = static_cast<int32_t>(n - 1 - c);
+    auto cpu_dst = dst;
+    auto cpu_table = table;
+    std::vector<int32_t> cpu_status(n);
+    repair::repair_cpu(chunks.data(), n, {src.data(), len, chunk, table.data()},
+                       {cpu_dst.data(), len, chunk, cpu_table.data()}, cpu_status.data());
+    DeviceBuffer<uint8_t> d_src(len), d_dst(len);
+    DeviceBuffer<uint32_t> d_st(table.size()), d_dt(table.size());
+    DeviceBuffer<int32_t> d_chunks(n), d_status(n);
+    PIMHBM_ASSERT_CUDA(d_src.upload(src));
+    PIMHBM_ASSERT_CUDA(d_dst.upload(dst));
+    PIMHBM_ASSERT_CUDA(d_st.upload(table));
+    PIMHBM_ASSERT_CUDA(d_dt.upload(table));
+    PIMHBM_ASSERT_CUDA(d_chunks.upload(chunks));
+    PIMHBM_ASSERT_CUDA(d_status.poison(0x5A));
+    PIMHBM_ASSERT_CUDA(repair::repair_cuda(d_chunks.get(), n, {d_src.get(), len, chunk, d_st.get()},
+                                           {d_dst.get(), len, chunk, d_dt.get()}, d_status.get(),
+                                           nullptr));
+    PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
+    EXPECT_EQ(down(d_status), cpu_status) << "len " << len << " chunk " << chunk;
+    EXPECT_EQ(down(d_dst), cpu_dst) << "len " << len << " chunk " << chunk;
+    EXPECT_EQ(down(d_dt), cpu_table) << "len " << len << " chunk " << chunk;
   }
 }
 
