@@ -24,24 +24,32 @@ __device__ __forceinline__ uint64_t block_sum_u64(uint64_t v, uint64_t* scratch)
 }
 
 // Digest of `len` bytes at `p` (chunk number `chunk`); every thread of the block gets it.
-// Units are read as 8-byte words where they are whole and 8-byte aligned, byte by byte else.
+// Whole units are read as 8-byte words where `p` is 8-byte aligned, byte by byte else; the
+// short last unit (a buffer's last chunk only) is read by thread 0 alone, one byte per
+// iteration of a loop that stops at the end -- no load is ever issued past the buffer, not
+// even a predicated-off one (a tail read with predicated byte loads came out wrong under
+// compute-sanitizer memcheck for 1-3 byte tails, while plain runs matched).
 __device__ __forceinline__ uint64_t block_chunk_digest(const uint8_t* p, int64_t len,
                                                        uint64_t chunk, uint64_t* scratch) {
   const uint64_t key0 = chunk_key(chunk);
-  const int64_t units = (len + 7) / 8;
+  const int64_t whole = len / 8;
   const bool aligned = reinterpret_cast<uintptr_t>(p) % 8 == 0;
   uint64_t acc = 0;
-  for (int64_t i = threadIdx.x; i < units; i += blockDim.x) {
-    uint64_t u = 0;
-    if (aligned && 8 * i + 8 <= len) {
+  for (int64_t i = threadIdx.x; i < whole; i += blockDim.x) {
+    uint64_t u;
+    if (aligned) {
       u = reinterpret_cast<const uint64_t*>(p)[i];
     } else {
-      for (int b = 0; b < 8; ++b) {
-        const int64_t at = 8 * i + b;
-        u |= at < len ? static_cast<uint64_t>(p[at]) << (8 * b) : 0ull;
-      }
+      u = 0;
+      for (int b = 0; b < 8; ++b) u |= static_cast<uint64_t>(p[8 * i + b]) << (8 * b);
     }
     acc += unit_term(u, key0 + static_cast<uint64_t>(i) * kUnitStride);
+  }
+  const int rest = static_cast<int>(len - 8 * whole);
+  if (rest > 0 && threadIdx.x == 0) {
+    uint64_t u = 0;
+    for (int b = 0; b < rest; ++b) u |= static_cast<uint64_t>(p[8 * whole + b]) << (8 * b);
+    acc += unit_term(u, key0 + static_cast<uint64_t>(whole) * kUnitStride);
   }
   return finalize(block_sum_u64(acc, scratch), static_cast<uint64_t>(len), chunk);
 }
