@@ -1,7 +1,8 @@
 """pim-hbm-bypass: keeps JAX training correct when GPU memory or arithmetic silently goes wrong.
 
-Integrity scan (this module's first layer): per-chunk 64-bit digests of any tensor's raw bytes,
-non-finite counts and max |x|, computed inside ``jax.jit`` on XLA's own buffers, on CPU and GPU.
+Integrity scan (per-chunk digests, NaN/Inf counts, max |x|), guarded AdamW with commit-or-skip
+on the device, chunk repair from a backup, host snapshots in shared memory; the recovery engine
+is ``pimhbm.recovery.Trainer``. Every op is an XLA FFI call on CPU and GPU.
 """
 
 __version__ = "0.1.0"

@@ -35,11 +35,15 @@ from pimhbm.train import llama_trainer, text_batches, warmup_cosine
 
 
 def _run(console, title, trainer, steps, campaign=None):
-    """Runs with a live progress bar; returns (stats, seconds of the run)."""
+    """Runs with a live progress bar (a line every tenth of the run when the output is not a
+    terminal, so that a log shows how far a long run got); returns (stats, seconds)."""
     columns = [TextColumn("[bold]{task.description}"), BarColumn(),
                TextColumn("step {task.completed:>4}/{task.total}"), TextColumn("loss {task.fields[loss]}"),
                TextColumn("{task.fields[faults]}"), TimeElapsedColumn()]
-    with Progress(*columns, console=console, transient=False) as progress:
+    every = max(1, steps // 10)
+    t0 = time.perf_counter()
+    with Progress(*columns, console=console, transient=False,
+                  disable=not console.is_terminal) as progress:
         task = progress.add_task(title, total=steps, loss="-", faults="")
 
         def update(step, stats):
@@ -52,8 +56,10 @@ def _run(console, title, trainer, steps, campaign=None):
                 faults = f"faults injected {inj:>3} detected {det:>3} repaired {rep:>3}"
             progress.update(task, completed=step, loss=f"{stats.losses[step]:.3f}",
                             **({"faults": faults} if faults else {}))
+            if not console.is_terminal and (step % every == 0 or step == steps):
+                console.print(f"  {title}: step {step:>4}/{steps}  loss {stats.losses[step]:.3f}  "
+                              f"{faults}  {time.perf_counter() - t0:6.1f} s", highlight=False)
 
-        t0 = time.perf_counter()
         stats = trainer.run(steps, campaign=campaign, progress=update)
         return stats, time.perf_counter() - t0
 
