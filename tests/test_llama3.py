@@ -167,3 +167,19 @@ def test_safetensors_checkpoint_loads_by_name(tmp_path, rng):
     save_file(bad, path)
     with pytest.raises(ValueError, match="lacks 1 tensors"):
         llama3.load_safetensors(path, cfg)
+
+
+def test_one_hot_embedding_equals_the_gather(rng):
+    """Small vocabularies embed by a one-hot product (no scatter in the backward pass): values
+    and the table's gradient equal the gather's, and larger vocabularies use the gather."""
+    for vocab in (7, llama3.ONE_HOT_EMBED_MAX_VOCAB):
+        table = jnp.asarray(rng.standard_normal((vocab, 24)), jnp.float32)
+        tokens = jnp.asarray(rng.integers(0, vocab, size=(3, 11)), jnp.int32)
+        weights = jnp.asarray(rng.standard_normal((3, 11, 24)), jnp.float32)
+        np.testing.assert_array_equal(llama3.embed(table, tokens), table[tokens])
+        g_onehot = jax.grad(lambda t: jnp.sum(llama3.embed(t, tokens) * weights))(table)
+        g_gather = jax.grad(lambda t: jnp.sum(t[tokens] * weights))(table)
+        np.testing.assert_allclose(g_onehot, g_gather, rtol=1e-6, atol=1e-6)
+    big = jnp.zeros((llama3.ONE_HOT_EMBED_MAX_VOCAB + 1, 4), jnp.float32)
+    hlo = jax.jit(llama3.embed).lower(big, jnp.zeros((1, 2), jnp.int32)).as_text()
+    assert "gather" in hlo and "dot_general" not in hlo

@@ -130,10 +130,25 @@ def decoder_layer(p: dict[str, jax.Array], x: jax.Array, cfg: Config,
     return x + _linear(mlp, p["down_proj"])
 
 
+# Vocabularies up to this size are embedded by a one-hot matrix product.
+ONE_HOT_EMBED_MAX_VOCAB = 1024
+
+
+def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Rows of ``table`` [vocab, hidden] for int32 ``tokens``. The gradient of a gather is a
+    scatter-add, which XLA makes bit-repeatable on GPUs (exact-replay mode) only by ordering
+    it, at a high cost; for small vocabularies (byte-level models) a one-hot product is exact
+    (one non-zero term per output), repeatable and cheap. Larger vocabularies gather."""
+    if table.shape[0] <= ONE_HOT_EMBED_MAX_VOCAB:
+        return jnp.einsum("btv,vh->bth", jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype),
+                          table)
+    return table[tokens]
+
+
 def forward(params: dict[str, Any], tokens: jax.Array, cfg: Config,
             attention_impl: str | None = None) -> jax.Array:
     """Logits [B, T, vocab] (float32) of int32 tokens [B, T]."""
-    x = params["embed"][tokens]
+    x = embed(params["embed"], tokens)
     for layer in params["layers"]:
         x = decoder_layer(layer, x, cfg, attention_impl)
     x = rms_norm(x, params["norm"], cfg.norm_eps)
@@ -146,7 +161,9 @@ def loss(params: dict[str, Any], batch: dict[str, jax.Array], cfg: Config,
     tokens = batch["tokens"]
     logits = forward(params, tokens[:, :-1], cfg, attention_impl)
     logp = jax.nn.log_softmax(logits)
-    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+    # A one-hot product rather than take_along_axis: no scatter in the backward pass (see embed).
+    targets = jax.nn.one_hot(tokens[:, 1:], cfg.vocab, dtype=logp.dtype)
+    return -jnp.mean(jnp.sum(logp * targets, axis=-1))
 
 
 # -- Hugging Face safetensors -----------------------------------------------------------------
