@@ -15,7 +15,14 @@
 #include "scan/scan_ffi.h"
 #include "faults/inject_ffi.h"
 #include "repair/repair_ffi.h"
+#include "telemetry/telemetry.h"
 #include "update/update_ffi.h"
+
+#if defined(PIMHBM_WITH_CUDA)
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+#endif
 
 namespace nb = nanobind;
 
@@ -54,6 +61,69 @@ nb::dict registrations() {
 }
 
 using pimhbm::backup::ShmRegion;
+using pimhbm::telemetry::Telemetry;
+
+nb::dict health_dict(const pimhbm::telemetry::DeviceHealth& h) {
+  nb::dict d, fields, unavailable;
+  d["index"] = h.index;
+  d["name"] = h.name;
+  d["uuid"] = h.uuid;
+  for (const auto& [name, r] : h.fields) {
+    if (r.ok) {
+      fields[name.c_str()] = r.value;
+    } else {
+      fields[name.c_str()] = nb::none();
+      unavailable[name.c_str()] = r.why;
+    }
+  }
+  d["fields"] = fields;
+  d["unavailable"] = unavailable;
+  return d;
+}
+
+nb::list events_list(const std::vector<pimhbm::telemetry::Event>& events) {
+  nb::list out;
+  for (const auto& e : events) {
+    nb::dict d;
+    d["device"] = e.device;
+    d["kind"] = e.kind;
+    d["xid"] = e.xid;
+    d["detail"] = e.detail;
+    d["seconds"] = e.seconds;
+    out.append(d);
+  }
+  return out;
+}
+
+// NVML-style UUIDs ("GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx") of the CUDA devices this
+// process sees, by CUDA ordinal: how a JAX device is matched with an NVML device. Empty
+// without CUDA or a driver.
+std::vector<std::string> cuda_device_uuids() {
+  std::vector<std::string> out;
+#if defined(PIMHBM_WITH_CUDA)
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear: no driver or no device is not an error here
+    return out;
+  }
+  for (int i = 0; i < n; ++i) {
+    cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) {
+      cudaGetLastError();
+      out.emplace_back();
+      continue;
+    }
+    const auto* b = reinterpret_cast<const unsigned char*>(prop.uuid.bytes);
+    char buf[48];
+    std::snprintf(buf, sizeof(buf),
+                  "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0],
+                  b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13],
+                  b[14], b[15]);
+    out.emplace_back(buf);
+  }
+#endif
+  return out;
+}
 
 nb::dlpack::dtype parse_dtype(const std::string& name) {
   using nb::dlpack::dtype_code;
@@ -130,4 +200,30 @@ NB_MODULE(_core, m) {
   m.def("snapshot_pending", &pimhbm::backup::snapshot_pending,
         "Whether a snapshot copy is still running.");
   m.attr("chunk_align") = pimhbm::kChunkAlign;
+
+  nb::class_<Telemetry>(m, "Telemetry",
+                        "The GPU's own fault signals through NVML, opened at run time.")
+      .def(nb::init<const std::string&>(), nb::arg("library") = "",
+           "Opens NVML (library: a path; default libnvidia-ml.so.1 or $PIMHBM_NVML_LIBRARY).")
+      .def_prop_ro("available", &Telemetry::available)
+      .def_prop_ro("reason", &Telemetry::reason)
+      .def_prop_ro("library", &Telemetry::library)
+      .def_prop_ro("device_count", &Telemetry::device_count)
+      .def("read", [](const Telemetry& t) {
+             nb::list out;
+             for (const auto& h : t.read()) out.append(health_dict(h));
+             return out;
+           }, "Per device: {index, name, uuid, fields: {name: value or None}, unavailable: {name: why}}.")
+      .def("start", &Telemetry::start, nb::arg("poll_seconds") = 1.0,
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Starts the background thread: driver events, and counters read every poll_seconds.")
+      .def("stop", &Telemetry::stop, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("running", &Telemetry::running)
+      .def_prop_ro("events_status", &Telemetry::events_status,
+                   "'' while driver events are watched, else why they are not.")
+      .def("drain", [](Telemetry& t) { return events_list(t.drain()); },
+           "The events since the last drain: {device, kind, xid, detail, seconds}.");
+  m.def("telemetry_fields", &pimhbm::telemetry::field_names, "The fields of a reading, in order.");
+  m.def("cuda_device_uuids", &cuda_device_uuids,
+        "NVML-style UUIDs of the CUDA devices this process sees, by CUDA ordinal.");
 }

@@ -59,3 +59,7 @@ from pimhbm.repair import (  # noqa: E402
 
 __all__ += ["NOT_LISTED", "OUT_OF_RANGE", "REPAIRED", "SOURCE_DAMAGED", "STILL_DAMAGED",
             "backup_snapshot", "repair"]
+from pimhbm import telemetry  # noqa: E402,F401
+from pimhbm.telemetry import Health, DeviceHealth, Monitor, health  # noqa: E402
+
+__all__ += ["Health", "DeviceHealth", "Monitor", "health"]

@@ -37,14 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     scan.add_argument("--seed", type=int, default=0)
     scan.add_argument("--device", default=None)
 
-    from pimhbm.tools import gate, llama3, recover, shard
+    from pimhbm.tools import gate, health, llama3, recover, shard
 
     tools = {"gate": (gate, "prewarm from shapes, and the insulation gate on injected NaN/Inf"),
              "shard": (shard, "a mesh over the devices, the state sharded, per-shard digests"),
              "recover": (recover, "the fault campaign on a data-parallel state, with the "
                                   "collective fault map as (device, tensor, chunk)"),
              "llama3": (llama3, "Llama-3-8B-dimension layers under protection: step time "
-                                "protected vs unprotected, and a fault campaign")}
+                                "protected vs unprotected, and a fault campaign"),
+             "health": (health, "the GPUs' own memory-fault signals (NVML): ECC counts, "
+                                "remapped rows, retired pages, Xid events")}
     for name, (module, help_text) in tools.items():
         module.add_arguments(sub.add_parser(name, help=help_text, description=module.__doc__))
 

@@ -193,7 +193,11 @@ def run(args: Any) -> int:
             ("time per unprotected step (optax.adamw)", f"{plain * 1e3:.1f} ms"),
             ("cost of protection on this device", f"{(protected / plain - 1) * 100:+.0f} %"),
             ("final loss, both runs", f"{ref_stats.losses[args.steps]:.4f} / "
-                                      f"{stats.losses[args.steps]:.4f}")]
+                                      f"{stats.losses[args.steps]:.4f}"),
+            ("hardware telemetry (NVML)", stats.telemetry),
+            ("GPU-reported events (both runs); suspect devices",
+             f"{len(ref_stats.telemetry_events) + len(stats.telemetry_events)}; "
+             f"{sorted(ref_stats.suspect_devices | stats.suspect_devices) or 'none'}")]
     for k, v in rows:
         facts.add_row(k, str(v))
     console.print(facts)
@@ -212,6 +216,11 @@ def run(args: Any) -> int:
         "compilations_after_prewarm": clean.compiles + faulty.compiles,
         "seconds_per_protected_step": protected, "seconds_per_plain_step": plain,
         "bit_identical": identical, "differing_tensors": differing,
+        "telemetry": stats.telemetry,
+        "telemetry_events": [e.__dict__ | {"run": run} for run, st in
+                             (("without faults", ref_stats), ("under faults", stats))
+                             for e in st.telemetry_events],
+        "suspect_devices": sorted(ref_stats.suspect_devices | stats.suspect_devices),
         "losses_without_faults": ref_stats.losses, "losses_under_faults": stats.losses,
         "incidents": [{"step": i.step, "kind": i.kind, "action": i.action,
                        "locations": [list(l) for l in i.locations]} for i in stats.incidents],

@@ -74,6 +74,20 @@ class RunStats:
     compiles_after_prewarm: int = 0
     losses: dict[int, float] = dataclasses.field(default_factory=dict)
     incidents: list[Incident] = dataclasses.field(default_factory=list)
+    telemetry: str = "off"  # what the hardware telemetry watches, or why it does not
+    telemetry_events: list[Any] = dataclasses.field(default_factory=list)  # TelemetryEvent
+    suspect_devices: set[int] = dataclasses.field(default_factory=set)  # positions in devices
+
+
+class DeviceFailure(RuntimeError):
+    """A device failed in a way this process cannot go on from (a poisoned CUDA context, a GPU
+    lost): restart the process and resume from the host snapshot in shared memory
+    (``Trainer(..., shm_name=<same>, resume=True)``, or ``pimhbm recover --resume``)."""
+
+    def __init__(self, message: str, device: int | None, snapshot_step: int | None):
+        super().__init__(message)
+        self.device = device
+        self.snapshot_step = snapshot_step
 
 
 def _keystr(path) -> str:
@@ -94,7 +108,8 @@ class Trainer:
                  learning_rate: Callable[[int], float] | None = None,
                  shm_name: str | None = None, snapshot_every: int = 25, log_ring: int | None = None,
                  scrub_every: int = 10, repair_capacity: int = 16, fault_capacity: int = 64,
-                 inject_gradients: bool = False, devices: Any = None, resume: bool = False):
+                 inject_gradients: bool = False, devices: Any = None, resume: bool = False,
+                 telemetry: Any = "auto"):
         ensure_registered()
         if not opt.device_copy:
             raise ValueError("the recovery engine needs the device copy: pimhbm.adamw(..., "
@@ -115,7 +130,15 @@ class Trainer:
         self.snapshot_every, self.scrub_every = snapshot_every, scrub_every
         self.repair_capacity, self.fault_capacity = repair_capacity, fault_capacity
         self.inject_gradients = inject_gradients
+        # Hardware telemetry (NVML): "auto" watches when NVML is there; a Monitor of your own
+        # (another library path, another poll interval); None for none.
+        if isinstance(telemetry, str) and telemetry == "auto":
+            telemetry = pimhbm.telemetry.Monitor()
+        self.telemetry = telemetry
+        self._nvml_position = self._map_nvml_devices(devices)
+        self._scrub_due = False
         self.stats = RunStats()
+        self.stats.telemetry = self._telemetry_status()
         self._compile_count = 0
         self._counting = False
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
@@ -160,6 +183,7 @@ class Trainer:
         self.state = TrainState(jax.jit(self.opt.init, out_shardings=self.replicated)(params),
                                 self._put(np.int32(0)))
         self.stats = RunStats()
+        self.stats.telemetry = self._telemetry_status()
         self.next_step = 1
         self._compile_count = 0
         if self.backup is not None:
@@ -437,12 +461,15 @@ class Trainer:
         while step <= until or pending:
             if step <= until and len(pending) < 2:
                 attempts[step] += 1
+                self._poll_telemetry(step)
                 gf = campaign.before_step(self, step, attempts[step]) if campaign else None
-                loss, summary = self._dispatch(step, gf)
+                loss, summary = self._guarded(step, lambda: self._dispatch(step, gf))
                 scrub = None
-                if self.scrub_every and step % self.scrub_every == 0:
-                    if campaign:
+                scheduled = bool(self.scrub_every and step % self.scrub_every == 0)
+                if scheduled or self._scrub_due:
+                    if campaign and scheduled:
                         campaign.before_scrub(self, step)
+                    self._scrub_due = False
                     scrub = self._programs["scrub", self.state.opt.current](self.state)
                     self._settle(scrub)
                     scrub.copy_to_host_async()
@@ -455,7 +482,7 @@ class Trainer:
                 step += 1
                 continue
             done, loss, summary, scrub = pending.popleft()
-            s = np.asarray(summary)  # [devices, summary]
+            s = self._guarded(done, lambda: np.asarray(summary))  # [devices, summary]
             committed = bool(s[0, 0])  # the verdict is global: the same on every device
             if snapshot is not None and snapshot[1] == done:
                 snapshot = self._finish_snapshot(snapshot, committed)
@@ -481,6 +508,71 @@ class Trainer:
         if snapshot is not None:
             self._finish_snapshot(snapshot, True)
         return self.stats
+
+    # -- hardware telemetry --------------------------------------------------------------------
+
+    def _map_nvml_devices(self, devices) -> dict[int, int]:
+        """NVML index -> position in ``devices``: by UUID for GPUs (CUDA ordinals and NVML
+        indices differ under CUDA_VISIBLE_DEVICES); else index i is position i."""
+        t = self.telemetry
+        if t is None or not t.available:
+            return {}
+        by_uuid = {d.uuid: d.index for d in t.devices if d.uuid}
+        cuda = pimhbm._core.cuda_device_uuids()
+        out = {}
+        for pos, dev in enumerate(devices):
+            hw = getattr(dev, "local_hardware_id", None)
+            if dev.platform == "gpu" and hw is not None and hw < len(cuda) and cuda[hw] in by_uuid:
+                out[by_uuid[cuda[hw]]] = pos
+        if not out:
+            out = {i: i for i in range(min(len(t.devices), len(devices)))}
+        return out
+
+    def _telemetry_status(self) -> str:
+        return "off" if self.telemetry is None else self.telemetry.status()
+
+    def _poll_telemetry(self, step: int) -> None:
+        """Between steps: what the GPUs reported since the last step (no NVML call here). A
+        device with news becomes suspect and its state is scrubbed at this step; a fatal
+        event stops the run with DeviceFailure (resume from the host snapshot)."""
+        if self.telemetry is None:
+            return
+        for e in self.telemetry.drain():
+            pos = self._nvml_position.get(e.device)
+            self.stats.telemetry_events.append(e)
+            where = f"device {pos}" if pos is not None else f"NVML device {e.device} (not in this run)"
+            if e.fatal:
+                raise DeviceFailure(self._failure_message(f"{where}: {e.describe()}"), pos,
+                                    self._newest_snapshot())
+            if pos is None:
+                continue
+            self.stats.suspect_devices.add(pos)
+            self._scrub_due = True
+            self.stats.incidents.append(Incident(step, "telemetry", [],
+                                                 f"{where}: {e.describe()}; full scrub at step {step}"))
+
+    def _newest_snapshot(self) -> int | None:
+        if self.backup is None:
+            return None
+        newest = self.backup.newest()
+        return newest[0][0] if newest else None
+
+    def _failure_message(self, what: str) -> str:
+        snap = self._newest_snapshot()
+        how = ("restart the process and resume from the host snapshot of step "
+               f"{snap} (Trainer(..., shm_name={self.backup.name!r}, resume=True))"
+               if snap is not None else
+               "there is no host snapshot to resume from (pass shm_name= to keep one)")
+        return f"{what}. This process cannot use the device again: {how}."
+
+    def _guarded(self, step: int, fn: Callable[[], Any]) -> Any:
+        """Runs ``fn``; a device error (a poisoned CUDA context after an uncorrectable ECC
+        error, a lost GPU) becomes DeviceFailure with the way to resume, not a hang."""
+        try:
+            return fn()
+        except jax.errors.JaxRuntimeError as err:
+            raise DeviceFailure(self._failure_message(f"step {step}: device error: {err}"), None,
+                                self._newest_snapshot()) from err
 
     # -- handling faults -----------------------------------------------------------------------
 
@@ -672,5 +764,7 @@ class Trainer:
         return out
 
     def close(self, unlink: bool = False) -> None:
+        if self.telemetry is not None:
+            self.telemetry.close()
         if self.backup is not None and unlink:
             HostBackup.unlink(self.backup.name)
