@@ -214,3 +214,62 @@ def test_a_fault_on_one_device_is_located_to_that_device(shm_name):
     assert state_incidents[0].locations == [(2, "w1", "mu", 700 // 256)]
     assert state_incidents[0].action == "repaired from the device copy"
     assert same_state(tr.current_state(), ref_state)
+
+
+def test_a_double_fault_on_some_devices_is_repaired_from_a_healthy_replica(shm_name, rng):
+    """A chunk damaged in both the state and the device copy of devices 1 and 3 (fresh random
+    places): the engine pulls it from a device whose copy is healthy -- no host snapshot, no
+    replay beyond the skipped steps -- and rewrites the damaged device copies; the run ends
+    bit-identical. The same damage on every device falls back to the host snapshot."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    reference = make_trainer(shm_name + "_ref")
+    reference.run(30)
+    ref_state = reference.current_state()
+    reference.close(unlink=True)
+    leaf, tensor = ("w1", "nu"), (int(rng.integers(0, 4096)) * 4, int(rng.integers(0, 8)))
+    offset, bit = tensor
+    burst = int(rng.integers(0, 4096 * 4 - 1500))
+
+    class Doubles:
+        def before_step(self, trainer, step, attempt):
+            if attempt != 1:
+                return None
+            if step == 9:  # one bit, state and copy, on devices 1 and 3
+                for dev in (1, 3):
+                    for copy in (False, True):
+                        trainer.inject(*leaf, faults.spec(faults.FLIP_BIT, offset=offset, bit=bit),
+                                       into_copy=copy, device=dev)
+            if step == 17:  # a row burst in state and copy on device 0 only
+                for copy in (False, True):
+                    trainer.inject("w1", "p", faults.spec(faults.OVERWRITE, offset=burst // 2,
+                                                          length=700, seed=5),
+                                   into_copy=copy, device=0)
+            if step == 24:  # the same flip on every device: no healthy replica
+                for copy in (False, True):
+                    trainer.inject("b1", "mu", faults.spec(faults.FLIP_BIT, offset=8, bit=3),
+                                   into_copy=copy)
+            return None
+
+        def before_scrub(self, trainer, step):
+            pass
+
+    tr = make_trainer(shm_name)
+    stats = tr.run(30, campaign=Doubles())
+    # Each fault is seen by its step and by the one in flight behind it (halted, same damage).
+    seen = [i for i in stats.incidents if i.kind == "state"]
+    assert [i.step for i in seen] == [9, 10, 17, 18, 24, 25]
+    assert [i.action for i in seen[0::2]] == [i.action for i in seen[1::2]]
+    state = seen[0::2]
+    chunk = offset // 4 // 256
+    assert state[0].locations == [(1, "w1", "nu", chunk), (3, "w1", "nu", chunk)]
+    assert state[0].action == "repaired from a healthy replica (device 0)"
+    assert {l[0] for l in state[1].locations} == {0}
+    assert state[1].action == "repaired from a healthy replica (device 1)"
+    assert state[2].action.startswith("restored from host snapshot @")
+    assert stats.replica_repairs == 1 + len(state[1].locations)
+    assert stats.host_restores == 1
+    assert tr.compiles == 0
+    assert not [i for i in stats.incidents if i.kind == "device copy"], \
+        "the damaged device copies were rewritten with the repair, not found later by a scrub"
+    assert same_state(tr.current_state(), ref_state)

@@ -69,6 +69,7 @@ class RunStats:
     steps_replayed: int = 0
     repairs: int = 0
     host_restores: int = 0
+    replica_repairs: int = 0  # chunks pulled from another device's copy of the state
     snapshots: int = 0
     scrubs: int = 0
     compiles_after_prewarm: int = 0
@@ -273,6 +274,47 @@ class Trainer:
             opt = opt.replace_current(slot)
         return TrainState(opt, state.halted), jnp.stack(statuses).reshape(lists.shape)[None]
 
+    def _replica_fn(self, state: TrainState, lists: jax.Array, src: jax.Array):
+        """Repairs listed chunks of the current slot from another device's copy of the state
+        (inside shard_map over 'dp'; every copy is current to the last committed step).
+        lists, src: int32 (leaves, tensors, capacity): the chunk, and the device whose copy of
+        it is healthy. The source device's chunk travels to the others in one psum over the
+        raw bits (integers: exact, unlike a float sum that would turn -0.0 into +0.0) with
+        its digest row; each receiving device then rewrites the chunk through the repair op,
+        which checks the received chunk against the received digest first and its own chunk
+        after. Returns the new state and statuses [1, leaves, tensors, capacity] (the source
+        device's own entries are NOT_LISTED)."""
+        me = jax.lax.axis_index("dp")
+        opt = state.opt
+        cur = slot_tensors(opt.slots[opt.current], self.treedef)
+        ce = self.opt.chunk_elems
+        statuses, new = [], []
+        for i, leaf in enumerate(cur):
+            out = {}
+            for j, k in enumerate(self.names):
+                t, table = leaf[k]
+                nch = table.shape[0]
+                valid = lists[i, j] >= 0
+                at = jnp.where(valid, lists[i, j], nch)  # out of range: dropped by the scatter
+                flat = t.reshape(-1)
+                rows = jnp.pad(flat, (0, nch * ce - flat.size)).reshape(nch, ce)
+                bits_t = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[t.dtype.itemsize]
+                mine = (valid & (src[i, j] == me))[:, None]
+                take = jnp.minimum(at, nch - 1)
+                sent = jnp.where(mine, jax.lax.bitcast_convert_type(rows[take], bits_t), 0)
+                sent_rows = jnp.where(mine, table[take], 0)
+                got = jax.lax.bitcast_convert_type(jax.lax.psum(sent, "dp"), t.dtype)
+                got_rows = jax.lax.psum(sent_rows, "dp")
+                source = rows.at[at].set(got, mode="drop").reshape(-1)[:flat.size].reshape(t.shape)
+                source_table = table.at[at].set(got_rows, mode="drop")
+                targets = jnp.where(valid & (src[i, j] != me), lists[i, j], -1)
+                out[k], status = pimhbm.repair(targets, (source, source_table), (t, table),
+                                               self.opt.chunk_bytes(t.dtype))
+                statuses.append(status)
+            new.append(out)
+        opt = opt.replace_current(slot_from_tensors(new, self.treedef))
+        return TrainState(opt, state.halted), jnp.stack(statuses).reshape(lists.shape)[None]
+
     def _scrub_fn(self, state: TrainState) -> jax.Array:
         """A full digest sweep of the current slot and the device copy: per chunk, the bits of
         the current slot's damaged tensors, and those of the copy shifted by 4."""
@@ -345,6 +387,10 @@ class Trainer:
                             (P(), P()), (P(), P("dp")))
                 self._programs["repair", current, into_copy] = jax.jit(
                     fn, donate_argnums=0).lower(st, lists).compile()
+            if len(self.devices) > 1:
+                fn = manual(self._replica_fn, (P(), P(), P()), (P(), P("dp")))
+                self._programs["replica", current] = jax.jit(fn, donate_argnums=0).lower(
+                    st, lists, lists).compile()
             scrub = manual(self._scrub_fn, (P(),), P("dp"))
             self._programs["scrub", current] = jax.jit(scrub).lower(st).compile()
             if self.backup is not None:
@@ -611,13 +657,20 @@ class Trainer:
                                                      "step skipped, replayed"))
         pending_state = [inc for inc in self.stats.incidents if inc.kind == "state" and not inc.action]
         if state_faults:
-            if overflow or not self._repair(sorted(state_faults.items()), into_copy=False):
+            failures: list[tuple[int, str, str, int]] = []
+            action = "repaired from the device copy"
+            if not overflow and not self._repair(sorted(state_faults.items()), into_copy=False,
+                                                 failures=failures):
+                # The device copy is damaged too (a double fault): another device's copy of
+                # the state, current to the same step, before the host snapshot and a replay.
+                action = self._repair_from_replicas(failures)
+            if overflow or action is None:
                 snap_step = self._restore_from_host()
                 for inc in pending_state:
                     inc.action = f"restored from host snapshot @{snap_step}"
                 return snap_step + 1
             for inc in pending_state:
-                inc.action = "repaired from the device copy"
+                inc.action = action
         self.state = TrainState(self.state.opt, self._put(np.int32(0)))
         return first
 
@@ -625,30 +678,88 @@ class Trainer:
         leaf = int(np.searchsorted(self.chunk_base, idx, side="right") - 1)
         return idx - int(self.chunk_base[leaf])
 
-    def _repair(self, faults: list[tuple[int, int]], *, into_copy: bool, shift: int = 0) -> bool:
-        """Repairs the listed (chunk, bits); True if every chunk verified afterwards."""
+    def _repair(self, faults: list[tuple[int, int]], *, into_copy: bool, shift: int = 0,
+                failures: list[tuple[int, str, str, int]] | None = None) -> bool:
+        """Repairs the listed (chunk, bits); True if every chunk verified afterwards. The
+        (device, leaf, tensor, chunk) that did not are added to ``failures``."""
         # Every device repairs the same chunks of its copy: where a device's chunk is intact
         # the repair rewrites the same bytes.
         work = sorted({loc[1:] for i, b in faults for loc in self._locate(i, b, shift)})
-        while work:
-            lists = np.full((len(self.paths), len(self.names), self.repair_capacity), -1, np.int32)
-            fill = collections.Counter()
-            rest = []
-            for path, k, chunk in work:
-                li, ti = self.paths.index(path), self.names.index(k)
-                if fill[li, ti] < self.repair_capacity:
-                    lists[li, ti, fill[li, ti]] = chunk
-                    fill[li, ti] += 1
-                else:
-                    rest.append((path, k, chunk))
+        ok = True
+        for lists, batch in self._batches(work):
             program = self._programs["repair", self.state.opt.current, into_copy]
             self.state, status = program(self.state, self._put(lists))
             status = np.asarray(status)  # [devices, leaves, tensors, capacity]
             self.stats.repairs += int(np.sum(status[0] == pimhbm.REPAIRED))
-            if np.any((lists[None] >= 0) & (status != pimhbm.REPAIRED)):
-                return False
+            bad = (lists[None] >= 0) & (status != pimhbm.REPAIRED)
+            if np.any(bad):
+                ok = False
+                if failures is not None:
+                    for d, li, ti, r in zip(*np.nonzero(bad)):
+                        failures.append((int(d), self.paths[li], self.names[ti], int(lists[li, ti, r])))
+        return ok
+
+    def _batches(self, work: list[tuple[str, str, int]]):
+        """(lists, entries) in batches of repair_capacity chunks per tensor."""
+        while work:
+            lists = np.full((len(self.paths), len(self.names), self.repair_capacity), -1, np.int32)
+            fill = collections.Counter()
+            batch, rest = [], []
+            for entry in work:
+                path, k, chunk = entry[:3]
+                li, ti = self.paths.index(path), self.names.index(k)
+                if fill[li, ti] < self.repair_capacity:
+                    lists[li, ti, fill[li, ti]] = chunk
+                    fill[li, ti] += 1
+                    batch.append(entry)
+                else:
+                    rest.append(entry)
+            yield lists, batch
             work = rest
-        return True
+
+    def _repair_from_replicas(self, failures: list[tuple[int, str, str, int]]) -> str | None:
+        """Chunks that a device could not repair from its own device copy, pulled from a
+        device whose copy of them is healthy; then that device copy is rewritten from the
+        repaired state. Returns the action's description, or None when some chunk has no
+        healthy copy on any device (or there is one device)."""
+        if len(self.devices) < 2 or "replica" not in {k[0] for k in self._programs}:
+            return None
+        damaged: dict[tuple[str, str, int], set[int]] = collections.defaultdict(set)
+        for d, path, k, chunk in failures:
+            damaged[path, k, chunk].add(d)
+        work = []
+        for (path, k, chunk), devs in sorted(damaged.items()):
+            healthy = [d for d in range(len(self.devices)) if d not in devs]
+            if not healthy:
+                return None
+            work.append((path, k, chunk, healthy[0]))
+        sources = set()
+        for lists, batch in self._batches(work):
+            src = np.zeros_like(lists)
+            for path, k, chunk, d in batch:
+                li, ti = self.paths.index(path), self.names.index(k)
+                src[li, ti, list(lists[li, ti]).index(chunk)] = d
+                sources.add(d)
+            program = self._programs["replica", self.state.opt.current]
+            self.state, status = program(self.state, self._put(lists), self._put(src))
+            status = np.asarray(status)
+            for path, k, chunk, d in batch:
+                li, ti = self.paths.index(path), self.names.index(k)
+                r = list(lists[li, ti]).index(chunk)
+                others = [e for e in range(len(self.devices)) if e != d]
+                if any(status[e, li, ti, r] != pimhbm.REPAIRED for e in others):
+                    return None
+                self.stats.repairs += 1
+        # The device copies of those chunks: from the repaired state (an intact copy gets the
+        # same bytes again).
+        copy_faults = []
+        for path, k, chunk, _ in work:
+            li = self.paths.index(path)
+            copy_faults.append((int(self.chunk_base[li]) + chunk, TENSOR_BIT[k] << 4))
+        if not self._repair(copy_faults, into_copy=True, shift=4):
+            return None
+        self.stats.replica_repairs += len(work)
+        return f"repaired from a healthy replica (device {', '.join(map(str, sorted(sources)))})"
 
     def _handle_scrub(self, step: int, rows: np.ndarray) -> None:
         self.stats.scrubs += 1
