@@ -273,3 +273,48 @@ def test_a_double_fault_on_some_devices_is_repaired_from_a_healthy_replica(shm_n
     assert not [i for i in stats.incidents if i.kind == "device copy"], \
         "the damaged device copies were rewritten with the repair, not found later by a scrub"
     assert same_state(tr.current_state(), ref_state)
+
+
+@pytest.mark.parametrize("fault_capacity", [64, 16])
+def test_a_lost_shard_is_rebuilt_from_a_replica(shm_name, fault_capacity):
+    """Device 2 loses w1's moments and master weights, in the state and in its device copy.
+    With room to list every damaged chunk (64) they are pulled chunk by chunk from a healthy
+    replica; with less (16: the list overflows) device 2's whole state is rebuilt from a
+    device that saw no damage. Either way no host snapshot, and a bit-identical end."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    reference = make_trainer(shm_name + "_ref")
+    reference.run(20)
+    ref_state = reference.current_state()
+    reference.close(unlink=True)
+
+    class LostShard:
+        def before_step(self, trainer, step, attempt):
+            if step == 8 and attempt == 1:
+                for tensor in ("mu", "master"):
+                    for copy in (False, True):
+                        trainer.inject("w1", tensor, faults.spec(faults.WIPE, seed=11),
+                                       into_copy=copy, device=2)
+            return None
+
+        def before_scrub(self, trainer, step):
+            pass
+
+    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+    tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=shm_name, snapshot_every=10,
+                 scrub_every=5, fault_capacity=fault_capacity)
+    tr.prewarm()
+    stats = tr.run(20, campaign=LostShard())
+    state = [i for i in stats.incidents if i.kind == "state"]
+    assert state and state[0].step == 8
+    assert {loc[0] for loc in state[0].locations} == {2}
+    assert stats.host_restores == 0
+    if fault_capacity == 64:
+        assert len(state[0].locations) == 2 * 36  # w1 is 96 x 96 = 36 chunks of 256
+        assert state[0].action == "repaired from a healthy replica (device 0)"
+        assert stats.replica_repairs == 72 and stats.replica_rebuilds == 0
+    else:
+        assert state[0].action == "repaired: device 2 rebuilt whole from a healthy replica (device 0)"
+        assert stats.replica_rebuilds == 1
+    assert tr.compiles == 0
+    assert same_state(tr.current_state(), ref_state)

@@ -70,6 +70,7 @@ class RunStats:
     repairs: int = 0
     host_restores: int = 0
     replica_repairs: int = 0  # chunks pulled from another device's copy of the state
+    replica_rebuilds: int = 0  # devices whose whole state was rebuilt from another's
     snapshots: int = 0
     scrubs: int = 0
     compiles_after_prewarm: int = 0
@@ -315,6 +316,36 @@ class Trainer:
         opt = opt.replace_current(slot_from_tensors(new, self.treedef))
         return TrainState(opt, state.halted), jnp.stack(statuses).reshape(lists.shape)[None]
 
+    def _rebuild_fn(self, state: TrainState, source: jax.Array, targets: jax.Array):
+        """A whole state (current slot and device copy) rebuilt on the ``targets`` devices
+        (int32 per device, 1 = rebuild) from device ``source``'s current slot: one psum of the
+        raw bits of every tensor and digest table. Returns the state and, per device, the
+        number of chunks of its current slot that do not verify afterwards [1]."""
+        me = jax.lax.axis_index("dp")
+        opt = state.opt
+        take = targets[me] != 0
+        cur = slot_tensors(opt.slots[opt.current], self.treedef)
+        new, bad = [], jnp.int32(0)
+        for leaf in cur:
+            out = {}
+            for k in self.names:
+                parts = []
+                for x in leaf[k]:
+                    bits_t = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
+                    sent = jnp.where(me == source, jax.lax.bitcast_convert_type(x, bits_t), 0)
+                    got = jax.lax.bitcast_convert_type(jax.lax.psum(sent, "dp"), x.dtype)
+                    parts.append(jnp.where(take, got, x))
+                t, table = parts
+                bad += jnp.sum(pimhbm.verify(t, table, self.opt.chunk_bytes(t.dtype)), dtype=jnp.int32)
+                out[k] = (t, table)
+            new.append(out)
+        slot = slot_from_tensors(new, self.treedef)
+        # The device copy of a rebuilt device: the same as its new current slot (after a
+        # commit the copy equals the state; nothing committed since).
+        mirror = jax.tree.map(lambda n, m: jnp.where(take, n, m), slot, opt.mirror)
+        opt = AdamWState(opt.slots, opt.current, opt.step, mirror).replace_current(slot)
+        return TrainState(opt, state.halted), bad[None]
+
     def _scrub_fn(self, state: TrainState) -> jax.Array:
         """A full digest sweep of the current slot and the device copy: per chunk, the bits of
         the current slot's damaged tensors, and those of the copy shifted by 4."""
@@ -391,6 +422,9 @@ class Trainer:
                 fn = manual(self._replica_fn, (P(), P(), P()), (P(), P("dp")))
                 self._programs["replica", current] = jax.jit(fn, donate_argnums=0).lower(
                     st, lists, lists).compile()
+                fn = manual(self._rebuild_fn, (P(), P(), P()), (P(), P("dp")))
+                self._programs["rebuild", current] = jax.jit(fn, donate_argnums=0).lower(
+                    st, sds((), jnp.int32), sds((len(self.devices),), jnp.int32)).compile()
             scrub = manual(self._scrub_fn, (P(),), P("dp"))
             self._programs["scrub", current] = jax.jit(scrub).lower(st).compile()
             if self.backup is not None:
@@ -665,6 +699,10 @@ class Trainer:
                 # the state, current to the same step, before the host snapshot and a replay.
                 action = self._repair_from_replicas(failures)
             if overflow or action is None:
+                # Too much damage to list (a lost shard) or no intact copy of some chunk: the
+                # whole state from a device that saw no damage at all, else the host snapshot.
+                action = self._rebuild_from_replica(summaries)
+            if action is None:
                 snap_step = self._restore_from_host()
                 for inc in pending_state:
                     inc.action = f"restored from host snapshot @{snap_step}"
@@ -716,6 +754,26 @@ class Trainer:
                     rest.append(entry)
             yield lists, batch
             work = rest
+
+    def _rebuild_from_replica(self, summaries: list[tuple[int, np.ndarray]]) -> str | None:
+        """The whole state of every damaged device rebuilt from a device that reported no
+        damage in any of ``summaries``; None when there is no such device (or one device)."""
+        if len(self.devices) < 2 or "rebuild" not in {k[0] for k in self._programs}:
+            return None
+        damaged = np.zeros(len(self.devices), np.int32)
+        for _, rows in summaries:
+            damaged |= (rows[:, 2] > 0).astype(np.int32)  # faulty chunks seen by each device
+        clean = np.flatnonzero(damaged == 0)
+        if clean.size == 0:
+            return None
+        source = int(clean[0])
+        program = self._programs["rebuild", self.state.opt.current]
+        self.state, bad = program(self.state, self._put(np.int32(source)), self._put(damaged))
+        if np.asarray(bad).any():
+            return None
+        self.stats.replica_rebuilds += int(damaged.sum())
+        devices = ", ".join(map(str, np.flatnonzero(damaged)))
+        return f"repaired: device {devices} rebuilt whole from a healthy replica (device {source})"
 
     def _repair_from_replicas(self, failures: list[tuple[int, str, str, int]]) -> str | None:
         """Chunks that a device could not repair from its own device copy, pulled from a
