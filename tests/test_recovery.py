@@ -40,6 +40,22 @@ def make_trainer(name, inject=False, resume=False):
     return tr
 
 
+@pytest.fixture(scope="module")
+def fault_free():
+    """The fault-free run's state after 20 and 30 steps (make_trainer's settings), computed
+    once for the tests that compare against it."""
+    name = f"pimhbm_test_{uuid.uuid4().hex[:12]}"
+    try:
+        tr = make_trainer(name)
+        tr.run(20)
+        states = {20: tr.current_state()}
+        tr.run(30)
+        states[30] = tr.current_state()
+        return states
+    finally:
+        HostBackup.unlink(name)
+
+
 def same_state(a, b):
     return a.keys() == b.keys() and all(
         a[k].tobytes() == b[k].tobytes() for k in a)
@@ -186,16 +202,13 @@ def test_sigkill_mid_run_resumes_from_shared_memory(shm_name, tmp_path):
     assert all(a[k].tobytes() == b[k].tobytes() for k in a.files), "resume was not bit-identical"
 
 
-def test_a_fault_on_one_device_is_located_to_that_device(shm_name):
+def test_a_fault_on_one_device_is_located_to_that_device(shm_name, fault_free):
     """Data parallel over the 4 virtual CPU devices: each holds a copy of the state. A bit
     flipped in one device's copy makes every device skip (the verdict is global), is located to
     (device, tensor, chunk), is repaired, and the run ends as the fault-free one."""
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices")
-    reference = make_trainer(shm_name + "_ref")
-    reference.run(30)
-    ref_state = reference.current_state()
-    reference.close(unlink=True)
+    ref_state = fault_free[30]
 
     class OneDevice:
         def before_step(self, trainer, step, attempt):
@@ -216,17 +229,14 @@ def test_a_fault_on_one_device_is_located_to_that_device(shm_name):
     assert same_state(tr.current_state(), ref_state)
 
 
-def test_a_double_fault_on_some_devices_is_repaired_from_a_healthy_replica(shm_name, rng):
+def test_a_double_fault_on_some_devices_is_repaired_from_a_healthy_replica(shm_name, rng, fault_free):
     """A chunk damaged in both the state and the device copy of devices 1 and 3 (fresh random
     places): the engine pulls it from a device whose copy is healthy -- no host snapshot, no
     replay beyond the skipped steps -- and rewrites the damaged device copies; the run ends
     bit-identical. The same damage on every device falls back to the host snapshot."""
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices")
-    reference = make_trainer(shm_name + "_ref")
-    reference.run(30)
-    ref_state = reference.current_state()
-    reference.close(unlink=True)
+    ref_state = fault_free[30]
     leaf, tensor = ("w1", "nu"), (int(rng.integers(0, 4096)) * 4, int(rng.integers(0, 8)))
     offset, bit = tensor
     burst = int(rng.integers(0, 4096 * 4 - 1500))
@@ -276,17 +286,14 @@ def test_a_double_fault_on_some_devices_is_repaired_from_a_healthy_replica(shm_n
 
 
 @pytest.mark.parametrize("fault_capacity", [64, 16])
-def test_a_lost_shard_is_rebuilt_from_a_replica(shm_name, fault_capacity):
+def test_a_lost_shard_is_rebuilt_from_a_replica(shm_name, fault_capacity, fault_free):
     """Device 2 loses w1's moments and master weights, in the state and in its device copy.
     With room to list every damaged chunk (64) they are pulled chunk by chunk from a healthy
     replica; with less (16: the list overflows) device 2's whole state is rebuilt from a
     device that saw no damage. Either way no host snapshot, and a bit-identical end."""
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices")
-    reference = make_trainer(shm_name + "_ref")
-    reference.run(20)
-    ref_state = reference.current_state()
-    reference.close(unlink=True)
+    ref_state = fault_free[20]
 
     class LostShard:
         def before_step(self, trainer, step, attempt):

@@ -1,6 +1,7 @@
 """``pimhbm recover``: the fault campaign on a data-parallel state (a copy on every device),
 faults injected into single devices' copies, and the collective fault map as (device, tensor,
-chunk) triples -- each repaired, the run ending as the run without faults."""
+chunk) triples -- each repaired (from the device's own device copy, or, for a double fault,
+from a healthy replica on another device), the run ending as the run without faults."""
 
 from __future__ import annotations
 
@@ -78,5 +79,9 @@ def run(args: Any) -> int:
                   f"{sum(r['repaired'] for r in found.values())}; compilations after prewarm "
                   f"{tr.compiles}; final state " +
                   ("[green]bit-identical[/] to the run without faults" if identical else "[red]DIFFERENT[/]"))
+    console.print(f"chunks repaired from the device copy {stats.repairs - stats.replica_repairs}; "
+                  f"from a healthy replica {stats.replica_repairs}; devices rebuilt whole from a "
+                  f"replica {stats.replica_rebuilds}; restores from the host snapshot "
+                  f"{stats.host_restores}")
     ok = identical and all(r["missed"] == 0 for r in found.values()) and tr.compiles == 0
     return 0 if ok else 1
