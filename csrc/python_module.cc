@@ -14,6 +14,7 @@
 #include "pimhbm/digest.h"
 #include "scan/scan_ffi.h"
 #include "faults/inject_ffi.h"
+#include "peer/peer_ffi.h"
 #include "repair/repair_ffi.h"
 #include "telemetry/telemetry.h"
 #include "update/update_ffi.h"
@@ -43,6 +44,9 @@ nb::dict registrations() {
   cpu["pimhbm_restore_clean"] = capsule(PimhbmRestoreCleanCpu);
   cpu["pimhbm_inject"] = capsule(PimhbmInjectCpu);
   cpu["pimhbm_snapshot"] = capsule(PimhbmSnapshotCpu);
+  cpu["pimhbm_peer_all_gather"] = capsule(PimhbmPeerAllGatherCpu);
+  cpu["pimhbm_peer_all_to_all"] = capsule(PimhbmPeerAllToAllCpu);
+  cpu["pimhbm_peer_pull"] = capsule(PimhbmPeerPullCpu);
   nb::dict out;
   out["cpu"] = cpu;
 #if defined(PIMHBM_WITH_CUDA)
@@ -55,6 +59,9 @@ nb::dict registrations() {
   cuda["pimhbm_restore_clean"] = capsule(PimhbmRestoreCleanCuda);
   cuda["pimhbm_inject"] = capsule(PimhbmInjectCuda);
   cuda["pimhbm_snapshot"] = capsule(PimhbmSnapshotCuda);
+  cuda["pimhbm_peer_all_gather"] = capsule(PimhbmPeerAllGatherCuda);
+  cuda["pimhbm_peer_all_to_all"] = capsule(PimhbmPeerAllToAllCuda);
+  cuda["pimhbm_peer_pull"] = capsule(PimhbmPeerPullCuda);
   out["CUDA"] = cuda;
 #endif
   return out;

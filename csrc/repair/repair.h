@@ -7,6 +7,11 @@
 //   kStillDamaged (copied, but the target does not verify: a fault while repairing), or
 //   kNotListed for padding (-1) entries; kOutOfRange for an index past the tensor.
 //
+// repair_from: the same, each listed chunk taken from one of several sources (the copies of
+//   the tensor on peer devices, read in place): which[k] names the source of entry k; an entry
+//   whose source is `self` (this device: nothing to pull) is kNotListed; a source outside
+//   [0, count) is kOutOfRange.
+//
 // restore_clean: after a step that did not commit, puts the read side back into the mirror
 //   for the chunks that verified (faults[c] == 0) -- the others kept their last good copy,
 //   because the update never wrote them to the mirror.
@@ -42,6 +47,18 @@ struct MutableChunkedTensor {
   uint32_t* table;
 };
 
+constexpr int kMaxSources = 8;  // peers of one group (the GPUs of one host)
+
+struct Sources {
+  ChunkedTensor tensor[kMaxSources];
+  int count;
+  const int32_t* which;  // per listed entry, the source; null: every entry from tensor[0]
+  int self;              // entries whose source is `self` are not this device's to repair
+};
+
+void repair_from_cpu(const int32_t* chunks, int64_t nlisted, const Sources& sources,
+                     const MutableChunkedTensor& dst, int32_t* status);
+
 void repair_cpu(const int32_t* chunks, int64_t nlisted, const ChunkedTensor& src,
                 const MutableChunkedTensor& dst, int32_t* status);
 
@@ -49,6 +66,12 @@ void restore_clean_cpu(const int32_t* commit, const int32_t* faults, const Chunk
                        const MutableChunkedTensor& dst);
 
 #if defined(PIMHBM_WITH_CUDA)
+// `which` (when given) and `chunks` are device memory; the sources' data may be a peer GPU's
+// (peer access enabled), read directly by the kernel.
+cudaError_t repair_from_cuda(const int32_t* chunks, int64_t nlisted, const Sources& sources,
+                             const MutableChunkedTensor& dst, int32_t* status,
+                             cudaStream_t stream);
+
 cudaError_t repair_cuda(const int32_t* chunks, int64_t nlisted, const ChunkedTensor& src,
                         const MutableChunkedTensor& dst, int32_t* status, cudaStream_t stream);
 

@@ -19,19 +19,21 @@ bool verifies(const uint8_t* data, int64_t nbytes, int64_t chunk_bytes, const ui
 
 }  // namespace
 
-void repair_cpu(const int32_t* chunks, int64_t nlisted, const ChunkedTensor& src,
-                const MutableChunkedTensor& dst, int32_t* status) {
+void repair_from_cpu(const int32_t* chunks, int64_t nlisted, const Sources& sources,
+                     const MutableChunkedTensor& dst, int32_t* status) {
   const int64_t n = nchunks(dst.nbytes, dst.chunk_bytes);
   for (int64_t k = 0; k < nlisted; ++k) {
     const int64_t c = chunks[k];
-    if (c < 0) {
+    const int s = sources.which ? sources.which[k] : 0;
+    if (c < 0 || s == sources.self) {
       status[k] = kNotListed;
       continue;
     }
-    if (c >= n) {
+    if (c >= n || s < 0 || s >= sources.count) {
       status[k] = kOutOfRange;
       continue;
     }
+    const ChunkedTensor& src = sources.tensor[s];
     if (!verifies(src.data, src.nbytes, src.chunk_bytes, src.table, c)) {
       status[k] = kSourceDamaged;
       continue;
@@ -43,6 +45,15 @@ void repair_cpu(const int32_t* chunks, int64_t nlisted, const ChunkedTensor& src
     status[k] = verifies(dst.data, dst.nbytes, dst.chunk_bytes, dst.table, c) ? kRepaired
                                                                               : kStillDamaged;
   }
+}
+
+void repair_cpu(const int32_t* chunks, int64_t nlisted, const ChunkedTensor& src,
+                const MutableChunkedTensor& dst, int32_t* status) {
+  Sources one{};
+  one.tensor[0] = src;
+  one.count = 1;
+  one.self = -1;
+  repair_from_cpu(chunks, nlisted, one, dst, status);
 }
 
 void restore_clean_cpu(const int32_t* commit, const int32_t* faults, const ChunkedTensor& src,

@@ -22,30 +22,34 @@ __device__ __forceinline__ bool block_verifies(const uint8_t* data, int64_t nbyt
 }
 
 __global__ void __launch_bounds__(kThreads)
-    repair_kernel(const int32_t* __restrict__ chunks, int64_t nlisted, ChunkedTensor src,
+    repair_kernel(const int32_t* __restrict__ chunks, int64_t nlisted, Sources sources,
                   MutableChunkedTensor dst, int32_t* __restrict__ status) {
   __shared__ uint64_t scratch[32];
   const int64_t n = num_chunks(dst.nbytes, dst.chunk_bytes);
   for (int64_t k = blockIdx.x; k < nlisted; k += gridDim.x) {
     const int64_t c = chunks[k];  // block-uniform
+    const int s = sources.which ? sources.which[k] : 0;
     int32_t result;
-    if (c < 0) {
+    if (c < 0 || s == sources.self) {
       result = kNotListed;
-    } else if (c >= n) {
+    } else if (c >= n || s < 0 || s >= sources.count) {
       result = kOutOfRange;
-    } else if (!block_verifies(src.data, src.nbytes, src.chunk_bytes, src.table, c, scratch)) {
-      result = kSourceDamaged;
     } else {
-      block_copy(src.data + c * src.chunk_bytes, dst.data + c * dst.chunk_bytes,
-                 chunk_length(dst.nbytes, dst.chunk_bytes, c));
-      if (threadIdx.x == 0) {
-        dst.table[2 * c] = src.table[2 * c];
-        dst.table[2 * c + 1] = src.table[2 * c + 1];
+      const ChunkedTensor& src = sources.tensor[s];
+      if (!block_verifies(src.data, src.nbytes, src.chunk_bytes, src.table, c, scratch)) {
+        result = kSourceDamaged;
+      } else {
+        block_copy(src.data + c * src.chunk_bytes, dst.data + c * dst.chunk_bytes,
+                   chunk_length(dst.nbytes, dst.chunk_bytes, c));
+        if (threadIdx.x == 0) {
+          dst.table[2 * c] = src.table[2 * c];
+          dst.table[2 * c + 1] = src.table[2 * c + 1];
+        }
+        __syncthreads();
+        result = block_verifies(dst.data, dst.nbytes, dst.chunk_bytes, dst.table, c, scratch)
+                     ? kRepaired
+                     : kStillDamaged;
       }
-      __syncthreads();
-      result = block_verifies(dst.data, dst.nbytes, dst.chunk_bytes, dst.table, c, scratch)
-                   ? kRepaired
-                   : kStillDamaged;
     }
     if (threadIdx.x == 0) status[k] = result;
   }
@@ -69,13 +73,24 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-cudaError_t repair_cuda(const int32_t* chunks, int64_t nlisted, const ChunkedTensor& src,
-                        const MutableChunkedTensor& dst, int32_t* status, cudaStream_t stream) {
+cudaError_t repair_from_cuda(const int32_t* chunks, int64_t nlisted, const Sources& sources,
+                             const MutableChunkedTensor& dst, int32_t* status,
+                             cudaStream_t stream) {
   if (nlisted == 0) return cudaSuccess;
   const int blocks = static_cast<int>(std::min<int64_t>(nlisted, 4096));
-  repair_kernel<<<blocks, kThreads, 0, stream>>>(chunks, nlisted, src, dst, status);
+  repair_kernel<<<blocks, kThreads, 0, stream>>>(chunks, nlisted, sources, dst, status);
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
   return cudaSuccess;
+}
+
+cudaError_t repair_cuda(const int32_t* chunks, int64_t nlisted, const ChunkedTensor& src,
+                        const MutableChunkedTensor& dst, int32_t* status, cudaStream_t stream) {
+  Sources one{};
+  one.tensor[0] = src;
+  one.count = 1;
+  one.which = nullptr;
+  one.self = -1;
+  return repair_from_cuda(chunks, nlisted, one, dst, status, stream);
 }
 
 cudaError_t restore_clean_cuda(const int32_t* commit, const int32_t* faults,

@@ -1,0 +1,206 @@
+// The peer ops on the host platform: the same meeting protocol as on GPUs, with plain copies
+// (every "device" is host memory). This is the reference the CUDA version is tested against,
+// and what runs the multi-device logic in CI.
+#include "peer/peer_ffi.h"
+
+#include "repair/repair.h"
+
+namespace pimhbm::peer {
+
+using ffi_util::dtype_name;
+using ffi_util::invalid;
+using ffi_util::shape_str;
+
+ffi::ErrorOr<Member> member_of(const char* op, int32_t ordinal, int64_t tag,
+                               ffi::Span<const int64_t> ordinals, int64_t group_size,
+                               int64_t timeout_ms) {
+  const int64_t count = static_cast<int64_t>(ordinals.size());
+  if (group_size < 1 || group_size > kMaxGroup || count % group_size != 0) {
+    return invalid(op, "groups of " + std::to_string(group_size) + " devices over " +
+                           std::to_string(count) + " ordinals: a group has 1 to " +
+                           std::to_string(kMaxGroup) + " devices and the groups are equal");
+  }
+  if (timeout_ms <= 0) return invalid(op, "timeout_ms must be positive");
+  Member m;
+  int64_t group;
+  if (!find_rank(ordinals.begin(), count, group_size, ordinal, &group, &m.rank)) {
+    return invalid(op, "device ordinal " + std::to_string(ordinal) +
+                           " is in none of the op's groups (every device of a group must be "
+                           "local to this process)");
+  }
+  std::string error;
+  m.group = group_for(tag, group, static_cast<int>(group_size), &error);
+  if (!m.group) return invalid(op, error);
+  m.size = static_cast<int>(group_size);
+  m.peers = ordinals.begin() + group * group_size;
+  m.timeout = std::chrono::milliseconds(timeout_ms);
+  return m;
+}
+
+ffi::Error validate_all_gather(const ffi::AnyBuffer& x, const ffi::AnyBuffer& out, int size) {
+  constexpr const char* kOp = "pimhbm.peer.all_gather";
+  if (out.element_type() != x.element_type() ||
+      out.size_bytes() != x.size_bytes() * static_cast<size_t>(size)) {
+    return invalid(kOp, "output " + dtype_name(out.element_type()) + shape_str(out.dimensions()) +
+                            " must hold " + std::to_string(size) + " copies of the input " +
+                            dtype_name(x.element_type()) + shape_str(x.dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error validate_all_to_all(const ffi::AnyBuffer& x, const ffi::AnyBuffer& out, int size) {
+  constexpr const char* kOp = "pimhbm.peer.all_to_all";
+  auto dims = x.dimensions();
+  if (dims.size() == 0 || dims[0] != size) {
+    return invalid(kOp, "the input's first dimension must be the group size " +
+                            std::to_string(size) + " (one block per peer), got shape " +
+                            shape_str(dims));
+  }
+  if (out.element_type() != x.element_type() || out.size_bytes() != x.size_bytes()) {
+    return invalid(kOp, "output " + dtype_name(out.element_type()) + shape_str(out.dimensions()) +
+                            " must match the input " + dtype_name(x.element_type()) +
+                            shape_str(dims));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error validate_pull(const ffi::AnyBuffer& chunks, const ffi::AnyBuffer& which,
+                         const ffi::AnyBuffer& x, const ffi::AnyBuffer& table,
+                         const ffi::AnyBuffer& status, int64_t chunk_bytes) {
+  constexpr const char* kOp = "pimhbm.peer.pull";
+  if (auto err = ffi_util::check_chunk_bytes(kOp, chunk_bytes); err.failure()) return err;
+  const int64_t n = num_chunks(static_cast<int64_t>(x.size_bytes()), chunk_bytes);
+  if (auto err = ffi_util::check_digest_table(kOp, "digests", table, n); err.failure()) return err;
+  const int64_t k = static_cast<int64_t>(chunks.element_count());
+  if (auto err = ffi_util::check_buffer(kOp, "chunk list", chunks, ffi::DataType::S32, k);
+      err.failure()) {
+    return err;
+  }
+  if (auto err = ffi_util::check_buffer(kOp, "source list", which, ffi::DataType::S32, k);
+      err.failure()) {
+    return err;
+  }
+  return ffi_util::check_buffer(kOp, "status", status, ffi::DataType::S32, k);
+}
+
+namespace {
+
+// Meets the peers with `mine`, runs `work(all)`, meets them again (so that nobody writes a
+// buffer a peer still reads). The second meeting happens even when the work failed.
+template <typename Work>
+ffi::Error meet_and_run(const char* op, const Member& m, const Payload& mine, Work work) {
+  std::vector<Payload> all;
+  if (std::string e = m.group->exchange(m.rank, kReady, mine, &all, m.timeout); !e.empty()) {
+    return peer_error(op, e);
+  }
+  ffi::Error result = work(all);
+  std::vector<Payload> done;
+  if (std::string e = m.group->exchange(m.rank, kDone, Payload{}, &done, m.timeout); !e.empty()) {
+    return peer_error(op, e);
+  }
+  return result;
+}
+
+ffi::Error all_gather_cpu(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
+                          int64_t tag, ffi::Span<const int64_t> ordinals, int64_t group_size,
+                          int64_t timeout_ms) {
+  constexpr const char* kOp = "pimhbm.peer.all_gather";
+  auto m = member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms);
+  if (m.has_error()) return m.error();
+  if (auto err = validate_all_gather(x, *out, m->size); err.failure()) return err;
+  return meet_and_run(kOp, *m, Payload{x.untyped_data()}, [&](const std::vector<Payload>& all) {
+    Segments s{};
+    s.count = m->size;
+    s.bytes = static_cast<int64_t>(x.size_bytes());
+    for (int p = 0; p < m->size; ++p) s.src[p] = static_cast<const uint8_t*>(all[p].in);
+    copy_segments_cpu(s, static_cast<uint8_t*>(out->untyped_data()));
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error all_to_all_cpu(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
+                          int64_t tag, ffi::Span<const int64_t> ordinals, int64_t group_size,
+                          int64_t timeout_ms) {
+  constexpr const char* kOp = "pimhbm.peer.all_to_all";
+  auto m = member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms);
+  if (m.has_error()) return m.error();
+  if (auto err = validate_all_to_all(x, *out, m->size); err.failure()) return err;
+  return meet_and_run(kOp, *m, Payload{x.untyped_data()}, [&](const std::vector<Payload>& all) {
+    Segments s{};
+    s.count = m->size;
+    s.bytes = static_cast<int64_t>(x.size_bytes()) / m->size;
+    for (int p = 0; p < m->size; ++p) {
+      s.src[p] = static_cast<const uint8_t*>(all[p].in) + m->rank * s.bytes;
+    }
+    copy_segments_cpu(s, static_cast<uint8_t*>(out->untyped_data()));
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error pull_cpu(int32_t ordinal, ffi::AnyBuffer chunks, ffi::AnyBuffer which,
+                    ffi::AnyBuffer, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> x,
+                    ffi::Result<ffi::AnyBuffer> table, ffi::Result<ffi::AnyBuffer> status,
+                    int64_t chunk_bytes, int64_t tag, ffi::Span<const int64_t> ordinals,
+                    int64_t group_size, int64_t timeout_ms) {
+  constexpr const char* kOp = "pimhbm.peer.pull";
+  auto m = member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms);
+  if (m.has_error()) return m.error();
+  if (auto err = validate_pull(chunks, which, *x, *table, *status, chunk_bytes); err.failure()) {
+    return err;
+  }
+  Payload mine{x->untyped_data(), table->untyped_data()};
+  return meet_and_run(kOp, *m, mine, [&](const std::vector<Payload>& all) {
+    repair::Sources sources{};
+    sources.count = m->size;
+    sources.self = m->rank;
+    sources.which = static_cast<const int32_t*>(which.untyped_data());
+    for (int p = 0; p < m->size; ++p) {
+      sources.tensor[p] = {static_cast<const uint8_t*>(all[p].in),
+                           static_cast<int64_t>(x->size_bytes()), chunk_bytes,
+                           static_cast<const uint32_t*>(all[p].extra)};
+    }
+    repair::MutableChunkedTensor dst{static_cast<uint8_t*>(x->untyped_data()),
+                                     static_cast<int64_t>(x->size_bytes()), chunk_bytes,
+                                     static_cast<uint32_t*>(table->untyped_data())};
+    repair::repair_from_cpu(static_cast<const int32_t*>(chunks.untyped_data()),
+                            static_cast<int64_t>(chunks.element_count()), sources, dst,
+                            static_cast<int32_t*>(status->untyped_data()));
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+}  // namespace pimhbm::peer
+
+#define PIMHBM_PEER_GROUP_ATTRS                              \
+  .Attr<int64_t>("tag")                                      \
+      .Attr<xla::ffi::Span<const int64_t>>("ordinals")       \
+      .Attr<int64_t>("group_size")                           \
+      .Attr<int64_t>("timeout_ms")
+
+// x -> out (n, *x.shape)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmPeerAllGatherCpu, pimhbm::peer::all_gather_cpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>() PIMHBM_PEER_GROUP_ATTRS);
+
+// x (n, ...) -> out (n, ...): out[p] = peer p's x[rank]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmPeerAllToAllCpu, pimhbm::peer::all_to_all_cpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>() PIMHBM_PEER_GROUP_ATTRS);
+
+// chunks, which, x, table -> x, table (aliased), status
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmPeerPullCpu, pimhbm::peer::pull_cpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::DeviceOrdinal>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<int64_t>("chunk_bytes") PIMHBM_PEER_GROUP_ATTRS);
