@@ -32,10 +32,10 @@ def shm_name():
     HostBackup.unlink(name)
 
 
-def make_trainer(name, inject=False, resume=False):
+def make_trainer(name, inject=False, resume=False, **kwargs):
     opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
     tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=name, snapshot_every=10,
-                 scrub_every=5, inject_gradients=inject, resume=resume)
+                 scrub_every=5, inject_gradients=inject, resume=resume, **kwargs)
     tr.prewarm()
     return tr
 
@@ -229,11 +229,14 @@ def test_a_fault_on_one_device_is_located_to_that_device(shm_name, fault_free):
     assert same_state(tr.current_state(), ref_state)
 
 
-def test_a_double_fault_on_some_devices_is_repaired_from_a_healthy_replica(shm_name, rng, fault_free):
+@pytest.mark.parametrize("transport", ["collective", "peer"])
+def test_a_double_fault_on_some_devices_is_repaired_from_a_healthy_replica(shm_name, rng, fault_free,
+                                                                          transport):
     """A chunk damaged in both the state and the device copy of devices 1 and 3 (fresh random
     places): the engine pulls it from a device whose copy is healthy -- no host snapshot, no
     replay beyond the skipped steps -- and rewrites the damaged device copies; the run ends
-    bit-identical. The same damage on every device falls back to the host snapshot."""
+    bit-identical. The same damage on every device falls back to the host snapshot. Both
+    transports: XLA's psum, and the peer pull that reads the source device's memory."""
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices")
     ref_state = fault_free[30]
@@ -264,7 +267,7 @@ def test_a_double_fault_on_some_devices_is_repaired_from_a_healthy_replica(shm_n
         def before_scrub(self, trainer, step):
             pass
 
-    tr = make_trainer(shm_name)
+    tr = make_trainer(shm_name, replica_transport=transport)
     stats = tr.run(30, campaign=Doubles())
     # Each fault is seen by its step and by the one in flight behind it (halted, same damage).
     seen = [i for i in stats.incidents if i.kind == "state"]

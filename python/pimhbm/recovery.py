@@ -35,6 +35,7 @@ import numpy as np
 
 import pimhbm
 from pimhbm import faults as faults_mod
+from pimhbm import replica
 from pimhbm._ffi import ensure_registered
 from pimhbm.backup import HostBackup, TensorSpec, specs_of
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -103,7 +104,10 @@ class Trainer:
     ``batch_fn(step) -> dict of numpy arrays`` gives the batch of a step (1-based); batches are
     logged so that replays (also after a crash) use exactly the same data.
     ``inject_gradients``: compile the step with a hook that can write NaN/Inf into a gradient
-    (for fault campaigns); costs one tiny kernel per leaf per step."""
+    (for fault campaigns); costs one tiny kernel per leaf per step.
+    ``replica_transport``: how a chunk travels from a healthy replica -- "collective" (an XLA
+    psum inside a pre-compiled program: any devices, any number of processes) or "peer" (our
+    kernel reads the source device's memory directly: the devices of this process)."""
 
     def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], opt: AdamW, params: Any,
                  batch_fn: Callable[[int], dict[str, np.ndarray]], *,
@@ -111,8 +115,12 @@ class Trainer:
                  shm_name: str | None = None, snapshot_every: int = 25, log_ring: int | None = None,
                  scrub_every: int = 10, repair_capacity: int = 16, fault_capacity: int = 64,
                  inject_gradients: bool = False, devices: Any = None, resume: bool = False,
-                 telemetry: Any = "auto"):
+                 telemetry: Any = "auto", replica_transport: str = "collective"):
         ensure_registered()
+        if replica_transport not in ("collective", "peer"):
+            raise ValueError(f"replica_transport must be 'collective' or 'peer', got "
+                             f"{replica_transport!r}")
+        self.replica_transport = replica_transport
         if not opt.device_copy:
             raise ValueError("the recovery engine needs the device copy: pimhbm.adamw(..., "
                              "device_copy=True)")
@@ -279,38 +287,25 @@ class Trainer:
         """Repairs listed chunks of the current slot from another device's copy of the state
         (inside shard_map over 'dp'; every copy is current to the last committed step).
         lists, src: int32 (leaves, tensors, capacity): the chunk, and the device whose copy of
-        it is healthy. The source device's chunk travels to the others in one psum over the
-        raw bits (integers: exact, unlike a float sum that would turn -0.0 into +0.0) with
-        its digest row; each receiving device then rewrites the chunk through the repair op,
-        which checks the received chunk against the received digest first and its own chunk
-        after. Returns the new state and statuses [1, leaves, tensors, capacity] (the source
-        device's own entries are NOT_LISTED)."""
-        me = jax.lax.axis_index("dp")
+        it is healthy. Transport "collective": one psum of the chunks' raw bits and digest
+        rows (pimhbm.replica); "peer": each device reads the chunk from the source's memory
+        (pimhbm.peer.pull). Either way the received chunk is checked against the source's
+        digest before it is written and the target after. Returns the new state and statuses
+        [1, leaves, tensors, capacity] (the source device's own entries are NOT_LISTED)."""
         opt = state.opt
         cur = slot_tensors(opt.slots[opt.current], self.treedef)
-        ce = self.opt.chunk_elems
         statuses, new = [], []
         for i, leaf in enumerate(cur):
             out = {}
             for j, k in enumerate(self.names):
                 t, table = leaf[k]
-                nch = table.shape[0]
-                valid = lists[i, j] >= 0
-                at = jnp.where(valid, lists[i, j], nch)  # out of range: dropped by the scatter
-                flat = t.reshape(-1)
-                rows = jnp.pad(flat, (0, nch * ce - flat.size)).reshape(nch, ce)
-                bits_t = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[t.dtype.itemsize]
-                mine = (valid & (src[i, j] == me))[:, None]
-                take = jnp.minimum(at, nch - 1)
-                sent = jnp.where(mine, jax.lax.bitcast_convert_type(rows[take], bits_t), 0)
-                sent_rows = jnp.where(mine, table[take], 0)
-                got = jax.lax.bitcast_convert_type(jax.lax.psum(sent, "dp"), t.dtype)
-                got_rows = jax.lax.psum(sent_rows, "dp")
-                source = rows.at[at].set(got, mode="drop").reshape(-1)[:flat.size].reshape(t.shape)
-                source_table = table.at[at].set(got_rows, mode="drop")
-                targets = jnp.where(valid & (src[i, j] != me), lists[i, j], -1)
-                out[k], status = pimhbm.repair(targets, (source, source_table), (t, table),
-                                               self.opt.chunk_bytes(t.dtype))
+                cb = self.opt.chunk_bytes(t.dtype)
+                if self.replica_transport == "peer":
+                    out[k], status = pimhbm.peer.pull(lists[i, j], src[i, j], (t, table), cb,
+                                                      "dp", self.mesh)
+                else:
+                    out[k], status = replica.pull_collective(lists[i, j], src[i, j], (t, table),
+                                                             cb, "dp")
                 statuses.append(status)
             new.append(out)
         opt = opt.replace_current(slot_from_tensors(new, self.treedef))
@@ -331,10 +326,7 @@ class Trainer:
             for k in self.names:
                 parts = []
                 for x in leaf[k]:
-                    bits_t = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}[x.dtype.itemsize]
-                    sent = jnp.where(me == source, jax.lax.bitcast_convert_type(x, bits_t), 0)
-                    got = jax.lax.bitcast_convert_type(jax.lax.psum(sent, "dp"), x.dtype)
-                    parts.append(jnp.where(take, got, x))
+                    parts.append(replica.copy_whole(x, source, take, "dp"))
                 t, table = parts
                 bad += jnp.sum(pimhbm.verify(t, table, self.opt.chunk_bytes(t.dtype)), dtype=jnp.int32)
                 out[k] = (t, table)
