@@ -8,6 +8,14 @@ import pytest
 
 from pimhbm.models import llama3
 
+
+@pytest.fixture(autouse=True)
+def full_float32_matmuls():
+    """The comparisons with the float64 reference are made at full float32 precision: on GPUs
+    JAX's default for float32 products is TF32 (10-bit mantissa)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
 # -- an independent reference, float64 NumPy, written from the Llama-3 definition --------------
 
 

@@ -237,8 +237,9 @@ def test_a_double_fault_on_some_devices_is_repaired_from_a_healthy_replica(shm_n
     replay beyond the skipped steps -- and rewrites the damaged device copies; the run ends
     bit-identical. The same damage on every device falls back to the host snapshot. Both
     transports: XLA's psum, and the peer pull that reads the source device's memory."""
-    if len(jax.devices()) < 4:
-        pytest.skip("needs 4 devices")
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    doubles = [d for d in (1, 3) if d < len(jax.devices())]
     ref_state = fault_free[30]
     leaf, tensor = ("w1", "nu"), (int(rng.integers(0, 4096)) * 4, int(rng.integers(0, 8)))
     offset, bit = tensor
@@ -249,7 +250,7 @@ def test_a_double_fault_on_some_devices_is_repaired_from_a_healthy_replica(shm_n
             if attempt != 1:
                 return None
             if step == 9:  # one bit, state and copy, on devices 1 and 3
-                for dev in (1, 3):
+                for dev in doubles:
                     for copy in (False, True):
                         trainer.inject(*leaf, faults.spec(faults.FLIP_BIT, offset=offset, bit=bit),
                                        into_copy=copy, device=dev)
@@ -275,7 +276,7 @@ def test_a_double_fault_on_some_devices_is_repaired_from_a_healthy_replica(shm_n
     assert [i.action for i in seen[0::2]] == [i.action for i in seen[1::2]]
     state = seen[0::2]
     chunk = offset // 4 // 256
-    assert state[0].locations == [(1, "w1", "nu", chunk), (3, "w1", "nu", chunk)]
+    assert state[0].locations == [(d, "w1", "nu", chunk) for d in doubles]
     assert state[0].action == "repaired from a healthy replica (device 0)"
     assert {l[0] for l in state[1].locations} == {0}
     assert state[1].action == "repaired from a healthy replica (device 1)"
@@ -294,8 +295,9 @@ def test_a_lost_shard_is_rebuilt_from_a_replica(shm_name, fault_capacity, fault_
     With room to list every damaged chunk (64) they are pulled chunk by chunk from a healthy
     replica; with less (16: the list overflows) device 2's whole state is rebuilt from a
     device that saw no damage. Either way no host snapshot, and a bit-identical end."""
-    if len(jax.devices()) < 4:
-        pytest.skip("needs 4 devices")
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    lost = min(2, len(jax.devices()) - 1)
     ref_state = fault_free[20]
 
     class LostShard:
@@ -304,7 +306,7 @@ def test_a_lost_shard_is_rebuilt_from_a_replica(shm_name, fault_capacity, fault_
                 for tensor in ("mu", "master"):
                     for copy in (False, True):
                         trainer.inject("w1", tensor, faults.spec(faults.WIPE, seed=11),
-                                       into_copy=copy, device=2)
+                                       into_copy=copy, device=lost)
             return None
 
         def before_scrub(self, trainer, step):
@@ -317,14 +319,14 @@ def test_a_lost_shard_is_rebuilt_from_a_replica(shm_name, fault_capacity, fault_
     stats = tr.run(20, campaign=LostShard())
     state = [i for i in stats.incidents if i.kind == "state"]
     assert state and state[0].step == 8
-    assert {loc[0] for loc in state[0].locations} == {2}
+    assert {loc[0] for loc in state[0].locations} == {lost}
     assert stats.host_restores == 0
     if fault_capacity == 64:
         assert len(state[0].locations) == 2 * 36  # w1 is 96 x 96 = 36 chunks of 256
         assert state[0].action == "repaired from a healthy replica (device 0)"
         assert stats.replica_repairs == 72 and stats.replica_rebuilds == 0
     else:
-        assert state[0].action == "repaired: device 2 rebuilt whole from a healthy replica (device 0)"
+        assert state[0].action == f"repaired: device {lost} rebuilt whole from a healthy replica (device 0)"
         assert stats.replica_rebuilds == 1
     assert tr.compiles == 0
     assert same_state(tr.current_state(), ref_state)

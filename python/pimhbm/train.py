@@ -50,7 +50,8 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                   chunk_elems: int = 1024, shm_name: str | None = None,
                   snapshot_every: int = 25, scrub_every: int = 10,
                   inject_gradients: bool = False, devices: Any = None,
-                  attention_impl: str | None = None, params: Any = None) -> Trainer:
+                  attention_impl: str | None = None, params: Any = None,
+                  replica_transport: str = "collective") -> Trainer:
     """A protected trainer of the Llama-3 ``cfg`` on byte-level ``data``: bf16 parameters with
     fp32 master weights and moments, a device copy for chunk repair, and (with ``shm_name``)
     host snapshots in shared memory."""
@@ -62,4 +63,5 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
     return Trainer(loss, opt, params, text_batches(data, batch, seq, seed),
                    learning_rate=warmup_cosine(peak_lr, warmup, steps), shm_name=shm_name,
                    snapshot_every=snapshot_every, scrub_every=scrub_every,
-                   inject_gradients=inject_gradients, devices=devices)
+                   inject_gradients=inject_gradients, devices=devices,
+                   replica_transport=replica_transport)

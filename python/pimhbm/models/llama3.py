@@ -140,8 +140,9 @@ def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
     it, at a high cost; for small vocabularies (byte-level models) a one-hot product is exact
     (one non-zero term per output), repeatable and cheap. Larger vocabularies gather."""
     if table.shape[0] <= ONE_HOT_EMBED_MAX_VOCAB:
+        # HIGHEST: on GPUs a float32 product otherwise runs in TF32 and would round the rows.
         return jnp.einsum("btv,vh->bth", jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype),
-                          table)
+                          table, precision=jax.lax.Precision.HIGHEST)
     return table[tokens]
 
 

@@ -36,6 +36,10 @@ def add_arguments(p) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="set XLA_FLAGS=--xla_gpu_deterministic_ops=true (needed for bit-identical "
                         "replays on GPUs)")
+    p.add_argument("--devices", type=int, default=1,
+                   help="data parallel over this many GPUs (default 1); both steps sharded alike")
+    p.add_argument("--replica-transport", choices=("collective", "peer"), default="collective",
+                   help="how a chunk is pulled from a healthy replica (several devices)")
     p.add_argument("--json", default=None, help="write the figures here")
 
 
@@ -70,9 +74,17 @@ def run(args: Any) -> int:
     from pimhbm.train import llama_trainer, warmup_cosine
 
     console = Console()
-    dev = jax.devices()[0]
-    if args.tokens % args.seq:
-        console.print("[red]--tokens must be a multiple of --seq[/]")
+    if args.devices < 1 or args.devices > len(jax.devices()):
+        console.print(f"[red]--devices {args.devices}: this machine has {len(jax.devices())}[/]")
+        return 2
+    devices = jax.devices()[:args.devices]
+    dev = devices[0]
+    mesh = jax.sharding.Mesh(np.array(devices), ("dp",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("dp"))
+    if args.tokens % args.seq or (args.tokens // args.seq) % args.devices:
+        console.print("[red]--tokens must be a multiple of --seq, in sequences that split "
+                      "evenly over --devices[/]")
         return 2
     batch = args.tokens // args.seq
     cfg = llama3.llama3_8b(layers=args.layers, vocab=args.vocab)
@@ -84,17 +96,19 @@ def run(args: Any) -> int:
     console.print(f"[bold]pimhbm llama3[/]: {args.layers} Llama-3-8B layers (hidden 4096, "
                   f"intermediate 14336, GQA 32/8, head 128), vocab {args.vocab}, "
                   f"{cfg.num_params() / 1e6:.0f} M parameters (bf16, fp32 master and moments), "
-                  f"{batch} x {args.seq} = {args.tokens} tokens a step, on {dev.device_kind}; "
+                  f"{batch} x {args.seq} = {args.tokens} tokens a step, on {len(devices)} x "
+                  f"{dev.device_kind} (data parallel); "
                   f"deterministic ops: {'on' if deterministic else 'off'}")
     rng = np.random.default_rng(0)
     data = rng.integers(0, 256, size=4_000_000, dtype=np.uint8).tobytes()  # random bytes
     lr_of = warmup_cosine(3e-4, 5, 1000)
-    results: dict[str, Any] = {"device": dev.device_kind, "layers": args.layers,
+    results: dict[str, Any] = {"device": dev.device_kind, "devices": len(devices),
+                               "replica_transport": args.replica_transport, "layers": args.layers,
                                "tokens": args.tokens, "params": cfg.num_params()}
 
     # Plain: optax.adamw on fp32 master weights, bf16 parameters cast from them.
     fresh = lambda: llama3.init(jax.random.key(0), cfg)  # the same weights every time
-    params = fresh()
+    params = jax.device_put(fresh(), replicated)
     master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     tx = optax.inject_hyperparams(optax.adamw)(learning_rate=3e-4, weight_decay=0.01)
 
@@ -110,10 +124,11 @@ def run(args: Any) -> int:
 
     from pimhbm.train import text_batches
     batch_fn = text_batches(data, batch, args.seq, 0)
-    batches = [jax.device_put(batch_fn(s + 1)) for s in range(args.steps)]
-    lrs = [np.float32(lr_of(s + 1)) for s in range(args.steps)]
+    batches = [jax.device_put(batch_fn(s + 1), split) for s in range(args.steps)]
+    lrs = [jax.device_put(np.float32(lr_of(s + 1)), replicated) for s in range(args.steps)]
     console.print("timing the unprotected step (optax.adamw) ...")
-    plain, carry = _median_step(plain_step, (master, tx.init(master), params), batches, lrs)
+    opt0 = jax.jit(tx.init, out_shardings=replicated)(master)
+    plain, carry = _median_step(plain_step, (master, opt0, params), batches, lrs)
     del carry, master, params  # donated
     results["plain_ms"] = plain * 1e3
 
@@ -121,8 +136,9 @@ def run(args: Any) -> int:
     name = f"pimhbm_llama3_{uuid.uuid4().hex[:8]}"
     trainer = llama_trainer(cfg, data, steps=1000, batch=batch, seq=args.seq, peak_lr=3e-4,
                             warmup=5, chunk_elems=4096, shm_name=name, snapshot_every=0,
-                            scrub_every=0, inject_gradients=True, devices=[dev],
-                            attention_impl=attention, params=fresh())
+                            scrub_every=0, inject_gradients=True, devices=devices,
+                            attention_impl=attention, params=fresh(),
+                            replica_transport=args.replica_transport)
     try:
         console.print("prewarm (every program, from shapes) ...")
         before = dev.memory_stats() or {}
@@ -146,7 +162,7 @@ def run(args: Any) -> int:
         results["overhead"] = protected / plain - 1
         results["compiles_after_prewarm"] = trainer.compiles
 
-        table = Table(title=f"step time, {args.tokens} tokens, {dev.device_kind}")
+        table = Table(title=f"step time, {args.tokens} tokens, {len(devices)} x {dev.device_kind}")
         for col in ("step", "ms", "vs plain"):
             table.add_column(col, justify="left" if col == "step" else "right")
         table.add_row("plain optax.adamw", f"{plain * 1e3:.2f}", "1.000x")
