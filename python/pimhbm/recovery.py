@@ -107,7 +107,13 @@ class Trainer:
     (for fault campaigns); costs one tiny kernel per leaf per step.
     ``replica_transport``: how a chunk travels from a healthy replica -- "collective" (an XLA
     psum inside a pre-compiled program: any devices, any number of processes) or "peer" (our
-    kernel reads the source device's memory directly: the devices of this process)."""
+    kernel reads the source device's memory directly: the devices of this process).
+    ``shard``: the size of the sharding axis (FSDP). The devices form a mesh ('dp', 'shard') of
+    len(devices) / shard replicas; a parameter whose first dimension divides by ``shard`` is
+    split along it over 'shard' (its master, moments, device copy and digest tables with it),
+    the others are replicated. Digests, the guarded update, scrubs and repairs work on each
+    device's own shard; a chunk index is local to its device's shard; replica repairs pull
+    from the device with the same shard in another replica."""
 
     def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], opt: AdamW, params: Any,
                  batch_fn: Callable[[int], dict[str, np.ndarray]], *,
@@ -115,7 +121,8 @@ class Trainer:
                  shm_name: str | None = None, snapshot_every: int = 25, log_ring: int | None = None,
                  scrub_every: int = 10, repair_capacity: int = 16, fault_capacity: int = 64,
                  inject_gradients: bool = False, devices: Any = None, resume: bool = False,
-                 telemetry: Any = "auto", replica_transport: str = "collective"):
+                 telemetry: Any = "auto", replica_transport: str = "collective",
+                 shard: int = 1):
         ensure_registered()
         if replica_transport not in ("collective", "peer"):
             raise ValueError(f"replica_transport must be 'collective' or 'peer', got "
@@ -131,12 +138,16 @@ class Trainer:
             (lambda step: float("nan")) if callable(opt.learning_rate)
             else (lambda step: float(opt.learning_rate)))
         # Data parallel over `devices` (default: every device of the default backend; one is
-        # fine): each holds a full copy of the protected state and a slice of every batch.
+        # fine) and, with shard > 1, parameters split over the 'shard' axis: each device holds
+        # its shard of the protected state and a slice of every batch.
         devices = list(devices) if devices is not None else jax.devices()
-        self.mesh = Mesh(np.array(devices), ("dp",))
+        if shard < 1 or len(devices) % shard:
+            raise ValueError(f"shard={shard} must divide the {len(devices)} devices")
+        self.shard = shard
+        self.mesh = Mesh(np.array(devices).reshape(len(devices) // shard, shard), ("dp", "shard"))
         self.devices = devices
         self.replicated = NamedSharding(self.mesh, P())
-        self.by_device = NamedSharding(self.mesh, P("dp"))
+        self.by_device = NamedSharding(self.mesh, P(("dp", "shard")))
         self.snapshot_every, self.scrub_every = snapshot_every, scrub_every
         self.repair_capacity, self.fault_capacity = repair_capacity, fault_capacity
         self.inject_gradients = inject_gradients
@@ -153,11 +164,19 @@ class Trainer:
         self._counting = False
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
-        params = jax.device_put(params, self.replicated)
         self.treedef = jax.tree.structure(params)
         self.paths = [_keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
         self.names = list(TENSORS) if opt.master_weights else ["p", "mu", "nu"]
-        self.sizes = [int(np.prod(p.shape)) for p in jax.tree.leaves(params)]
+        leaves = jax.tree.leaves(params)
+        # FSDP: a leaf is split along its first dimension when that divides by `shard`.
+        self.sharded = [shard > 1 and np.ndim(p) > 0 and np.shape(p)[0] % shard == 0
+                        for p in leaves]
+        self.param_specs = jax.tree.unflatten(
+            self.treedef, [P("shard") if sh else P() for sh in self.sharded])
+        params = self._put_params(params)
+        # Elements of each leaf on one device (its shard).
+        self.sizes = [int(np.prod(np.shape(p))) // (shard if sh else 1)
+                      for p, sh in zip(leaves, self.sharded)]
         self.nchunks = [-(-n // opt.chunk_elems) for n in self.sizes]
         self.chunk_base = np.concatenate([[0], np.cumsum(self.nchunks)]).astype(np.int64)
 
@@ -178,20 +197,19 @@ class Trainer:
         self._programs: dict[Any, Any] = {}
         self.state = None
         self.next_step = 1
+        self._params_sds = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+        self._init = jax.jit(self._manual(self.opt.init, (self.param_specs,), self._opt_specs()))
         if resume:
             self.resume()
         else:
-            opt_state = jax.jit(self.opt.init, out_shardings=self.replicated)(params)
-            self.state = TrainState(opt_state, self._put(np.int32(0)))
+            self.state = TrainState(self._init(params), self._put(np.int32(0)))
 
     def restart(self, params: Any) -> None:
         """A new run from ``params`` with the same compiled programs (statistics, snapshots and
         the batch log start over)."""
-        params = jax.device_put(params, self.replicated)
         if jax.tree.structure(params) != self.treedef:
             raise ValueError("restart needs parameters of the same structure")
-        self.state = TrainState(jax.jit(self.opt.init, out_shardings=self.replicated)(params),
-                                self._put(np.int32(0)))
+        self.state = TrainState(self._init(self._put_params(params)), self._put(np.int32(0)))
         self.stats = RunStats()
         self.stats.telemetry = self._telemetry_status()
         self.next_step = 1
@@ -201,6 +219,32 @@ class Trainer:
                 self.backup._slot_header(slot)[:] = 0
             for r in range(self.backup.ring):
                 self.backup._record_header(r)[:] = 0
+
+    def _put_params(self, params: Any) -> Any:
+        return jax.tree.map(lambda p, spec: jax.device_put(p, NamedSharding(self.mesh, spec)),
+                            params, self.param_specs, is_leaf=lambda x: isinstance(x, P))
+
+    def _slot_specs(self) -> Any:
+        """The PartitionSpecs of a Slot: each tensor and digest table as its parameter."""
+        ps = self.param_specs
+        tables = jax.tree.map(lambda spec: {k: spec for k in self.names}, ps,
+                              is_leaf=lambda x: isinstance(x, P))
+        from pimhbm.update import Slot
+        return Slot(ps, ps if self.opt.master_weights else None, ps, ps, tables)
+
+    def _opt_specs(self, current: int = 0) -> AdamWState:
+        slot = self._slot_specs()
+        return AdamWState((slot, slot), current, P(), slot)
+
+    def _state_specs(self, current: int = 0) -> TrainState:
+        return TrainState(self._opt_specs(current), P())
+
+    def _manual(self, fn, in_specs, out_specs):
+        """``fn`` per device over the mesh. check_vma=False: the copies of the state are equal
+        on every replica by construction (the verdict is global), which the checker cannot see
+        through the custom calls."""
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=False)
 
     def _put(self, x: Any, sharding: Any = None, copy: bool = False) -> jax.Array:
         if copy:
@@ -224,11 +268,26 @@ class Trainer:
     # -- the programs --------------------------------------------------------------------------
 
     def _step_fn(self, state: TrainState, batch: dict, lr: jax.Array, grad_fault: jax.Array):
-        """One device's part of a step (inside shard_map over 'dp'): gradients of its slice of
-        the batch, their mean over devices, the guarded update with a global verdict."""
-        loss, grads = jax.value_and_grad(self.loss_fn)(state.opt.params, batch)
-        loss = jax.lax.pmean(loss, "dp")
-        grads = jax.lax.pmean(grads, "dp")
+        """One device's part of a step (inside shard_map over the mesh): gradients of its slice
+        of the batch, their mean over devices, the guarded update with a global verdict. With a
+        sharding axis (FSDP) the sharded parameters are gathered for the forward pass and their
+        gradients reduce-scattered back to the shards."""
+        if self.shard == 1:
+            loss, grads = jax.value_and_grad(self.loss_fn)(state.opt.params, batch)
+            loss = jax.lax.pmean(loss, "dp")
+            grads = jax.lax.pmean(grads, "dp")
+        else:
+            local = self.treedef.flatten_up_to(state.opt.params)
+            full = [jax.lax.all_gather(p, "shard", axis=0, tiled=True) if sh else p
+                    for p, sh in zip(local, self.sharded)]
+            loss, grads = jax.value_and_grad(self.loss_fn)(
+                jax.tree.unflatten(self.treedef, full), batch)
+            n = len(self.devices)
+            loss = jax.lax.psum(loss, ("dp", "shard")) / n
+            grads = [jax.lax.psum(jax.lax.psum_scatter(g, "shard", scatter_dimension=0, tiled=True)
+                                  if sh else jax.lax.psum(g, "shard"), "dp") / n
+                     for g, sh in zip(self.treedef.flatten_up_to(grads), self.sharded)]
+            grads = jax.tree.unflatten(self.treedef, grads)
         if self.inject_gradients:
             leaves = self.treedef.flatten_up_to(grads)
             spec = jnp.where(jnp.arange(len(leaves))[:, None] == grad_fault[0], grad_fault[1:],
@@ -237,7 +296,7 @@ class Trainer:
                 faults_mod.inject_in_graph(g, spec[i]) for i, g in enumerate(leaves)])
         lr = None if callable(self.opt.learning_rate) else lr
         opt, report = self.opt.update(grads, state.opt, lr, gate=state.halted == 0,
-                                      axis_name="dp")
+                                      axis_name=("dp", "shard"))
         halted = state.halted | (~report.committed).astype(jnp.int32)
         return TrainState(opt, halted), loss, self._summary(report)[None]
 
@@ -284,10 +343,11 @@ class Trainer:
         return TrainState(opt, state.halted), jnp.stack(statuses).reshape(lists.shape)[None]
 
     def _replica_fn(self, state: TrainState, lists: jax.Array, src: jax.Array):
+        lists, src = lists[0], src[0]  # this device's shard column
         """Repairs listed chunks of the current slot from another device's copy of the state
-        (inside shard_map over 'dp'; every copy is current to the last committed step).
-        lists, src: int32 (leaves, tensors, capacity): the chunk, and the device whose copy of
-        it is healthy. Transport "collective": one psum of the chunks' raw bits and digest
+        (inside shard_map; every copy is current to the last committed step). lists, src: int32
+        (shard, leaves, tensors, capacity), a row per shard column: the chunk, and the replica
+        (index along 'dp') whose copy of it is healthy. Transport "collective": one psum of the chunks' raw bits and digest
         rows (pimhbm.replica); "peer": each device reads the chunk from the source's memory
         (pimhbm.peer.pull). Either way the received chunk is checked against the source's
         digest before it is written and the target after. Returns the new state and statuses
@@ -313,12 +373,13 @@ class Trainer:
 
     def _rebuild_fn(self, state: TrainState, source: jax.Array, targets: jax.Array):
         """A whole state (current slot and device copy) rebuilt on the ``targets`` devices
-        (int32 per device, 1 = rebuild) from device ``source``'s current slot: one psum of the
-        raw bits of every tensor and digest table. Returns the state and, per device, the
-        number of chunks of its current slot that do not verify afterwards [1]."""
-        me = jax.lax.axis_index("dp")
+        (int32 (dp, shard), 1 = rebuild) from replica ``source`` (int32 per shard column: an
+        index along 'dp'): one psum of the raw bits of every tensor and digest table. Returns
+        the state and, per device, the number of chunks of its current slot that do not
+        verify afterwards [1]."""
         opt = state.opt
-        take = targets[me] != 0
+        source = source[0]
+        take = targets[0, 0] != 0
         cur = slot_tensors(opt.slots[opt.current], self.treedef)
         new, bad = [], jnp.int32(0)
         for leaf in cur:
@@ -354,31 +415,51 @@ class Trainer:
         idx, bits = self._fault_list(maps)
         return jnp.concatenate([idx, bits])[None]
 
-    def _snapshot_fn(self, state: TrainState, *, slot: int) -> jax.Array:
-        """Runs on the first device's copy only (one writer into the region)."""
+    def _snapshot_fn(self, state: TrainState, *, slot: int, part: int = 0) -> jax.Array:
+        """Runs on one device of the first replica, the one holding shard ``part``: it writes
+        its shard of every sharded tensor (and, part 0 only, the replicated ones) to its place
+        in the region (one writer per byte)."""
         opt = state.opt
-        tensors = [x for leaf in slot_tensors(opt.slots[opt.current], self.treedef)
-                   for k in self.names for x in leaf[k]]
-        return pimhbm.backup_snapshot(tensors, self.backup.region, self.backup.offsets(slot))
+        offsets = iter(self.backup.offsets(slot))
+        tensors, where = [], []
+        for leaf, sharded in zip(slot_tensors(opt.slots[opt.current], self.treedef), self.sharded):
+            for k in self.names:
+                for x in leaf[k]:
+                    offset = next(offsets)
+                    if sharded or part == 0:
+                        tensors.append(x)
+                        where.append(offset + (part * x.size * x.dtype.itemsize if sharded else 0))
+        return pimhbm.backup_snapshot(tensors, self.backup.region, where)
 
     def _snapshot_specs(self, params) -> list[TensorSpec]:
+        """Whole tensors; a sharded tensor's digest table holds its shards' tables in order."""
         named = []
-        for path, p in zip(self.paths, jax.tree.leaves(params)):
-            n = int(np.prod(p.shape))
-            chunks = -(-n // self.opt.chunk_elems)
+        for path, p, n, sharded in zip(self.paths, jax.tree.leaves(params), self.sizes, self.sharded):
+            chunks = -(-n // self.opt.chunk_elems) * (self.shard if sharded else 1)
             for k in self.names:
                 dtype = p.dtype if k == "p" else jnp.float32
                 named.append((f"{path}/{k}", jax.ShapeDtypeStruct(p.shape, dtype)))
                 named.append((f"{path}/{k}#digests", jax.ShapeDtypeStruct((chunks, 2), jnp.uint32)))
         return specs_of(named)
 
-    def _abstract_state(self, current: int, sharding: Any = None) -> TrainState:
-        shapes = jax.eval_shape(self.opt.init, jax.tree.map(
-            lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), self.state.opt.params))
-        sharding = sharding or self.replicated
-        put = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-        opt = jax.tree.map(put, AdamWState(shapes.slots, current, shapes.step, shapes.mirror))
-        return TrainState(opt, put(jax.ShapeDtypeStruct((), jnp.int32)))
+    def _abstract_state(self, current: int) -> TrainState:
+        """The state's global shapes with their shardings."""
+        params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype),
+                              self.state.opt.params if self.state is not None else self._params_sds)
+        shapes = jax.eval_shape(self._init, params)
+        opt = AdamWState(shapes.slots, current, shapes.step, shapes.mirror)
+        put = lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                   sharding=NamedSharding(self.mesh, spec))
+        state = TrainState(opt, jax.ShapeDtypeStruct((), jnp.int32))
+        return jax.tree.map(put, state, self._state_specs(current))
+
+    def _local_state(self, current: int, device: Any) -> TrainState:
+        """One device's part of the state (its shards), placed on ``device``."""
+        where = jax.sharding.SingleDeviceSharding(device)
+        put = lambda x, spec: jax.ShapeDtypeStruct(
+            (x.shape[0] // self.shard, *x.shape[1:]) if "shard" in tuple(spec) else x.shape,
+            x.dtype, sharding=where)
+        return jax.tree.map(put, self._abstract_state(current), self._state_specs(current))
 
     def prewarm(self, cache_dir: str | None = None) -> dict[str, int]:
         """Compiles every program the run can need -- the step, the repairs, the scrub, the
@@ -394,64 +475,82 @@ class Trainer:
         sds = lambda shape, dtype, sh=rep: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
         batch = {s.name: sds(s.shape, s.dtype, dev) for s in self.batch_specs}
         lists = sds((len(self.paths), len(self.names), self.repair_capacity), jnp.int32)
-        first = jax.sharding.SingleDeviceSharding(self.devices[0])
-        # State and scalars replicated, batches split, per-device reports stacked on 'dp'.
-        # check_vma=False: the state's copies are equal on every device by construction (the
-        # verdict is global), which the checker cannot see through the custom calls.
-        manual = lambda fn, ins, outs: jax.shard_map(fn, mesh=self.mesh, in_specs=ins,
-                                                     out_specs=outs, check_vma=False)
+        by_column = NamedSharding(self.mesh, P("shard"))
+        column_lists = sds((self.shard, *lists.shape), jnp.int32, by_column)
+        each = P(("dp", "shard"))  # per-device reports, stacked in mesh order
         for current in (0, 1):
             st = self._abstract_state(current)
-            step = manual(self._step_fn, (P(), P("dp"), P(), P()), (P(), P(), P("dp")))
+            ss = self._state_specs(current)
+            # The step hands over to the other slot: its output is the other parity's state.
+            step = self._manual(self._step_fn, (ss, each, P(), P()),
+                                (self._state_specs(1 - current), P(), each))
             self._programs["step", current] = jax.jit(step, donate_argnums=0).lower(
                 st, batch, sds((), jnp.float32), sds((9,), jnp.int32)).compile()
             for into_copy in (False, True):
-                fn = manual(lambda s, l, c=into_copy: self._repair_fn(s, l, into_copy=c),
-                            (P(), P()), (P(), P("dp")))
+                fn = self._manual(lambda s, l, c=into_copy: self._repair_fn(s, l, into_copy=c),
+                                  (ss, P()), (ss, each))
                 self._programs["repair", current, into_copy] = jax.jit(
                     fn, donate_argnums=0).lower(st, lists).compile()
-            if len(self.devices) > 1:
-                fn = manual(self._replica_fn, (P(), P(), P()), (P(), P("dp")))
+            if len(self.devices) > self.shard:  # a replica axis: repairs from another replica
+                fn = self._manual(self._replica_fn, (ss, P("shard"), P("shard")), (ss, each))
                 self._programs["replica", current] = jax.jit(fn, donate_argnums=0).lower(
-                    st, lists, lists).compile()
-                fn = manual(self._rebuild_fn, (P(), P(), P()), (P(), P("dp")))
+                    st, column_lists, column_lists).compile()
+                fn = self._manual(self._rebuild_fn, (ss, P("shard"), P("dp", "shard")), (ss, each))
                 self._programs["rebuild", current] = jax.jit(fn, donate_argnums=0).lower(
-                    st, sds((), jnp.int32), sds((len(self.devices),), jnp.int32)).compile()
-            scrub = manual(self._scrub_fn, (P(),), P("dp"))
+                    st, sds((self.shard,), jnp.int32, by_column),
+                    sds(self.mesh.devices.shape, jnp.int32,
+                        NamedSharding(self.mesh, P("dp", "shard")))).compile()
+            scrub = self._manual(self._scrub_fn, (ss,), each)
             self._programs["scrub", current] = jax.jit(scrub).lower(st).compile()
             if self.backup is not None:
-                one = self._abstract_state(current, first)
-                for slot in (0, 1):
-                    fn = lambda s, slot=slot: self._snapshot_fn(s, slot=slot)
-                    self._programs["snapshot", current, slot] = jax.jit(fn).lower(one).compile()
+                for part in range(self.shard):
+                    one = self._local_state(current, self.mesh.devices[0, part])
+                    for slot in (0, 1):
+                        fn = lambda s, slot=slot, part=part: self._snapshot_fn(s, slot=slot, part=part)
+                        self._programs["snapshot", current, slot, part] = jax.jit(fn).lower(
+                            one).compile()
         # Fault injection on every state tensor shape (campaigns), and the host-side checks of
         # snapshots (verify on the CPU).
-        for leaf in jax.tree.leaves(self._abstract_state(0).opt.slots[0]):
-            self._inject_program(leaf.shape, leaf.dtype)
+        slot_specs = self._slot_specs()
+        for leaf, spec in zip(jax.tree.leaves(self._abstract_state(0).opt.slots[0]),
+                              jax.tree.leaves(slot_specs, is_leaf=lambda x: isinstance(x, P))):
+            self._inject_program(leaf.shape, leaf.dtype, spec)
         if self.backup is not None:
             self._host_verify_programs()
         self.prewarm_seconds = time.perf_counter() - t0
         self._compile_count = 0
         return {"programs": len(self._programs), "seconds": round(self.prewarm_seconds, 2)}
 
-    def _host_verify_programs(self) -> None:
-        cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-        for t, table in zip(self.backup.tensors[0::2], self.backup.tensors[1::2]):
-            key = ("host_verify", t.shape, t.dtype)
-            if key in self._programs:
-                continue
-            cb = self.opt.chunk_bytes(t.dtype)
+    def _snapshot_parts(self):
+        """Per snapshot tensor (with its table): leaf index, shards, rows and chunks of one."""
+        for i, (t, table) in enumerate(zip(self.backup.tensors[0::2], self.backup.tensors[1::2])):
+            leaf = i // len(self.names)
+            parts = self.shard if self.sharded[leaf] else 1
+            yield leaf, t, table, parts, t.shape[0] // parts if t.shape else 1, table.shape[0] // parts
+
+    def _host_verify_program(self, shape, dtype, chunks):
+        key = ("host_verify", tuple(shape), jnp.dtype(dtype))
+        if key not in self._programs:
+            cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+            cb = self.opt.chunk_bytes(dtype)
             self._programs[key] = jax.jit(lambda x, d, cb=cb: pimhbm.verify(x, d, cb)).lower(
-                jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=cpu),
-                jax.ShapeDtypeStruct(table.shape, table.dtype, sharding=cpu)).compile()
+                jax.ShapeDtypeStruct(shape, dtype, sharding=cpu),
+                jax.ShapeDtypeStruct((chunks, 2), jnp.uint32, sharding=cpu)).compile()
+        return self._programs[key]
+
+    def _host_verify_programs(self) -> None:
+        for _, t, _, parts, rows, chunks in self._snapshot_parts():
+            local = (rows, *t.shape[1:]) if parts > 1 else t.shape
+            self._host_verify_program(local, t.dtype, chunks)
 
     def hlo_text(self) -> str:
         """The compiled step's HLO (both parities compile the same program shape)."""
         return self._programs["step", 0].as_text()
 
-    def _first_copy(self, state: TrainState) -> TrainState:
-        """The first device's copy of the state, as single-device arrays (no copy)."""
-        return jax.tree.map(lambda a: a.addressable_shards[0].data, state)
+    def _on_device(self, state: TrainState, device: Any) -> TrainState:
+        """``device``'s part of the state, as single-device arrays (no copy)."""
+        return jax.tree.map(lambda a: next(s.data for s in a.addressable_shards
+                                           if s.device == device), state)
 
     @property
     def _serialize(self) -> bool:
@@ -465,22 +564,24 @@ class Trainer:
         if self._serialize:
             jax.block_until_ready(values)
 
-    def _run_snapshot(self, slot: int) -> jax.Array:
-        program = self._programs["snapshot", self.state.opt.current, slot]
-        ticket = program(self._first_copy(self.state))
-        self._settle(ticket)
-        return ticket
+    def _run_snapshot(self, slot: int) -> list[jax.Array]:
+        """The first replica's devices write their shards (one program each)."""
+        tickets = []
+        for part in range(self.shard):
+            program = self._programs["snapshot", self.state.opt.current, slot, part]
+            tickets.append(program(self._on_device(self.state, self.mesh.devices[0, part])))
+            self._settle(tickets[-1])
+        return tickets
 
-    def _inject_program(self, shape, dtype):
-        """Fault injection into some devices' copies of a replicated tensor, in place: one
+    def _inject_program(self, shape, dtype, spec=P()):
+        """Fault injection into some devices' copies (or shards) of a tensor, in place: one
         program for all devices, a spec row per device (kind 0: leave this copy alone)."""
-        key = ("inject", tuple(shape), jnp.dtype(dtype))
+        key = ("inject", tuple(shape), jnp.dtype(dtype), tuple(spec))
         if key not in self._programs:
-            fn = jax.shard_map(lambda x, spec: faults_mod.inject_in_graph(x, spec[0]),
-                               mesh=self.mesh, in_specs=(P(), P("dp")), out_specs=P(),
-                               check_vma=False)
+            fn = self._manual(lambda x, f: faults_mod.inject_in_graph(x, f[0]),
+                              (spec, P(("dp", "shard"))), spec)
             self._programs[key] = jax.jit(fn, donate_argnums=0).lower(
-                jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated),
+                jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(self.mesh, spec)),
                 jax.ShapeDtypeStruct((len(self.devices), 8), jnp.int32,
                                      sharding=self.by_device)).compile()
         return self._programs[key]
@@ -755,17 +856,25 @@ class Trainer:
         damaged = np.zeros(len(self.devices), np.int32)
         for _, rows in summaries:
             damaged |= (rows[:, 2] > 0).astype(np.int32)  # faulty chunks seen by each device
-        clean = np.flatnonzero(damaged == 0)
-        if clean.size == 0:
-            return None
-        source = int(clean[0])
+        grid = damaged.reshape(self.mesh.devices.shape)  # (replica, shard column)
+        sources = np.zeros(self.shard, np.int32)
+        for col in range(self.shard):
+            clean = np.flatnonzero(grid[:, col] == 0)
+            if clean.size == 0:
+                return None
+            sources[col] = clean[0]
         program = self._programs["rebuild", self.state.opt.current]
-        self.state, bad = program(self.state, self._put(np.int32(source)), self._put(damaged))
+        self.state, bad = program(self.state,
+                                  self._put(sources, NamedSharding(self.mesh, P("shard"))),
+                                  self._put(grid, NamedSharding(self.mesh, P("dp", "shard"))))
         if np.asarray(bad).any():
             return None
         self.stats.replica_rebuilds += int(damaged.sum())
         devices = ", ".join(map(str, np.flatnonzero(damaged)))
-        return f"repaired: device {devices} rebuilt whole from a healthy replica (device {source})"
+        used = sorted({int(sources[d % self.shard]) * self.shard + d % self.shard
+                       for d in np.flatnonzero(damaged)})
+        return (f"repaired: device {devices} rebuilt whole from a healthy replica (device "
+                f"{', '.join(map(str, used))})")
 
     def _repair_from_replicas(self, failures: list[tuple[int, str, str, int]]) -> str | None:
         """Chunks that a device could not repair from its own device copy, pulled from a
@@ -774,41 +883,56 @@ class Trainer:
         healthy copy on any device (or there is one device)."""
         if len(self.devices) < 2 or "replica" not in {k[0] for k in self._programs}:
             return None
-        damaged: dict[tuple[str, str, int], set[int]] = collections.defaultdict(set)
+        # Per shard column, the replicas (rows) whose chunk failed; the source is another row.
+        damaged: dict[tuple[int, str, str, int], set[int]] = collections.defaultdict(set)
         for d, path, k, chunk in failures:
-            damaged[path, k, chunk].add(d)
+            damaged[d % self.shard, path, k, chunk].add(d // self.shard)
+        replicas = len(self.devices) // self.shard
         work = []
-        for (path, k, chunk), devs in sorted(damaged.items()):
-            healthy = [d for d in range(len(self.devices)) if d not in devs]
+        for (col, path, k, chunk), rows in sorted(damaged.items()):
+            healthy = [r for r in range(replicas) if r not in rows]
             if not healthy:
                 return None
-            work.append((path, k, chunk, healthy[0]))
+            work.append((col, path, k, chunk, healthy[0]))
         sources = set()
-        for lists, batch in self._batches(work):
+        by_column = NamedSharding(self.mesh, P("shard"))
+        while work:
+            lists = np.full((self.shard, len(self.paths), len(self.names), self.repair_capacity),
+                            -1, np.int32)
             src = np.zeros_like(lists)
-            for path, k, chunk, d in batch:
+            fill = collections.Counter()
+            batch, rest = [], []
+            for entry in work:
+                col, path, k, chunk, row = entry
                 li, ti = self.paths.index(path), self.names.index(k)
-                src[li, ti, list(lists[li, ti]).index(chunk)] = d
-                sources.add(d)
+                slot = fill[col, li, ti]
+                if slot < self.repair_capacity:
+                    lists[col, li, ti, slot], src[col, li, ti, slot] = chunk, row
+                    fill[col, li, ti] += 1
+                    batch.append((entry, slot))
+                    sources.add(row * self.shard + col)
+                else:
+                    rest.append(entry)
             program = self._programs["replica", self.state.opt.current]
-            self.state, status = program(self.state, self._put(lists), self._put(src))
-            status = np.asarray(status)
-            for path, k, chunk, d in batch:
+            self.state, status = program(self.state, self._put(lists, by_column),
+                                         self._put(src, by_column))
+            status = np.asarray(status)  # [devices, leaves, tensors, capacity]
+            for (col, path, k, chunk, row), slot in batch:
                 li, ti = self.paths.index(path), self.names.index(k)
-                r = list(lists[li, ti]).index(chunk)
-                others = [e for e in range(len(self.devices)) if e != d]
-                if any(status[e, li, ti, r] != pimhbm.REPAIRED for e in others):
+                others = [r * self.shard + col for r in range(replicas) if r != row]
+                if any(status[d, li, ti, slot] != pimhbm.REPAIRED for d in others):
                     return None
                 self.stats.repairs += 1
+            work = rest
         # The device copies of those chunks: from the repaired state (an intact copy gets the
         # same bytes again).
         copy_faults = []
-        for path, k, chunk, _ in work:
+        for col, path, k, chunk in damaged:
             li = self.paths.index(path)
             copy_faults.append((int(self.chunk_base[li]) + chunk, TENSOR_BIT[k] << 4))
         if not self._repair(copy_faults, into_copy=True, shift=4):
             return None
-        self.stats.replica_repairs += len(work)
+        self.stats.replica_repairs += len(damaged)
         return f"repaired from a healthy replica (device {', '.join(map(str, sorted(sources)))})"
 
     def _handle_scrub(self, step: int, rows: np.ndarray) -> None:
@@ -844,13 +968,16 @@ class Trainer:
         for step, slot in self.backup.newest():
             views = self.backup.snapshot_views(slot)
             ok = True
-            for t, table, spec in zip(views[0::2], views[1::2], self.backup.tensors[0::2]):
-                program = self._programs.get(("host_verify", spec.shape, spec.dtype))
-                if program is None:
-                    self._host_verify_programs()
-                    program = self._programs[("host_verify", spec.shape, spec.dtype)]
-                if np.asarray(program(t, table)).any():
-                    ok = False
+            for (_, spec, _, parts, rows, chunks), t, table in zip(
+                    self._snapshot_parts(), views[0::2], views[1::2]):
+                # A sharded tensor: each shard against its own part of the table.
+                local = (rows, *spec.shape[1:]) if parts > 1 else spec.shape
+                program = self._host_verify_program(local, spec.dtype, chunks)
+                for s in range(parts):
+                    x = t[s * rows:(s + 1) * rows] if parts > 1 else t
+                    if np.asarray(program(x, table[s * chunks:(s + 1) * chunks])).any():
+                        ok = False
+                if not ok:
                     break
             if not ok:
                 continue
@@ -859,8 +986,10 @@ class Trainer:
             for _ in self.paths:
                 leaves.append({k: (next(it), next(it)) for k in self.names})
             # Fresh buffers (may_alias=False): on the CPU a put would otherwise alias the region.
-            copies = [slot_from_tensors([{k: tuple(self._put(x, copy=True) for x in v)
-                                          for k, v in leaf.items()} for leaf in leaves],
+            where = [NamedSharding(self.mesh, P("shard") if sh else P()) for sh in self.sharded]
+            copies = [slot_from_tensors([{k: tuple(self._put(x, w, copy=True) for x in v)
+                                          for k, v in leaf.items()}
+                                         for leaf, w in zip(leaves, where)],
                                         self.treedef) for _ in range(3)]
             opt = AdamWState((copies[0], copies[1]), 0, self._put(np.int32(step)), copies[2])
             self.state = TrainState(opt, self._put(np.int32(0)))
@@ -889,7 +1018,8 @@ class Trainer:
     def inject(self, path: str, tensor: str, fault: np.ndarray, *, into_copy: bool = False,
                device: int | None = None) -> None:
         """Applies ``fault`` (pimhbm.faults.spec) in place to one tensor of the current slot (or
-        of the device copy), on one device's copy (``device``) or on every device's."""
+        of the device copy), on one device's copy or shard (``device``: its position in the
+        mesh, row-major) or on every device's; offsets are within a device's shard."""
         opt = self.state.opt
         slot = opt.mirror if into_copy else opt.slots[opt.current]
         leaves = slot_tensors(slot, self.treedef)
@@ -897,7 +1027,8 @@ class Trainer:
         t, table = leaves[i][tensor]
         specs = np.zeros((len(self.devices), 8), np.int32)
         specs[slice(None) if device is None else device] = fault
-        t = self._inject_program(t.shape, t.dtype)(t, self._put(specs, self.by_device))
+        spec = P("shard") if self.sharded[i] else P()
+        t = self._inject_program(t.shape, t.dtype, spec)(t, self._put(specs, self.by_device))
         self._settle(t)
         leaves[i][tensor] = (t, table)
         new = slot_from_tensors(leaves, self.treedef)
@@ -906,11 +1037,12 @@ class Trainer:
         self.state = TrainState(opt, self.state.halted)
 
     def tensor_info(self) -> list[tuple[str, str, int, int]]:
-        """(leaf path, tensor, elements, bytes per element) of every protected tensor."""
+        """(leaf path, tensor, elements on one device, bytes per element) of every protected
+        tensor (a sharded tensor: the elements of one shard)."""
         out = []
-        for path, p in zip(self.paths, jax.tree.leaves(self.state.opt.params)):
+        for path, p, n in zip(self.paths, jax.tree.leaves(self.state.opt.params), self.sizes):
             for k in self.names:
-                out.append((path, k, int(p.size), p.dtype.itemsize if k == "p" else 4))
+                out.append((path, k, n, p.dtype.itemsize if k == "p" else 4))
         return out
 
     # -- results -------------------------------------------------------------------------------
@@ -918,7 +1050,7 @@ class Trainer:
     def current_state(self) -> dict[str, np.ndarray]:
         """The committed state as host arrays, by leaf and tensor (for comparisons)."""
         out = {}
-        opt = self._first_copy(self.state).opt
+        opt = self.state.opt  # whole tensors (a sharded one assembled from its shards)
         for path, leaf in zip(self.paths, slot_tensors(opt.slots[opt.current], self.treedef)):
             for k in self.names:
                 out[f"{path}/{k}"] = np.asarray(leaf[k][0])
