@@ -330,3 +330,82 @@ def test_a_lost_shard_is_rebuilt_from_a_replica(shm_name, fault_capacity, fault_
         assert stats.replica_rebuilds == 1
     assert tr.compiles == 0
     assert same_state(tr.current_state(), ref_state)
+
+
+def test_sharded_campaign_on_a_replica_by_shard_mesh(shm_name):
+    """FSDP: 4 devices as 2 replicas x 2 shards, every parameter split over the shards. A
+    campaign of every kind (on every device's shard), plus damage only one replica has -- a
+    double fault on device 1, a row burst in state and copy on device 2, a shard wiped in state
+    and copy on device 3 -- all located to (device, tensor, chunk of that device's shard) and
+    repaired, the per-replica damage from the other replica's same shard; the run ends
+    bit-identical to the same sharded run without faults, with no compilation after prewarm."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    steps = 30
+
+    def trainer(name):
+        opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+        tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=name, snapshot_every=10,
+                     scrub_every=5, inject_gradients=True, devices=jax.devices()[:4], shard=2,
+                     fault_capacity=64)
+        tr.prewarm()
+        return tr
+
+    ref = trainer(shm_name + "_ref")
+    try:
+        assert all(ref.sharded), "every MLP leaf splits over 2 shards"
+        ref_stats = ref.run(steps)
+        ref_state = ref.current_state()
+        assert ref_stats.incidents == [] and ref_stats.steps_skipped == 0
+        assert ref.compiles == 0
+    finally:
+        ref.close(unlink=True)
+
+    tr = trainer(shm_name)
+    campaign = Campaign(tr, {k: 3 for k in KINDS}, last_step=steps, seed=7)
+    local = dict(((p, t), n) for p, t, n, _ in tr.tensor_info())
+    assert local["w1", "mu"] == 96 * 96 // 2  # chunks index one device's shard
+
+    class PerReplica:
+        def before_step(self, trainer, step, attempt):
+            grad = campaign.before_step(trainer, step, attempt)
+            if attempt == 1 and step == 6:
+                for copy in (False, True):
+                    trainer.inject("w1", "mu", faults.spec(faults.FLIP_BIT, offset=4 * 3000 + 1,
+                                                           bit=2), into_copy=copy, device=1)
+            if attempt == 1 and step == 13:
+                for copy in (False, True):
+                    trainer.inject("w0", "p", faults.spec(faults.OVERWRITE, offset=900,
+                                                          length=1500, seed=3),
+                                   into_copy=copy, device=2)
+            if attempt == 1 and step == 11:
+                for copy in (False, True):
+                    trainer.inject("w1", "master", faults.spec(faults.WIPE, seed=9),
+                                   into_copy=copy, device=3)
+            return grad
+
+        def before_scrub(self, trainer, step):
+            campaign.before_scrub(trainer, step)
+
+    stats = tr.run(steps, campaign=PerReplica())
+    found = campaign.check(stats)
+    assert all(r["missed"] == 0 and r["repaired"] == r["injected"] for r in found.values()), found
+
+    def incident(step):
+        return next(i for i in stats.incidents if i.kind == "state" and i.step == step)
+
+    one = incident(6)
+    assert (1, "w1", "mu", 3000 // 256) in one.locations
+    assert {l[0] for l in one.locations if l[1:3] == ("w1", "mu")} == {1}
+    assert "from a healthy replica (device 3)" in one.action  # device 1's shard lives on 3 too
+    burst = incident(13)
+    assert {l for l in burst.locations if l[1:3] == ("w0", "p")} == {(2, "w0", "p", c)
+                                                                   for c in range(1, 5)}
+    assert "from a healthy replica (device 0)" in burst.action
+    wiped = incident(11)
+    assert {l[3] for l in wiped.locations if l[:3] == (3, "w1", "master")} == set(range(18))
+    assert "from a healthy replica (device 1)" in wiped.action
+    assert stats.replica_repairs == 1 + 4 + 18
+    assert tr.compiles == 0
+    assert same_state(tr.current_state(), ref_state)
+    tr.close()

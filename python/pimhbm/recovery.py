@@ -973,9 +973,12 @@ class Trainer:
                 # A sharded tensor: each shard against its own part of the table.
                 local = (rows, *spec.shape[1:]) if parts > 1 else spec.shape
                 program = self._host_verify_program(local, spec.dtype, chunks)
+                if parts > 1:  # host views: slicing a jax array would compile a program
+                    t, table = np.asarray(t), np.asarray(table)
                 for s in range(parts):
                     x = t[s * rows:(s + 1) * rows] if parts > 1 else t
-                    if np.asarray(program(x, table[s * chunks:(s + 1) * chunks])).any():
+                    d = table[s * chunks:(s + 1) * chunks] if parts > 1 else table
+                    if np.asarray(program(x, d)).any():
                         ok = False
                 if not ok:
                     break
