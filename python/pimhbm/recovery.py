@@ -144,8 +144,22 @@ class Trainer:
         if shard < 1 or len(devices) % shard:
             raise ValueError(f"shard={shard} must divide the {len(devices)} devices")
         self.shard = shard
+        # One process per GPU (jax.distributed): each process feeds and reads its own devices;
+        # what the host decides on (fault summaries, statuses) is gathered inside the programs
+        # so that every process sees every device's rows and decides alike.
+        self.multiprocess = jax.process_count() > 1
+        if self.multiprocess and replica_transport == "peer":
+            raise ValueError("replica_transport='peer' reads peer memory inside one process; "
+                             "with several processes use 'collective'")
         self.mesh = Mesh(np.array(devices).reshape(len(devices) // shard, shard), ("dp", "shard"))
         self.devices = devices
+        # Who writes this process's host snapshot: per shard column, its first device here.
+        me = jax.process_index()
+        self._writers = {}
+        for col in range(shard):
+            local = [d for d in self.mesh.devices[:, col] if d.process_index == me]
+            if local:
+                self._writers[col] = local[0]
         self.replicated = NamedSharding(self.mesh, P())
         self.by_device = NamedSharding(self.mesh, P(("dp", "shard")))
         self.snapshot_every, self.scrub_every = snapshot_every, scrub_every
@@ -192,7 +206,9 @@ class Trainer:
         if shm_name is not None:
             ring = log_ring or (snapshot_every + 8) * 2
             tensors = self._snapshot_specs(params)
-            self.backup = HostBackup(shm_name, tensors, self.batch_specs, ring, create=not resume)
+            # One region per process (each keeps the state of its own devices).
+            region = f"{shm_name}.p{jax.process_index()}" if self.multiprocess else shm_name
+            self.backup = HostBackup(region, tensors, self.batch_specs, ring, create=not resume)
 
         self._programs: dict[Any, Any] = {}
         self.state = None
@@ -221,7 +237,7 @@ class Trainer:
                 self.backup._record_header(r)[:] = 0
 
     def _put_params(self, params: Any) -> Any:
-        return jax.tree.map(lambda p, spec: jax.device_put(p, NamedSharding(self.mesh, spec)),
+        return jax.tree.map(lambda p, spec: self._put(p, NamedSharding(self.mesh, spec)),
                             params, self.param_specs, is_leaf=lambda x: isinstance(x, P))
 
     def _slot_specs(self) -> Any:
@@ -247,12 +263,21 @@ class Trainer:
                              check_vma=False)
 
     def _put(self, x: Any, sharding: Any = None, copy: bool = False) -> jax.Array:
-        if copy:
-            # Through a fresh host copy: a device put with may_alias=False still shares the
-            # source's buffer on the source's own device, and every copy of the state must own
-            # its buffers (they are donated).
-            x = np.array(x)
-        return jax.device_put(x, sharding or self.replicated)
+        # From the host, each process filling only its own devices' parts. copy: through a
+        # fresh host copy per part -- a put may otherwise share the source's buffer (on the CPU
+        # a region view), and every copy of the state must own its buffers (they are donated).
+        x = np.asarray(x)
+        part = (lambda idx: np.array(x[idx])) if copy else (lambda idx: x[idx])
+        return jax.make_array_from_callback(x.shape, sharding or self.replicated, part)
+
+    def _per_device(self, x: jax.Array) -> jax.Array:
+        """A per-device report row: stacked over devices (each process its own rows) or, with
+        several processes, gathered to every device so that every process reads all rows."""
+        return jax.lax.all_gather(x, ("dp", "shard"), tiled=True) if self.multiprocess else x
+
+    def _fetch(self, x: jax.Array) -> np.ndarray:
+        """A report on the host (with several processes: the local copy of the gathered one)."""
+        return np.asarray(x.addressable_shards[0].data) if self.multiprocess else np.asarray(x)
 
     # -- compile counting ----------------------------------------------------------------------
 
@@ -298,7 +323,7 @@ class Trainer:
         opt, report = self.opt.update(grads, state.opt, lr, gate=state.halted == 0,
                                       axis_name=("dp", "shard"))
         halted = state.halted | (~report.committed).astype(jnp.int32)
-        return TrainState(opt, halted), loss, self._summary(report)[None]
+        return TrainState(opt, halted), loss, self._per_device(self._summary(report)[None])
 
     def _fault_list(self, maps: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
         """(global chunk index, value) of the first fault_capacity non-zero map entries."""
@@ -340,7 +365,8 @@ class Trainer:
             opt = AdamWState(opt.slots, opt.current, opt.step, slot)
         else:
             opt = opt.replace_current(slot)
-        return TrainState(opt, state.halted), jnp.stack(statuses).reshape(lists.shape)[None]
+        return TrainState(opt, state.halted), self._per_device(
+            jnp.stack(statuses).reshape(lists.shape)[None])
 
     def _replica_fn(self, state: TrainState, lists: jax.Array, src: jax.Array):
         lists, src = lists[0], src[0]  # this device's shard column
@@ -369,7 +395,8 @@ class Trainer:
                 statuses.append(status)
             new.append(out)
         opt = opt.replace_current(slot_from_tensors(new, self.treedef))
-        return TrainState(opt, state.halted), jnp.stack(statuses).reshape(lists.shape)[None]
+        return TrainState(opt, state.halted), self._per_device(
+            jnp.stack(statuses).reshape(lists.shape)[None])
 
     def _rebuild_fn(self, state: TrainState, source: jax.Array, targets: jax.Array):
         """A whole state (current slot and device copy) rebuilt on the ``targets`` devices
@@ -397,7 +424,7 @@ class Trainer:
         # commit the copy equals the state; nothing committed since).
         mirror = jax.tree.map(lambda n, m: jnp.where(take, n, m), slot, opt.mirror)
         opt = AdamWState(opt.slots, opt.current, opt.step, mirror).replace_current(slot)
-        return TrainState(opt, state.halted), bad[None]
+        return TrainState(opt, state.halted), self._per_device(bad[None])
 
     def _scrub_fn(self, state: TrainState) -> jax.Array:
         """A full digest sweep of the current slot and the device copy: per chunk, the bits of
@@ -413,12 +440,12 @@ class Trainer:
                 acc |= pimhbm.verify(copy[k][0], copy[k][1], cb).astype(jnp.int32) * (TENSOR_BIT[k] << 4)
             maps.append(acc)
         idx, bits = self._fault_list(maps)
-        return jnp.concatenate([idx, bits])[None]
+        return self._per_device(jnp.concatenate([idx, bits])[None])
 
     def _snapshot_fn(self, state: TrainState, *, slot: int, part: int = 0) -> jax.Array:
-        """Runs on one device of the first replica, the one holding shard ``part``: it writes
-        its shard of every sharded tensor (and, part 0 only, the replicated ones) to its place
-        in the region (one writer per byte)."""
+        """Runs on this process's writer of shard column ``part``: it writes its shard of every
+        sharded tensor (and, the first writer only, the replicated ones) to its place in the
+        region (one writer per byte)."""
         opt = state.opt
         offsets = iter(self.backup.offsets(slot))
         tensors, where = [], []
@@ -426,7 +453,7 @@ class Trainer:
             for k in self.names:
                 for x in leaf[k]:
                     offset = next(offsets)
-                    if sharded or part == 0:
+                    if sharded or part == min(self._writers):
                         tensors.append(x)
                         where.append(offset + (part * x.size * x.dtype.itemsize if sharded else 0))
         return pimhbm.backup_snapshot(tensors, self.backup.region, where)
@@ -477,7 +504,8 @@ class Trainer:
         lists = sds((len(self.paths), len(self.names), self.repair_capacity), jnp.int32)
         by_column = NamedSharding(self.mesh, P("shard"))
         column_lists = sds((self.shard, *lists.shape), jnp.int32, by_column)
-        each = P(("dp", "shard"))  # per-device reports, stacked in mesh order
+        # Per-device reports, stacked in mesh order (with several processes: gathered).
+        each = P() if self.multiprocess else P(("dp", "shard"))
         for current in (0, 1):
             st = self._abstract_state(current)
             ss = self._state_specs(current)
@@ -503,8 +531,8 @@ class Trainer:
             scrub = self._manual(self._scrub_fn, (ss,), each)
             self._programs["scrub", current] = jax.jit(scrub).lower(st).compile()
             if self.backup is not None:
-                for part in range(self.shard):
-                    one = self._local_state(current, self.mesh.devices[0, part])
+                for part, device in self._writers.items():
+                    one = self._local_state(current, device)
                     for slot in (0, 1):
                         fn = lambda s, slot=slot, part=part: self._snapshot_fn(s, slot=slot, part=part)
                         self._programs["snapshot", current, slot, part] = jax.jit(fn).lower(
@@ -531,7 +559,7 @@ class Trainer:
     def _host_verify_program(self, shape, dtype, chunks):
         key = ("host_verify", tuple(shape), jnp.dtype(dtype))
         if key not in self._programs:
-            cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+            cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
             cb = self.opt.chunk_bytes(dtype)
             self._programs[key] = jax.jit(lambda x, d, cb=cb: pimhbm.verify(x, d, cb)).lower(
                 jax.ShapeDtypeStruct(shape, dtype, sharding=cpu),
@@ -565,11 +593,11 @@ class Trainer:
             jax.block_until_ready(values)
 
     def _run_snapshot(self, slot: int) -> list[jax.Array]:
-        """The first replica's devices write their shards (one program each)."""
+        """This process's writers write their shards (one program each)."""
         tickets = []
-        for part in range(self.shard):
+        for part, device in self._writers.items():
             program = self._programs["snapshot", self.state.opt.current, slot, part]
-            tickets.append(program(self._on_device(self.state, self.mesh.devices[0, part])))
+            tickets.append(program(self._on_device(self.state, device)))
             self._settle(tickets[-1])
         return tickets
 
@@ -655,23 +683,23 @@ class Trainer:
                 step += 1
                 continue
             done, loss, summary, scrub = pending.popleft()
-            s = self._guarded(done, lambda: np.asarray(summary))  # [devices, summary]
+            s = self._guarded(done, lambda: self._fetch(summary))  # [devices, summary]
             committed = bool(s[0, 0])  # the verdict is global: the same on every device
             if snapshot is not None and snapshot[1] == done:
                 snapshot = self._finish_snapshot(snapshot, committed)
             if committed:
                 self.stats.steps_committed += 1
-                self.stats.losses[done] = float(loss)
+                self.stats.losses[done] = float(self._fetch(loss))
                 self.next_step = done + 1
                 if scrub is not None:
-                    self._handle_scrub(done, np.asarray(scrub))
+                    self._handle_scrub(done, self._fetch(scrub))
                 if progress:
                     progress(done, self.stats)
                 continue
             # A skipped step: every step dispatched after it skipped too (halt flag); their
             # summaries may name more damage (injected while they were in flight).
             self.stats.steps_skipped += 1 + len(pending)
-            later = [(t, np.asarray(later_summary)) for t, _, later_summary, _ in pending]
+            later = [(t, self._fetch(later_summary)) for t, _, later_summary, _ in pending]
             pending.clear()
             if snapshot is not None:
                 snapshot = self._finish_snapshot(snapshot, False)
@@ -695,7 +723,8 @@ class Trainer:
         out = {}
         for pos, dev in enumerate(devices):
             hw = getattr(dev, "local_hardware_id", None)
-            if dev.platform == "gpu" and hw is not None and hw < len(cuda) and cuda[hw] in by_uuid:
+            if (dev.platform == "gpu" and dev.process_index == jax.process_index() and
+                    hw is not None and hw < len(cuda) and cuda[hw] in by_uuid):
                 out[by_uuid[cuda[hw]]] = pos
         if not out:
             out = {i: i for i in range(min(len(t.devices), len(devices)))}
@@ -820,7 +849,7 @@ class Trainer:
         for lists, batch in self._batches(work):
             program = self._programs["repair", self.state.opt.current, into_copy]
             self.state, status = program(self.state, self._put(lists))
-            status = np.asarray(status)  # [devices, leaves, tensors, capacity]
+            status = self._fetch(status)  # [devices, leaves, tensors, capacity]
             self.stats.repairs += int(np.sum(status[0] == pimhbm.REPAIRED))
             bad = (lists[None] >= 0) & (status != pimhbm.REPAIRED)
             if np.any(bad):
@@ -867,7 +896,7 @@ class Trainer:
         self.state, bad = program(self.state,
                                   self._put(sources, NamedSharding(self.mesh, P("shard"))),
                                   self._put(grid, NamedSharding(self.mesh, P("dp", "shard"))))
-        if np.asarray(bad).any():
+        if self._fetch(bad).any():
             return None
         self.stats.replica_rebuilds += int(damaged.sum())
         devices = ", ".join(map(str, np.flatnonzero(damaged)))
@@ -916,7 +945,7 @@ class Trainer:
             program = self._programs["replica", self.state.opt.current]
             self.state, status = program(self.state, self._put(lists, by_column),
                                          self._put(src, by_column))
-            status = np.asarray(status)  # [devices, leaves, tensors, capacity]
+            status = self._fetch(status)  # [devices, leaves, tensors, capacity]
             for (col, path, k, chunk, row), slot in batch:
                 li, ti = self.paths.index(path), self.names.index(k)
                 others = [r * self.shard + col for r in range(replicas) if r != row]
@@ -975,7 +1004,7 @@ class Trainer:
                 program = self._host_verify_program(local, spec.dtype, chunks)
                 if parts > 1:  # host views: slicing a jax array would compile a program
                     t, table = np.asarray(t), np.asarray(table)
-                for s in range(parts):
+                for s in (self._writers if parts > 1 else range(1)):  # the parts kept here
                     x = t[s * rows:(s + 1) * rows] if parts > 1 else t
                     d = table[s * chunks:(s + 1) * chunks] if parts > 1 else table
                     if np.asarray(program(x, d)).any():
@@ -1054,9 +1083,13 @@ class Trainer:
         """The committed state as host arrays, by leaf and tensor (for comparisons)."""
         out = {}
         opt = self.state.opt  # whole tensors (a sharded one assembled from its shards)
+        whole = np.asarray
+        if self.multiprocess:  # a collective: every process calls it
+            from jax.experimental import multihost_utils
+            whole = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
         for path, leaf in zip(self.paths, slot_tensors(opt.slots[opt.current], self.treedef)):
             for k in self.names:
-                out[f"{path}/{k}"] = np.asarray(leaf[k][0])
+                out[f"{path}/{k}"] = whole(leaf[k][0])
         return out
 
     def close(self, unlink: bool = False) -> None:
