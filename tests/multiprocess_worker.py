@@ -4,19 +4,28 @@ are the two processes. Runs the fault-free reference, then the same run under fa
 another process's replica, the device copy and each process's own host snapshot; process 0
 writes what it saw to the JSON file named on the command line.
 
-usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT SHM_NAME OUT.json"""
+On GPUs (PLATFORM gpu) each process drives one GPU and the mesh is 2 replicas x 1 shard.
+The worker checks what it saw itself and exits 1 on any failed check.
+
+usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT SHM_NAME OUT.json [cpu|gpu]"""
 
 import json
 import os
 import sys
 
 pid, nproc, port, shm, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+platform = sys.argv[6] if len(sys.argv) > 6 else "cpu"
+if platform == "cpu":
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
 import jax  # noqa: E402
 
-jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(f"localhost:{port}", nproc, pid, initialization_timeout=120)
+if platform == "cpu":
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{port}", nproc, pid, initialization_timeout=120)
+else:
+    jax.distributed.initialize(f"localhost:{port}", nproc, pid, local_device_ids=[pid],
+                               initialization_timeout=120)
 
 import pimhbm  # noqa: E402
 from pimhbm import faults  # noqa: E402
@@ -25,9 +34,14 @@ from pimhbm.recovery import Trainer  # noqa: E402
 
 STEPS = 20
 opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+shard = 2 if platform == "cpu" else 1
 tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=shm, snapshot_every=5,
-             scrub_every=5, inject_gradients=True, shard=2, telemetry=None)
+             scrub_every=5, inject_gradients=True, shard=shard, telemetry=None)
 assert [d.process_index for d in tr.mesh.devices[:, 0]] == [0, 1], "a replica per process"
+n = len(tr.devices)
+DOUBLE = 1  # state and copy damaged: repaired from the same shard of the other replica
+SOURCE = (1 - DOUBLE // shard) * shard + DOUBLE % shard
+SINGLE = n - 2  # state only: its own device copy
 tr.prewarm()
 ref_stats = tr.run(STEPS)
 ref = tr.current_state()
@@ -37,12 +51,13 @@ class Faults:
     def before_step(self, trainer, step, attempt):
         if attempt != 1:
             return None
-        if step == 4:  # state and copy of device 1 (process 0): from device 3 (process 1)
+        if step == 4:
             for copy in (False, True):
                 trainer.inject("w1", "nu", faults.spec(faults.FLIP_BIT, offset=4 * 1000, bit=6),
-                               into_copy=copy, device=1)
-        if step == 8:  # device 2 only (process 1), state only: its own device copy
-            trainer.inject("w0", "p", faults.spec(faults.FLIP_BIT, offset=2 * 77, bit=3), device=2)
+                               into_copy=copy, device=DOUBLE)
+        if step == 8:
+            trainer.inject("w0", "p", faults.spec(faults.FLIP_BIT, offset=2 * 77, bit=3),
+                           device=SINGLE)
         if step == 11:  # a NaN in a gradient on every device
             return [0] + list(faults.spec(faults.NONFINITE, offset=5, value="nan"))
         if step == 14:  # the same flip in state and copy everywhere: each process's snapshot
@@ -58,8 +73,26 @@ class Faults:
 tr.restart(mlp.init(0))
 stats = tr.run(STEPS, campaign=Faults())
 state = tr.current_state()
+by_step = {}
+for i in stats.incidents:
+    by_step.setdefault(i.step, []).append(i)
+checks = {
+    "fault-free run reports nothing": not ref_stats.incidents,
+    "double fault located": by_step[4][0].locations == [(DOUBLE, "w1", "nu", 1000 // 256)],
+    "double fault from the other replica":
+        by_step[4][0].action == f"repaired from a healthy replica (device {SOURCE})",
+    "single flip from the device copy": by_step[8][0].locations == [(SINGLE, "w0", "p", 0)] and
+        by_step[8][0].action == "repaired from the device copy",
+    "NaN gradient skipped": by_step[11][0].kind == "gradient",
+    "everywhere: host snapshot": by_step[14][0].action.startswith("restored from host snapshot"),
+    "no compilation after prewarm": tr.compiles == 0,
+    "bit-identical": sorted(state) == sorted(ref) and all(
+        state[k].tobytes() == ref[k].tobytes() for k in state),
+}
 result = {
     "process": pid,
+    "platform": platform,
+    "checks": checks,
     "devices": [[d.id for d in row] for row in tr.mesh.devices],
     "reference_incidents": len(ref_stats.incidents),
     "identical": sorted(state) == sorted(ref) and all(
@@ -74,4 +107,7 @@ tr.close(unlink=True)
 if pid == 0:
     with open(out, "w") as f:
         json.dump(result, f)
+for what, ok in checks.items():
+    print(f"process {pid}: {what}: {'ok' if ok else 'FAILED'}")
 jax.distributed.shutdown()
+sys.exit(0 if all(checks.values()) else 1)
