@@ -409,3 +409,44 @@ def test_sharded_campaign_on_a_replica_by_shard_mesh(shm_name):
     assert tr.compiles == 0
     assert same_state(tr.current_state(), ref_state)
     tr.close()
+
+
+def test_a_replica_transfer_that_fails_falls_back_to_the_host_snapshot(shm_name, fault_free):
+    """A replica pull that fails -- a peer that does not answer within the peer ops' bounded
+    wait surfaces as a device error of the repair program -- is reported, and the state comes
+    from the host snapshot with a replay instead: no hang, a bit-identical end."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    ref_state = fault_free[20]
+
+    class Double:
+        def before_step(self, trainer, step, attempt):
+            if step == 12 and attempt == 1:
+                for copy in (False, True):
+                    trainer.inject("w1", "mu", faults.spec(faults.FLIP_BIT, offset=4 * 33, bit=4),
+                                   into_copy=copy, device=1)
+            return None
+
+        def before_scrub(self, trainer, step):
+            pass
+
+    tr = make_trainer(shm_name, replica_transport="peer")
+    calls = []
+
+    def unanswered(*args):
+        calls.append(1)
+        raise jax.errors.JaxRuntimeError("pimhbm.peer.pull: rank 1 waited 20000 ms for rank(s) 0 "
+                                         "of 2 to publish their buffers")
+
+    for current in (0, 1):
+        tr._programs["replica", current] = unanswered
+    stats = tr.run(20, campaign=Double())
+    assert calls == [1]
+    failed = [i for i in stats.incidents if i.kind == "replica transport"]
+    assert len(failed) == 1 and "did not answer" not in failed[0].action
+    assert "waited 20000 ms" in failed[0].action and "host snapshot" in failed[0].action
+    state = [i for i in stats.incidents if i.kind == "state"]
+    assert state[0].action.startswith("restored from host snapshot @10")
+    assert stats.host_restores == 1 and stats.replica_repairs == 0
+    assert tr.compiles == 0
+    assert same_state(tr.current_state(), ref_state)

@@ -172,6 +172,7 @@ class Trainer:
         self.telemetry = telemetry
         self._nvml_position = self._map_nvml_devices(devices)
         self._scrub_due = False
+        self._state_lost = False
         self.stats = RunStats()
         self.stats.telemetry = self._telemetry_status()
         self._compile_count = 0
@@ -820,7 +821,7 @@ class Trainer:
                 # The device copy is damaged too (a double fault): another device's copy of
                 # the state, current to the same step, before the host snapshot and a replay.
                 action = self._repair_from_replicas(failures)
-            if overflow or action is None:
+            if (overflow or action is None) and not self._state_lost:
                 # Too much damage to list (a lost shard) or no intact copy of some chunk: the
                 # whole state from a device that saw no damage at all, else the host snapshot.
                 action = self._rebuild_from_replica(summaries)
@@ -893,10 +894,14 @@ class Trainer:
                 return None
             sources[col] = clean[0]
         program = self._programs["rebuild", self.state.opt.current]
-        self.state, bad = program(self.state,
-                                  self._put(sources, NamedSharding(self.mesh, P("shard"))),
-                                  self._put(grid, NamedSharding(self.mesh, P("dp", "shard"))))
-        if self._fetch(bad).any():
+        try:
+            self.state, bad = program(self.state,
+                                      self._put(sources, NamedSharding(self.mesh, P("shard"))),
+                                      self._put(grid, NamedSharding(self.mesh, P("dp", "shard"))))
+            bad = self._fetch(bad)
+        except jax.errors.JaxRuntimeError as err:
+            return self._replica_failed(err)
+        if bad.any():
             return None
         self.stats.replica_rebuilds += int(damaged.sum())
         devices = ", ".join(map(str, np.flatnonzero(damaged)))
@@ -904,6 +909,16 @@ class Trainer:
                        for d in np.flatnonzero(damaged)})
         return (f"repaired: device {devices} rebuilt whole from a healthy replica (device "
                 f"{', '.join(map(str, used))})")
+
+    def _replica_failed(self, err: Exception) -> None:
+        """A replica transfer failed (a peer that did not answer within the peer ops' bounded
+        wait, a collective error): the state it was given is gone (donated), so the fallback
+        is the host snapshot and a replay. Returns None (no action)."""
+        self._state_lost = True
+        self.stats.incidents.append(Incident(self.next_step, "replica transport", [],
+                                             f"failed ({str(err).splitlines()[0][:200]}); "
+                                             "falling back to the host snapshot"))
+        return None
 
     def _repair_from_replicas(self, failures: list[tuple[int, str, str, int]]) -> str | None:
         """Chunks that a device could not repair from its own device copy, pulled from a
@@ -943,9 +958,12 @@ class Trainer:
                 else:
                     rest.append(entry)
             program = self._programs["replica", self.state.opt.current]
-            self.state, status = program(self.state, self._put(lists, by_column),
-                                         self._put(src, by_column))
-            status = self._fetch(status)  # [devices, leaves, tensors, capacity]
+            try:
+                self.state, status = program(self.state, self._put(lists, by_column),
+                                             self._put(src, by_column))
+                status = self._fetch(status)  # [devices, leaves, tensors, capacity]
+            except jax.errors.JaxRuntimeError as err:
+                return self._replica_failed(err)
             for (col, path, k, chunk, row), slot in batch:
                 li, ti = self.paths.index(path), self.names.index(k)
                 others = [r * self.shard + col for r in range(replicas) if r != row]
@@ -1029,6 +1047,7 @@ class Trainer:
         raise RuntimeError("no host snapshot verifies: cannot restore")
 
     def _restore_from_host(self) -> int:
+        self._state_lost = False
         if self.backup is None:
             raise RuntimeError("the device copy is damaged too and there is no host snapshot "
                                "(pass shm_name= to keep one)")

@@ -1,5 +1,6 @@
-"""``pimhbm recover``: the fault campaign on a data-parallel state (a copy on every device),
-faults injected into single devices' copies, and the collective fault map as (device, tensor,
+"""``pimhbm recover``: the fault campaign on a data-parallel state (a copy on every device; with
+``--shard N`` each replica's parameters split over N devices, FSDP), faults injected into single
+devices' copies or shards, and the collective fault map as (device, tensor,
 chunk) triples -- each repaired (from the device's own device copy, or, for a double fault,
 from a healthy replica on another device), the run ending as the run without faults."""
 
@@ -13,6 +14,10 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--faults", type=int, default=4, help="faults of each kind (default 4)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard", type=int, default=1,
+                   help="devices each replica's parameters are split over (FSDP; default 1)")
+    p.add_argument("--replica-transport", choices=("collective", "peer"), default="collective",
+                   help="how a chunk travels from a healthy replica")
 
 
 def run(args: Any) -> int:
@@ -29,12 +34,16 @@ def run(args: Any) -> int:
 
     console = Console()
     devices = jax.devices()
+    if args.shard < 1 or len(devices) % args.shard:
+        console.print(f"[red]--shard {args.shard} must divide the {len(devices)} devices[/]")
+        return 2
     name = f"pimhbm_recover_{uuid.uuid4().hex[:8]}"
 
     def trainer():
         opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
         t = Trainer(mlp.loss, opt, mlp.init(args.seed), mlp.batches(args.seed, batch=16 * len(devices)),
-                    shm_name=name, snapshot_every=10, scrub_every=5, inject_gradients=True)
+                    shm_name=name, snapshot_every=10, scrub_every=5, inject_gradients=True,
+                    shard=args.shard, replica_transport=args.replica_transport)
         t.prewarm()
         return t
 
@@ -63,7 +72,9 @@ def run(args: Any) -> int:
     finally:
         HostBackup.unlink(name)
 
-    console.print(f"{len(devices)} device(s); {len(campaign.plan)} faults over {args.steps} steps")
+    console.print(f"{len(devices)} device(s) as {len(devices) // args.shard} replica(s) x "
+                  f"{args.shard} shard(s); {len(campaign.plan)} faults over {args.steps} steps "
+                  "(chunk indices are local to the device's shard)")
     table = Table(title="the collective fault map: (device, tensor, chunk) -> what was done")
     for col in ("step", "kind", "(device, tensor, chunk)", "action"):
         table.add_column(col)
