@@ -60,7 +60,15 @@ def run(args: Any) -> int:
                 if attempt != 1:
                     return None
                 inject, self_ = trainer.inject, self
-                trainer.inject = lambda *a, **k: inject(*a, **k, device=int(self_.rng.integers(len(devices))))
+                chosen = {}  # a double fault: its state and device-copy halves on one device
+
+                def one_device(path, tensor, fault, **k):
+                    key = (path, tensor, tuple(np.asarray(fault).tolist()))
+                    if key not in chosen:
+                        chosen[key] = int(self_.rng.integers(len(devices)))
+                    return inject(path, tensor, fault, **k, device=chosen[key])
+
+                trainer.inject = one_device
                 try:
                     return super().before_step(trainer, step, attempt)
                 finally:
