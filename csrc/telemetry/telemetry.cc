@@ -285,6 +285,10 @@ void Telemetry::start(double poll_seconds) {
   }
   running_ = true;
   thread_ = std::thread([this, poll_seconds] { loop(poll_seconds); });
+  // Registering for events takes milliseconds: wait for it (at most 2 s), so that the status
+  // a caller reads right after start() says whether events are watched, not "not started".
+  std::unique_lock<std::mutex> lock(mutex_);
+  wake_.wait_for(lock, std::chrono::seconds(2), [this] { return events_status_ != "not started"; });
 }
 
 void Telemetry::stop() {
@@ -336,6 +340,7 @@ void Telemetry::loop(double poll_seconds) {
     std::lock_guard<std::mutex> lock(mutex_);
     events_status_ = status;
   }
+  wake_.notify_all();
   // The first reading is the baseline; later readings are compared with the one before.
   std::vector<DeviceHealth> last = read();
   const auto wait_ms = static_cast<unsigned>(std::max(1.0, std::min(poll_seconds, 0.25) * 1e3));
