@@ -191,3 +191,27 @@ def test_one_hot_embedding_equals_the_gather(rng):
     big = jnp.zeros((llama3.ONE_HOT_EMBED_MAX_VOCAB + 1, 4), jnp.float32)
     hlo = jax.jit(llama3.embed).lower(big, jnp.zeros((1, 2), jnp.int32)).as_text()
     assert "gather" in hlo and "dot_general" not in hlo
+
+
+def test_llama3_tool_with_fsdp_on_four_cpu_devices(tmp_path):
+    """`pimhbm llama3` on 2 replicas x 2 shards (the tiny configuration of the same code): the
+    plain and protected steps are timed, and the campaign of every fault kind ends
+    bit-identical with no compilation after prewarm (the tool's exit code says so)."""
+    import json
+    import subprocess
+    import sys
+
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    out = tmp_path / "llama3.json"
+    cmd = [sys.executable, "-m", "pimhbm.cli", "llama3", "--tiny", "--layers", "1", "--tokens",
+           "256", "--seq", "32", "--vocab", "256", "--steps", "2", "--devices", "4", "--shard",
+           "2", "--campaign-steps", "10", "--faults", "1", "--json", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["devices"] == 4 and r["shard"] == 2
+    assert r["compiles_after_prewarm"] == 0 and r["campaign"]["bit_identical"]
+    assert all(row["missed"] == 0 and row["repaired"] == row["injected"]
+               for row in r["campaign"]["faults"].values())
+    assert r["campaign"]["reference_incidents"] == 0

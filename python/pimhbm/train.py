@@ -51,7 +51,7 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                   snapshot_every: int = 25, scrub_every: int = 10,
                   inject_gradients: bool = False, devices: Any = None,
                   attention_impl: str | None = None, params: Any = None,
-                  replica_transport: str = "collective") -> Trainer:
+                  replica_transport: str = "collective", shard: int = 1) -> Trainer:
     """A protected trainer of the Llama-3 ``cfg`` on byte-level ``data``: bf16 parameters with
     fp32 master weights and moments, a device copy for chunk repair, and (with ``shm_name``)
     host snapshots in shared memory."""
@@ -64,4 +64,4 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                    learning_rate=warmup_cosine(peak_lr, warmup, steps), shm_name=shm_name,
                    snapshot_every=snapshot_every, scrub_every=scrub_every,
                    inject_gradients=inject_gradients, devices=devices,
-                   replica_transport=replica_transport)
+                   replica_transport=replica_transport, shard=shard)

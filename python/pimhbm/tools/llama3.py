@@ -38,6 +38,11 @@ def add_arguments(p) -> None:
                         "replays on GPUs)")
     p.add_argument("--devices", type=int, default=1,
                    help="data parallel over this many GPUs (default 1); both steps sharded alike")
+    p.add_argument("--shard", type=int, default=1,
+                   help="FSDP: each replica's parameters split over this many devices (default 1)")
+    p.add_argument("--tiny", action="store_true",
+                   help="the tiny configuration of the same code instead of 8B dimensions (a "
+                        "check of the tool on a CPU)")
     p.add_argument("--replica-transport", choices=("collective", "peer"), default="collective",
                    help="how a chunk is pulled from a healthy replica (several devices)")
     p.add_argument("--json", default=None, help="write the figures here")
@@ -79,36 +84,47 @@ def run(args: Any) -> int:
         return 2
     devices = jax.devices()[:args.devices]
     dev = devices[0]
-    mesh = jax.sharding.Mesh(np.array(devices), ("dp",))
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("dp"))
+    if args.shard < 1 or args.devices % args.shard:
+        console.print(f"[red]--shard {args.shard} must divide --devices {args.devices}[/]")
+        return 2
+    P = jax.sharding.PartitionSpec
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(-1, args.shard), ("dp", "shard"))
+    replicated = jax.sharding.NamedSharding(mesh, P())
+    split = jax.sharding.NamedSharding(mesh, P(("dp", "shard")))
+    # The plain step sharded as the protected one: FSDP leaves split on their first dimension.
+    fsdp = lambda x: jax.sharding.NamedSharding(
+        mesh, P("shard") if args.shard > 1 and x.ndim and x.shape[0] % args.shard == 0 else P())
     if args.tokens % args.seq or (args.tokens // args.seq) % args.devices:
         console.print("[red]--tokens must be a multiple of --seq, in sequences that split "
                       "evenly over --devices[/]")
         return 2
     batch = args.tokens // args.seq
-    cfg = llama3.llama3_8b(layers=args.layers, vocab=args.vocab)
+    cfg = (llama3.tiny(layers=args.layers, vocab=args.vocab) if args.tiny else
+           llama3.llama3_8b(layers=args.layers, vocab=args.vocab))
     # cuDNN's fused attention on GPUs, except in exact-replay mode: with XLA's deterministic-ops
     # flag this XLA fails to look up the compiled cuDNN graph (an IndexError from
     # raw_hash_map::at; openxla/xla#46500), so both steps use XLA's own attention there.
     deterministic = "deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
     attention = "cudnn" if dev.platform == "gpu" and not deterministic else "xla"
-    console.print(f"[bold]pimhbm llama3[/]: {args.layers} Llama-3-8B layers (hidden 4096, "
-                  f"intermediate 14336, GQA 32/8, head 128), vocab {args.vocab}, "
+    console.print(f"[bold]pimhbm llama3[/]: {args.layers} {'tiny' if args.tiny else 'Llama-3-8B'} "
+                  f"layers (hidden {cfg.hidden}, intermediate {cfg.intermediate}, GQA "
+                  f"{cfg.heads}/{cfg.kv_heads}, head {cfg.head_dim}), vocab {args.vocab}, "
                   f"{cfg.num_params() / 1e6:.0f} M parameters (bf16, fp32 master and moments), "
                   f"{batch} x {args.seq} = {args.tokens} tokens a step, on {len(devices)} x "
-                  f"{dev.device_kind} (data parallel); "
+                  f"{dev.device_kind} ({len(devices) // args.shard} replicas x {args.shard} "
+                  "shards); "
                   f"deterministic ops: {'on' if deterministic else 'off'}")
     rng = np.random.default_rng(0)
     data = rng.integers(0, 256, size=4_000_000, dtype=np.uint8).tobytes()  # random bytes
     lr_of = warmup_cosine(3e-4, 5, 1000)
     results: dict[str, Any] = {"device": dev.device_kind, "devices": len(devices),
+                               "shard": args.shard, "tiny": args.tiny,
                                "replica_transport": args.replica_transport, "layers": args.layers,
                                "tokens": args.tokens, "params": cfg.num_params()}
 
     # Plain: optax.adamw on fp32 master weights, bf16 parameters cast from them.
     fresh = lambda: llama3.init(jax.random.key(0), cfg)  # the same weights every time
-    params = jax.device_put(fresh(), replicated)
+    params = jax.tree.map(lambda p: jax.device_put(p, fsdp(p)), fresh())
     master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     tx = optax.inject_hyperparams(optax.adamw)(learning_rate=3e-4, weight_decay=0.01)
 
@@ -127,7 +143,7 @@ def run(args: Any) -> int:
     batches = [jax.device_put(batch_fn(s + 1), split) for s in range(args.steps)]
     lrs = [jax.device_put(np.float32(lr_of(s + 1)), replicated) for s in range(args.steps)]
     console.print("timing the unprotected step (optax.adamw) ...")
-    opt0 = jax.jit(tx.init, out_shardings=replicated)(master)
+    opt0 = jax.jit(tx.init)(master)  # moments follow the master weights' sharding
     plain, carry = _median_step(plain_step, (master, opt0, params), batches, lrs)
     del carry, master, params  # donated
     results["plain_ms"] = plain * 1e3
@@ -138,7 +154,7 @@ def run(args: Any) -> int:
                             warmup=5, chunk_elems=4096, shm_name=name, snapshot_every=0,
                             scrub_every=0, inject_gradients=True, devices=devices,
                             attention_impl=attention, params=fresh(),
-                            replica_transport=args.replica_transport)
+                            replica_transport=args.replica_transport, shard=args.shard)
     try:
         console.print("prewarm (every program, from shapes) ...")
         before = dev.memory_stats() or {}
@@ -192,7 +208,7 @@ def run(args: Any) -> int:
                                    "compiles_after_prewarm": trainer.compiles,
                                    "seconds": time.perf_counter() - t0,
                                    "reference_incidents": len(ref_stats.incidents)}
-            t = Table(title="fault campaign at 8B-layer scale")
+            t = Table(title=f"fault campaign at {'tiny' if args.tiny else '8B-layer'} scale")
             for col in ("kind", "injected", "detected", "repaired", "missed"):
                 t.add_column(col, justify="left" if col == "kind" else "right")
             for kind, row in found.items():
