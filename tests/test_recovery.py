@@ -450,3 +450,34 @@ def test_a_replica_transfer_that_fails_falls_back_to_the_host_snapshot(shm_name,
     assert stats.host_restores == 1 and stats.replica_repairs == 0
     assert tr.compiles == 0
     assert same_state(tr.current_state(), ref_state)
+
+
+def test_a_damaged_snapshot_is_passed_over_for_the_older_one(shm_name, fault_free):
+    """The newest host snapshot has a flipped bit (memory of the host region): the restore
+    checks every snapshot's digests on the devices, passes it over for the one before, replays
+    from there, and the run still ends as the fault-free one."""
+    ref_state = fault_free[30]
+
+    class Everywhere:
+        def before_step(self, trainer, step, attempt):
+            if step == 23 and attempt == 1:
+                backup = trainer.backup
+                (newest, slot), _ = backup.newest()[:2]
+                assert newest == 20
+                spec = backup.tensors[0]
+                raw = backup.region.numpy(backup.offsets(slot)[0], [spec.nbytes], "uint8")
+                raw[11] ^= 1 << 3
+                for copy in (False, True):  # a double fault on every device: host restore
+                    trainer.inject("b1", "mu", faults.spec(faults.FLIP_BIT, offset=8, bit=3),
+                                   into_copy=copy)
+            return None
+
+        def before_scrub(self, trainer, step):
+            pass
+
+    tr = make_trainer(shm_name)
+    stats = tr.run(30, campaign=Everywhere())
+    state = [i for i in stats.incidents if i.kind == "state"]
+    assert state[0].step == 23 and state[0].action == "restored from host snapshot @10"
+    assert stats.host_restores == 1 and tr.compiles == 0
+    assert same_state(tr.current_state(), ref_state)

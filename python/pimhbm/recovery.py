@@ -265,9 +265,11 @@ class Trainer:
 
     def _put(self, x: Any, sharding: Any = None, copy: bool = False) -> jax.Array:
         # From the host, each process filling only its own devices' parts. copy: through a
-        # fresh host copy per part -- a put may otherwise share the source's buffer (on the CPU
-        # a region view), and every copy of the state must own its buffers (they are donated).
+        # fresh host copy per part on the CPU, where a put may share the source's buffer (a
+        # region view), and every copy of the state must own its buffers (they are donated);
+        # a GPU put makes device buffers anyway.
         x = np.asarray(x)
+        copy = copy and self.devices[0].platform == "cpu"
         part = (lambda idx: np.array(x[idx])) if copy else (lambda idx: x[idx])
         return jax.make_array_from_callback(x.shape, sharding or self.replicated, part)
 
@@ -529,8 +531,7 @@ class Trainer:
                     st, sds((self.shard,), jnp.int32, by_column),
                     sds(self.mesh.devices.shape, jnp.int32,
                         NamedSharding(self.mesh, P("dp", "shard")))).compile()
-            scrub = self._manual(self._scrub_fn, (ss,), each)
-            self._programs["scrub", current] = jax.jit(scrub).lower(st).compile()
+            self._scrub_program(current)
             if self.backup is not None:
                 for part, device in self._writers.items():
                     one = self._local_state(current, device)
@@ -545,32 +546,27 @@ class Trainer:
                               jax.tree.leaves(slot_specs, is_leaf=lambda x: isinstance(x, P))):
             self._inject_program(leaf.shape, leaf.dtype, spec)
         if self.backup is not None:
-            self._host_verify_programs()
+            self._clone_program()
         self.prewarm_seconds = time.perf_counter() - t0
         self._compile_count = 0
         return {"programs": len(self._programs), "seconds": round(self.prewarm_seconds, 2)}
 
-    def _snapshot_parts(self):
-        """Per snapshot tensor (with its table): leaf index, shards, rows and chunks of one."""
-        for i, (t, table) in enumerate(zip(self.backup.tensors[0::2], self.backup.tensors[1::2])):
-            leaf = i // len(self.names)
-            parts = self.shard if self.sharded[leaf] else 1
-            yield leaf, t, table, parts, t.shape[0] // parts if t.shape else 1, table.shape[0] // parts
-
-    def _host_verify_program(self, shape, dtype, chunks):
-        key = ("host_verify", tuple(shape), jnp.dtype(dtype))
+    def _scrub_program(self, current: int):
+        key = ("scrub", current)
         if key not in self._programs:
-            cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-            cb = self.opt.chunk_bytes(dtype)
-            self._programs[key] = jax.jit(lambda x, d, cb=cb: pimhbm.verify(x, d, cb)).lower(
-                jax.ShapeDtypeStruct(shape, dtype, sharding=cpu),
-                jax.ShapeDtypeStruct((chunks, 2), jnp.uint32, sharding=cpu)).compile()
+            each = P() if self.multiprocess else P(("dp", "shard"))
+            scrub = self._manual(self._scrub_fn, (self._state_specs(current),), each)
+            self._programs[key] = jax.jit(scrub).lower(self._abstract_state(current)).compile()
         return self._programs[key]
 
-    def _host_verify_programs(self) -> None:
-        for _, t, _, parts, rows, chunks in self._snapshot_parts():
-            local = (rows, *t.shape[1:]) if parts > 1 else t.shape
-            self._host_verify_program(local, t.dtype, chunks)
+    def _clone_program(self):
+        """Two more copies of a slot, on the devices (a restore puts the snapshot on the
+        devices once and makes the other slot and the device copy from it there)."""
+        if "clone" not in self._programs:
+            slot = self._abstract_state(0).opt.slots[0]
+            fn = lambda x: (jax.tree.map(jnp.copy, x), jax.tree.map(jnp.copy, x))
+            self._programs["clone"] = jax.jit(fn).lower(slot).compile()
+        return self._programs["clone"]
 
     def hlo_text(self) -> str:
         """The compiled step's HLO (both parities compile the same program shape)."""
@@ -1014,35 +1010,23 @@ class Trainer:
         step. Raises if there is none."""
         for step, slot in self.backup.newest():
             views = self.backup.snapshot_views(slot)
-            ok = True
-            for (_, spec, _, parts, rows, chunks), t, table in zip(
-                    self._snapshot_parts(), views[0::2], views[1::2]):
-                # A sharded tensor: each shard against its own part of the table.
-                local = (rows, *spec.shape[1:]) if parts > 1 else spec.shape
-                program = self._host_verify_program(local, spec.dtype, chunks)
-                if parts > 1:  # host views: slicing a jax array would compile a program
-                    t, table = np.asarray(t), np.asarray(table)
-                for s in (self._writers if parts > 1 else range(1)):  # the parts kept here
-                    x = t[s * rows:(s + 1) * rows] if parts > 1 else t
-                    d = table[s * chunks:(s + 1) * chunks] if parts > 1 else table
-                    if np.asarray(program(x, d)).any():
-                        ok = False
-                if not ok:
-                    break
-            if not ok:
-                continue
             leaves = []
             it = iter(views)
             for _ in self.paths:
                 leaves.append({k: (next(it), next(it)) for k in self.names})
-            # Fresh buffers (may_alias=False): on the CPU a put would otherwise alias the region.
+            # Each process puts the parts its devices hold, once; the other slot and the device
+            # copy are made from it on the devices; the digests are checked there (the scrub).
             where = [NamedSharding(self.mesh, P("shard") if sh else P()) for sh in self.sharded]
-            copies = [slot_from_tensors([{k: tuple(self._put(x, w, copy=True) for x in v)
-                                          for k, v in leaf.items()}
-                                         for leaf, w in zip(leaves, where)],
-                                        self.treedef) for _ in range(3)]
-            opt = AdamWState((copies[0], copies[1]), 0, self._put(np.int32(step)), copies[2])
-            self.state = TrainState(opt, self._put(np.int32(0)))
+            first = slot_from_tensors([{k: tuple(self._put(x, w, copy=True) for x in v)
+                                        for k, v in leaf.items()}
+                                       for leaf, w in zip(leaves, where)], self.treedef)
+            other, mirror = self._clone_program()(first)
+            opt = AdamWState((first, other), 0, self._put(np.int32(step)), mirror)
+            state = TrainState(opt, self._put(np.int32(0)))
+            rows = self._fetch(self._scrub_program(0)(state))
+            if any(self._decode(r) for r in rows):
+                continue  # this snapshot does not verify: an older one
+            self.state = state
             return step
         raise RuntimeError("no host snapshot verifies: cannot restore")
 
