@@ -21,7 +21,8 @@ __global__ void __launch_bounds__(kThreads) copy_kernel(Segments segments, uint8
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   // 16-byte words where both ends are 16-byte aligned (XLA's buffers are; a segment offset
   // may not be), bytes for the rest and for the tail.
-  const bool wide = ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
+  const bool wide =
+      ((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0;
   int64_t done = 0;
   if (wide) {
     const int64_t words = n / 16;

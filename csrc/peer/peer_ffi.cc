@@ -137,8 +137,8 @@ ffi::Error all_to_all_cpu(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::An
   });
 }
 
-ffi::Error pull_cpu(int32_t ordinal, ffi::AnyBuffer chunks, ffi::AnyBuffer which,
-                    ffi::AnyBuffer, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> x,
+ffi::Error pull_cpu(int32_t ordinal, ffi::AnyBuffer chunks, ffi::AnyBuffer which, ffi::AnyBuffer,
+                    ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> x,
                     ffi::Result<ffi::AnyBuffer> table, ffi::Result<ffi::AnyBuffer> status,
                     int64_t chunk_bytes, int64_t tag, ffi::Span<const int64_t> ordinals,
                     int64_t group_size, int64_t timeout_ms) {
@@ -172,10 +172,10 @@ ffi::Error pull_cpu(int32_t ordinal, ffi::AnyBuffer chunks, ffi::AnyBuffer which
 }  // namespace
 }  // namespace pimhbm::peer
 
-#define PIMHBM_PEER_GROUP_ATTRS                              \
-  .Attr<int64_t>("tag")                                      \
-      .Attr<xla::ffi::Span<const int64_t>>("ordinals")       \
-      .Attr<int64_t>("group_size")                           \
+#define PIMHBM_PEER_GROUP_ATTRS                        \
+  .Attr<int64_t>("tag")                                \
+      .Attr<xla::ffi::Span<const int64_t>>("ordinals") \
+      .Attr<int64_t>("group_size")                     \
       .Attr<int64_t>("timeout_ms")
 
 // x -> out (n, *x.shape)

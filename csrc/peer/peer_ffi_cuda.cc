@@ -82,7 +82,8 @@ template <typename Launch>
 ffi::Error meet_and_launch(const char* op, int32_t ordinal, const Member& m, cudaStream_t stream,
                            Payload mine, Launch launch) {
   DeviceScope scope(ordinal);
-  if (scope.error() != cudaSuccess) return peer_error(op, cuda_what("cudaSetDevice", scope.error()));
+  if (scope.error() != cudaSuccess)
+    return peer_error(op, cuda_what("cudaSetDevice", scope.error()));
   if (std::string e = enable_peer_access(ordinal, m.peers, m.size); !e.empty()) {
     return peer_error(op, e);
   }
@@ -108,8 +109,8 @@ ffi::Error meet_and_launch(const char* op, int32_t ordinal, const Member& m, cud
   }
   // The second meeting happens even after a failure: peers must not wait for us in vain.
   std::vector<Payload> finished;
-  if (std::string e = m.group->exchange(m.rank, kDone, Payload{nullptr, nullptr, done}, &finished,
-                                        m.timeout);
+  if (std::string e =
+          m.group->exchange(m.rank, kDone, Payload{nullptr, nullptr, done}, &finished, m.timeout);
       !e.empty()) {
     return peer_error(op, e);
   }
@@ -131,17 +132,16 @@ ffi::Error all_gather_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   auto m = member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms);
   if (m.has_error()) return m.error();
   if (auto err = validate_all_gather(x, *out, m->size); err.failure()) return err;
-  return meet_and_launch(kOp, ordinal, *m, stream, Payload{x.untyped_data()},
-                         [&](const std::vector<Payload>& all) {
-                           Segments s{};
-                           s.count = m->size;
-                           s.bytes = static_cast<int64_t>(x.size_bytes());
-                           for (int p = 0; p < m->size; ++p) {
-                             s.src[p] = static_cast<const uint8_t*>(all[p].in);
-                           }
-                           return copy_segments_cuda(
-                               s, static_cast<uint8_t*>(out->untyped_data()), stream);
-                         });
+  return meet_and_launch(
+      kOp, ordinal, *m, stream, Payload{x.untyped_data()}, [&](const std::vector<Payload>& all) {
+        Segments s{};
+        s.count = m->size;
+        s.bytes = static_cast<int64_t>(x.size_bytes());
+        for (int p = 0; p < m->size; ++p) {
+          s.src[p] = static_cast<const uint8_t*>(all[p].in);
+        }
+        return copy_segments_cuda(s, static_cast<uint8_t*>(out->untyped_data()), stream);
+      });
 }
 
 ffi::Error all_to_all_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
@@ -152,17 +152,16 @@ ffi::Error all_to_all_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   auto m = member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms);
   if (m.has_error()) return m.error();
   if (auto err = validate_all_to_all(x, *out, m->size); err.failure()) return err;
-  return meet_and_launch(kOp, ordinal, *m, stream, Payload{x.untyped_data()},
-                         [&](const std::vector<Payload>& all) {
-                           Segments s{};
-                           s.count = m->size;
-                           s.bytes = static_cast<int64_t>(x.size_bytes()) / m->size;
-                           for (int p = 0; p < m->size; ++p) {
-                             s.src[p] = static_cast<const uint8_t*>(all[p].in) + m->rank * s.bytes;
-                           }
-                           return copy_segments_cuda(
-                               s, static_cast<uint8_t*>(out->untyped_data()), stream);
-                         });
+  return meet_and_launch(
+      kOp, ordinal, *m, stream, Payload{x.untyped_data()}, [&](const std::vector<Payload>& all) {
+        Segments s{};
+        s.count = m->size;
+        s.bytes = static_cast<int64_t>(x.size_bytes()) / m->size;
+        for (int p = 0; p < m->size; ++p) {
+          s.src[p] = static_cast<const uint8_t*>(all[p].in) + m->rank * s.bytes;
+        }
+        return copy_segments_cuda(s, static_cast<uint8_t*>(out->untyped_data()), stream);
+      });
 }
 
 ffi::Error pull_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer chunks,
@@ -199,10 +198,10 @@ ffi::Error pull_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer chunks
 }  // namespace
 }  // namespace pimhbm::peer
 
-#define PIMHBM_PEER_GROUP_ATTRS                              \
-  .Attr<int64_t>("tag")                                      \
-      .Attr<xla::ffi::Span<const int64_t>>("ordinals")       \
-      .Attr<int64_t>("group_size")                           \
+#define PIMHBM_PEER_GROUP_ATTRS                        \
+  .Attr<int64_t>("tag")                                \
+      .Attr<xla::ffi::Span<const int64_t>>("ordinals") \
+      .Attr<int64_t>("group_size")                     \
       .Attr<int64_t>("timeout_ms")
 
 // Not command-buffer compatible: each call meets its peers on the host.

@@ -21,12 +21,13 @@ std::string Group::exchange(int rank, Phase phase, const Payload& mine, std::vec
   if (!cv_.wait_for(lock, timeout, arrived)) {
     std::string missing;
     for (int r = 0; r < size_; ++r) {
-      if (slots_[r].generation[phase] < gen) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      if (slots_[r].generation[phase] < gen)
+        missing += (missing.empty() ? "" : ", ") + std::to_string(r);
     }
     return "rank " + std::to_string(rank) + " waited " + std::to_string(timeout.count()) +
            " ms for rank(s) " + missing + " of " + std::to_string(size_) +
-           (phase == kReady ? " to publish their buffers" : " to finish reading") +
-           " (call " + std::to_string(gen) + "); a peer device is stuck or failed";
+           (phase == kReady ? " to publish their buffers" : " to finish reading") + " (call " +
+           std::to_string(gen) + "); a peer device is stuck or failed";
   }
   // A rank can overwrite its payload for the next call only after every rank has met it in the
   // other phase of this call, which each does after copying this phase's payloads: safe.

@@ -69,8 +69,7 @@ void restore_clean_cpu(const int32_t* commit, const int32_t* faults, const Chunk
 // `which` (when given) and `chunks` are device memory; the sources' data may be a peer GPU's
 // (peer access enabled), read directly by the kernel.
 cudaError_t repair_from_cuda(const int32_t* chunks, int64_t nlisted, const Sources& sources,
-                             const MutableChunkedTensor& dst, int32_t* status,
-                             cudaStream_t stream);
+                             const MutableChunkedTensor& dst, int32_t* status, cudaStream_t stream);
 
 cudaError_t repair_cuda(const int32_t* chunks, int64_t nlisted, const ChunkedTensor& src,
                         const MutableChunkedTensor& dst, int32_t* status, cudaStream_t stream);

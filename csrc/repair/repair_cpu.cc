@@ -42,8 +42,8 @@ void repair_from_cpu(const int32_t* chunks, int64_t nlisted, const Sources& sour
     std::memcpy(dst.data + c * dst.chunk_bytes, src.data + c * src.chunk_bytes, len);
     dst.table[2 * c] = src.table[2 * c];
     dst.table[2 * c + 1] = src.table[2 * c + 1];
-    status[k] = verifies(dst.data, dst.nbytes, dst.chunk_bytes, dst.table, c) ? kRepaired
-                                                                              : kStillDamaged;
+    status[k] =
+        verifies(dst.data, dst.nbytes, dst.chunk_bytes, dst.table, c) ? kRepaired : kStillDamaged;
   }
 }
 

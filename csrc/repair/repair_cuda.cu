@@ -15,9 +15,9 @@ constexpr int kThreads = 256;
 __device__ __forceinline__ bool block_verifies(const uint8_t* data, int64_t nbytes,
                                                int64_t chunk_bytes, const uint32_t* table,
                                                int64_t c, uint64_t* scratch) {
-  const uint64_t d = block_chunk_digest(data + c * chunk_bytes,
-                                        chunk_length(nbytes, chunk_bytes, c),
-                                        static_cast<uint64_t>(c), scratch);
+  const uint64_t d =
+      block_chunk_digest(data + c * chunk_bytes, chunk_length(nbytes, chunk_bytes, c),
+                         static_cast<uint64_t>(c), scratch);
   return d == digest_join(table[2 * c], table[2 * c + 1]);
 }
 

@@ -78,12 +78,12 @@ ffi::Error repair_cpu_impl(ffi::AnyBuffer chunks, ffi::AnyBuffer src, ffi::AnyBu
   return ffi::Error::Success();
 }
 
-ffi::Error restore_clean_cpu_impl(ffi::AnyBuffer commit, ffi::AnyBuffer faults,
-                                  ffi::AnyBuffer src, ffi::AnyBuffer src_table, ffi::AnyBuffer,
-                                  ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> dst,
+ffi::Error restore_clean_cpu_impl(ffi::AnyBuffer commit, ffi::AnyBuffer faults, ffi::AnyBuffer src,
+                                  ffi::AnyBuffer src_table, ffi::AnyBuffer, ffi::AnyBuffer,
+                                  ffi::Result<ffi::AnyBuffer> dst,
                                   ffi::Result<ffi::AnyBuffer> dst_table, int64_t chunk_bytes) {
-  if (auto err = validate_restore_clean(commit, faults, src, src_table, *dst, *dst_table,
-                                        chunk_bytes);
+  if (auto err =
+          validate_restore_clean(commit, faults, src, src_table, *dst, *dst_table, chunk_bytes);
       err.failure()) {
     return err;
   }

@@ -11,8 +11,7 @@ ffi::Error cuda_error(const char* op, cudaError_t err) {
 
 ffi::Error repair_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, ffi::AnyBuffer src,
                             ffi::AnyBuffer src_table, ffi::AnyBuffer, ffi::AnyBuffer,
-                            ffi::Result<ffi::AnyBuffer> dst,
-                            ffi::Result<ffi::AnyBuffer> dst_table,
+                            ffi::Result<ffi::AnyBuffer> dst, ffi::Result<ffi::AnyBuffer> dst_table,
                             ffi::Result<ffi::AnyBuffer> status, int64_t chunk_bytes) {
   if (auto err = validate_repair(chunks, src, src_table, *dst, *dst_table, *status, chunk_bytes);
       err.failure()) {
@@ -31,8 +30,8 @@ ffi::Error restore_clean_cuda_impl(cudaStream_t stream, ffi::AnyBuffer commit,
                                    ffi::AnyBuffer src_table, ffi::AnyBuffer, ffi::AnyBuffer,
                                    ffi::Result<ffi::AnyBuffer> dst,
                                    ffi::Result<ffi::AnyBuffer> dst_table, int64_t chunk_bytes) {
-  if (auto err = validate_restore_clean(commit, faults, src, src_table, *dst, *dst_table,
-                                        chunk_bytes);
+  if (auto err =
+          validate_restore_clean(commit, faults, src, src_table, *dst, *dst_table, chunk_bytes);
       err.failure()) {
     return err;
   }

@@ -29,17 +29,28 @@ std::string event_kind(unsigned long long type) {
 
 const std::vector<std::string>& field_names() {
   static const std::vector<std::string> names = {
-      "ecc_mode_current",          "ecc_mode_pending",
-      "ecc_volatile_corrected",    "ecc_volatile_uncorrected",
-      "ecc_aggregate_corrected",   "ecc_aggregate_uncorrected",
-      "dram_volatile_corrected",   "dram_volatile_uncorrected",
-      "dram_aggregate_corrected",  "dram_aggregate_uncorrected",
-      "sram_volatile_corrected",   "sram_volatile_uncorrected",
-      "sram_aggregate_corrected",  "sram_aggregate_uncorrected",
-      "remapped_rows_correctable", "remapped_rows_uncorrectable",
-      "remap_pending",             "remap_failure",
-      "retired_pages_single_bit",  "retired_pages_double_bit",
-      "retired_pages_pending",     "recovery_action",
+      "ecc_mode_current",
+      "ecc_mode_pending",
+      "ecc_volatile_corrected",
+      "ecc_volatile_uncorrected",
+      "ecc_aggregate_corrected",
+      "ecc_aggregate_uncorrected",
+      "dram_volatile_corrected",
+      "dram_volatile_uncorrected",
+      "dram_aggregate_corrected",
+      "dram_aggregate_uncorrected",
+      "sram_volatile_corrected",
+      "sram_volatile_uncorrected",
+      "sram_aggregate_corrected",
+      "sram_aggregate_uncorrected",
+      "remapped_rows_correctable",
+      "remapped_rows_uncorrectable",
+      "remap_pending",
+      "remap_failure",
+      "retired_pages_single_bit",
+      "retired_pages_double_bit",
+      "retired_pages_pending",
+      "recovery_action",
   };
   return names;
 }
@@ -112,8 +123,9 @@ Telemetry::Telemetry(const std::string& library) : api_(std::make_unique<Api>())
   sym(a.event_set_wait, "nvmlEventSetWait_v2");
   sym(a.event_set_free, "nvmlEventSetFree");
   if (!a.init || !a.shutdown || !a.get_count || !a.get_handle) {
-    reason_ = library_ + " lacks nvmlInit_v2 / nvmlDeviceGetCount_v2 / "
-                         "nvmlDeviceGetHandleByIndex_v2: not a usable NVML";
+    reason_ = library_ +
+              " lacks nvmlInit_v2 / nvmlDeviceGetCount_v2 / "
+              "nvmlDeviceGetHandleByIndex_v2: not a usable NVML";
     dlclose(handle_);
     handle_ = nullptr;
     return;
@@ -179,7 +191,8 @@ DeviceHealth Telemetry::read_device(int i) const {
       set("ecc_mode_current", rc, cur == nvml::kEnabled);
       set("ecc_mode_pending", rc, pend == nvml::kEnabled);
     } else {
-      got["ecc_mode_current"] = got["ecc_mode_pending"] = {false, 0, missing("nvmlDeviceGetEccMode")};
+      got["ecc_mode_current"] =
+          got["ecc_mode_pending"] = {false, 0, missing("nvmlDeviceGetEccMode")};
     }
     const char* counter_names[2] = {"volatile", "aggregate"};
     const char* type_names[2] = {"corrected", "uncorrected"};
@@ -193,8 +206,8 @@ DeviceHealth Telemetry::read_device(int i) const {
         } else {
           got["ecc_" + suffix] = {false, 0, missing("nvmlDeviceGetTotalEccErrors")};
         }
-        for (auto [where, loc] : {std::pair{"dram_", nvml::kLocationDram},
-                                  std::pair{"sram_", nvml::kLocationSram}}) {
+        for (auto [where, loc] :
+             {std::pair{"dram_", nvml::kLocationDram}, std::pair{"sram_", nvml::kLocationSram}}) {
           v = 0;
           if (a.get_memory_errors) {
             const int rc = a.get_memory_errors(d, type, counter, loc, &v);
@@ -218,8 +231,9 @@ DeviceHealth Telemetry::read_device(int i) const {
         got[n] = {false, 0, missing("nvmlDeviceGetRemappedRows")};
       }
     }
-    for (auto [name, cause] : {std::pair{"retired_pages_single_bit", nvml::kRetiredMultipleSingleBit},
-                               std::pair{"retired_pages_double_bit", nvml::kRetiredDoubleBit}}) {
+    for (auto [name, cause] :
+         {std::pair{"retired_pages_single_bit", nvml::kRetiredMultipleSingleBit},
+          std::pair{"retired_pages_double_bit", nvml::kRetiredDoubleBit}}) {
       if (!a.get_retired_pages) {
         got[name] = {false, 0, missing("nvmlDeviceGetRetiredPages")};
         continue;
@@ -322,7 +336,8 @@ void Telemetry::loop(double poll_seconds) {
         if (int rc = a.get_supported_events(d, &supported); rc != nvml::kSuccess) supported = 0;
       }
       const unsigned long long want =
-          supported & (nvml::kEventSingleBitEcc | nvml::kEventDoubleBitEcc | nvml::kEventXidCritical);
+          supported &
+          (nvml::kEventSingleBitEcc | nvml::kEventDoubleBitEcc | nvml::kEventXidCritical);
       if (want == 0) continue;
       if (int rc = a.register_events(d, want, set); rc == nvml::kSuccess) {
         ++registered;
@@ -350,7 +365,8 @@ void Telemetry::loop(double poll_seconds) {
       std::unique_lock<std::mutex> lock(mutex_);
       if (stop_requested_) break;
       if (set == nullptr) {  // nothing to wait on: sleep until the next poll, or until stop()
-        wake_.wait_for(lock, std::chrono::duration<double>(std::max(0.0, next_poll - now_seconds())),
+        wake_.wait_for(lock,
+                       std::chrono::duration<double>(std::max(0.0, next_poll - now_seconds())),
                        [this] { return stop_requested_; });
         if (stop_requested_) break;
       }

@@ -39,7 +39,8 @@ TEST(Rendezvous, EveryCallSeesEveryRanksPayloadOfThatCall) {
         Payload done{nullptr, reinterpret_cast<const void*>(static_cast<uintptr_t>(call + 1))};
         if (!group.exchange(r, kDone, done, &all, milliseconds(10000)).empty()) ++failures;
         for (int p = 0; p < kRanks; ++p) {
-          if (reinterpret_cast<uintptr_t>(all[p].extra) != static_cast<uintptr_t>(call + 1)) ++failures;
+          if (reinterpret_cast<uintptr_t>(all[p].extra) != static_cast<uintptr_t>(call + 1))
+            ++failures;
         }
       }
     });
