@@ -36,7 +36,10 @@ def device_ordinal(device: jax.Device) -> int:
     if device.process_index != jax.process_index():
         raise ValueError(f"{device} belongs to process {device.process_index}: peer ops need every "
                          "device of a group in this process")
-    return int(device.local_hardware_id if device.platform == "gpu" else device.id)
+    # The ordinal within this process (CUDA's on GPUs; the local index on the host platform,
+    # which differs from device.id in every process but the first).
+    hw = device.local_hardware_id
+    return int(hw if hw is not None else device.id)
 
 
 def groups(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
