@@ -42,6 +42,7 @@ nb::dict registrations() {
   cpu["pimhbm_restore"] = capsule(PimhbmRestoreCpu);
   cpu["pimhbm_repair"] = capsule(PimhbmRepairCpu);
   cpu["pimhbm_restore_clean"] = capsule(PimhbmRestoreCleanCpu);
+  cpu["pimhbm_repair_packed"] = capsule(PimhbmRepairPackedCpu);
   cpu["pimhbm_inject"] = capsule(PimhbmInjectCpu);
   cpu["pimhbm_snapshot"] = capsule(PimhbmSnapshotCpu);
   cpu["pimhbm_peer_all_gather"] = capsule(PimhbmPeerAllGatherCpu);
@@ -57,6 +58,7 @@ nb::dict registrations() {
   cuda["pimhbm_restore"] = capsule(PimhbmRestoreCuda);
   cuda["pimhbm_repair"] = capsule(PimhbmRepairCuda);
   cuda["pimhbm_restore_clean"] = capsule(PimhbmRestoreCleanCuda);
+  cuda["pimhbm_repair_packed"] = capsule(PimhbmRepairPackedCuda);
   cuda["pimhbm_inject"] = capsule(PimhbmInjectCuda);
   cuda["pimhbm_snapshot"] = capsule(PimhbmSnapshotCuda);
   cuda["pimhbm_peer_all_gather"] = capsule(PimhbmPeerAllGatherCuda);

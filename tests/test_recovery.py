@@ -107,6 +107,40 @@ def test_repair_checks_the_source_and_the_target(rng):
     assert np.asarray(pimhbm.verify(partly, table, cb))[16]  # not copied from a damaged source
 
 
+def test_packed_repair_checks_what_arrives(rng):
+    """Chunks that arrive packed (as a replica sends them: entry k at row k) are checked
+    against the digest rows that came with them and written to their place; a row damaged on
+    the way is not written."""
+    from pimhbm.repair import repair_packed
+
+    cb = 1024  # 256 float32
+    size = int(rng.integers(3000, 6000))  # a ragged last chunk
+    good = rng.standard_normal(size).astype(np.float32)
+    table = np.asarray(pimhbm.scan(good, cb).digests)
+    nch = table.shape[0]
+    listed = [nch - 1, 1, 3, -1]
+    damaged = good.copy()
+    for c in listed[:3]:
+        damaged[c * 256 + int(rng.integers(0, min(256, size - c * 256)))] += 1.0
+    rows = np.zeros((len(listed), 256), np.float32)
+    rows_table = np.zeros((len(listed), 2), np.uint32)
+    for k, c in enumerate(listed[:3]):
+        part = good[c * 256:(c + 1) * 256]
+        rows[k, :part.size] = part
+        rows_table[k] = table[c]
+    rows[2, 5] = np.nextafter(rows[2, 5], np.float32(np.inf))  # chunk 3 damaged on the way
+    (fixed, fixed_table), status = repair_packed(
+        jnp.asarray(listed, jnp.int32), (jnp.asarray(rows), jnp.asarray(rows_table)),
+        (jnp.asarray(damaged), jnp.asarray(table)), cb)
+    assert np.asarray(status).tolist() == [pimhbm.REPAIRED, pimhbm.REPAIRED,
+                                           pimhbm.SOURCE_DAMAGED, pimhbm.NOT_LISTED]
+    bad = np.asarray(pimhbm.verify(fixed, fixed_table, cb))
+    assert np.flatnonzero(bad).tolist() == [3]
+    with pytest.raises(ValueError, match="must hold 4 chunks of 1024 bytes"):
+        repair_packed(jnp.asarray(listed, jnp.int32), (jnp.asarray(rows[:3]), rows_table[:3]),
+                      (jnp.asarray(damaged), jnp.asarray(table)), cb)
+
+
 # -- shared memory ----------------------------------------------------------------------------------
 
 def test_region_memory_is_visible_to_jax_without_a_copy(shm_name, rng):

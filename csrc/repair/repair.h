@@ -12,6 +12,8 @@
 //   whose source is `self` (this device: nothing to pull) is kNotListed; a source outside
 //   [0, count) is kOutOfRange.
 //
+// repair_packed: the same from chunks packed by entry (Sources::packed), one source.
+//
 // restore_clean: after a step that did not commit, puts the read side back into the mirror
 //   for the chunks that verified (faults[c] == 0) -- the others kept their last good copy,
 //   because the update never wrote them to the mirror.
@@ -54,6 +56,10 @@ struct Sources {
   int count;
   const int32_t* which;  // per listed entry, the source; null: every entry from tensor[0]
   int self;              // entries whose source is `self` are not this device's to repair
+  // Packed: tensor[s] holds only the listed chunks, entry k's chunk at row k (chunk_bytes
+  // apart) and its digest at table row k -- chunks received from another device, checked
+  // against the digest that came with them before they are written.
+  bool packed;
 };
 
 void repair_from_cpu(const int32_t* chunks, int64_t nlisted, const Sources& sources,

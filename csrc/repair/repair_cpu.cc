@@ -10,11 +10,9 @@ namespace {
 
 int64_t nchunks(int64_t nbytes, int64_t chunk_bytes) { return num_chunks(nbytes, chunk_bytes); }
 
-bool verifies(const uint8_t* data, int64_t nbytes, int64_t chunk_bytes, const uint32_t* table,
-              int64_t c) {
-  const int64_t len = chunk_length(nbytes, chunk_bytes, c);
-  const uint64_t d = scan::chunk_digest(data + c * chunk_bytes, len, c);
-  return d == digest_join(table[2 * c], table[2 * c + 1]);
+// Chunk c's bytes at `data` (len of them) against the digest row `row`.
+bool verifies(const uint8_t* data, int64_t len, const uint32_t* row, int64_t c) {
+  return scan::chunk_digest(data, len, c) == digest_join(row[0], row[1]);
 }
 
 }  // namespace
@@ -34,16 +32,19 @@ void repair_from_cpu(const int32_t* chunks, int64_t nlisted, const Sources& sour
       continue;
     }
     const ChunkedTensor& src = sources.tensor[s];
-    if (!verifies(src.data, src.nbytes, src.chunk_bytes, src.table, c)) {
+    const int64_t at = sources.packed ? k : c;  // where the source holds it
+    const uint8_t* from = src.data + at * src.chunk_bytes;
+    const uint32_t* row = src.table + 2 * at;
+    const int64_t len = chunk_length(dst.nbytes, dst.chunk_bytes, c);
+    if (!verifies(from, len, row, c)) {
       status[k] = kSourceDamaged;
       continue;
     }
-    const int64_t len = chunk_length(dst.nbytes, dst.chunk_bytes, c);
-    std::memcpy(dst.data + c * dst.chunk_bytes, src.data + c * src.chunk_bytes, len);
-    dst.table[2 * c] = src.table[2 * c];
-    dst.table[2 * c + 1] = src.table[2 * c + 1];
-    status[k] =
-        verifies(dst.data, dst.nbytes, dst.chunk_bytes, dst.table, c) ? kRepaired : kStillDamaged;
+    uint8_t* to = dst.data + c * dst.chunk_bytes;
+    std::memcpy(to, from, len);
+    dst.table[2 * c] = row[0];
+    dst.table[2 * c + 1] = row[1];
+    status[k] = verifies(to, len, dst.table + 2 * c, c) ? kRepaired : kStillDamaged;
   }
 }
 

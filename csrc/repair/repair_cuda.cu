@@ -12,13 +12,11 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__device__ __forceinline__ bool block_verifies(const uint8_t* data, int64_t nbytes,
-                                               int64_t chunk_bytes, const uint32_t* table,
-                                               int64_t c, uint64_t* scratch) {
-  const uint64_t d =
-      block_chunk_digest(data + c * chunk_bytes, chunk_length(nbytes, chunk_bytes, c),
-                         static_cast<uint64_t>(c), scratch);
-  return d == digest_join(table[2 * c], table[2 * c + 1]);
+// Chunk c's bytes at `data` (len of them) against the digest row `row`.
+__device__ __forceinline__ bool block_verifies(const uint8_t* data, int64_t len,
+                                               const uint32_t* row, int64_t c, uint64_t* scratch) {
+  const uint64_t d = block_chunk_digest(data, len, static_cast<uint64_t>(c), scratch);
+  return d == digest_join(row[0], row[1]);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -36,19 +34,21 @@ __global__ void __launch_bounds__(kThreads)
       result = kOutOfRange;
     } else {
       const ChunkedTensor& src = sources.tensor[s];
-      if (!block_verifies(src.data, src.nbytes, src.chunk_bytes, src.table, c, scratch)) {
+      const int64_t at = sources.packed ? k : c;  // where the source holds it (block-uniform)
+      const uint8_t* from = src.data + at * src.chunk_bytes;
+      const uint32_t* row = src.table + 2 * at;
+      const int64_t len = chunk_length(dst.nbytes, dst.chunk_bytes, c);
+      if (!block_verifies(from, len, row, c, scratch)) {
         result = kSourceDamaged;
       } else {
-        block_copy(src.data + c * src.chunk_bytes, dst.data + c * dst.chunk_bytes,
-                   chunk_length(dst.nbytes, dst.chunk_bytes, c));
+        uint8_t* to = dst.data + c * dst.chunk_bytes;
+        block_copy(from, to, len);
         if (threadIdx.x == 0) {
-          dst.table[2 * c] = src.table[2 * c];
-          dst.table[2 * c + 1] = src.table[2 * c + 1];
+          dst.table[2 * c] = row[0];
+          dst.table[2 * c + 1] = row[1];
         }
         __syncthreads();
-        result = block_verifies(dst.data, dst.nbytes, dst.chunk_bytes, dst.table, c, scratch)
-                     ? kRepaired
-                     : kStillDamaged;
+        result = block_verifies(to, len, dst.table + 2 * c, c, scratch) ? kRepaired : kStillDamaged;
       }
     }
     if (threadIdx.x == 0) status[k] = result;

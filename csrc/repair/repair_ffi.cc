@@ -46,6 +46,33 @@ ffi::Error validate_repair(const ffi::AnyBuffer& chunks, const ffi::AnyBuffer& s
   return check_buffer(kOp, "status", status, ffi::DataType::S32, k);
 }
 
+ffi::Error validate_repair_packed(const ffi::AnyBuffer& chunks, const ffi::AnyBuffer& rows,
+                                  const ffi::AnyBuffer& row_table, const ffi::AnyBuffer& dst,
+                                  const ffi::AnyBuffer& dst_table, const ffi::AnyBuffer& status,
+                                  int64_t chunk_bytes) {
+  constexpr const char* kOp = "pimhbm.repair_packed";
+  if (auto err = check_chunk_bytes(kOp, chunk_bytes); err.failure()) return err;
+  const int64_t k = static_cast<int64_t>(chunks.element_count());
+  if (auto err = check_buffer(kOp, "chunk list", chunks, ffi::DataType::S32, k); err.failure()) {
+    return err;
+  }
+  if (rows.element_type() != dst.element_type() ||
+      static_cast<int64_t>(rows.size_bytes()) != k * chunk_bytes) {
+    return invalid(kOp, "the received rows must be " + dtype_name(dst.element_type()) + ", " +
+                            std::to_string(k) + " chunks of " + std::to_string(chunk_bytes) +
+                            " bytes; got " + dtype_name(rows.element_type()) +
+                            ffi_util::shape_str(rows.dimensions()));
+  }
+  if (auto err = check_digest_table(kOp, "received digests", row_table, k); err.failure()) {
+    return err;
+  }
+  const int64_t n = num_chunks(static_cast<int64_t>(dst.size_bytes()), chunk_bytes);
+  if (auto err = check_digest_table(kOp, "target digests", dst_table, n); err.failure()) {
+    return err;
+  }
+  return check_buffer(kOp, "status", status, ffi::DataType::S32, k);
+}
+
 ffi::Error validate_restore_clean(const ffi::AnyBuffer& commit, const ffi::AnyBuffer& faults,
                                   const ffi::AnyBuffer& src, const ffi::AnyBuffer& src_table,
                                   const ffi::AnyBuffer& dst, const ffi::AnyBuffer& dst_table,
@@ -94,8 +121,39 @@ ffi::Error restore_clean_cpu_impl(ffi::AnyBuffer commit, ffi::AnyBuffer faults, 
   return ffi::Error::Success();
 }
 
+ffi::Error repair_packed_cpu_impl(ffi::AnyBuffer chunks, ffi::AnyBuffer rows,
+                                  ffi::AnyBuffer row_table, ffi::AnyBuffer, ffi::AnyBuffer,
+                                  ffi::Result<ffi::AnyBuffer> dst,
+                                  ffi::Result<ffi::AnyBuffer> dst_table,
+                                  ffi::Result<ffi::AnyBuffer> status, int64_t chunk_bytes) {
+  if (auto err =
+          validate_repair_packed(chunks, rows, row_table, *dst, *dst_table, *status, chunk_bytes);
+      err.failure()) {
+    return err;
+  }
+  repair_from_cpu(static_cast<const int32_t*>(chunks.untyped_data()),
+                  static_cast<int64_t>(chunks.element_count()),
+                  packed_sources(rows, row_table, chunk_bytes),
+                  mutable_chunked(*dst, *dst_table, chunk_bytes),
+                  static_cast<int32_t*>(status->untyped_data()));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace pimhbm::repair
+
+// chunks, rows, row_table, dst, dst_table -> dst, dst_table (aliased), status
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmRepairPackedCpu, pimhbm::repair::repair_packed_cpu_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<int64_t>("chunk_bytes"));
 
 // chunks, src, src_table, dst, dst_table -> dst, dst_table (aliased), status
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmRepairCpu, pimhbm::repair::repair_cpu_impl,

@@ -42,8 +42,40 @@ ffi::Error restore_clean_cuda_impl(cudaStream_t stream, ffi::AnyBuffer commit,
   return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.restore_clean", err);
 }
 
+ffi::Error repair_packed_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, ffi::AnyBuffer rows,
+                                   ffi::AnyBuffer row_table, ffi::AnyBuffer, ffi::AnyBuffer,
+                                   ffi::Result<ffi::AnyBuffer> dst,
+                                   ffi::Result<ffi::AnyBuffer> dst_table,
+                                   ffi::Result<ffi::AnyBuffer> status, int64_t chunk_bytes) {
+  if (auto err =
+          validate_repair_packed(chunks, rows, row_table, *dst, *dst_table, *status, chunk_bytes);
+      err.failure()) {
+    return err;
+  }
+  cudaError_t err = repair_from_cuda(static_cast<const int32_t*>(chunks.untyped_data()),
+                                     static_cast<int64_t>(chunks.element_count()),
+                                     packed_sources(rows, row_table, chunk_bytes),
+                                     mutable_chunked(*dst, *dst_table, chunk_bytes),
+                                     static_cast<int32_t*>(status->untyped_data()), stream);
+  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.repair_packed", err);
+}
+
 }  // namespace
 }  // namespace pimhbm::repair
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmRepairPackedCuda, pimhbm::repair::repair_packed_cuda_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<int64_t>("chunk_bytes"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmRepairCuda, pimhbm::repair::repair_cuda_impl,
                               xla::ffi::Ffi::Bind()

@@ -1,6 +1,7 @@
 // The CUDA repair, mirror restore and fault injection against the CPU reference.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <vector>
 
 #include "cuda_test_util.h"
@@ -72,8 +73,71 @@ TEST(RepairCuda, MatchesCpu) {
       PIMHBM_ASSERT_CUDA(d_status.poison(0x5A));  // not a status: an unwritten one shows
       PIMHBM_ASSERT_CUDA(repair::repair_cuda(d_chunks.get(), static_cast<int64_t>(chunks.size()),
                                              {d_src.get(), len, chunk, d_st.get()},
-                                             {d_dst.get(), len, chunk, d_dt.get()},
-                                             d_status.get(), nullptr));
+                                             {d_dst.get(), len, chunk, d_dt.get()}, d_status.get(),
+                                             nullptr));
+      PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
+      EXPECT_EQ(down(d_status), cpu_status) << len << " " << chunk;
+      EXPECT_EQ(down(d_dst), cpu_dst) << len << " " << chunk;
+      EXPECT_EQ(down(d_dt), cpu_table) << len << " " << chunk;
+    }
+  }
+}
+
+// Packed rows (chunks received from a replica, entry k at row k, a ragged last chunk, some rows
+// damaged in transit): the kernel against the CPU reference.
+TEST(RepairCuda, PackedMatchesCpu) {
+  PIMHBM_SKIP_WITHOUT_GPU();
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  for (int64_t len : {int64_t{100}, int64_t{4099}, int64_t{100003}}) {
+    for (int64_t chunk : {int64_t{16}, int64_t{256}}) {
+      auto good = random_bytes(rng, len);
+      const auto table = table_of(good, chunk);
+      const int64_t n = num_chunks(len, chunk);
+      auto dst = good;
+      std::vector<int32_t> chunks;
+      for (int k = 0; k < 16; ++k) {
+        const int64_t at = rng() % len;
+        dst[at] ^= 1 + rng() % 255;
+        chunks.push_back(static_cast<int32_t>(at / chunk));
+      }
+      chunks.push_back(static_cast<int32_t>(n - 1));
+      chunks.push_back(-1);
+      chunks.push_back(static_cast<int32_t>(n + 1));
+      const size_t k = chunks.size();
+      std::vector<uint8_t> rows = random_bytes(rng, static_cast<int64_t>(k) * chunk);
+      std::vector<uint32_t> rtab(2 * k, 0);
+      for (size_t e = 0; e < k; ++e) {
+        const int64_t c = chunks[e];
+        if (c < 0 || c >= n) continue;
+        std::memcpy(rows.data() + e * chunk, good.data() + c * chunk, chunk_length(len, chunk, c));
+        rtab[2 * e] = table[2 * c];
+        rtab[2 * e + 1] = table[2 * c + 1];
+        if (e % 5 == 3) rows[e * chunk] ^= 0x20;  // damaged in transit
+      }
+      repair::Sources packed{};
+      packed.count = 1;
+      packed.self = -1;
+      packed.packed = true;
+      auto cpu_dst = dst;
+      auto cpu_table = table;
+      std::vector<int32_t> cpu_status(k);
+      packed.tensor[0] = {rows.data(), static_cast<int64_t>(rows.size()), chunk, rtab.data()};
+      repair::repair_from_cpu(chunks.data(), static_cast<int64_t>(k), packed,
+                              {cpu_dst.data(), len, chunk, cpu_table.data()}, cpu_status.data());
+      DeviceBuffer<uint8_t> d_rows(rows.size()), d_dst(len);
+      DeviceBuffer<uint32_t> d_rt(rtab.size()), d_dt(table.size());
+      DeviceBuffer<int32_t> d_chunks(k), d_status(k);
+      PIMHBM_ASSERT_CUDA(d_rows.upload(rows));
+      PIMHBM_ASSERT_CUDA(d_dst.upload(dst));
+      PIMHBM_ASSERT_CUDA(d_rt.upload(rtab));
+      PIMHBM_ASSERT_CUDA(d_dt.upload(table));
+      PIMHBM_ASSERT_CUDA(d_chunks.upload(chunks));
+      PIMHBM_ASSERT_CUDA(d_status.poison(0x5A));
+      packed.tensor[0] = {d_rows.get(), static_cast<int64_t>(rows.size()), chunk, d_rt.get()};
+      PIMHBM_ASSERT_CUDA(repair::repair_from_cuda(d_chunks.get(), static_cast<int64_t>(k), packed,
+                                                  {d_dst.get(), len, chunk, d_dt.get()},
+                                                  d_status.get(), nullptr));
       PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
       EXPECT_EQ(down(d_status), cpu_status) << len << " " << chunk;
       EXPECT_EQ(down(d_dst), cpu_dst) << len << " " << chunk;
@@ -165,9 +229,14 @@ TEST(InjectCuda, MatchesCpu) {
   for (int32_t kind : {0, 1, 2, 3, 4}) {
     for (faults::Format format : {faults::kRawBytes, faults::kFloat32, faults::kBFloat16}) {
       const uint64_t off = kind == 3 ? rng() % 20000 : rng() % (len + 100);
-      const std::vector<int32_t> spec = {kind, static_cast<int32_t>(off), 0,
-                                         static_cast<int32_t>(rng() % 3000), static_cast<int32_t>(rng() % 8),
-                                         static_cast<int32_t>(rng() % 1000), static_cast<int32_t>(rng() % 3), 0};
+      const std::vector<int32_t> spec = {kind,
+                                         static_cast<int32_t>(off),
+                                         0,
+                                         static_cast<int32_t>(rng() % 3000),
+                                         static_cast<int32_t>(rng() % 8),
+                                         static_cast<int32_t>(rng() % 1000),
+                                         static_cast<int32_t>(rng() % 3),
+                                         0};
       auto cpu = x;
       faults::inject_cpu(cpu.data(), len, format, spec.data());
       DeviceBuffer<uint8_t> d(len);

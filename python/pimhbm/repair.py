@@ -34,6 +34,29 @@ def repair(chunks: jax.Array, src: tuple[jax.Array, jax.Array], dst: tuple[jax.A
     return (outs[0], outs[1]), outs[2]
 
 
+def repair_packed(chunks: jax.Array, rows: tuple[jax.Array, jax.Array],
+                  dst: tuple[jax.Array, jax.Array], chunk_bytes: int
+                  ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """Like :func:`repair`, from chunks packed by entry: ``rows`` = (data holding chunk k of
+    the list at row k, chunk_bytes each, in dst's dtype; their digest rows (k, 2)) -- chunks
+    received from another device, each checked against the digest that came with it before it
+    is written. Work and memory in proportion to the list, not to the tensor."""
+    ensure_registered()
+    (t, table), (data, data_table) = dst, rows
+    k = chunks.shape[0] if chunks.ndim else 1
+    if data.dtype != t.dtype or data.size * data.dtype.itemsize != k * chunk_bytes:
+        raise ValueError(f"received rows {data.dtype}{tuple(data.shape)} must hold {k} chunks of "
+                         f"{chunk_bytes} bytes of {t.dtype}")
+    outs = jax.ffi.ffi_call(
+        "pimhbm_repair_packed",
+        [jax.ShapeDtypeStruct(t.shape, t.dtype), jax.ShapeDtypeStruct(table.shape, table.dtype),
+         jax.ShapeDtypeStruct(chunks.shape, jnp.int32)],
+        input_output_aliases={3: 0, 4: 1})(
+            chunks.astype(jnp.int32), data, data_table, t, table,
+            chunk_bytes=np.int64(chunk_bytes))
+    return (outs[0], outs[1]), outs[2]
+
+
 def backup_snapshot(tensors: list[jax.Array], region: Any, offsets: list[int]) -> jax.Array:
     """Copies ``tensors`` into the shared-memory ``region`` at ``offsets`` (on the GPU on a side
     stream, after everything before it on XLA's stream). Returns a ticket (int32[1]) that is
