@@ -3,7 +3,7 @@
 // and what runs the multi-device logic in CI.
 #include "peer/peer_ffi.h"
 
-#include "repair/repair.h"
+#include "repair/repair_ffi.h"
 
 namespace pimhbm::peer {
 
@@ -83,6 +83,33 @@ ffi::Error validate_pull(const ffi::AnyBuffer& chunks, const ffi::AnyBuffer& whi
   return ffi_util::check_buffer(kOp, "status", status, ffi::DataType::S32, k);
 }
 
+Segments gather_segments(const std::vector<Payload>& all, int64_t bytes) {
+  Segments s{};
+  s.count = static_cast<int>(all.size());
+  s.bytes = bytes;
+  for (int p = 0; p < s.count; ++p) s.src[p] = static_cast<const uint8_t*>(all[p].in);
+  return s;
+}
+
+Segments exchange_segments(const std::vector<Payload>& all, int rank, int64_t block_bytes) {
+  Segments s = gather_segments(all, block_bytes);
+  for (int p = 0; p < s.count; ++p) s.src[p] += rank * block_bytes;
+  return s;
+}
+
+repair::Sources pull_sources(const std::vector<Payload>& all, const Member& m,
+                             const ffi::AnyBuffer& which, int64_t nbytes, int64_t chunk_bytes) {
+  repair::Sources sources{};
+  sources.count = m.size;
+  sources.self = m.rank;
+  sources.which = static_cast<const int32_t*>(which.untyped_data());
+  for (int p = 0; p < m.size; ++p) {
+    sources.tensor[p] = {static_cast<const uint8_t*>(all[p].in), nbytes, chunk_bytes,
+                         static_cast<const uint32_t*>(all[p].extra)};
+  }
+  return sources;
+}
+
 namespace {
 
 // Meets the peers with `mine`, runs `work(all)`, meets them again (so that nobody writes a
@@ -109,11 +136,8 @@ ffi::Error all_gather_cpu(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::An
   if (m.has_error()) return m.error();
   if (auto err = validate_all_gather(x, *out, m->size); err.failure()) return err;
   return meet_and_run(kOp, *m, Payload{x.untyped_data()}, [&](const std::vector<Payload>& all) {
-    Segments s{};
-    s.count = m->size;
-    s.bytes = static_cast<int64_t>(x.size_bytes());
-    for (int p = 0; p < m->size; ++p) s.src[p] = static_cast<const uint8_t*>(all[p].in);
-    copy_segments_cpu(s, static_cast<uint8_t*>(out->untyped_data()));
+    copy_segments_cpu(gather_segments(all, static_cast<int64_t>(x.size_bytes())),
+                      static_cast<uint8_t*>(out->untyped_data()));
     return ffi::Error::Success();
   });
 }
@@ -126,13 +150,9 @@ ffi::Error all_to_all_cpu(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::An
   if (m.has_error()) return m.error();
   if (auto err = validate_all_to_all(x, *out, m->size); err.failure()) return err;
   return meet_and_run(kOp, *m, Payload{x.untyped_data()}, [&](const std::vector<Payload>& all) {
-    Segments s{};
-    s.count = m->size;
-    s.bytes = static_cast<int64_t>(x.size_bytes()) / m->size;
-    for (int p = 0; p < m->size; ++p) {
-      s.src[p] = static_cast<const uint8_t*>(all[p].in) + m->rank * s.bytes;
-    }
-    copy_segments_cpu(s, static_cast<uint8_t*>(out->untyped_data()));
+    copy_segments_cpu(
+        exchange_segments(all, m->rank, static_cast<int64_t>(x.size_bytes()) / m->size),
+        static_cast<uint8_t*>(out->untyped_data()));
     return ffi::Error::Success();
   });
 }
@@ -150,33 +170,18 @@ ffi::Error pull_cpu(int32_t ordinal, ffi::AnyBuffer chunks, ffi::AnyBuffer which
   }
   Payload mine{x->untyped_data(), table->untyped_data()};
   return meet_and_run(kOp, *m, mine, [&](const std::vector<Payload>& all) {
-    repair::Sources sources{};
-    sources.count = m->size;
-    sources.self = m->rank;
-    sources.which = static_cast<const int32_t*>(which.untyped_data());
-    for (int p = 0; p < m->size; ++p) {
-      sources.tensor[p] = {static_cast<const uint8_t*>(all[p].in),
-                           static_cast<int64_t>(x->size_bytes()), chunk_bytes,
-                           static_cast<const uint32_t*>(all[p].extra)};
-    }
-    repair::MutableChunkedTensor dst{static_cast<uint8_t*>(x->untyped_data()),
-                                     static_cast<int64_t>(x->size_bytes()), chunk_bytes,
-                                     static_cast<uint32_t*>(table->untyped_data())};
-    repair::repair_from_cpu(static_cast<const int32_t*>(chunks.untyped_data()),
-                            static_cast<int64_t>(chunks.element_count()), sources, dst,
-                            static_cast<int32_t*>(status->untyped_data()));
+    repair::repair_from_cpu(
+        static_cast<const int32_t*>(chunks.untyped_data()),
+        static_cast<int64_t>(chunks.element_count()),
+        pull_sources(all, *m, which, static_cast<int64_t>(x->size_bytes()), chunk_bytes),
+        repair::mutable_chunked(*x, *table, chunk_bytes),
+        static_cast<int32_t*>(status->untyped_data()));
     return ffi::Error::Success();
   });
 }
 
 }  // namespace
 }  // namespace pimhbm::peer
-
-#define PIMHBM_PEER_GROUP_ATTRS                        \
-  .Attr<int64_t>("tag")                                \
-      .Attr<xla::ffi::Span<const int64_t>>("ordinals") \
-      .Attr<int64_t>("group_size")                     \
-      .Attr<int64_t>("timeout_ms")
 
 // x -> out (n, *x.shape)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmPeerAllGatherCpu, pimhbm::peer::all_gather_cpu,

@@ -9,10 +9,12 @@
 
 #include <chrono>
 #include <string>
+#include <vector>
 
 #include "peer/copy.h"
 #include "peer/rendezvous.h"
 #include "pimhbm/ffi_util.h"
+#include "repair/repair.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace pimhbm::peer {
@@ -39,11 +41,26 @@ ffi::Error validate_pull(const ffi::AnyBuffer& chunks, const ffi::AnyBuffer& whi
                          const ffi::AnyBuffer& x, const ffi::AnyBuffer& table,
                          const ffi::AnyBuffer& status, int64_t chunk_bytes);
 
+// What each op reads from the payloads its peers published (the same on both platforms):
+// all_gather: every peer's whole input; all_to_all: block `rank` of every peer's input;
+// pull: every peer's tensor and digest table, the entries' sources from `which`.
+Segments gather_segments(const std::vector<Payload>& all, int64_t bytes);
+Segments exchange_segments(const std::vector<Payload>& all, int rank, int64_t block_bytes);
+repair::Sources pull_sources(const std::vector<Payload>& all, const Member& m,
+                             const ffi::AnyBuffer& which, int64_t nbytes, int64_t chunk_bytes);
+
 inline ffi::Error peer_error(const char* op, const std::string& what) {
   return ffi::Error::Internal(std::string(op) + ": " + what);
 }
 
 }  // namespace pimhbm::peer
+
+// The attributes every peer op takes (see above).
+#define PIMHBM_PEER_GROUP_ATTRS                        \
+  .Attr<int64_t>("tag")                                \
+      .Attr<xla::ffi::Span<const int64_t>>("ordinals") \
+      .Attr<int64_t>("group_size")                     \
+      .Attr<int64_t>("timeout_ms")
 
 extern "C" {
 XLA_FFI_Error* PimhbmPeerAllGatherCpu(XLA_FFI_CallFrame* call_frame);

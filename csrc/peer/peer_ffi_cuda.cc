@@ -11,7 +11,7 @@
 #include <utility>
 
 #include "peer/peer_ffi.h"
-#include "repair/repair.h"
+#include "repair/repair_ffi.h"
 
 namespace pimhbm::peer {
 namespace {
@@ -134,13 +134,8 @@ ffi::Error all_gather_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   if (auto err = validate_all_gather(x, *out, m->size); err.failure()) return err;
   return meet_and_launch(
       kOp, ordinal, *m, stream, Payload{x.untyped_data()}, [&](const std::vector<Payload>& all) {
-        Segments s{};
-        s.count = m->size;
-        s.bytes = static_cast<int64_t>(x.size_bytes());
-        for (int p = 0; p < m->size; ++p) {
-          s.src[p] = static_cast<const uint8_t*>(all[p].in);
-        }
-        return copy_segments_cuda(s, static_cast<uint8_t*>(out->untyped_data()), stream);
+        return copy_segments_cuda(gather_segments(all, static_cast<int64_t>(x.size_bytes())),
+                                  static_cast<uint8_t*>(out->untyped_data()), stream);
       });
 }
 
@@ -154,13 +149,9 @@ ffi::Error all_to_all_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   if (auto err = validate_all_to_all(x, *out, m->size); err.failure()) return err;
   return meet_and_launch(
       kOp, ordinal, *m, stream, Payload{x.untyped_data()}, [&](const std::vector<Payload>& all) {
-        Segments s{};
-        s.count = m->size;
-        s.bytes = static_cast<int64_t>(x.size_bytes()) / m->size;
-        for (int p = 0; p < m->size; ++p) {
-          s.src[p] = static_cast<const uint8_t*>(all[p].in) + m->rank * s.bytes;
-        }
-        return copy_segments_cuda(s, static_cast<uint8_t*>(out->untyped_data()), stream);
+        return copy_segments_cuda(
+            exchange_segments(all, m->rank, static_cast<int64_t>(x.size_bytes()) / m->size),
+            static_cast<uint8_t*>(out->untyped_data()), stream);
       });
 }
 
@@ -177,32 +168,17 @@ ffi::Error pull_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer chunks
   }
   Payload mine{x->untyped_data(), table->untyped_data()};
   return meet_and_launch(kOp, ordinal, *m, stream, mine, [&](const std::vector<Payload>& all) {
-    repair::Sources sources{};
-    sources.count = m->size;
-    sources.self = m->rank;
-    sources.which = static_cast<const int32_t*>(which.untyped_data());
-    for (int p = 0; p < m->size; ++p) {
-      sources.tensor[p] = {static_cast<const uint8_t*>(all[p].in),
-                           static_cast<int64_t>(x->size_bytes()), chunk_bytes,
-                           static_cast<const uint32_t*>(all[p].extra)};
-    }
-    repair::MutableChunkedTensor dst{static_cast<uint8_t*>(x->untyped_data()),
-                                     static_cast<int64_t>(x->size_bytes()), chunk_bytes,
-                                     static_cast<uint32_t*>(table->untyped_data())};
-    return repair::repair_from_cuda(static_cast<const int32_t*>(chunks.untyped_data()),
-                                    static_cast<int64_t>(chunks.element_count()), sources, dst,
-                                    static_cast<int32_t*>(status->untyped_data()), stream);
+    return repair::repair_from_cuda(
+        static_cast<const int32_t*>(chunks.untyped_data()),
+        static_cast<int64_t>(chunks.element_count()),
+        pull_sources(all, *m, which, static_cast<int64_t>(x->size_bytes()), chunk_bytes),
+        repair::mutable_chunked(*x, *table, chunk_bytes),
+        static_cast<int32_t*>(status->untyped_data()), stream);
   });
 }
 
 }  // namespace
 }  // namespace pimhbm::peer
-
-#define PIMHBM_PEER_GROUP_ATTRS                        \
-  .Attr<int64_t>("tag")                                \
-      .Attr<xla::ffi::Span<const int64_t>>("ordinals") \
-      .Attr<int64_t>("group_size")                     \
-      .Attr<int64_t>("timeout_ms")
 
 // Not command-buffer compatible: each call meets its peers on the host.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmPeerAllGatherCuda, pimhbm::peer::all_gather_cuda,

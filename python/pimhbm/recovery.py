@@ -93,6 +93,12 @@ class DeviceFailure(RuntimeError):
         self.snapshot_step = snapshot_step
 
 
+def fsdp_spec(shape: tuple[int, ...], shard: int) -> P:
+    """How the engine places a parameter of ``shape`` over a 'shard' axis of ``shard`` devices:
+    split along its first dimension when that divides evenly, else replicated."""
+    return P("shard") if shard > 1 and len(shape) > 0 and shape[0] % shard == 0 else P()
+
+
 def _keystr(path) -> str:
     return jax.tree_util.keystr(path, simple=True, separator="/")
 
@@ -161,7 +167,11 @@ class Trainer:
             if local:
                 self._writers[col] = local[0]
         self.replicated = NamedSharding(self.mesh, P())
-        self.by_device = NamedSharding(self.mesh, P(("dp", "shard")))
+        self.by_device = NamedSharding(self.mesh, P(("dp", "shard")))  # a row per device
+        self.by_column = NamedSharding(self.mesh, P("shard"))  # a row per shard column
+        self.grid = NamedSharding(self.mesh, P("dp", "shard"))  # (replica, column)
+        # Per-device reports, stacked in mesh order (with several processes: gathered).
+        self.report_spec = P() if self.multiprocess else P(("dp", "shard"))
         self.snapshot_every, self.scrub_every = snapshot_every, scrub_every
         self.repair_capacity, self.fault_capacity = repair_capacity, fault_capacity
         self.inject_gradients = inject_gradients
@@ -184,10 +194,9 @@ class Trainer:
         self.names = list(TENSORS) if opt.master_weights else ["p", "mu", "nu"]
         leaves = jax.tree.leaves(params)
         # FSDP: a leaf is split along its first dimension when that divides by `shard`.
-        self.sharded = [shard > 1 and np.ndim(p) > 0 and np.shape(p)[0] % shard == 0
-                        for p in leaves]
-        self.param_specs = jax.tree.unflatten(
-            self.treedef, [P("shard") if sh else P() for sh in self.sharded])
+        self._leaf_specs = [fsdp_spec(np.shape(p), shard) for p in leaves]
+        self.sharded = [spec == P("shard") for spec in self._leaf_specs]
+        self.param_specs = jax.tree.unflatten(self.treedef, self._leaf_specs)
         params = self._put_params(params)
         # Elements of each leaf on one device (its shard).
         self.sizes = [int(np.prod(np.shape(p))) // (shard if sh else 1)
@@ -505,10 +514,8 @@ class Trainer:
         sds = lambda shape, dtype, sh=rep: jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
         batch = {s.name: sds(s.shape, s.dtype, dev) for s in self.batch_specs}
         lists = sds((len(self.paths), len(self.names), self.repair_capacity), jnp.int32)
-        by_column = NamedSharding(self.mesh, P("shard"))
-        column_lists = sds((self.shard, *lists.shape), jnp.int32, by_column)
-        # Per-device reports, stacked in mesh order (with several processes: gathered).
-        each = P() if self.multiprocess else P(("dp", "shard"))
+        column_lists = sds((self.shard, *lists.shape), jnp.int32, self.by_column)
+        each = self.report_spec
         for current in (0, 1):
             st = self._abstract_state(current)
             ss = self._state_specs(current)
@@ -528,9 +535,8 @@ class Trainer:
                     st, column_lists, column_lists).compile()
                 fn = self._manual(self._rebuild_fn, (ss, P("shard"), P("dp", "shard")), (ss, each))
                 self._programs["rebuild", current] = jax.jit(fn, donate_argnums=0).lower(
-                    st, sds((self.shard,), jnp.int32, by_column),
-                    sds(self.mesh.devices.shape, jnp.int32,
-                        NamedSharding(self.mesh, P("dp", "shard")))).compile()
+                    st, sds((self.shard,), jnp.int32, self.by_column),
+                    sds(self.mesh.devices.shape, jnp.int32, self.grid)).compile()
             self._scrub_program(current)
             if self.backup is not None:
                 for part, device in self._writers.items():
@@ -554,8 +560,7 @@ class Trainer:
     def _scrub_program(self, current: int):
         key = ("scrub", current)
         if key not in self._programs:
-            each = P() if self.multiprocess else P(("dp", "shard"))
-            scrub = self._manual(self._scrub_fn, (self._state_specs(current),), each)
+            scrub = self._manual(self._scrub_fn, (self._state_specs(current),), self.report_spec)
             self._programs[key] = jax.jit(scrub).lower(self._abstract_state(current)).compile()
         return self._programs[key]
 
@@ -892,8 +897,8 @@ class Trainer:
         program = self._programs["rebuild", self.state.opt.current]
         try:
             self.state, bad = program(self.state,
-                                      self._put(sources, NamedSharding(self.mesh, P("shard"))),
-                                      self._put(grid, NamedSharding(self.mesh, P("dp", "shard"))))
+                                      self._put(sources, self.by_column),
+                                      self._put(grid, self.grid))
             bad = self._fetch(bad)
         except jax.errors.JaxRuntimeError as err:
             return self._replica_failed(err)
@@ -935,7 +940,6 @@ class Trainer:
                 return None
             work.append((col, path, k, chunk, healthy[0]))
         sources = set()
-        by_column = NamedSharding(self.mesh, P("shard"))
         while work:
             lists = np.full((self.shard, len(self.paths), len(self.names), self.repair_capacity),
                             -1, np.int32)
@@ -955,8 +959,8 @@ class Trainer:
                     rest.append(entry)
             program = self._programs["replica", self.state.opt.current]
             try:
-                self.state, status = program(self.state, self._put(lists, by_column),
-                                             self._put(src, by_column))
+                self.state, status = program(self.state, self._put(lists, self.by_column),
+                                             self._put(src, self.by_column))
                 status = self._fetch(status)  # [devices, leaves, tensors, capacity]
             except jax.errors.JaxRuntimeError as err:
                 return self._replica_failed(err)
@@ -1016,7 +1020,7 @@ class Trainer:
                 leaves.append({k: (next(it), next(it)) for k in self.names})
             # Each process puts the parts its devices hold, once; the other slot and the device
             # copy are made from it on the devices; the digests are checked there (the scrub).
-            where = [NamedSharding(self.mesh, P("shard") if sh else P()) for sh in self.sharded]
+            where = [NamedSharding(self.mesh, spec) for spec in self._leaf_specs]
             first = slot_from_tensors([{k: tuple(self._put(x, w, copy=True) for x in v)
                                         for k, v in leaf.items()}
                                        for leaf, w in zip(leaves, where)], self.treedef)
@@ -1062,7 +1066,7 @@ class Trainer:
         t, table = leaves[i][tensor]
         specs = np.zeros((len(self.devices), 8), np.int32)
         specs[slice(None) if device is None else device] = fault
-        spec = P("shard") if self.sharded[i] else P()
+        spec = self._leaf_specs[i]
         t = self._inject_program(t.shape, t.dtype, spec)(t, self._put(specs, self.by_device))
         self._settle(t)
         leaves[i][tensor] = (t, table)

@@ -76,6 +76,7 @@ def run(args: Any) -> int:
     from pimhbm.backup import HostBackup
     from pimhbm.campaign import KINDS, Campaign
     from pimhbm.models import llama3
+    from pimhbm.recovery import fsdp_spec
     from pimhbm.train import llama_trainer, warmup_cosine
 
     console = Console()
@@ -92,8 +93,7 @@ def run(args: Any) -> int:
     replicated = jax.sharding.NamedSharding(mesh, P())
     split = jax.sharding.NamedSharding(mesh, P(("dp", "shard")))
     # The plain step sharded as the protected one: FSDP leaves split on their first dimension.
-    fsdp = lambda x: jax.sharding.NamedSharding(
-        mesh, P("shard") if args.shard > 1 and x.ndim and x.shape[0] % args.shard == 0 else P())
+    fsdp = lambda x: jax.sharding.NamedSharding(mesh, fsdp_spec(x.shape, args.shard))
     if args.tokens % args.seq or (args.tokens // args.seq) % args.devices:
         console.print("[red]--tokens must be a multiple of --seq, in sequences that split "
                       "evenly over --devices[/]")
