@@ -1,11 +1,14 @@
 // The fused guarded AdamW kernel alone, on the GPU: its launch variants (groups of four elements
-// in flight per thread) side by side with a plain streaming kernel that moves the same bytes
-// with trivial arithmetic (the practical ceiling for this read/write mix), in one run.
+// in flight per thread; the device copy's passes) side by side with plain streaming kernels that
+// move the same bytes with trivial arithmetic (the practical ceiling for this read/write mix),
+// in one run. The streaming kernels also separate the access pattern: writing aside (another
+// buffer, as the guarded update does) or in place (as XLA's fused optax update does), with
+// evict-first or plain loads.
 //
 // usage: adamw_kernel_bench [parameters, default 268435456]
 // Prints ms per step (median of 7 x 20, CUDA events) and effective TB/s over 28 bytes per
 // parameter (fp32: p, mu, nu read + written, g read; bf16 + master: master, mu, nu read +
-// written, bf16 g read, bf16 p written).
+// written, bf16 g read, bf16 p written), plus 12 or 14 bytes with the device copy.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,7 +34,8 @@ using namespace pimhbm;
 
 namespace {
 
-constexpr int64_t kChunk = 16384;
+constexpr int64_t kChunk = 16384;      // the update's default chunk
+constexpr int64_t kCopyChunk = 4096;   // with the device copy
 
 __global__ void fill(float* x, int64_t n, uint32_t seed, float scale, bool positive) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
@@ -52,15 +56,27 @@ __global__ void to_bf16(const float* x, uint16_t* y, int64_t n) {
   }
 }
 
-// Same traffic as the update, trivial arithmetic: fp32 p, mu, nu, g in; p, mu, nu out.
+template <bool kEvictFirst>
+__device__ __forceinline__ float4 load(const float4* p) {
+  if constexpr (kEvictFirst) return __ldcs(p);
+  return *p;  // plain load: the destination may be this very buffer (no read-only path)
+}
+
+// Same traffic as the update, trivial arithmetic: fp32 p, mu, nu, g in; p, mu, nu out (and
+// a copy of them when `copy` is set).
+template <bool kEvictFirst>
 __global__ void stream_fp32(const float4* p, const float4* mu, const float4* nu, const float4* g,
-                            float4* po, float4* muo, float4* nuo, int64_t n4) {
+                            float4* po, float4* muo, float4* nuo, float4* pc, float4* muc,
+                            float4* nuc, int64_t n4) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n4;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const float4 a = __ldcs(p + i), m = __ldcs(mu + i), v = __ldcs(nu + i), d = __ldcs(g + i);
-    po[i] = make_float4(a.x + d.x, a.y + d.y, a.z + d.z, a.w + d.w);
-    muo[i] = make_float4(m.x + d.x, m.y + d.y, m.z + d.z, m.w + d.w);
-    nuo[i] = make_float4(v.x + d.x, v.y + d.y, v.z + d.z, v.w + d.w);
+    const float4 a = load<kEvictFirst>(p + i), m = load<kEvictFirst>(mu + i),
+                 v = load<kEvictFirst>(nu + i), d = load<kEvictFirst>(g + i);
+    const float4 a2 = make_float4(a.x + d.x, a.y + d.y, a.z + d.z, a.w + d.w);
+    const float4 m2 = make_float4(m.x + d.x, m.y + d.y, m.z + d.z, m.w + d.w);
+    const float4 v2 = make_float4(v.x + d.x, v.y + d.y, v.z + d.z, v.w + d.w);
+    po[i] = a2, muo[i] = m2, nuo[i] = v2;
+    if (pc != nullptr) pc[i] = a2, muc[i] = m2, nuc[i] = v2;
   }
 }
 
@@ -94,25 +110,25 @@ struct Side {  // one copy of the state
 
 struct Case {
   bool bf16;
-  int64_t n, nchunks;
-  Side side[2];
+  int64_t n, chunk, nchunks;
+  Side side[3];  // two slots and the device copy
   void* g;
   int32_t *faults, *bad;
   float* step;
 };
 
-void table(const void* x, int64_t n, int size, uint32_t* out) {
-  const int64_t nc = (n + kChunk - 1) / kChunk;
+void table(const void* x, int64_t n, int size, int64_t chunk, uint32_t* out) {
+  const int64_t nc = (n + chunk - 1) / chunk;
   int32_t* nf = alloc<int32_t>(nc);
   float* mx = alloc<float>(nc);
-  CHECK(scan::scan_cuda(x, n * size, Elem::kRaw, kChunk * size, out, nf, mx, nullptr));
+  CHECK(scan::scan_cuda(x, n * size, Elem::kRaw, chunk * size, out, nf, mx, nullptr));
   CHECK(cudaDeviceSynchronize());
   CHECK(cudaFree(nf));
   CHECK(cudaFree(mx));
 }
 
-Case make_case(bool bf16, int64_t n) {
-  Case c{bf16, n, (n + kChunk - 1) / kChunk, {}, nullptr, nullptr, nullptr, nullptr};
+Case make_case(bool bf16, int64_t n, int64_t chunk) {
+  Case c{bf16, n, chunk, (n + chunk - 1) / chunk, {}, nullptr, nullptr, nullptr, nullptr};
   float* tmp = alloc<float>(n);
   for (Side& s : c.side) {
     s.mu = alloc<float>(n);
@@ -140,10 +156,10 @@ Case make_case(bool bf16, int64_t n) {
   }
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
-  table(a.p, n, bf16 ? 2 : 4, a.d_p);
-  table(a.mu, n, 4, a.d_mu);
-  table(a.nu, n, 4, a.d_nu);
-  if (bf16) table(a.master, n, 4, a.d_master);
+  table(a.p, n, bf16 ? 2 : 4, chunk, a.d_p);
+  table(a.mu, n, 4, chunk, a.d_mu);
+  table(a.nu, n, 4, chunk, a.d_nu);
+  if (bf16) table(a.master, n, 4, chunk, a.d_master);
   c.faults = alloc<int32_t>(c.nchunks);
   c.bad = alloc<int32_t>(c.nchunks);
   c.step = alloc<float>(3);
@@ -153,15 +169,36 @@ Case make_case(bool bf16, int64_t n) {
   return c;
 }
 
-update::AdamWLeaf leaf(const Case& c, int from) {
-  const Side &r = c.side[from], &w = c.side[1 - from];
+void free_case(Case& c) {
+  for (Side& s : c.side) {
+    for (void* p : {s.p, static_cast<void*>(s.master), static_cast<void*>(s.mu),
+                    static_cast<void*>(s.nu), static_cast<void*>(s.d_p),
+                    static_cast<void*>(s.d_master), static_cast<void*>(s.d_mu),
+                    static_cast<void*>(s.d_nu)}) {
+      CHECK(cudaFree(p));
+    }
+  }
+  for (void* p : {c.g, static_cast<void*>(c.faults), static_cast<void*>(c.bad),
+                  static_cast<void*>(c.step)}) {
+    CHECK(cudaFree(p));
+  }
+}
+
+// The update from slot `from` into the other one (and into the device copy, side 2).
+update::AdamWLeaf leaf(const Case& c, int from, bool mirror) {
+  const Side &r = c.side[from], &w = c.side[1 - from], &m = c.side[2];
   update::AdamWLeaf L;
-  L.n = c.n, L.chunk_elems = kChunk, L.param_bf16 = c.bf16, L.has_master = c.bf16;
+  L.n = c.n, L.chunk_elems = c.chunk, L.param_bf16 = c.bf16, L.has_master = c.bf16;
   L.p = r.p, L.master = r.master, L.mu = r.mu, L.nu = r.nu, L.g = c.g;
   L.d_p = r.d_p, L.d_master = r.d_master, L.d_mu = r.d_mu, L.d_nu = r.d_nu;
   L.p_out = w.p, L.master_out = w.master, L.mu_out = w.mu, L.nu_out = w.nu;
   L.dn_p = w.d_p, L.dn_master = w.d_master, L.dn_mu = w.d_mu, L.dn_nu = w.d_nu;
   L.faults = c.faults, L.grad_nonfinite = c.bad;
+  if (mirror) {
+    L.has_mirror = true;
+    L.p_mirror = m.p, L.master_mirror = m.master, L.mu_mirror = m.mu, L.nu_mirror = m.nu;
+    L.dm_p = m.d_p, L.dm_master = m.d_master, L.dm_mu = m.d_mu, L.dm_nu = m.d_nu;
+  }
   return L;
 }
 
@@ -186,51 +223,102 @@ float median_ms(F&& run) {
   return samples[samples.size() / 2];
 }
 
+void row(const char* kind, const std::string& what, float ms, double bytes_per_param,
+         int64_t n, const char* note = "") {
+  std::printf("%-12s %-46s %9.3f %9.2f%s\n", kind, what.c_str(), ms,
+              bytes_per_param * n / (ms * 1e-3) / 1e12, note);
+}
+
+// The guarded kernel in one launch configuration, timed; false if a fault was reported (the
+// state must keep verifying step after step).
+bool time_update(const char* kind, const std::string& what, const Case& c, bool mirror,
+                 update::AdamWLaunch launch, double bytes_per_param) {
+  const AdamWHyper hyper{0.9f, 0.999f, 0.1f, 0.001f, 1e-8f, 0.0f, 1e-4f};
+  const float ms = median_ms([&](int i) {
+    CHECK(update::adamw_cuda(leaf(c, i % 2, mirror), hyper, c.step, nullptr, launch));
+  });
+  std::vector<int32_t> faults(c.nchunks);
+  CHECK(cudaMemcpy(faults.data(), c.faults, c.nchunks * 4, cudaMemcpyDeviceToHost));
+  const int64_t bad = std::count_if(faults.begin(), faults.end(), [](int32_t f) { return f; });
+  row(kind, what, ms, bytes_per_param, c.n, bad ? "  FAULTS REPORTED" : "");
+  return bad == 0;
+}
+
+// Plain fp32 streams: aside or in place, evict-first or plain loads, with or without a copy.
+float time_stream(const Case& c, bool in_place, bool evict_first, bool copy) {
+  return median_ms([&](int i) {
+    const Side &r = c.side[i % 2], &w = in_place ? r : c.side[1 - i % 2], &m = c.side[2];
+    auto f4 = [](const void* p) { return static_cast<const float4*>(p); };
+    auto o4 = [](void* p) { return static_cast<float4*>(p); };
+    auto kernel = evict_first ? stream_fp32<true> : stream_fp32<false>;
+    kernel<<<132 * 8, 256>>>(f4(r.p), f4(r.mu), f4(r.nu), f4(c.g), o4(w.p), o4(w.mu), o4(w.nu),
+                             copy ? o4(m.p) : nullptr, copy ? o4(m.mu) : nullptr,
+                             copy ? o4(m.nu) : nullptr, c.n / 4);
+    CHECK(cudaGetLastError());
+  });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const int64_t n = argc > 1 ? std::atoll(argv[1]) : 268435456;
-  const AdamWHyper hyper{0.9f, 0.999f, 0.1f, 0.001f, 1e-8f, 0.0f, 1e-4f};
-  std::printf("%-14s %-34s %10s %14s\n", "state", "kernel", "ms", "effective TB/s");
+  using update::AdamWLaunch;
+  using update::MirrorPass;
+  std::printf("%-12s %-46s %9s %9s\n", "state", "kernel", "ms", "eff. TB/s");
   for (bool bf16 : {false, true}) {
-    Case c = make_case(bf16, n);
     const char* kind = bf16 ? "bf16+master" : "fp32";
+    const double copy_bytes = bf16 ? 14.0 : 12.0;  // the device copy's writes per parameter
+    Case c = make_case(bf16, n, kChunk);
     for (int in_flight : {1, 2}) {
-      const float ms = median_ms([&](int i) {
-        CHECK(update::adamw_cuda(leaf(c, i % 2), hyper, c.step, nullptr, {in_flight}));
-      });
-      // The state must still verify: no fault was reported by the last step.
-      std::vector<int32_t> faults(c.nchunks);
-      CHECK(cudaMemcpy(faults.data(), c.faults, c.nchunks * 4, cudaMemcpyDeviceToHost));
-      const int64_t bad = std::count_if(faults.begin(), faults.end(), [](int32_t f) { return f; });
-      std::printf("%-14s %-34s %10.3f %14.2f%s\n", kind,
-                  ("guarded adamw, " + std::to_string(in_flight) + " group(s) in flight").c_str(),
-                  ms, 28.0 * n / (ms * 1e-3) / 1e12, bad ? "  FAULTS REPORTED" : "");
-      if (bad) return 1;
-    }
-    const float ms = median_ms([&](int i) {
-      const Side &r = c.side[i % 2], &w = c.side[1 - i % 2];
-      if (bf16) {
-        stream_master<<<132 * 8, 256>>>(reinterpret_cast<const float4*>(r.master),
-                                        reinterpret_cast<const float4*>(r.mu),
-                                        reinterpret_cast<const float4*>(r.nu),
-                                        static_cast<const uint2*>(c.g),
-                                        reinterpret_cast<float4*>(w.master),
-                                        reinterpret_cast<float4*>(w.mu),
-                                        reinterpret_cast<float4*>(w.nu),
-                                        static_cast<uint2*>(w.p), n / 4);
-      } else {
-        stream_fp32<<<132 * 8, 256>>>(static_cast<const float4*>(r.p),
-                                      reinterpret_cast<const float4*>(r.mu),
-                                      reinterpret_cast<const float4*>(r.nu),
-                                      static_cast<const float4*>(c.g), static_cast<float4*>(w.p),
-                                      reinterpret_cast<float4*>(w.mu),
-                                      reinterpret_cast<float4*>(w.nu), n / 4);
+      if (!time_update(kind, "guarded adamw, " + std::to_string(in_flight) + " group(s) in flight",
+                       c, false, AdamWLaunch{in_flight}, 28.0)) {
+        return 1;
       }
-      CHECK(cudaGetLastError());
-    });
-    std::printf("%-14s %-34s %10.3f %14.2f\n", kind, "plain stream, same bytes (ceiling)", ms,
-                28.0 * n / (ms * 1e-3) / 1e12);
+    }
+    if (bf16) {
+      const float ms = median_ms([&](int i) {
+        const Side &r = c.side[i % 2], &w = c.side[1 - i % 2];
+        stream_master<<<132 * 8, 256>>>(
+            reinterpret_cast<const float4*>(r.master), reinterpret_cast<const float4*>(r.mu),
+            reinterpret_cast<const float4*>(r.nu), static_cast<const uint2*>(c.g),
+            reinterpret_cast<float4*>(w.master), reinterpret_cast<float4*>(w.mu),
+            reinterpret_cast<float4*>(w.nu), static_cast<uint2*>(w.p), n / 4);
+        CHECK(cudaGetLastError());
+      });
+      row(kind, "plain stream, same bytes (ceiling)", ms, 28.0, n);
+    } else {
+      for (bool in_place : {false, true}) {
+        for (bool evict_first : {true, false}) {
+          const std::string what = std::string("plain stream, same bytes, ") +
+                                   (in_place ? "in place" : "aside") +
+                                   (evict_first ? ", evict-first" : ", plain loads");
+          row(kind, what, time_stream(c, in_place, evict_first, false), 28.0, n);
+        }
+      }
+    }
+    free_case(c);
+
+    // The device copy kept current, in its chunks (4096 elements): each pass, and the update
+    // without the copy in the same chunks for the difference.
+    c = make_case(bf16, n, kCopyChunk);
+    bool ok = time_update(kind, "guarded adamw, 4096-element chunks, no copy", c, false,
+                          AdamWLaunch{1}, 28.0);
+    const struct {
+      MirrorPass pass;
+      const char* name;
+    } passes[] = {{MirrorPass::kRegisters, "registers (one read)"},
+                  {MirrorPass::kTwoReads, "two reads, evict-first"},
+                  {MirrorPass::kTwoReadsKeep, "two reads, first kept in L2"}};
+    for (const auto& p : passes) {
+      ok = ok && time_update(kind, std::string("+ device copy: ") + p.name, c, true,
+                             AdamWLaunch{1, p.pass}, 28.0 + copy_bytes);
+    }
+    if (!ok) return 1;
+    if (!bf16) {
+      row(kind, "plain stream + copy, same bytes (ceiling)", time_stream(c, false, true, true),
+          28.0 + copy_bytes, n);
+    }
+    free_case(c);
   }
   return 0;
 }

@@ -42,7 +42,8 @@ struct MirrorOut {
   std::vector<uint32_t> dp, dw, dmu, dnu;
 };
 
-void run_gpu(HostLeaf& h, const float* step_host, int in_flight, MirrorOut* mirror = nullptr) {
+void run_gpu(HostLeaf& h, const float* step_host, AdamWLaunch launch,
+             MirrorOut* mirror = nullptr) {
   Mirror<uint8_t> p(h.p), g(h.g), p_out(h.p_out);
   Mirror<float> w(h.w), mu(h.mu), nu(h.nu), w_out(h.w_out), mu_out(h.mu_out), nu_out(h.nu_out);
   Mirror<uint32_t> d_p(h.d_p), d_w(h.d_w), d_mu(h.d_mu), d_nu(h.d_nu), dn_p(h.dn_p),
@@ -85,7 +86,7 @@ void run_gpu(HostLeaf& h, const float* step_host, int in_flight, MirrorOut* mirr
     L.dm_p = m_dp.dev.get(), L.dm_master = m_dw.dev.get(), L.dm_mu = m_dmu.dev.get();
     L.dm_nu = m_dnu.dev.get();
   }
-  PIMHBM_ASSERT_CUDA(adamw_cuda(L, kHyper, step.dev.get(), nullptr, AdamWLaunch{in_flight}));
+  PIMHBM_ASSERT_CUDA(adamw_cuda(L, kHyper, step.dev.get(), nullptr, launch));
   PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
   for (cudaError_t e : {p_out.down(), w_out.down(), mu_out.down(), nu_out.down(), dn_p.down(),
                         dn_w.down(), dn_mu.down(), dn_nu.down(), faults.down(), bad.down()}) {
@@ -168,7 +169,7 @@ TEST_P(AdamWCuda, MatchesTheCpuReferenceBitForBit) {
         adamw_cpu(cpu.view(), kHyper, step);
         for (int in_flight : {1, 2}) {
           HostLeaf gpu = input;
-          run_gpu(gpu, step, in_flight);
+          run_gpu(gpu, step, AdamWLaunch{in_flight});
           const std::string what = "n " + std::to_string(n) + " chunk " + std::to_string(chunk) +
                                    " in flight " + std::to_string(in_flight);
           ASSERT_EQ(gpu.faults, cpu.faults) << what;
@@ -200,8 +201,13 @@ TEST_P(AdamWCuda, DeviceCopyMatchesTheCpuReference) {
   auto rng = rng_for_test();
   const auto [bf16, master] = GetParam();
   const float step[3] = {3e-4f, 0.271f, 0.002997f};
-  for (int64_t n : {int64_t{1}, int64_t{5}, int64_t{4097}, int64_t{100003}}) {
-    for (int64_t chunk : {int64_t{16}, int64_t{4096}}) {
+  // Chunk sizes for every register layout of kRegisters (1, 2, 4 groups per thread; 8192
+  // elements do not fit and fall back), ragged tensor sizes, and one random size of each.
+  const int64_t random_n = 1 + static_cast<int64_t>(rng() % 200000);
+  const int64_t random_chunk = 16 * (1 + static_cast<int64_t>(rng() % 512));
+  for (int64_t n : {int64_t{1}, int64_t{5}, int64_t{4097}, int64_t{100003}, random_n}) {
+    for (int64_t chunk : {int64_t{16}, int64_t{1024}, int64_t{2048}, int64_t{2064},
+                          int64_t{4096}, int64_t{8192}, random_chunk}) {
       HostLeaf cpu(rng, n, chunk, bf16, master);
       // Damage one state chunk: the mirror must keep its old content there.
       cpu.mu[rng() % n] += 1.0f;
@@ -216,11 +222,16 @@ TEST_P(AdamWCuda, DeviceCopyMatchesTheCpuReference) {
       L.nu_mirror = num.data();
       L.dm_p = tp.data(), L.dm_master = tw.data(), L.dm_mu = tmu.data(), L.dm_nu = tnu.data();
       adamw_cpu(L, kHyper, step);
-      for (int in_flight : {1, 2}) {
+      for (const AdamWLaunch launch :
+           {AdamWLaunch{1, MirrorPass::kRegisters}, AdamWLaunch{1, MirrorPass::kTwoReads},
+            AdamWLaunch{2, MirrorPass::kTwoReads}, AdamWLaunch{1, MirrorPass::kTwoReadsKeep},
+            AdamWLaunch{0, MirrorPass::kDefault}}) {
         HostLeaf g = gpu;
         MirrorOut out;
-        run_gpu(g, step, in_flight, &out);
-        const std::string what = "n " + std::to_string(n) + " chunk " + std::to_string(chunk);
+        run_gpu(g, step, launch, &out);
+        const std::string what = "n " + std::to_string(n) + " chunk " + std::to_string(chunk) +
+                                 " pass " + std::to_string(static_cast<int>(launch.mirror_pass)) +
+                                 " in flight " + std::to_string(launch.groups_in_flight);
         ASSERT_EQ(g.faults, cpu.faults) << what;
         ASSERT_EQ(g.p_out, cpu.p_out) << what;
         ASSERT_EQ(out.p, pm) << what;
@@ -244,6 +255,17 @@ INSTANTIATE_TEST_SUITE_P(ParamKinds, AdamWCuda,
                            return std::string(std::get<0>(info.param) ? "bf16" : "fp32") +
                                   (std::get<1>(info.param) ? "_master" : "");
                          });
+
+TEST(AdamWLaunchPlan, RegisterLayoutsCoverChunksUpTo4096Elements) {
+  EXPECT_EQ(resident_groups(16), 1);
+  EXPECT_EQ(resident_groups(1024), 1);
+  EXPECT_EQ(resident_groups(1040), 2);
+  EXPECT_EQ(resident_groups(2048), 2);
+  EXPECT_EQ(resident_groups(2064), 4);
+  EXPECT_EQ(resident_groups(4096), 4);
+  EXPECT_EQ(resident_groups(4112), 0);
+  EXPECT_EQ(resident_groups(16384), 0);
+}
 
 TEST(RestoreCuda, CopiesOnlyWhenTheStepDoesNotCommit) {
   PIMHBM_SKIP_WITHOUT_GPU();

@@ -82,11 +82,25 @@ int64_t leaf_chunks(const AdamWLeaf& leaf);
 void adamw_cpu(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step);
 
 #if defined(PIMHBM_WITH_CUDA)
+// How the device copy's chunk verdict is had before the chunk's first write (results are the
+// same bit for bit; the benchmark compares):
+//   kRegisters     one read: each thread keeps its groups of the chunk in registers while the
+//                  block checks the old digests (chunks of at most 4096 elements; larger ones
+//                  fall back to kTwoReadsKeep);
+//   kTwoReads      the chunk read twice, both times with evict-first loads;
+//   kTwoReadsKeep  read twice, the first time with plain loads so that L2 keeps the lines.
+enum class MirrorPass { kDefault = 0, kRegisters, kTwoReads, kTwoReadsKeep };
+
 // How the kernel is run: groups of four elements each thread loads before computing them
-// (1 or 2; 0 = the default, 1). Results are the same bit for bit; the benchmark compares.
+// (1 or 2; 0 = the default, 1; not used by kRegisters), and the device copy's pass.
 struct AdamWLaunch {
   int groups_in_flight = 0;
+  MirrorPass mirror_pass = MirrorPass::kDefault;
 };
+
+// Groups of four elements per thread that kRegisters keeps for chunks of `chunk_elems`
+// elements (1, 2 or 4), or 0 when such chunks do not fit.
+int resident_groups(int64_t chunk_elems);
 
 // The fused kernel; `step` points to lr, bc1, bc2 in device memory (no host sync).
 cudaError_t adamw_cuda(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step,

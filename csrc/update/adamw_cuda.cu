@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "pimhbm/cuda_check.h"
 #include "pimhbm/digest.h"
@@ -50,11 +51,21 @@ __device__ __forceinline__ uint64_t terms_bf16(const uint32_t (&w)[4], uint64_t 
   return units >= 1 ? t : 0;
 }
 
+// Loads marked evict-first (__ldcs: the data is used once), or plain ones (kept in L2 like any
+// other line: for a chunk that is read again soon).
+template <bool kEvictFirst>
 __device__ __forceinline__ uint4 ldg4(const void* p) {
-  return __ldcs(static_cast<const uint4*>(p));
+  return kEvictFirst ? __ldcs(static_cast<const uint4*>(p)) : __ldg(static_cast<const uint4*>(p));
 }
+template <bool kEvictFirst>
 __device__ __forceinline__ uint2 ldg2(const void* p) {
-  return __ldcs(static_cast<const uint2*>(p));
+  return kEvictFirst ? __ldcs(static_cast<const uint2*>(p)) : __ldg(static_cast<const uint2*>(p));
+}
+template <bool kEvictFirst>
+__device__ __forceinline__ float4 ldg4f(const float* p) {
+  const uint4 v = ldg4<kEvictFirst>(p);
+  return make_float4(__uint_as_float(v.x), __uint_as_float(v.y), __uint_as_float(v.z),
+                     __uint_as_float(v.w));
 }
 
 struct Sums {
@@ -65,26 +76,26 @@ struct Sums {
 
 // Loads group `gi` of the chunk starting at element `first`: all four elements (kFull) or the
 // first `live` of them, the rest zero.
-template <bool kBF16, bool kMaster, bool kFull>
+template <bool kBF16, bool kMaster, bool kFull, bool kEvictFirst = true>
 __device__ __forceinline__ void load_group(const AdamWLeaf& L, int64_t e, int live, Group& x) {
   if constexpr (kFull) {
     if constexpr (kBF16) {
-      const uint2 p = ldg2(static_cast<const uint16_t*>(L.p) + e);
-      const uint2 g = ldg2(static_cast<const uint16_t*>(L.g) + e);
+      const uint2 p = ldg2<kEvictFirst>(static_cast<const uint16_t*>(L.p) + e);
+      const uint2 g = ldg2<kEvictFirst>(static_cast<const uint16_t*>(L.g) + e);
       x.p[0] = p.x & 0xFFFFu, x.p[1] = p.x >> 16, x.p[2] = p.y & 0xFFFFu, x.p[3] = p.y >> 16;
       x.g[0] = g.x & 0xFFFFu, x.g[1] = g.x >> 16, x.g[2] = g.y & 0xFFFFu, x.g[3] = g.y >> 16;
     } else {
-      const uint4 p = ldg4(static_cast<const float*>(L.p) + e);
-      const uint4 g = ldg4(static_cast<const float*>(L.g) + e);
+      const uint4 p = ldg4<kEvictFirst>(static_cast<const float*>(L.p) + e);
+      const uint4 g = ldg4<kEvictFirst>(static_cast<const float*>(L.g) + e);
       x.p[0] = p.x, x.p[1] = p.y, x.p[2] = p.z, x.p[3] = p.w;
       x.g[0] = g.x, x.g[1] = g.y, x.g[2] = g.z, x.g[3] = g.w;
     }
-    const float4 mu = __ldcs(reinterpret_cast<const float4*>(L.mu + e));
-    const float4 nu = __ldcs(reinterpret_cast<const float4*>(L.nu + e));
+    const float4 mu = ldg4f<kEvictFirst>(L.mu + e);
+    const float4 nu = ldg4f<kEvictFirst>(L.nu + e);
     x.mu[0] = mu.x, x.mu[1] = mu.y, x.mu[2] = mu.z, x.mu[3] = mu.w;
     x.nu[0] = nu.x, x.nu[1] = nu.y, x.nu[2] = nu.z, x.nu[3] = nu.w;
     if constexpr (kMaster) {
-      const float4 m = __ldcs(reinterpret_cast<const float4*>(L.master + e));
+      const float4 m = ldg4f<kEvictFirst>(L.master + e);
       x.master[0] = m.x, x.master[1] = m.y, x.master[2] = m.z, x.master[3] = m.w;
     }
   } else {
@@ -268,13 +279,43 @@ __device__ __forceinline__ int32_t chunk_faults(const AdamWLeaf& L, int64_t c, i
   return faults;
 }
 
+// Thread 0 of the block: the chunk's new digest tables (and the mirror's, where the chunk
+// verified) and its reports. `old`: the sums over the state as read; `t`: over the new state.
+template <bool kMaster>
+__device__ __forceinline__ void finish_chunk(const AdamWLeaf& L, int64_t c, int64_t count,
+                                             int psize, const Sums& old, const Sums& t,
+                                             bool to_mirror) {
+  const auto len = [&](int size) { return static_cast<uint64_t>(count * size); };
+  const uint64_t cc = static_cast<uint64_t>(c);
+  const int32_t faults = chunk_faults<kMaster>(L, c, count, psize, old);
+  const uint64_t dp = finalize(t.new_p, len(psize), cc);
+  const uint64_t dmu = finalize(t.new_mu, len(4), cc);
+  const uint64_t dnu = finalize(t.new_nu, len(4), cc);
+  table_write(L.dn_p, c, dp);
+  table_write(L.dn_mu, c, dmu);
+  table_write(L.dn_nu, c, dnu);
+  if (to_mirror) {
+    table_write(L.dm_p, c, dp);
+    table_write(L.dm_mu, c, dmu);
+    table_write(L.dm_nu, c, dnu);
+  }
+  if constexpr (kMaster) {
+    const uint64_t dw = finalize(t.new_master, len(4), cc);
+    table_write(L.dn_master, c, dw);
+    if (to_mirror) table_write(L.dm_master, c, dw);
+  }
+  L.faults[c] = faults;
+  L.grad_nonfinite[c] = static_cast<int32_t>(t.bad);
+}
+
 // kInFlight: groups whose loads a thread issues before it computes the first of them (more
 // bytes in flight per thread, more registers).
 // kMirror: also write the device copy, chunk by chunk where the chunk verified. The chunk's
 // verdict must be known before its first write, so the kernel first reads the chunk's state
 // to check its digests (phase A) and then reads it again -- from L2, a chunk is 48-64 KiB --
-// to update it (phase B).
-template <bool kBF16, bool kMaster, int kInFlight, bool kMirror>
+// to update it (phase B). kKeepA: phase A's loads are plain ones, so that L2 keeps the lines
+// for phase B (evict-first loads may lose them); phase B's are evict-first.
+template <bool kBF16, bool kMaster, int kInFlight, bool kMirror, bool kKeepA>
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel(const AdamWLeaf L, const AdamWHyper h, const float* __restrict__ step,
                  int64_t nchunks) {
@@ -294,7 +335,7 @@ __global__ void __launch_bounds__(kThreads)
     if constexpr (kMirror) {  // phase A: the chunk's verdict
       for (int64_t gi = threadIdx.x; gi < full_groups; gi += bd) {
         Group x;
-        load_group<kBF16, kMaster, true>(L, first + 4 * gi, 4, x);
+        load_group<kBF16, kMaster, true, !kKeepA>(L, first + 4 * gi, 4, x);
         old_terms<kBF16, kMaster, true>(x, gi, 4, key0, old);
       }
       if (rem != 0) {  // block-uniform
@@ -333,55 +374,110 @@ __global__ void __launch_bounds__(kThreads)
                                                       key0, x, sum, to_mirror);
     }
     const Sums t = block_sum(sum);
-    if (threadIdx.x == 0) {
-      const auto len = [&](int size) { return static_cast<uint64_t>(count * size); };
-      const uint64_t cc = static_cast<uint64_t>(c);
-      const int32_t faults = chunk_faults<kMaster>(L, c, count, psize, kMirror ? old : t);
-      const uint64_t dp = finalize(t.new_p, len(psize), cc);
-      const uint64_t dmu = finalize(t.new_mu, len(4), cc);
-      const uint64_t dnu = finalize(t.new_nu, len(4), cc);
-      table_write(L.dn_p, c, dp);
-      table_write(L.dn_mu, c, dmu);
-      table_write(L.dn_nu, c, dnu);
-      if (to_mirror) {
-        table_write(L.dm_p, c, dp);
-        table_write(L.dm_mu, c, dmu);
-        table_write(L.dm_nu, c, dnu);
-      }
-      if constexpr (kMaster) {
-        const uint64_t dw = finalize(t.new_master, len(4), cc);
-        table_write(L.dn_master, c, dw);
-        if (to_mirror) table_write(L.dm_master, c, dw);
-      }
-      L.faults[c] = faults;
-      L.grad_nonfinite[c] = static_cast<int32_t>(t.bad);
-    }
+    if (threadIdx.x == 0) finish_chunk<kMaster>(L, c, count, psize, kMirror ? old : t, t, to_mirror);
   }
 }
 
-template <int kInFlight, bool kMirror>
+// The device copy written from registers: every thread loads all of its groups of the chunk
+// (at most kG, so a chunk has at most 4 * kG * kThreads elements), the block decides the
+// chunk's verdict from the old digests, then the same registers are updated and stored -- one
+// read of the chunk, no reliance on L2.
+template <bool kBF16, bool kMaster, int kG>
+__global__ void __launch_bounds__(kThreads)
+    adamw_resident_kernel(const AdamWLeaf L, const AdamWHyper h, const float* __restrict__ step,
+                          int64_t nchunks) {
+  const AdamWStep s = adamw_step(step);
+  constexpr int psize = kBF16 ? 2 : 4;
+  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const int64_t first = c * L.chunk_elems;
+    const int64_t count = min(L.chunk_elems, L.n - first);
+    const int64_t full_groups = count >> 2;
+    const int rem = static_cast<int>(count & 3);
+    const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
+
+    // Group gi = threadIdx.x + k * kThreads: whole (live 4), the ragged last one (live rem),
+    // or past the end (live 0: nothing loaded, nothing stored, no digest term).
+    Group x[kG];
+    int live[kG];
+    Sums old;
+#pragma unroll
+    for (int k = 0; k < kG; ++k) {
+      const int64_t gi = threadIdx.x + static_cast<int64_t>(k) * kThreads;
+      live[k] = gi < full_groups ? 4 : (gi == full_groups ? rem : 0);
+      if (live[k] == 4) {
+        load_group<kBF16, kMaster, true>(L, first + 4 * gi, 4, x[k]);
+      } else {
+        load_group<kBF16, kMaster, false>(L, first + 4 * gi, live[k], x[k]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kG; ++k) {
+      const int64_t gi = threadIdx.x + static_cast<int64_t>(k) * kThreads;
+      if (live[k] == 4) {
+        old_terms<kBF16, kMaster, true>(x[k], gi, 4, key0, old);
+      } else if (live[k] > 0) {
+        old_terms<kBF16, kMaster, false>(x[k], gi, live[k], key0, old);
+      }
+    }
+    old = block_sum(old);
+    const bool to_mirror = chunk_faults<kMaster>(L, c, count, psize, old) == 0;  // block-uniform
+
+    Sums sum;
+#pragma unroll
+    for (int k = 0; k < kG; ++k) {
+      const int64_t gi = threadIdx.x + static_cast<int64_t>(k) * kThreads;
+      if (live[k] == 4) {
+        process_group<kBF16, kMaster, true, false>(L, h, s, first, gi, 4, key0, x[k], sum,
+                                                   to_mirror);
+      } else if (live[k] > 0) {
+        process_group<kBF16, kMaster, false, false>(L, h, s, first, gi, live[k], key0, x[k], sum,
+                                                    to_mirror);
+      }
+    }
+    const Sums t = block_sum(sum);
+    if (threadIdx.x == 0) finish_chunk<kMaster>(L, c, count, psize, old, t, to_mirror);
+  }
+}
+
+// Calls f(kBF16, kMaster) as constants for the leaf's kind.
+template <typename F>
+void by_kind(const AdamWLeaf& leaf, F&& f) {
+  if (leaf.param_bf16 && leaf.has_master) {
+    f(std::true_type{}, std::true_type{});
+  } else if (leaf.param_bf16) {
+    f(std::true_type{}, std::false_type{});
+  } else {
+    f(std::false_type{}, std::false_type{});
+  }
+}
+
+template <int kInFlight, bool kMirror, bool kKeepA>
 void launch(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step, int64_t nchunks,
             cudaStream_t stream) {
   const int blocks = static_cast<int>(std::min<int64_t>(nchunks, 0x7FFFFFFF));
-  if (leaf.param_bf16 && leaf.has_master) {
-    adamw_kernel<true, true, kInFlight, kMirror>
+  by_kind(leaf, [&](auto bf16, auto master) {
+    adamw_kernel<bf16(), master(), kInFlight, kMirror, kKeepA>
         <<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
-  } else if (leaf.param_bf16) {
-    adamw_kernel<true, false, kInFlight, kMirror>
-        <<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
-  } else {
-    adamw_kernel<false, false, kInFlight, kMirror>
-        <<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
-  }
+  });
 }
 
-template <bool kMirror>
+template <int kG>
+void launch_resident(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step,
+                     int64_t nchunks, cudaStream_t stream) {
+  const int blocks = static_cast<int>(std::min<int64_t>(nchunks, 0x7FFFFFFF));
+  by_kind(leaf, [&](auto bf16, auto master) {
+    adamw_resident_kernel<bf16(), master(), kG>
+        <<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
+  });
+}
+
+template <bool kMirror, bool kKeepA>
 cudaError_t launch_in_flight(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step,
                              int64_t nchunks, cudaStream_t stream, int in_flight) {
   switch (in_flight) {
-    case 0: launch<kDefaultInFlight, kMirror>(leaf, hyper, step, nchunks, stream); break;
-    case 1: launch<1, kMirror>(leaf, hyper, step, nchunks, stream); break;
-    case 2: launch<2, kMirror>(leaf, hyper, step, nchunks, stream); break;
+    case 0: launch<kDefaultInFlight, kMirror, kKeepA>(leaf, hyper, step, nchunks, stream); break;
+    case 1: launch<1, kMirror, kKeepA>(leaf, hyper, step, nchunks, stream); break;
+    case 2: launch<2, kMirror, kKeepA>(leaf, hyper, step, nchunks, stream); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaSuccess;
@@ -389,14 +485,41 @@ cudaError_t launch_in_flight(const AdamWLeaf& leaf, const AdamWHyper& hyper, con
 
 }  // namespace
 
+int resident_groups(int64_t chunk_elems) {
+  const int64_t groups = (chunk_elems + 4 * kThreads - 1) / (4 * kThreads);  // per thread
+  return groups <= 1 ? 1 : groups <= 2 ? 2 : groups <= 4 ? 4 : 0;
+}
+
 cudaError_t adamw_cuda(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step,
                        cudaStream_t stream, AdamWLaunch options) {
   const int64_t nchunks = leaf_chunks(leaf);
   if (nchunks == 0) return cudaSuccess;
-  PIMHBM_CUDA_RETURN_IF_ERROR(
-      leaf.has_mirror
-          ? launch_in_flight<true>(leaf, hyper, step, nchunks, stream, options.groups_in_flight)
-          : launch_in_flight<false>(leaf, hyper, step, nchunks, stream, options.groups_in_flight));
+  if (options.groups_in_flight < 0 || options.groups_in_flight > 2) return cudaErrorInvalidValue;
+  if (!leaf.has_mirror) {
+    PIMHBM_CUDA_RETURN_IF_ERROR((launch_in_flight<false, false>(leaf, hyper, step, nchunks,
+                                                               stream, options.groups_in_flight)));
+    PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
+    return cudaSuccess;
+  }
+  const int g = resident_groups(leaf.chunk_elems);
+  MirrorPass pass = options.mirror_pass;
+  if (pass == MirrorPass::kDefault || (pass == MirrorPass::kRegisters && g == 0)) {
+    pass = g != 0 ? MirrorPass::kRegisters : MirrorPass::kTwoReadsKeep;
+  }
+  switch (pass) {
+    case MirrorPass::kRegisters:
+      if (g == 1) launch_resident<1>(leaf, hyper, step, nchunks, stream);
+      if (g == 2) launch_resident<2>(leaf, hyper, step, nchunks, stream);
+      if (g == 4) launch_resident<4>(leaf, hyper, step, nchunks, stream);
+      break;
+    case MirrorPass::kTwoReads:
+      PIMHBM_CUDA_RETURN_IF_ERROR((launch_in_flight<true, false>(
+          leaf, hyper, step, nchunks, stream, options.groups_in_flight)));
+      break;
+    default:
+      PIMHBM_CUDA_RETURN_IF_ERROR((launch_in_flight<true, true>(
+          leaf, hyper, step, nchunks, stream, options.groups_in_flight)));
+  }
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
   return cudaSuccess;
 }
