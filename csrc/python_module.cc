@@ -198,7 +198,8 @@ NB_MODULE(_core, m) {
       .def_prop_ro("address", [](const ShmRegion& r) { return reinterpret_cast<uintptr_t>(r.data()); })
       .def_prop_ro("nbytes", &ShmRegion::nbytes)
       .def_prop_ro("name", &ShmRegion::name)
-      .def("pin", &ShmRegion::pin, "Page-locks the region for fast device-to-host copies.")
+      .def("pin", &ShmRegion::pin, nb::call_guard<nb::gil_scoped_release>(),
+           "Page-locks the region for fast device-to-host copies (releases the GIL).")
       .def_prop_ro("pinned", &ShmRegion::pinned)
       .def("numpy", &region_view<nb::numpy>, nb::arg("offset"), nb::arg("shape"),
            nb::arg("dtype"), "A NumPy view of region memory (no copy).")

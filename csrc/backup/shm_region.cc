@@ -52,8 +52,10 @@ std::shared_ptr<ShmRegion> ShmRegion::open(const std::string& name) {
     close(fd);
     fail("cannot size shared memory", name);
   }
-  void* p = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED,
-                 fd, 0);
+  // MAP_POPULATE: the pages exist already (the previous process wrote them); mapping them all
+  // now, in one call, is much cheaper than a page fault on each first touch during the restore.
+  void* p = mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE,
+                 MAP_SHARED | MAP_POPULATE, fd, 0);
   close(fd);
   if (p == MAP_FAILED) fail("cannot map shared memory", name);
   return std::shared_ptr<ShmRegion>(new ShmRegion(name, static_cast<uint8_t*>(p), st.st_size));
@@ -63,6 +65,7 @@ bool ShmRegion::unlink(const std::string& name) { return shm_unlink(shm_path(nam
 
 bool ShmRegion::pin() {
 #if defined(PIMHBM_WITH_CUDA)
+  std::lock_guard<std::mutex> lock(pin_mutex_);
   if (pinned_) return true;
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {

@@ -4,7 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 
 namespace pimhbm::backup {
@@ -27,9 +29,10 @@ class ShmRegion {
   const std::string& name() const { return name_; }
 
   // Page-locks the mapping for fast device-to-host copies (cudaHostRegister) when built with
-  // CUDA and a device is present. Returns whether it did.
+  // CUDA and a device is present. Returns whether it did. Thread-safe (a resuming process pins
+  // in the background while it restores from the region).
   bool pin();
-  bool pinned() const { return pinned_; }
+  bool pinned() const { return pinned_.load(); }
 
  private:
   ShmRegion(std::string name, uint8_t* data, int64_t nbytes)
@@ -37,7 +40,8 @@ class ShmRegion {
   std::string name_;
   uint8_t* data_;
   int64_t nbytes_;
-  bool pinned_ = false;
+  std::mutex pin_mutex_;
+  std::atomic<bool> pinned_{false};
 };
 
 }  // namespace pimhbm::backup

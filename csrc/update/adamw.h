@@ -89,6 +89,8 @@ void adamw_cpu(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step
 //                  fall back to kTwoReadsKeep);
 //   kTwoReads      the chunk read twice, both times with evict-first loads;
 //   kTwoReadsKeep  read twice, the first time with plain loads so that L2 keeps the lines.
+// kDefault: kRegisters where the chunk fits, except with master weights (kTwoReadsKeep: faster
+// on the H200 there, see bench/NOTES.md).
 enum class MirrorPass { kDefault = 0, kRegisters, kTwoReads, kTwoReadsKeep };
 
 // How the kernel is run: groups of four elements each thread loads before computing them

@@ -503,8 +503,12 @@ cudaError_t adamw_cuda(const AdamWLeaf& leaf, const AdamWHyper& hyper, const flo
   }
   const int g = resident_groups(leaf.chunk_elems);
   MirrorPass pass = options.mirror_pass;
-  if (pass == MirrorPass::kDefault || (pass == MirrorPass::kRegisters && g == 0)) {
-    pass = g != 0 ? MirrorPass::kRegisters : MirrorPass::kTwoReadsKeep;
+  // Default (bench/NOTES.md, v3): registers where the chunk fits, except with master weights,
+  // whose five tensors per group take 128 registers there and run faster read twice.
+  if (pass == MirrorPass::kDefault) {
+    pass = g != 0 && !leaf.has_master ? MirrorPass::kRegisters : MirrorPass::kTwoReadsKeep;
+  } else if (pass == MirrorPass::kRegisters && g == 0) {
+    pass = MirrorPass::kTwoReadsKeep;
   }
   switch (pass) {
     case MirrorPass::kRegisters:

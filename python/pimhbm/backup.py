@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -97,10 +98,29 @@ class HostBackup:
                 self._slot_header(slot)[:] = 0
             for r in range(ring):
                 self._record_header(r)[:] = 0
+            self._pinning = None
+            self.region.pin()
         else:
             self.region = _core.ShmRegion.open(name)
             self._check_header()
-        self.pinned = self.region.pin()
+            # A resuming process reads the snapshot first and writes the next one later: page-
+            # locking the whole region (~0.1 s per GiB) happens in the background, off the
+            # restore's critical path; wait_pinned() before the next snapshot is written.
+            self._pinning = threading.Thread(target=self.region.pin, name=f"pin /{name}",
+                                             daemon=True)
+            self._pinning.start()
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the region is page-locked (waits for a pinning still in progress)."""
+        self.wait_pinned()
+        return self.region.pinned
+
+    def wait_pinned(self) -> None:
+        """Returns once the background pinning of a reopened region (if any) is done."""
+        if self._pinning is not None:
+            self._pinning.join()
+            self._pinning = None
 
     # -- header ------------------------------------------------------------------------------
 

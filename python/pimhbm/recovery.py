@@ -596,6 +596,7 @@ class Trainer:
 
     def _run_snapshot(self, slot: int) -> list[jax.Array]:
         """This process's writers write their shards (one program each)."""
+        self.backup.wait_pinned()  # a reopened region is pinned in the background
         tickets = []
         for part, device in self._writers.items():
             program = self._programs["snapshot", self.state.opt.current, slot, part]
