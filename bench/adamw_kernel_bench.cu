@@ -22,20 +22,19 @@
 
 using namespace pimhbm;
 
-#define CHECK(expr)                                                                   \
-  do {                                                                                \
-    cudaError_t e_ = (expr);                                                          \
-    if (e_ != cudaSuccess) {                                                          \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr,             \
-                   cudaGetErrorString(e_));                                           \
-      std::exit(1);                                                                   \
-    }                                                                                 \
+#define CHECK(expr)                                                                               \
+  do {                                                                                            \
+    cudaError_t e_ = (expr);                                                                      \
+    if (e_ != cudaSuccess) {                                                                      \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                               \
+    }                                                                                             \
   } while (0)
 
 namespace {
 
-constexpr int64_t kChunk = 16384;      // the update's default chunk
-constexpr int64_t kCopyChunk = 4096;   // with the device copy
+constexpr int64_t kChunk = 16384;     // the update's default chunk
+constexpr int64_t kCopyChunk = 4096;  // with the device copy
 
 __global__ void fill(float* x, int64_t n, uint32_t seed, float scale, bool positive) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
@@ -171,15 +170,15 @@ Case make_case(bool bf16, int64_t n, int64_t chunk) {
 
 void free_case(Case& c) {
   for (Side& s : c.side) {
-    for (void* p : {s.p, static_cast<void*>(s.master), static_cast<void*>(s.mu),
-                    static_cast<void*>(s.nu), static_cast<void*>(s.d_p),
-                    static_cast<void*>(s.d_master), static_cast<void*>(s.d_mu),
-                    static_cast<void*>(s.d_nu)}) {
+    for (void* p :
+         {s.p, static_cast<void*>(s.master), static_cast<void*>(s.mu), static_cast<void*>(s.nu),
+          static_cast<void*>(s.d_p), static_cast<void*>(s.d_master), static_cast<void*>(s.d_mu),
+          static_cast<void*>(s.d_nu)}) {
       CHECK(cudaFree(p));
     }
   }
-  for (void* p : {c.g, static_cast<void*>(c.faults), static_cast<void*>(c.bad),
-                  static_cast<void*>(c.step)}) {
+  for (void* p :
+       {c.g, static_cast<void*>(c.faults), static_cast<void*>(c.bad), static_cast<void*>(c.step)}) {
     CHECK(cudaFree(p));
   }
 }
@@ -223,8 +222,8 @@ float median_ms(F&& run) {
   return samples[samples.size() / 2];
 }
 
-void row(const char* kind, const std::string& what, float ms, double bytes_per_param,
-         int64_t n, const char* note = "") {
+void row(const char* kind, const std::string& what, float ms, double bytes_per_param, int64_t n,
+         const char* note = "") {
   std::printf("%-12s %-46s %9.3f %9.2f%s\n", kind, what.c_str(), ms,
               bytes_per_param * n / (ms * 1e-3) / 1e12, note);
 }

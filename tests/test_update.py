@@ -257,10 +257,22 @@ def test_the_handler_rejects_a_wrong_digest_table():
         jax.ShapeDtypeStruct((1,), jnp.int32)] * 2
     call = jax.ffi.ffi_call("pimhbm_adamw", outs)
     with pytest.raises(Exception, match=r"digests of the parameters must be a uint32 digest table of shape \(1, 2\)"):
-        jax.block_until_ready(call(*args, chunk_elems=np.int64(16384), b1=np.float32(0.9),
+        jax.block_until_ready(call(args[-1], *args[:-1], chunk_elems=np.int64(16384), b1=np.float32(0.9),
                                    b2=np.float32(0.999), one_minus_b1=np.float32(0.1),
                                    one_minus_b2=np.float32(0.001), eps=np.float32(1e-8),
                                    eps_root=np.float32(0), weight_decay=np.float32(0)))
+    attrs = dict(chunk_elems=np.int64(16384), b1=np.float32(0.9), b2=np.float32(0.999),
+                 one_minus_b1=np.float32(0.1), one_minus_b2=np.float32(0.001),
+                 eps=np.float32(1e-8), eps_root=np.float32(0), weight_decay=np.float32(0))
+    # Several leaves in one call: the faulty one is named.
+    good = list(args[:-1])
+    good[5] = t(1)
+    two = jax.ffi.ffi_call("pimhbm_adamw", outs + outs)
+    with pytest.raises(Exception, match=r"pimhbm.adamw: leaf 1: digests of the parameters"):
+        jax.block_until_ready(two(args[-1], *good, *args[:-1], **attrs))
+    # A call whose buffers do not come in whole leaves.
+    with pytest.raises(Exception, match=r"expected 25 arguments and 18 results per leaf"):
+        jax.block_until_ready(call(args[-1], *good[:-1], **attrs))
 
 
 def test_guard_skips_nonfinite_and_damaged_state_bit_exactly(rng):
@@ -350,3 +362,41 @@ def test_the_verdict_is_global_across_devices(rng):
     assert not np.asarray(committed).any(), "every device must skip"
     assert (np.asarray(bad) == 1).all()
     assert bits(current_view(state)) == before and int(state.step) == 1
+
+
+def test_restore_clean_puts_back_only_clean_chunks_of_every_tensor_when_not_committed(rng):
+    """The mirror's commit-or-skip for several tensors in one call: with commit 0, each tensor's
+    chunks whose fault entry is 0 become the source's (data and digest row), the others stay;
+    with commit 1 nothing changes."""
+    from pimhbm.update import restore_clean
+    tensors, expect = [], {0: [], 1: []}
+    for dtype, chunk_elems in ((np.float32, 16), (ml_dtypes.bfloat16, 32), (np.float32, 64)):
+        n = int(rng.integers(1, 700))
+        nchunks = -(-n // chunk_elems)
+        src = rng.standard_normal(n).astype(dtype)
+        dst = rng.standard_normal(n).astype(dtype)
+        src_t = rng.integers(0, 2**32, (nchunks, 2), dtype=np.uint32)
+        dst_t = rng.integers(0, 2**32, (nchunks, 2), dtype=np.uint32)
+        faults = (rng.random(nchunks) < 0.4).astype(np.int32)
+        tensors.append((faults, (src, src_t), (dst, dst_t), chunk_elems * np.dtype(dtype).itemsize))
+        want, want_t = dst.copy(), dst_t.copy()
+        for c in np.flatnonzero(faults == 0):
+            want[c * chunk_elems:(c + 1) * chunk_elems] = src[c * chunk_elems:(c + 1) * chunk_elems]
+            want_t[c] = src_t[c]
+        expect[0].append((want, want_t))
+        expect[1].append((dst, dst_t))
+    for commit in (1, 0):
+        call = jax.jit(lambda c, ts: restore_clean(c, [(f, s, d, cb) for (f, s, d), cb in
+                                                       zip(ts, [t[3] for t in tensors])]))
+        got = call(jnp.int32(commit), [(jnp.asarray(f), tuple(map(jnp.asarray, s)),
+                                        tuple(map(jnp.asarray, d))) for f, s, d, _ in tensors])
+        for (x, xt), (w, wt) in zip(got, expect[commit]):
+            assert np.array_equal(np.asarray(x).view(np.uint8), w.view(np.uint8))
+            assert np.array_equal(np.asarray(xt), wt)
+    # A wrong table in the second tensor is named.
+    f, s, d, cb = tensors[1]
+    bad = tensors[:1] + [(f, s, (d[0], d[1][:-1]) if len(d[1]) > 1 else (d[0], np.zeros((5, 2), np.uint32)), cb)]
+    with pytest.raises(Exception, match=r"pimhbm.restore_clean: tensor 1: "):
+        jax.block_until_ready(restore_clean(jnp.int32(0), [
+            (jnp.asarray(f), tuple(map(jnp.asarray, s)), tuple(map(jnp.asarray, d)), cb)
+            for f, s, d, cb in bad]))

@@ -3,8 +3,8 @@
 // The region is owned here (C++); Python and JAX see it through zero-copy views.
 #pragma once
 
-#include <cstdint>
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>

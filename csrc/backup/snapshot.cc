@@ -29,7 +29,8 @@ struct Copy {
 };
 
 ffi::Error plan(const ffi::RemainingArgs& args, int64_t region, int64_t region_bytes,
-                ffi::Span<const int64_t> offsets, ffi::AnyBuffer ticket, std::vector<Copy>* copies) {
+                ffi::Span<const int64_t> offsets, ffi::AnyBuffer ticket,
+                std::vector<Copy>* copies) {
   constexpr const char* kOp = "pimhbm.snapshot";
   if (region == 0) return ffi_util::invalid(kOp, "no region");
   if (offsets.size() != args.size()) {

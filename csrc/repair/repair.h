@@ -83,6 +83,15 @@ cudaError_t repair_cuda(const int32_t* chunks, int64_t nlisted, const ChunkedTen
 cudaError_t restore_clean_cuda(const int32_t* commit, const int32_t* faults,
                                const ChunkedTensor& src, const MutableChunkedTensor& dst,
                                cudaStream_t stream);
+// Several tensors in one launch (up to kMaxCleanPairs each): the mirror of every leaf.
+struct CleanPair {
+  const int32_t* faults;
+  ChunkedTensor src;
+  MutableChunkedTensor dst;
+};
+constexpr int kMaxCleanPairs = 64;
+cudaError_t restore_clean_cuda(const int32_t* commit, const CleanPair* pairs, size_t count,
+                               cudaStream_t stream);
 #endif
 
 }  // namespace pimhbm::repair

@@ -55,18 +55,25 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+struct CleanList {
+  CleanPair pair[kMaxCleanPairs];
+  int count;
+};
+
 __global__ void __launch_bounds__(kThreads)
-    restore_clean_kernel(const int32_t* __restrict__ commit, const int32_t* __restrict__ faults,
-                         ChunkedTensor src, MutableChunkedTensor dst) {
+    restore_clean_kernel(const int32_t* __restrict__ commit, const __grid_constant__ CleanList L) {
   if (*commit != 0) return;  // uniform: the common case ends here
-  const int64_t n = num_chunks(dst.nbytes, dst.chunk_bytes);
-  for (int64_t c = blockIdx.x; c < n; c += gridDim.x) {
-    if (faults[c] != 0) continue;  // block-uniform
-    block_copy(src.data + c * src.chunk_bytes, dst.data + c * dst.chunk_bytes,
-               chunk_length(dst.nbytes, dst.chunk_bytes, c));
-    if (threadIdx.x == 0) {
-      dst.table[2 * c] = src.table[2 * c];
-      dst.table[2 * c + 1] = src.table[2 * c + 1];
+  for (int k = 0; k < L.count; ++k) {
+    const CleanPair& p = L.pair[k];
+    const int64_t n = num_chunks(p.dst.nbytes, p.dst.chunk_bytes);
+    for (int64_t c = blockIdx.x; c < n; c += gridDim.x) {
+      if (p.faults[c] != 0) continue;  // block-uniform
+      block_copy(p.src.data + c * p.src.chunk_bytes, p.dst.data + c * p.dst.chunk_bytes,
+                 chunk_length(p.dst.nbytes, p.dst.chunk_bytes, c));
+      if (threadIdx.x == 0) {
+        p.dst.table[2 * c] = p.src.table[2 * c];
+        p.dst.table[2 * c + 1] = p.src.table[2 * c + 1];
+      }
     }
   }
 }
@@ -93,15 +100,31 @@ cudaError_t repair_cuda(const int32_t* chunks, int64_t nlisted, const ChunkedTen
   return repair_from_cuda(chunks, nlisted, one, dst, status, stream);
 }
 
+cudaError_t restore_clean_cuda(const int32_t* commit, const CleanPair* pairs, size_t count,
+                               cudaStream_t stream) {
+  // One launch per kMaxCleanPairs tensors; each block walks every tensor's chunks. The common
+  // case (the step committed) costs one launch that returns at once.
+  for (size_t start = 0; start < count; start += kMaxCleanPairs) {
+    CleanList list{};
+    list.count = static_cast<int>(std::min<size_t>(kMaxCleanPairs, count - start));
+    int64_t most = 0;
+    for (int k = 0; k < list.count; ++k) {
+      list.pair[k] = pairs[start + k];
+      most = std::max(most, num_chunks(list.pair[k].dst.nbytes, list.pair[k].dst.chunk_bytes));
+    }
+    if (most == 0) continue;
+    const int blocks = static_cast<int>(std::min<int64_t>(most, 1024));
+    restore_clean_kernel<<<blocks, kThreads, 0, stream>>>(commit, list);
+    PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
+  }
+  return cudaSuccess;
+}
+
 cudaError_t restore_clean_cuda(const int32_t* commit, const int32_t* faults,
                                const ChunkedTensor& src, const MutableChunkedTensor& dst,
                                cudaStream_t stream) {
-  const int64_t n = num_chunks(dst.nbytes, dst.chunk_bytes);
-  if (n == 0) return cudaSuccess;
-  const int blocks = static_cast<int>(std::min<int64_t>(n, 1024));
-  restore_clean_kernel<<<blocks, kThreads, 0, stream>>>(commit, faults, src, dst);
-  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
-  return cudaSuccess;
+  const CleanPair one{faults, src, dst};
+  return restore_clean_cuda(commit, &one, 1, stream);
 }
 
 }  // namespace pimhbm::repair

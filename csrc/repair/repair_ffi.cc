@@ -1,6 +1,7 @@
 #include "repair/repair_ffi.h"
 
 #include <string>
+#include <vector>
 
 namespace pimhbm::repair {
 
@@ -73,19 +74,44 @@ ffi::Error validate_repair_packed(const ffi::AnyBuffer& chunks, const ffi::AnyBu
   return check_buffer(kOp, "status", status, ffi::DataType::S32, k);
 }
 
-ffi::Error validate_restore_clean(const ffi::AnyBuffer& commit, const ffi::AnyBuffer& faults,
-                                  const ffi::AnyBuffer& src, const ffi::AnyBuffer& src_table,
-                                  const ffi::AnyBuffer& dst, const ffi::AnyBuffer& dst_table,
-                                  int64_t chunk_bytes) {
+ffi::Error validate_restore_clean(const ffi::AnyBuffer& commit, const ffi::RemainingArgs& args,
+                                  const ffi::RemainingRets& rets,
+                                  ffi::Span<const int64_t> chunk_bytes,
+                                  std::vector<CleanPair>* pairs) {
   constexpr const char* kOp = "pimhbm.restore_clean";
-  int64_t n;
-  if (auto err = check_pair(kOp, src, src_table, dst, dst_table, chunk_bytes, &n); err.failure()) {
-    return err;
-  }
   if (auto err = check_buffer(kOp, "commit flag", commit, ffi::DataType::S32, 1); err.failure()) {
     return err;
   }
-  return check_buffer(kOp, "fault map", faults, ffi::DataType::S32, n);
+  const size_t k = rets.size() / 2;
+  if (rets.size() % 2 != 0 || args.size() != 5 * k || chunk_bytes.size() != k) {
+    return invalid(kOp, "expected 5 arguments, 2 results and one chunk_bytes per tensor, got " +
+                            std::to_string(args.size()) + ", " + std::to_string(rets.size()) +
+                            " and " + std::to_string(chunk_bytes.size()));
+  }
+  pairs->clear();
+  for (size_t i = 0; i < k; ++i) {
+    auto faults = args.get<ffi::AnyBuffer>(5 * i);
+    auto src = args.get<ffi::AnyBuffer>(5 * i + 1);
+    auto src_table = args.get<ffi::AnyBuffer>(5 * i + 2);
+    auto dst = rets.get<ffi::AnyBuffer>(2 * i);
+    auto dst_table = rets.get<ffi::AnyBuffer>(2 * i + 1);
+    if (!faults || !src || !src_table || !dst || !dst_table) {
+      return invalid(kOp, "tensor " + std::to_string(i) + ": an argument is not a buffer");
+    }
+    const std::string where = k > 1 ? "tensor " + std::to_string(i) + ": " : "";
+    int64_t n;
+    if (auto err = check_pair(kOp, *src, *src_table, **dst, **dst_table, chunk_bytes[i], &n);
+        err.failure()) {
+      return k > 1 ? ffi_util::in_context(kOp, where, err) : err;
+    }
+    if (auto err = check_buffer(kOp, "fault map", *faults, ffi::DataType::S32, n); err.failure()) {
+      return k > 1 ? ffi_util::in_context(kOp, where, err) : err;
+    }
+    pairs->push_back({static_cast<const int32_t*>(faults->untyped_data()),
+                      chunked(*src, *src_table, chunk_bytes[i]),
+                      mutable_chunked(**dst, **dst_table, chunk_bytes[i])});
+  }
+  return ffi::Error::Success();
 }
 
 namespace {
@@ -105,19 +131,15 @@ ffi::Error repair_cpu_impl(ffi::AnyBuffer chunks, ffi::AnyBuffer src, ffi::AnyBu
   return ffi::Error::Success();
 }
 
-ffi::Error restore_clean_cpu_impl(ffi::AnyBuffer commit, ffi::AnyBuffer faults, ffi::AnyBuffer src,
-                                  ffi::AnyBuffer src_table, ffi::AnyBuffer, ffi::AnyBuffer,
-                                  ffi::Result<ffi::AnyBuffer> dst,
-                                  ffi::Result<ffi::AnyBuffer> dst_table, int64_t chunk_bytes) {
-  if (auto err =
-          validate_restore_clean(commit, faults, src, src_table, *dst, *dst_table, chunk_bytes);
-      err.failure()) {
+ffi::Error restore_clean_cpu_impl(ffi::AnyBuffer commit, ffi::RemainingArgs args,
+                                  ffi::RemainingRets rets, ffi::Span<const int64_t> chunk_bytes) {
+  std::vector<CleanPair> pairs;
+  if (auto err = validate_restore_clean(commit, args, rets, chunk_bytes, &pairs); err.failure()) {
     return err;
   }
-  restore_clean_cpu(static_cast<const int32_t*>(commit.untyped_data()),
-                    static_cast<const int32_t*>(faults.untyped_data()),
-                    chunked(src, src_table, chunk_bytes),
-                    mutable_chunked(*dst, *dst_table, chunk_bytes));
+  for (const CleanPair& p : pairs) {
+    restore_clean_cpu(static_cast<const int32_t*>(commit.untyped_data()), p.faults, p.src, p.dst);
+  }
   return ffi::Error::Success();
 }
 
@@ -168,15 +190,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmRepairCpu, pimhbm::repair::repair_cpu_impl,
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Attr<int64_t>("chunk_bytes"));
 
-// commit, faults, src, src_table, dst, dst_table -> dst, dst_table (aliased)
+// commit, then (faults, src, src_table, dst, dst_table) per tensor -> (dst, dst_table) per
+// tensor (aliased)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmRestoreCleanCpu, pimhbm::repair::restore_clean_cpu_impl,
                               xla::ffi::Ffi::Bind()
                                   .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("chunk_bytes"));
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<xla::ffi::Span<const int64_t>>("chunk_bytes"));

@@ -1,6 +1,8 @@
 // XLA FFI handlers of "pimhbm_repair" and "pimhbm_restore_clean".
 #pragma once
 
+#include <vector>
+
 #include "pimhbm/ffi_util.h"
 #include "repair/repair.h"
 #include "xla/ffi/api/c_api.h"
@@ -36,11 +38,13 @@ inline Sources packed_sources(const ffi::AnyBuffer& rows, const ffi::AnyBuffer& 
   return s;
 }
 
-// Checks (commit, faults, src, src_table, dst, dst_table) of pimhbm_restore_clean.
-ffi::Error validate_restore_clean(const ffi::AnyBuffer& commit, const ffi::AnyBuffer& faults,
-                                  const ffi::AnyBuffer& src, const ffi::AnyBuffer& src_table,
-                                  const ffi::AnyBuffer& dst, const ffi::AnyBuffer& dst_table,
-                                  int64_t chunk_bytes);
+// pimhbm_restore_clean takes the commit flag, then per tensor (faults, src, src_table, dst,
+// dst_table) and returns per tensor (dst, dst_table), aliased; chunk_bytes: one per tensor.
+// Checks the whole call and lists the tensors.
+ffi::Error validate_restore_clean(const ffi::AnyBuffer& commit, const ffi::RemainingArgs& args,
+                                  const ffi::RemainingRets& rets,
+                                  ffi::Span<const int64_t> chunk_bytes,
+                                  std::vector<CleanPair>* pairs);
 
 inline ChunkedTensor chunked(const ffi::AnyBuffer& data, const ffi::AnyBuffer& table,
                              int64_t chunk_bytes) {

@@ -1,4 +1,5 @@
 #include <string>
+#include <vector>
 
 #include "repair/repair_ffi.h"
 
@@ -26,19 +27,14 @@ ffi::Error repair_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, ffi::Any
 }
 
 ffi::Error restore_clean_cuda_impl(cudaStream_t stream, ffi::AnyBuffer commit,
-                                   ffi::AnyBuffer faults, ffi::AnyBuffer src,
-                                   ffi::AnyBuffer src_table, ffi::AnyBuffer, ffi::AnyBuffer,
-                                   ffi::Result<ffi::AnyBuffer> dst,
-                                   ffi::Result<ffi::AnyBuffer> dst_table, int64_t chunk_bytes) {
-  if (auto err =
-          validate_restore_clean(commit, faults, src, src_table, *dst, *dst_table, chunk_bytes);
-      err.failure()) {
+                                   ffi::RemainingArgs args, ffi::RemainingRets rets,
+                                   ffi::Span<const int64_t> chunk_bytes) {
+  std::vector<CleanPair> pairs;
+  if (auto err = validate_restore_clean(commit, args, rets, chunk_bytes, &pairs); err.failure()) {
     return err;
   }
   cudaError_t err = restore_clean_cuda(static_cast<const int32_t*>(commit.untyped_data()),
-                                       static_cast<const int32_t*>(faults.untyped_data()),
-                                       chunked(src, src_table, chunk_bytes),
-                                       mutable_chunked(*dst, *dst_table, chunk_bytes), stream);
+                                       pairs.data(), pairs.size(), stream);
   return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.restore_clean", err);
 }
 
@@ -95,12 +91,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmRestoreCleanCuda, pimhbm::repair::restore_cl
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("chunk_bytes"),
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<xla::ffi::Span<const int64_t>>("chunk_bytes"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

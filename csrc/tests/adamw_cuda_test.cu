@@ -34,71 +34,122 @@ struct Mirror {  // a host vector and its device copy
   }
 };
 
-// Runs the CUDA update on a copy of `h` and leaves the results in `h`'s write side.
-// The device copy's side of a run (filled when `mirror` is set).
+// The device copy's side of a run.
 struct MirrorOut {
   std::vector<uint8_t> p;
   std::vector<float> w, mu, nu;
   std::vector<uint32_t> dp, dw, dmu, dnu;
 };
 
-void run_gpu(HostLeaf& h, const float* step_host, AdamWLaunch launch,
-             MirrorOut* mirror = nullptr) {
-  Mirror<uint8_t> p(h.p), g(h.g), p_out(h.p_out);
-  Mirror<float> w(h.w), mu(h.mu), nu(h.nu), w_out(h.w_out), mu_out(h.mu_out), nu_out(h.nu_out);
-  Mirror<uint32_t> d_p(h.d_p), d_w(h.d_w), d_mu(h.d_mu), d_nu(h.d_nu), dn_p(h.dn_p),
-      dn_w(h.dn_w), dn_mu(h.dn_mu), dn_nu(h.dn_nu);
-  Mirror<int32_t> faults(h.faults), bad(h.bad);
-  std::vector<float> step_vec(step_host, step_host + 3);
-  Mirror<float> step(step_vec);
-  for (cudaError_t e : {p.up(), g.up(), p_out.up(), w.up(), mu.up(), nu.up(), w_out.up(),
-                        mu_out.up(), nu_out.up(), d_p.up(), d_w.up(), d_mu.up(), d_nu.up(),
-                        dn_p.up(), dn_w.up(), dn_mu.up(), dn_nu.up(), faults.up(), bad.up(),
-                        step.up()}) {
-    PIMHBM_ASSERT_CUDA(e);
-  }
+// A leaf's buffers on the device (the mirror's filled with a pattern when `mirror`); finish()
+// brings the results back into the host leaf (and the mirror's into *mirror_out).
+struct DeviceLeaf {
+  HostLeaf& h;
+  Mirror<uint8_t> p, g, p_out;
+  Mirror<float> w, mu, nu, w_out, mu_out, nu_out;
+  Mirror<uint32_t> d_p, d_w, d_mu, d_nu, dn_p, dn_w, dn_mu, dn_nu;
+  Mirror<int32_t> faults, bad;
+  std::vector<uint8_t> pm;
+  std::vector<float> wm, mum, num;
+  std::vector<uint32_t> tp, tw, tmu, tnu;
+  Mirror<uint8_t> m_p;
+  Mirror<float> m_w, m_mu, m_nu;
+  Mirror<uint32_t> m_dp, m_dw, m_dmu, m_dnu;
   AdamWLeaf L;
-  L.n = h.n, L.chunk_elems = h.chunk, L.param_bf16 = h.bf16, L.has_master = h.master;
-  L.p = p.dev.get(), L.master = w.dev.get(), L.mu = mu.dev.get(), L.nu = nu.dev.get();
-  L.g = g.dev.get();
-  L.d_p = d_p.dev.get(), L.d_master = d_w.dev.get(), L.d_mu = d_mu.dev.get();
-  L.d_nu = d_nu.dev.get();
-  L.p_out = p_out.dev.get(), L.master_out = w_out.dev.get(), L.mu_out = mu_out.dev.get();
-  L.nu_out = nu_out.dev.get();
-  L.dn_p = dn_p.dev.get(), L.dn_master = dn_w.dev.get(), L.dn_mu = dn_mu.dev.get();
-  L.dn_nu = dn_nu.dev.get();
-  L.faults = faults.dev.get(), L.grad_nonfinite = bad.dev.get();
-  std::vector<uint8_t> pm(h.p.size(), 0x5A);
-  std::vector<float> wm(h.w.size(), 7.0f), mum(h.n, 7.0f), num(h.n, 7.0f);
-  std::vector<uint32_t> tp(h.d_p.size(), 3), tw(h.d_w.size(), 3), tmu(h.d_mu.size(), 3),
-      tnu(h.d_nu.size(), 3);
-  Mirror<uint8_t> m_p(pm);
-  Mirror<float> m_w(wm), m_mu(mum), m_nu(num);
-  Mirror<uint32_t> m_dp(tp), m_dw(tw), m_dmu(tmu), m_dnu(tnu);
-  if (mirror) {
-    for (cudaError_t e : {m_p.up(), m_w.up(), m_mu.up(), m_nu.up(), m_dp.up(), m_dw.up(),
-                          m_dmu.up(), m_dnu.up()}) {
-      PIMHBM_ASSERT_CUDA(e);
+
+  DeviceLeaf(HostLeaf& host, bool mirror)
+      : h(host),
+        p(h.p),
+        g(h.g),
+        p_out(h.p_out),
+        w(h.w),
+        mu(h.mu),
+        nu(h.nu),
+        w_out(h.w_out),
+        mu_out(h.mu_out),
+        nu_out(h.nu_out),
+        d_p(h.d_p),
+        d_w(h.d_w),
+        d_mu(h.d_mu),
+        d_nu(h.d_nu),
+        dn_p(h.dn_p),
+        dn_w(h.dn_w),
+        dn_mu(h.dn_mu),
+        dn_nu(h.dn_nu),
+        faults(h.faults),
+        bad(h.bad),
+        pm(h.p.size(), 0x5A),
+        wm(h.w.size(), 7.0f),
+        mum(h.n, 7.0f),
+        num(h.n, 7.0f),
+        tp(h.d_p.size(), 3),
+        tw(h.d_w.size(), 3),
+        tmu(h.d_mu.size(), 3),
+        tnu(h.d_nu.size(), 3),
+        m_p(pm),
+        m_w(wm),
+        m_mu(mum),
+        m_nu(num),
+        m_dp(tp),
+        m_dw(tw),
+        m_dmu(tmu),
+        m_dnu(tnu) {
+    L.n = h.n, L.chunk_elems = h.chunk, L.param_bf16 = h.bf16, L.has_master = h.master;
+    L.p = p.dev.get(), L.master = w.dev.get(), L.mu = mu.dev.get(), L.nu = nu.dev.get();
+    L.g = g.dev.get();
+    L.d_p = d_p.dev.get(), L.d_master = d_w.dev.get(), L.d_mu = d_mu.dev.get();
+    L.d_nu = d_nu.dev.get();
+    L.p_out = p_out.dev.get(), L.master_out = w_out.dev.get(), L.mu_out = mu_out.dev.get();
+    L.nu_out = nu_out.dev.get();
+    L.dn_p = dn_p.dev.get(), L.dn_master = dn_w.dev.get(), L.dn_mu = dn_mu.dev.get();
+    L.dn_nu = dn_nu.dev.get();
+    L.faults = faults.dev.get(), L.grad_nonfinite = bad.dev.get();
+    if (mirror) {
+      L.has_mirror = true;
+      L.p_mirror = m_p.dev.get(), L.master_mirror = m_w.dev.get(), L.mu_mirror = m_mu.dev.get();
+      L.nu_mirror = m_nu.dev.get();
+      L.dm_p = m_dp.dev.get(), L.dm_master = m_dw.dev.get(), L.dm_mu = m_dmu.dev.get();
+      L.dm_nu = m_dnu.dev.get();
     }
-    L.has_mirror = true;
-    L.p_mirror = m_p.dev.get(), L.master_mirror = m_w.dev.get(), L.mu_mirror = m_mu.dev.get();
-    L.nu_mirror = m_nu.dev.get();
-    L.dm_p = m_dp.dev.get(), L.dm_master = m_dw.dev.get(), L.dm_mu = m_dmu.dev.get();
-    L.dm_nu = m_dnu.dev.get();
   }
-  PIMHBM_ASSERT_CUDA(adamw_cuda(L, kHyper, step.dev.get(), nullptr, launch));
+
+  cudaError_t upload() {
+    for (cudaError_t e :
+         {p.up(),      g.up(),      p_out.up(), w.up(),      mu.up(),    nu.up(),   w_out.up(),
+          mu_out.up(), nu_out.up(), d_p.up(),   d_w.up(),    d_mu.up(),  d_nu.up(), dn_p.up(),
+          dn_w.up(),   dn_mu.up(),  dn_nu.up(), faults.up(), bad.up(),   m_p.up(),  m_w.up(),
+          m_mu.up(),   m_nu.up(),   m_dp.up(),  m_dw.up(),   m_dmu.up(), m_dnu.up()}) {
+      if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+  }
+
+  cudaError_t finish(MirrorOut* mirror_out) {
+    for (cudaError_t e : {p_out.down(), w_out.down(), mu_out.down(), nu_out.down(), dn_p.down(),
+                          dn_w.down(), dn_mu.down(), dn_nu.down(), faults.down(), bad.down()}) {
+      if (e != cudaSuccess) return e;
+    }
+    if (mirror_out) {
+      for (cudaError_t e : {m_p.down(), m_w.down(), m_mu.down(), m_nu.down(), m_dp.down(),
+                            m_dw.down(), m_dmu.down(), m_dnu.down()}) {
+        if (e != cudaSuccess) return e;
+      }
+      *mirror_out = MirrorOut{pm, wm, mum, num, tp, tw, tmu, tnu};
+    }
+    return cudaSuccess;
+  }
+};
+
+// Runs the CUDA update on a copy of `h` and leaves the results in `h`'s write side (and the
+// device copy's in *mirror, when given).
+void run_gpu(HostLeaf& h, const float* step_host, AdamWLaunch launch, MirrorOut* mirror = nullptr) {
+  DeviceLeaf d(h, mirror != nullptr);
+  PIMHBM_ASSERT_CUDA(d.upload());
+  DeviceBuffer<float> step(3);
+  PIMHBM_ASSERT_CUDA(step.upload(std::vector<float>(step_host, step_host + 3)));
+  PIMHBM_ASSERT_CUDA(adamw_cuda(d.L, kHyper, step.get(), nullptr, launch));
   PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
-  for (cudaError_t e : {p_out.down(), w_out.down(), mu_out.down(), nu_out.down(), dn_p.down(),
-                        dn_w.down(), dn_mu.down(), dn_nu.down(), faults.down(), bad.down()}) {
-    PIMHBM_ASSERT_CUDA(e);
-  }
-  if (mirror) {
-    for (cudaError_t e : {m_p.down(), m_w.down(), m_mu.down(), m_nu.down(), m_dp.down(),
-                          m_dw.down(), m_dmu.down(), m_dnu.down()}) {
-      PIMHBM_ASSERT_CUDA(e);
-    }
-    *mirror = MirrorOut{pm, wm, mum, num, tp, tw, tmu, tnu};
-  }
+  PIMHBM_ASSERT_CUDA(d.finish(mirror));
 }
 
 // Every NaN bit pattern replaced by one; compared as bit patterns (NaN != NaN as floats).
@@ -206,16 +257,16 @@ TEST_P(AdamWCuda, DeviceCopyMatchesTheCpuReference) {
   const int64_t random_n = 1 + static_cast<int64_t>(rng() % 200000);
   const int64_t random_chunk = 16 * (1 + static_cast<int64_t>(rng() % 512));
   for (int64_t n : {int64_t{1}, int64_t{5}, int64_t{4097}, int64_t{100003}, random_n}) {
-    for (int64_t chunk : {int64_t{16}, int64_t{1024}, int64_t{2048}, int64_t{2064},
-                          int64_t{4096}, int64_t{8192}, random_chunk}) {
+    for (int64_t chunk : {int64_t{16}, int64_t{1024}, int64_t{2048}, int64_t{2064}, int64_t{4096},
+                          int64_t{8192}, random_chunk}) {
       HostLeaf cpu(rng, n, chunk, bf16, master);
       // Damage one state chunk: the mirror must keep its old content there.
       cpu.mu[rng() % n] += 1.0f;
       HostLeaf gpu = cpu;
       std::vector<uint8_t> pm(cpu.p.size(), 0x5A);
       std::vector<float> wm(cpu.w.size(), 7.0f), mum(n, 7.0f), num(n, 7.0f);
-      std::vector<uint32_t> tp(cpu.d_p.size(), 3), tw(cpu.d_w.size(), 3),
-          tmu(cpu.d_mu.size(), 3), tnu(cpu.d_nu.size(), 3);
+      std::vector<uint32_t> tp(cpu.d_p.size(), 3), tw(cpu.d_w.size(), 3), tmu(cpu.d_mu.size(), 3),
+          tnu(cpu.d_nu.size(), 3);
       AdamWLeaf L = cpu.view();
       L.has_mirror = true;
       L.p_mirror = pm.data(), L.master_mirror = wm.data(), L.mu_mirror = mum.data();
@@ -255,6 +306,73 @@ INSTANTIATE_TEST_SUITE_P(ParamKinds, AdamWCuda,
                            return std::string(std::get<0>(info.param) ? "bf16" : "fp32") +
                                   (std::get<1>(info.param) ? "_master" : "");
                          });
+
+// A tree's leaves in one call: kinds mixed (each kind its own launch, in the order given),
+// more leaves than one launch's table holds, empty and ragged leaves, damaged ones; with and
+// without the device copy. Every leaf must equal its own CPU run.
+TEST(AdamWCudaTree, EveryLeafOfOneCallMatchesTheCpuReference) {
+  PIMHBM_SKIP_WITHOUT_GPU();
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  const float step[3] = {3e-4f, 0.271f, 0.002997f};
+  for (bool mirror : {false, true}) {
+    const int64_t chunk = mirror ? 1024 : 16 * (1 + static_cast<int64_t>(rng() % 300));
+    const int count = 70 + static_cast<int>(rng() % 20);
+    std::vector<HostLeaf> cpu, gpu;
+    for (int i = 0; i < count; ++i) {
+      const int kind = static_cast<int>(rng() % 3);  // fp32, bf16, bf16 + master
+      const int64_t n = i % 17 == 0 ? 0 : 1 + static_cast<int64_t>(rng() % 9000);
+      cpu.emplace_back(rng, n, chunk, kind != 0, kind == 2);
+      if (n != 0 && rng() % 4 == 0) damage(rng, cpu.back());
+    }
+    gpu = cpu;
+    std::vector<std::unique_ptr<DeviceLeaf>> dev;
+    std::vector<AdamWLeaf> leaves;
+    for (HostLeaf& h : gpu) {
+      dev.push_back(std::make_unique<DeviceLeaf>(h, mirror));
+      PIMHBM_ASSERT_CUDA(dev.back()->upload());
+      leaves.push_back(dev.back()->L);
+    }
+    DeviceBuffer<float> dstep(3);
+    PIMHBM_ASSERT_CUDA(dstep.upload(std::vector<float>(step, step + 3)));
+    PIMHBM_ASSERT_CUDA(adamw_cuda(leaves.data(), leaves.size(), kHyper, dstep.get(), nullptr));
+    PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
+    for (int i = 0; i < count; ++i) {
+      MirrorOut out;
+      PIMHBM_ASSERT_CUDA(dev[i]->finish(mirror ? &out : nullptr));
+      AdamWLeaf L = cpu[i].view();
+      std::vector<uint8_t> pm(cpu[i].p.size(), 0x5A);
+      std::vector<float> wm(cpu[i].w.size(), 7.0f), mum(cpu[i].n, 7.0f), num(cpu[i].n, 7.0f);
+      std::vector<uint32_t> tp(cpu[i].d_p.size(), 3), tw(cpu[i].d_w.size(), 3),
+          tmu(cpu[i].d_mu.size(), 3), tnu(cpu[i].d_nu.size(), 3);
+      if (mirror) {
+        L.has_mirror = true;
+        L.p_mirror = pm.data(), L.master_mirror = wm.data(), L.mu_mirror = mum.data();
+        L.nu_mirror = num.data();
+        L.dm_p = tp.data(), L.dm_master = tw.data(), L.dm_mu = tmu.data(), L.dm_nu = tnu.data();
+      }
+      adamw_cpu(L, kHyper, step);
+      const std::string what = "leaf " + std::to_string(i) + " of " + std::to_string(count) +
+                               ", n " + std::to_string(cpu[i].n) + ", mirror " +
+                               std::to_string(mirror);
+      ASSERT_EQ(gpu[i].faults, cpu[i].faults) << what;
+      ASSERT_EQ(gpu[i].bad, cpu[i].bad) << what;
+      expect_same_but_nan_patterns(gpu[i], cpu[i], what);
+      if (mirror) {
+        ASSERT_EQ(canonical(out.mu), canonical(mum)) << what;
+        ASSERT_EQ(canonical(out.nu), canonical(num)) << what;
+        ASSERT_EQ(canonical(out.w), canonical(wm)) << what;
+        for (int64_t c = 0; c < cpu[i].chunks(); ++c) {  // NaN patterns differ: their digests too
+          if (cpu[i].bad[c] != 0) continue;
+          for (int k : {0, 1}) {
+            ASSERT_EQ(out.dmu[2 * c + k], tmu[2 * c + k]) << what << " chunk " << c;
+            ASSERT_EQ(out.dp[2 * c + k], tp[2 * c + k]) << what << " chunk " << c;
+          }
+        }
+      }
+    }
+  }
+}
 
 TEST(AdamWLaunchPlan, RegisterLayoutsCoverChunksUpTo4096Elements) {
   EXPECT_EQ(resident_groups(16), 1);

@@ -107,6 +107,10 @@ int resident_groups(int64_t chunk_elems);
 // The fused kernel; `step` points to lr, bc1, bc2 in device memory (no host sync).
 cudaError_t adamw_cuda(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step,
                        cudaStream_t stream, AdamWLaunch options = {});
+// Every leaf of a tree: one launch per kind of leaf (fp32, bf16, bf16 + master; with or
+// without the mirror), up to 64 leaves each, blocks spread over the chunks of all of them.
+cudaError_t adamw_cuda(const AdamWLeaf* leaves, size_t count, const AdamWHyper& hyper,
+                       const float* step, cudaStream_t stream, AdamWLaunch options = {});
 #endif
 
 }  // namespace pimhbm::update

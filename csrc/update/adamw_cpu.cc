@@ -92,7 +92,8 @@ void adamw_cpu(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step
         t_dst[2 * c + 1] = t_src[2 * c + 1];
       };
       copy(leaf.p_out, leaf.p_mirror, psize, leaf.dn_p, leaf.dm_p);
-      if (leaf.has_master) copy(leaf.master_out, leaf.master_mirror, 4, leaf.dn_master, leaf.dm_master);
+      if (leaf.has_master)
+        copy(leaf.master_out, leaf.master_mirror, 4, leaf.dn_master, leaf.dm_master);
       copy(leaf.mu_out, leaf.mu_mirror, 4, leaf.dn_mu, leaf.dm_mu);
       copy(leaf.nu_out, leaf.nu_mirror, 4, leaf.dn_nu, leaf.dm_nu);
     }

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "pimhbm/cuda_check.h"
 #include "pimhbm/digest.h"
@@ -19,7 +20,6 @@ namespace pimhbm::update {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kDefaultInFlight = 1;
 
 struct Group {    // four elements of every tensor, as raw words
   uint32_t p[4];  // fp32 bits, or bf16 bits in the low half
@@ -200,8 +200,7 @@ __device__ __forceinline__ void process_group(const AdamWLeaf& L, const AdamWHyp
     x.nu[k] = on ? x.nu[k] : 0.0f;
     p_new[k] = on ? (kBF16 ? float_to_bf16(wt) : __float_as_uint(wt)) : 0u;
   }
-  store_group<kBF16, kMaster, kFull>(L.p_out, L.master_out, L.mu_out, L.nu_out, e, live, p_new,
-                                     x);
+  store_group<kBF16, kMaster, kFull>(L.p_out, L.master_out, L.mu_out, L.nu_out, e, live, p_new, x);
   if (to_mirror) {
     store_group<kBF16, kMaster, kFull>(L.p_mirror, L.master_mirror, L.mu_mirror, L.nu_mirror, e,
                                        live, p_new, x);
@@ -308,6 +307,24 @@ __device__ __forceinline__ void finish_chunk(const AdamWLeaf& L, int64_t c, int6
   L.grad_nonfinite[c] = static_cast<int32_t>(t.bad);
 }
 
+// Several leaves in one launch: block b takes global chunk b (and b + gridDim.x, ...), which
+// falls in leaf i when first_chunk[i] <= b < first_chunk[i + 1]. One launch instead of one per
+// leaf saves a launch and the last partial wave of blocks per leaf. The table travels in the
+// kernel's parameters (CUDA 12.1+ allows 32 KiB of them on Volta and later).
+constexpr int kMaxLeaves = 64;
+struct LeafTable {
+  AdamWLeaf leaf[kMaxLeaves];
+  int64_t first_chunk[kMaxLeaves + 1];
+  int count;
+};
+static_assert(sizeof(LeafTable) < 32000, "the leaf table must fit the kernel parameters");
+
+__device__ __forceinline__ int leaf_of(const LeafTable& T, int64_t gc) {
+  int i = 0;
+  while (i + 1 < T.count && gc >= T.first_chunk[i + 1]) ++i;  // block-uniform
+  return i;
+}
+
 // kInFlight: groups whose loads a thread issues before it computes the first of them (more
 // bytes in flight per thread, more registers).
 // kMirror: also write the device copy, chunk by chunk where the chunk verified. The chunk's
@@ -316,66 +333,61 @@ __device__ __forceinline__ void finish_chunk(const AdamWLeaf& L, int64_t c, int6
 // to update it (phase B). kKeepA: phase A's loads are plain ones, so that L2 keeps the lines
 // for phase B (evict-first loads may lose them); phase B's are evict-first.
 template <bool kBF16, bool kMaster, int kInFlight, bool kMirror, bool kKeepA>
-__global__ void __launch_bounds__(kThreads)
-    adamw_kernel(const AdamWLeaf L, const AdamWHyper h, const float* __restrict__ step,
-                 int64_t nchunks) {
-  const AdamWStep s = adamw_step(step);
+__device__ __forceinline__ void two_pass_chunk(const AdamWLeaf& L, const AdamWHyper& h,
+                                               const AdamWStep& s, int64_t c) {
   constexpr int psize = kBF16 ? 2 : 4;
   const int64_t bd = blockDim.x;
-  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
-    const int64_t first = c * L.chunk_elems;
-    const int64_t count = min(L.chunk_elems, L.n - first);
-    const int64_t full_groups = count >> 2;
-    const int rem = static_cast<int>(count & 3);
-    const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
-    const int tail_live = threadIdx.x == 0 ? rem : 0;
+  const int64_t first = c * L.chunk_elems;
+  const int64_t count = min(L.chunk_elems, L.n - first);
+  const int64_t full_groups = count >> 2;
+  const int rem = static_cast<int>(count & 3);
+  const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
+  const int tail_live = threadIdx.x == 0 ? rem : 0;
 
-    Sums old;
-    bool to_mirror = false;
-    if constexpr (kMirror) {  // phase A: the chunk's verdict
-      for (int64_t gi = threadIdx.x; gi < full_groups; gi += bd) {
-        Group x;
-        load_group<kBF16, kMaster, true, !kKeepA>(L, first + 4 * gi, 4, x);
-        old_terms<kBF16, kMaster, true>(x, gi, 4, key0, old);
-      }
-      if (rem != 0) {  // block-uniform
-        Group x;
-        load_group<kBF16, kMaster, false>(L, first + 4 * full_groups, tail_live, x);
-        old_terms<kBF16, kMaster, false>(x, full_groups, tail_live, key0, old);
-      }
-      old = block_sum(old);
-      to_mirror = chunk_faults<kMaster>(L, c, count, psize, old) == 0;  // same in every thread
-    }
-
-    Sums sum;
-    int64_t gi = threadIdx.x;
-    for (; gi + (kInFlight - 1) * bd < full_groups; gi += kInFlight * bd) {
-      Group x[kInFlight];
-#pragma unroll
-      for (int k = 0; k < kInFlight; ++k) {
-        load_group<kBF16, kMaster, true>(L, first + 4 * (gi + k * bd), 4, x[k]);
-      }
-#pragma unroll
-      for (int k = 0; k < kInFlight; ++k) {
-        process_group<kBF16, kMaster, true, !kMirror>(L, h, s, first, gi + k * bd, 4, key0, x[k],
-                                                       sum, to_mirror);
-      }
-    }
-    for (; gi < full_groups; gi += bd) {  // what is left: fewer than kInFlight groups
+  Sums old;
+  bool to_mirror = false;
+  if constexpr (kMirror) {  // phase A: the chunk's verdict
+    for (int64_t gi = threadIdx.x; gi < full_groups; gi += bd) {
       Group x;
-      load_group<kBF16, kMaster, true>(L, first + 4 * gi, 4, x);
-      process_group<kBF16, kMaster, true, !kMirror>(L, h, s, first, gi, 4, key0, x, sum,
-                                                     to_mirror);
+      load_group<kBF16, kMaster, true, !kKeepA>(L, first + 4 * gi, 4, x);
+      old_terms<kBF16, kMaster, true>(x, gi, 4, key0, old);
     }
-    if (rem != 0) {  // block-uniform: only a tensor's last chunk can be ragged
+    if (rem != 0) {  // block-uniform
       Group x;
       load_group<kBF16, kMaster, false>(L, first + 4 * full_groups, tail_live, x);
-      process_group<kBF16, kMaster, false, !kMirror>(L, h, s, first, full_groups, tail_live,
-                                                      key0, x, sum, to_mirror);
+      old_terms<kBF16, kMaster, false>(x, full_groups, tail_live, key0, old);
     }
-    const Sums t = block_sum(sum);
-    if (threadIdx.x == 0) finish_chunk<kMaster>(L, c, count, psize, kMirror ? old : t, t, to_mirror);
+    old = block_sum(old);
+    to_mirror = chunk_faults<kMaster>(L, c, count, psize, old) == 0;  // same in every thread
   }
+
+  Sums sum;
+  int64_t gi = threadIdx.x;
+  for (; gi + (kInFlight - 1) * bd < full_groups; gi += kInFlight * bd) {
+    Group x[kInFlight];
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      load_group<kBF16, kMaster, true>(L, first + 4 * (gi + k * bd), 4, x[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < kInFlight; ++k) {
+      process_group<kBF16, kMaster, true, !kMirror>(L, h, s, first, gi + k * bd, 4, key0, x[k], sum,
+                                                    to_mirror);
+    }
+  }
+  for (; gi < full_groups; gi += bd) {  // what is left: fewer than kInFlight groups
+    Group x;
+    load_group<kBF16, kMaster, true>(L, first + 4 * gi, 4, x);
+    process_group<kBF16, kMaster, true, !kMirror>(L, h, s, first, gi, 4, key0, x, sum, to_mirror);
+  }
+  if (rem != 0) {  // block-uniform: only a tensor's last chunk can be ragged
+    Group x;
+    load_group<kBF16, kMaster, false>(L, first + 4 * full_groups, tail_live, x);
+    process_group<kBF16, kMaster, false, !kMirror>(L, h, s, first, full_groups, tail_live, key0, x,
+                                                   sum, to_mirror);
+  }
+  const Sums t = block_sum(sum);
+  if (threadIdx.x == 0) finish_chunk<kMaster>(L, c, count, psize, kMirror ? old : t, t, to_mirror);
 }
 
 // The device copy written from registers: every thread loads all of its groups of the chunk
@@ -383,104 +395,154 @@ __global__ void __launch_bounds__(kThreads)
 // chunk's verdict from the old digests, then the same registers are updated and stored -- one
 // read of the chunk, no reliance on L2.
 template <bool kBF16, bool kMaster, int kG>
-__global__ void __launch_bounds__(kThreads)
-    adamw_resident_kernel(const AdamWLeaf L, const AdamWHyper h, const float* __restrict__ step,
-                          int64_t nchunks) {
-  const AdamWStep s = adamw_step(step);
+__device__ __forceinline__ void resident_chunk(const AdamWLeaf& L, const AdamWHyper& h,
+                                               const AdamWStep& s, int64_t c) {
   constexpr int psize = kBF16 ? 2 : 4;
-  for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
-    const int64_t first = c * L.chunk_elems;
-    const int64_t count = min(L.chunk_elems, L.n - first);
-    const int64_t full_groups = count >> 2;
-    const int rem = static_cast<int>(count & 3);
-    const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
+  const int64_t first = c * L.chunk_elems;
+  const int64_t count = min(L.chunk_elems, L.n - first);
+  const int64_t full_groups = count >> 2;
+  const int rem = static_cast<int>(count & 3);
+  const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
 
-    // Group gi = threadIdx.x + k * kThreads: whole (live 4), the ragged last one (live rem),
-    // or past the end (live 0: nothing loaded, nothing stored, no digest term).
-    Group x[kG];
-    int live[kG];
-    Sums old;
+  // Group gi = threadIdx.x + k * kThreads: whole (live 4), the ragged last one (live rem), or
+  // past the end (live 0: nothing loaded, nothing stored, no digest term).
+  Group x[kG];
+  int live[kG];
+  Sums old;
 #pragma unroll
-    for (int k = 0; k < kG; ++k) {
-      const int64_t gi = threadIdx.x + static_cast<int64_t>(k) * kThreads;
-      live[k] = gi < full_groups ? 4 : (gi == full_groups ? rem : 0);
-      if (live[k] == 4) {
-        load_group<kBF16, kMaster, true>(L, first + 4 * gi, 4, x[k]);
-      } else {
-        load_group<kBF16, kMaster, false>(L, first + 4 * gi, live[k], x[k]);
-      }
+  for (int k = 0; k < kG; ++k) {
+    const int64_t gi = threadIdx.x + static_cast<int64_t>(k) * kThreads;
+    live[k] = gi < full_groups ? 4 : (gi == full_groups ? rem : 0);
+    if (live[k] == 4) {
+      load_group<kBF16, kMaster, true>(L, first + 4 * gi, 4, x[k]);
+    } else {
+      load_group<kBF16, kMaster, false>(L, first + 4 * gi, live[k], x[k]);
     }
+  }
 #pragma unroll
-    for (int k = 0; k < kG; ++k) {
-      const int64_t gi = threadIdx.x + static_cast<int64_t>(k) * kThreads;
-      if (live[k] == 4) {
-        old_terms<kBF16, kMaster, true>(x[k], gi, 4, key0, old);
-      } else if (live[k] > 0) {
-        old_terms<kBF16, kMaster, false>(x[k], gi, live[k], key0, old);
-      }
+  for (int k = 0; k < kG; ++k) {
+    const int64_t gi = threadIdx.x + static_cast<int64_t>(k) * kThreads;
+    if (live[k] == 4) {
+      old_terms<kBF16, kMaster, true>(x[k], gi, 4, key0, old);
+    } else if (live[k] > 0) {
+      old_terms<kBF16, kMaster, false>(x[k], gi, live[k], key0, old);
     }
-    old = block_sum(old);
-    const bool to_mirror = chunk_faults<kMaster>(L, c, count, psize, old) == 0;  // block-uniform
+  }
+  old = block_sum(old);
+  const bool to_mirror = chunk_faults<kMaster>(L, c, count, psize, old) == 0;  // block-uniform
 
-    Sums sum;
+  Sums sum;
 #pragma unroll
-    for (int k = 0; k < kG; ++k) {
-      const int64_t gi = threadIdx.x + static_cast<int64_t>(k) * kThreads;
-      if (live[k] == 4) {
-        process_group<kBF16, kMaster, true, false>(L, h, s, first, gi, 4, key0, x[k], sum,
-                                                   to_mirror);
-      } else if (live[k] > 0) {
-        process_group<kBF16, kMaster, false, false>(L, h, s, first, gi, live[k], key0, x[k], sum,
-                                                    to_mirror);
-      }
+  for (int k = 0; k < kG; ++k) {
+    const int64_t gi = threadIdx.x + static_cast<int64_t>(k) * kThreads;
+    if (live[k] == 4) {
+      process_group<kBF16, kMaster, true, false>(L, h, s, first, gi, 4, key0, x[k], sum, to_mirror);
+    } else if (live[k] > 0) {
+      process_group<kBF16, kMaster, false, false>(L, h, s, first, gi, live[k], key0, x[k], sum,
+                                                  to_mirror);
     }
-    const Sums t = block_sum(sum);
-    if (threadIdx.x == 0) finish_chunk<kMaster>(L, c, count, psize, old, t, to_mirror);
+  }
+  const Sums t = block_sum(sum);
+  if (threadIdx.x == 0) finish_chunk<kMaster>(L, c, count, psize, old, t, to_mirror);
+}
+
+template <bool kBF16, bool kMaster, int kInFlight, bool kMirror, bool kKeepA>
+__global__ void __launch_bounds__(kThreads)
+    adamw_kernel(const __grid_constant__ LeafTable T, const AdamWHyper h,
+                 const float* __restrict__ step) {
+  const AdamWStep s = adamw_step(step);
+  for (int64_t gc = blockIdx.x; gc < T.first_chunk[T.count]; gc += gridDim.x) {
+    const int i = leaf_of(T, gc);
+    two_pass_chunk<kBF16, kMaster, kInFlight, kMirror, kKeepA>(T.leaf[i], h, s,
+                                                               gc - T.first_chunk[i]);
   }
 }
 
-// Calls f(kBF16, kMaster) as constants for the leaf's kind.
-template <typename F>
-void by_kind(const AdamWLeaf& leaf, F&& f) {
-  if (leaf.param_bf16 && leaf.has_master) {
-    f(std::true_type{}, std::true_type{});
-  } else if (leaf.param_bf16) {
-    f(std::true_type{}, std::false_type{});
+template <bool kBF16, bool kMaster, int kG>
+__global__ void __launch_bounds__(kThreads)
+    adamw_resident_kernel(const __grid_constant__ LeafTable T, const AdamWHyper h,
+                          const float* __restrict__ step) {
+  const AdamWStep s = adamw_step(step);
+  for (int64_t gc = blockIdx.x; gc < T.first_chunk[T.count]; gc += gridDim.x) {
+    const int i = leaf_of(T, gc);
+    resident_chunk<kBF16, kMaster, kG>(T.leaf[i], h, s, gc - T.first_chunk[i]);
+  }
+}
+
+// One launch over the table; the kernel is picked by the kind of its leaves (all the same).
+struct Plan {
+  bool bf16, master, mirror;
+  MirrorPass pass;
+  int in_flight, resident;  // groups in flight (two-pass kernels); groups kept (resident)
+};
+
+template <bool kBF16, bool kMaster>
+cudaError_t launch_kind(const LeafTable& T, const Plan& p, const AdamWHyper& h, const float* step,
+                        cudaStream_t stream) {
+  const int blocks = static_cast<int>(std::min<int64_t>(T.first_chunk[T.count], 0x7FFFFFFF));
+  if (!p.mirror) {
+    if (p.in_flight == 2) {
+      adamw_kernel<kBF16, kMaster, 2, false, false><<<blocks, kThreads, 0, stream>>>(T, h, step);
+    } else {
+      adamw_kernel<kBF16, kMaster, 1, false, false><<<blocks, kThreads, 0, stream>>>(T, h, step);
+    }
+  } else if (p.pass == MirrorPass::kRegisters) {
+    switch (p.resident) {
+      case 1:
+        adamw_resident_kernel<kBF16, kMaster, 1><<<blocks, kThreads, 0, stream>>>(T, h, step);
+        break;
+      case 2:
+        adamw_resident_kernel<kBF16, kMaster, 2><<<blocks, kThreads, 0, stream>>>(T, h, step);
+        break;
+      default:
+        adamw_resident_kernel<kBF16, kMaster, 4><<<blocks, kThreads, 0, stream>>>(T, h, step);
+    }
   } else {
-    f(std::false_type{}, std::false_type{});
+    const bool keep = p.pass == MirrorPass::kTwoReadsKeep;
+    if (p.in_flight == 2) {
+      if (keep)
+        adamw_kernel<kBF16, kMaster, 2, true, true><<<blocks, kThreads, 0, stream>>>(T, h, step);
+      else
+        adamw_kernel<kBF16, kMaster, 2, true, false><<<blocks, kThreads, 0, stream>>>(T, h, step);
+    } else {
+      if (keep)
+        adamw_kernel<kBF16, kMaster, 1, true, true><<<blocks, kThreads, 0, stream>>>(T, h, step);
+      else
+        adamw_kernel<kBF16, kMaster, 1, true, false><<<blocks, kThreads, 0, stream>>>(T, h, step);
+    }
   }
-}
-
-template <int kInFlight, bool kMirror, bool kKeepA>
-void launch(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step, int64_t nchunks,
-            cudaStream_t stream) {
-  const int blocks = static_cast<int>(std::min<int64_t>(nchunks, 0x7FFFFFFF));
-  by_kind(leaf, [&](auto bf16, auto master) {
-    adamw_kernel<bf16(), master(), kInFlight, kMirror, kKeepA>
-        <<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
-  });
-}
-
-template <int kG>
-void launch_resident(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step,
-                     int64_t nchunks, cudaStream_t stream) {
-  const int blocks = static_cast<int>(std::min<int64_t>(nchunks, 0x7FFFFFFF));
-  by_kind(leaf, [&](auto bf16, auto master) {
-    adamw_resident_kernel<bf16(), master(), kG>
-        <<<blocks, kThreads, 0, stream>>>(leaf, hyper, step, nchunks);
-  });
-}
-
-template <bool kMirror, bool kKeepA>
-cudaError_t launch_in_flight(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step,
-                             int64_t nchunks, cudaStream_t stream, int in_flight) {
-  switch (in_flight) {
-    case 0: launch<kDefaultInFlight, kMirror, kKeepA>(leaf, hyper, step, nchunks, stream); break;
-    case 1: launch<1, kMirror, kKeepA>(leaf, hyper, step, nchunks, stream); break;
-    case 2: launch<2, kMirror, kKeepA>(leaf, hyper, step, nchunks, stream); break;
-    default: return cudaErrorInvalidValue;
-  }
+  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
   return cudaSuccess;
+}
+
+cudaError_t launch_table(const LeafTable& T, const Plan& p, const AdamWHyper& h, const float* step,
+                         cudaStream_t stream) {
+  if (T.count == 0 || T.first_chunk[T.count] == 0) return cudaSuccess;
+  if (p.bf16 && p.master) return launch_kind<true, true>(T, p, h, step, stream);
+  if (p.bf16) return launch_kind<true, false>(T, p, h, step, stream);
+  return launch_kind<false, false>(T, p, h, step, stream);
+}
+
+Plan plan_for(const AdamWLeaf& leaf, AdamWLaunch options) {
+  Plan p{leaf.param_bf16,
+         leaf.has_master,
+         leaf.has_mirror,
+         options.mirror_pass,
+         options.groups_in_flight == 2 ? 2 : 1,
+         resident_groups(leaf.chunk_elems)};
+  // Default (bench/NOTES.md, v3): registers where the chunk fits, except with master weights,
+  // whose five tensors per group take 128 registers there and run faster read twice.
+  if (p.pass == MirrorPass::kDefault) {
+    p.pass = p.resident != 0 && !p.master ? MirrorPass::kRegisters : MirrorPass::kTwoReadsKeep;
+  } else if (p.pass == MirrorPass::kRegisters && p.resident == 0) {
+    p.pass = MirrorPass::kTwoReadsKeep;
+  }
+  return p;
+}
+
+bool same_launch(const Plan& a, const Plan& b) {
+  return a.bf16 == b.bf16 && a.master == b.master && a.mirror == b.mirror && a.pass == b.pass &&
+         a.in_flight == b.in_flight && a.resident == b.resident;
 }
 
 }  // namespace
@@ -490,42 +552,37 @@ int resident_groups(int64_t chunk_elems) {
   return groups <= 1 ? 1 : groups <= 2 ? 2 : groups <= 4 ? 4 : 0;
 }
 
+cudaError_t adamw_cuda(const AdamWLeaf* leaves, size_t count, const AdamWHyper& hyper,
+                       const float* step, cudaStream_t stream, AdamWLaunch options) {
+  if (options.groups_in_flight < 0 || options.groups_in_flight > 2) return cudaErrorInvalidValue;
+  // Leaves of the same kind go in one launch (up to kMaxLeaves each), in the order given.
+  std::vector<bool> done(count, false);
+  for (size_t i = 0; i < count; ++i) {
+    if (done[i]) continue;
+    const Plan p = plan_for(leaves[i], options);
+    LeafTable T{};
+    T.count = 0;
+    T.first_chunk[0] = 0;
+    for (size_t j = i; j < count; ++j) {
+      if (done[j] || !same_launch(p, plan_for(leaves[j], options))) continue;
+      const int64_t nchunks = leaf_chunks(leaves[j]);
+      done[j] = true;
+      if (nchunks == 0) continue;
+      T.leaf[T.count] = leaves[j];
+      T.first_chunk[T.count + 1] = T.first_chunk[T.count] + nchunks;
+      if (++T.count == kMaxLeaves) {
+        PIMHBM_CUDA_RETURN_IF_ERROR(launch_table(T, p, hyper, step, stream));
+        T.count = 0;
+      }
+    }
+    PIMHBM_CUDA_RETURN_IF_ERROR(launch_table(T, p, hyper, step, stream));
+  }
+  return cudaSuccess;
+}
+
 cudaError_t adamw_cuda(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step,
                        cudaStream_t stream, AdamWLaunch options) {
-  const int64_t nchunks = leaf_chunks(leaf);
-  if (nchunks == 0) return cudaSuccess;
-  if (options.groups_in_flight < 0 || options.groups_in_flight > 2) return cudaErrorInvalidValue;
-  if (!leaf.has_mirror) {
-    PIMHBM_CUDA_RETURN_IF_ERROR((launch_in_flight<false, false>(leaf, hyper, step, nchunks,
-                                                               stream, options.groups_in_flight)));
-    PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
-    return cudaSuccess;
-  }
-  const int g = resident_groups(leaf.chunk_elems);
-  MirrorPass pass = options.mirror_pass;
-  // Default (bench/NOTES.md, v3): registers where the chunk fits, except with master weights,
-  // whose five tensors per group take 128 registers there and run faster read twice.
-  if (pass == MirrorPass::kDefault) {
-    pass = g != 0 && !leaf.has_master ? MirrorPass::kRegisters : MirrorPass::kTwoReadsKeep;
-  } else if (pass == MirrorPass::kRegisters && g == 0) {
-    pass = MirrorPass::kTwoReadsKeep;
-  }
-  switch (pass) {
-    case MirrorPass::kRegisters:
-      if (g == 1) launch_resident<1>(leaf, hyper, step, nchunks, stream);
-      if (g == 2) launch_resident<2>(leaf, hyper, step, nchunks, stream);
-      if (g == 4) launch_resident<4>(leaf, hyper, step, nchunks, stream);
-      break;
-    case MirrorPass::kTwoReads:
-      PIMHBM_CUDA_RETURN_IF_ERROR((launch_in_flight<true, false>(
-          leaf, hyper, step, nchunks, stream, options.groups_in_flight)));
-      break;
-    default:
-      PIMHBM_CUDA_RETURN_IF_ERROR((launch_in_flight<true, true>(
-          leaf, hyper, step, nchunks, stream, options.groups_in_flight)));
-  }
-  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
-  return cudaSuccess;
+  return adamw_cuda(&leaf, 1, hyper, step, stream, options);
 }
 
 }  // namespace pimhbm::update

@@ -11,7 +11,7 @@ namespace {
 
 constexpr int kMaxPairs = 64;  // per launch: the list travels in the kernel's parameters
 constexpr int kThreads = 256;
-constexpr int kBlocks = 264;   // enough to stream a copy on any current GPU
+constexpr int kBlocks = 264;  // enough to stream a copy on any current GPU
 
 struct CopyList {
   const uint8_t* src[kMaxPairs];
@@ -28,7 +28,8 @@ __global__ void __launch_bounds__(kThreads) restore_kernel(const int32_t* commit
     const uint8_t* src = list.src[k];
     uint8_t* dst = list.dst[k];
     const int64_t bytes = list.bytes[k];
-    const bool vec = (reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) % 16 == 0;
+    const bool vec =
+        (reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) % 16 == 0;
     const int64_t nvec = vec ? bytes / 16 : 0;
     for (int64_t i = tid; i < nvec; i += stride) {
       reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];

@@ -2,6 +2,7 @@
 #include "update/update_ffi.h"
 
 #include <string>
+#include <vector>
 
 namespace pimhbm::update {
 
@@ -124,6 +125,45 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
   return ffi::Error::Success();
 }
 
+ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingArgs& args,
+                               const ffi::RemainingRets& rets, const AdamWAttrs& a,
+                               std::vector<AdamWLeaf>* leaves) {
+  if (args.size() % kArgsPerLeaf != 0 || rets.size() != args.size() / kArgsPerLeaf * kRetsPerLeaf) {
+    return invalid(kAdamW, "expected " + std::to_string(kArgsPerLeaf) + " arguments and " +
+                               std::to_string(kRetsPerLeaf) +
+                               " results per leaf after the step "
+                               "scalars, got " +
+                               std::to_string(args.size()) + " and " + std::to_string(rets.size()));
+  }
+  const size_t count = args.size() / kArgsPerLeaf;
+  leaves->assign(count, AdamWLeaf{});
+  for (size_t i = 0; i < count; ++i) {
+    const std::string where = "leaf " + std::to_string(i) + ": ";
+    std::vector<ffi::AnyBuffer> in;
+    for (size_t k = 0; k < kArgsPerLeaf; ++k) {
+      auto b = args.get<ffi::AnyBuffer>(i * kArgsPerLeaf + k);
+      if (!b) return invalid(kAdamW, where + "argument " + std::to_string(k) + " is not a buffer");
+      in.push_back(*b);
+    }
+    std::vector<ffi::Result<ffi::AnyBuffer>> out;
+    for (size_t k = 0; k < kRetsPerLeaf; ++k) {
+      auto r = rets.get<ffi::AnyBuffer>(i * kRetsPerLeaf + k);
+      if (!r) return invalid(kAdamW, where + "result " + std::to_string(k) + " is not a buffer");
+      out.push_back(*r);
+    }
+    // Arguments 9..24 are the write side and the mirror as they were (aliased with results
+    // 0..15): the handler writes through the results.
+    const AdamWBuffers b{in[0],   in[1],   in[2],   in[3],   in[4],   in[5],   in[6],
+                         in[7],   in[8],   step,    out[0],  out[1],  out[2],  out[3],
+                         out[4],  out[5],  out[6],  out[7],  out[8],  out[9],  out[10],
+                         out[11], out[12], out[13], out[14], out[15], out[16], out[17]};
+    if (auto err = validate_adamw(b, a, &(*leaves)[i]); err.failure()) {
+      return count == 1 ? err : ffi_util::in_context(kAdamW, where, err);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error validate_restore(const ffi::AnyBuffer& commit, const ffi::RemainingArgs& args,
                             const ffi::RemainingRets& rets, std::vector<CopyPair>* pairs) {
   if (auto err = check_buffer(kRestore, "commit flag", commit, ffi::DataType::S32, 1);
@@ -132,27 +172,26 @@ ffi::Error validate_restore(const ffi::AnyBuffer& commit, const ffi::RemainingAr
   }
   const size_t k = rets.size();
   if (args.size() != 2 * k) {
-    return invalid(kRestore, "expected " + std::to_string(k) + " sources and " +
-                                 std::to_string(k) + " destinations, got " +
-                                 std::to_string(args.size()) + " buffers");
+    return invalid(kRestore, "expected " + std::to_string(k) + " sources and " + std::to_string(k) +
+                                 " destinations, got " + std::to_string(args.size()) + " buffers");
   }
   pairs->clear();
   for (size_t i = 0; i < k; ++i) {
     auto src = args.get<ffi::AnyBuffer>(i);
     auto dst_in = args.get<ffi::AnyBuffer>(k + i);
     auto dst = rets.get<ffi::AnyBuffer>(i);
-    if (!src || !dst_in || !dst) return invalid(kRestore, "buffer " + std::to_string(i) + " is not a buffer");
+    if (!src || !dst_in || !dst)
+      return invalid(kRestore, "buffer " + std::to_string(i) + " is not a buffer");
     if (src->size_bytes() != (*dst)->size_bytes() ||
         src->element_type() != (*dst)->element_type()) {
-      return invalid(kRestore, "pair " + std::to_string(i) + ": source " +
-                                   dtype_name(src->element_type()) +
-                                   ffi_util::shape_str(src->dimensions()) +
-                                   " does not match destination " +
-                                   dtype_name((*dst)->element_type()) +
-                                   ffi_util::shape_str((*dst)->dimensions()));
+      return invalid(kRestore,
+                     "pair " + std::to_string(i) + ": source " + dtype_name(src->element_type()) +
+                         ffi_util::shape_str(src->dimensions()) + " does not match destination " +
+                         dtype_name((*dst)->element_type()) +
+                         ffi_util::shape_str((*dst)->dimensions()));
     }
-    pairs->push_back({src->untyped_data(), (*dst)->untyped_data(),
-                      static_cast<int64_t>(src->size_bytes())});
+    pairs->push_back(
+        {src->untyped_data(), (*dst)->untyped_data(), static_cast<int64_t>(src->size_bytes())});
   }
   return ffi::Error::Success();
 }
@@ -164,38 +203,15 @@ AdamWAttrs attrs(int64_t chunk_elems, float b1, float b2, float omb1, float omb2
   return AdamWAttrs{chunk_elems, AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd}};
 }
 
-ffi::Error adamw_cpu_impl(ffi::AnyBuffer p, ffi::AnyBuffer master, ffi::AnyBuffer mu,
-                          ffi::AnyBuffer nu, ffi::AnyBuffer g, ffi::AnyBuffer d_p,
-                          ffi::AnyBuffer d_master, ffi::AnyBuffer d_mu, ffi::AnyBuffer d_nu,
-                          ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
-                          ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
-                          ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
-                          ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
-                          ffi::AnyBuffer step, ffi::Result<ffi::AnyBuffer> p_out,
-                          ffi::Result<ffi::AnyBuffer> master_out,
-                          ffi::Result<ffi::AnyBuffer> mu_out, ffi::Result<ffi::AnyBuffer> nu_out,
-                          ffi::Result<ffi::AnyBuffer> dn_p, ffi::Result<ffi::AnyBuffer> dn_master,
-                          ffi::Result<ffi::AnyBuffer> dn_mu, ffi::Result<ffi::AnyBuffer> dn_nu,
-                          ffi::Result<ffi::AnyBuffer> p_m, ffi::Result<ffi::AnyBuffer> master_m,
-                          ffi::Result<ffi::AnyBuffer> mu_m, ffi::Result<ffi::AnyBuffer> nu_m,
-                          ffi::Result<ffi::AnyBuffer> dm_p, ffi::Result<ffi::AnyBuffer> dm_master,
-                          ffi::Result<ffi::AnyBuffer> dm_mu, ffi::Result<ffi::AnyBuffer> dm_nu,
-                          ffi::Result<ffi::AnyBuffer> faults,
-                          ffi::Result<ffi::AnyBuffer> grad_nonfinite, int64_t chunk_elems,
-                          float b1, float b2, float omb1, float omb2, float eps, float eps_root,
-                          float wd) {
-  AdamWBuffers b{p,     master,   mu,    nu,        g,     d_p,   d_master, d_mu,
-                 d_nu,  step,     p_out, master_out, mu_out, nu_out, dn_p,   dn_master,
-                 dn_mu, dn_nu,    p_m,   master_m,  mu_m,  nu_m,  dm_p,   dm_master,
-                 dm_mu, dm_nu,    faults, grad_nonfinite};
-  AdamWLeaf leaf;
-  if (auto err = validate_adamw(b, attrs(chunk_elems, b1, b2, omb1, omb2, eps, eps_root, wd),
-                                &leaf);
-      err.failure()) {
-    return err;
+ffi::Error adamw_cpu_impl(ffi::AnyBuffer step, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                          int64_t chunk_elems, float b1, float b2, float omb1, float omb2,
+                          float eps, float eps_root, float wd) {
+  const AdamWAttrs a = attrs(chunk_elems, b1, b2, omb1, omb2, eps, eps_root, wd);
+  std::vector<AdamWLeaf> leaves;
+  if (auto err = validate_adamw_call(step, args, rets, a, &leaves); err.failure()) return err;
+  for (const AdamWLeaf& leaf : leaves) {
+    adamw_cpu(leaf, a.hyper, static_cast<const float*>(step.untyped_data()));
   }
-  adamw_cpu(leaf, AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd},
-            static_cast<const float*>(step.untyped_data()));
   return ffi::Error::Success();
 }
 
@@ -213,8 +229,6 @@ ffi::Error restore_cpu_impl(ffi::AnyBuffer commit, ffi::RemainingArgs args,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmAdamWCpu, pimhbm::update::adamw_cpu_impl,
                               PIMHBM_ADAMW_BINDING(xla::ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmRestoreCpu, pimhbm::update::restore_cpu_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .RemainingRets());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    PimhbmRestoreCpu, pimhbm::update::restore_cpu_impl,
+    xla::ffi::Ffi::Bind().Arg<xla::ffi::AnyBuffer>().RemainingArgs().RemainingRets());

@@ -238,8 +238,7 @@ class AdamW:
         reads = slot_tensors(read, treedef)
         writes = slot_tensors(write, treedef)
         mirrors = slot_tensors(state.mirror, treedef) if state.mirror is not None else [None] * len(reads)
-        outs = [self._leaf_update(r, g, w, m, scalars) for r, g, w, m in
-                zip(reads, treedef.flatten_up_to(grads), writes, mirrors)]
+        outs = self._update_call(reads, treedef.flatten_up_to(grads), writes, mirrors, scalars)
 
         faults = [o["faults"] for o in outs]
         bad = [o["grad_nonfinite"] for o in outs]
@@ -263,10 +262,11 @@ class AdamW:
         new_slot = slot_from_tensors(new_write, treedef)
         new_mirror = None
         if state.mirror is not None:
-            new_mirror = slot_from_tensors([
-                {k: restore_clean(commit, o["faults"], r[k], o["mirror"][k],
-                                  self.chunk_bytes(r[k][0].dtype)) for k in names}
-                for r, o in zip(reads, outs)], treedef)
+            cleaned = iter(restore_clean(
+                commit, [(o["faults"], r[k], o["mirror"][k], self.chunk_bytes(r[k][0].dtype))
+                         for r, o in zip(reads, outs) for k in names]))
+            new_mirror = slot_from_tensors([{k: next(cleaned) for k in names} for _ in outs],
+                                           treedef)
         slots = (read, new_slot) if cur == 0 else (new_slot, read)
         new_state = AdamWState(slots, nxt, state.step + commit, new_mirror)
         unflat = lambda xs: jax.tree.unflatten(treedef, xs)
@@ -282,47 +282,56 @@ class AdamW:
                 raise ValueError(f"gradient {jax.tree_util.keystr(path)} is {g.dtype}{tuple(g.shape)}; "
                                  f"it must match its parameter, {p.dtype}{tuple(p.shape)}")
 
-    def _leaf_update(self, read, g, write, mirror, scalars):
-        """The pimhbm_adamw call of one leaf. read/write/mirror: {name: (tensor, table)}."""
-        p = read["p"][0]
-        n = p.size
-        nchunks = _num_chunks(n, self.chunk_elems)
-        has_master = "master" in read
-        # Absent tensors (no master weights, no mirror) are empty placeholders in the call.
-        empty = (jnp.zeros((0,), jnp.float32), jnp.zeros((0, 2), jnp.uint32))
-        empty_p = (jnp.zeros((0,), p.dtype), jnp.zeros((0, 2), jnp.uint32))
+    def _update_call(self, reads, grads, writes, mirrors, scalars):
+        """One pimhbm_adamw call for every leaf (the kernel runs over the chunks of all of
+        them). reads/writes/mirrors: per leaf {name: (tensor, table)} (mirror None: absent).
+        Returns per leaf {"write": {...}, "faults", "grad_nonfinite"[, "mirror": {...}]}."""
         order = ["p", "master", "mu", "nu"]
+        args, out_types, aliases, layout = [], [], {}, []
+        for read, g, write, mirror in zip(reads, grads, writes, mirrors):
+            p = read["p"][0]
+            nchunks = _num_chunks(p.size, self.chunk_elems)
+            present = {"p": True, "master": "master" in read, "mu": True, "nu": True}
+            # Absent tensors (no master weights, no mirror) are empty placeholders in the call.
+            empty = (jnp.zeros((0,), jnp.float32), jnp.zeros((0, 2), jnp.uint32))
+            empty_p = (jnp.zeros((0,), p.dtype), jnp.zeros((0, 2), jnp.uint32))
 
-        def side(tensors):
-            if tensors is None:
-                return [empty_p, empty, empty, empty]
-            return [tensors.get(k, empty) for k in order]
+            def side(tensors):
+                if tensors is None:
+                    return [empty_p, empty, empty, empty]
+                return [tensors.get(k, empty) for k in order]
 
-        r, w, m = side(read), side(write), side(mirror)
-        args = ([t[0] for t in r] + [g] + [t[1] for t in r] + [t[0] for t in w] +
-                [t[1] for t in w] + [t[0] for t in m] + [t[1] for t in m] + [scalars])
-        out_types = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[9:25]] + [
-            jax.ShapeDtypeStruct((nchunks,), jnp.int32),
-            jax.ShapeDtypeStruct((nchunks,), jnp.int32)]
-        present = {"p": True, "master": has_master, "mu": True, "nu": True}
-        aliases = {}
-        for side_at, side_present in ((9, True), (17, mirror is not None)):
-            for j, k in enumerate(order):
-                if side_present and present[k]:
-                    aliases[side_at + j] = side_at - 9 + j          # the tensor
-                    aliases[side_at + 4 + j] = side_at - 9 + 4 + j  # its table
+            r, w, m = side(read), side(write), side(mirror)
+            leaf_args = ([t[0] for t in r] + [g] + [t[1] for t in r] + [t[0] for t in w] +
+                         [t[1] for t in w] + [t[0] for t in m] + [t[1] for t in m])
+            arg0, ret0 = 1 + len(args), len(out_types)  # the step scalars come first
+            for side_at, side_present in ((9, True), (17, mirror is not None)):
+                for j, k in enumerate(order):
+                    if side_present and present[k]:
+                        aliases[arg0 + side_at + j] = ret0 + side_at - 9 + j          # tensor
+                        aliases[arg0 + side_at + 4 + j] = ret0 + side_at - 9 + 4 + j  # table
+            args += leaf_args
+            out_types += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaf_args[9:25]] + [
+                jax.ShapeDtypeStruct((nchunks,), jnp.int32),
+                jax.ShapeDtypeStruct((nchunks,), jnp.int32)]
+            layout.append(([k for k in order if present[k]], mirror is not None))
+        if not args:
+            return []
         outs = jax.ffi.ffi_call("pimhbm_adamw", out_types, input_output_aliases=aliases)(
-            *args, chunk_elems=np.int64(self.chunk_elems), b1=np.float32(self.b1),
+            scalars, *args, chunk_elems=np.int64(self.chunk_elems), b1=np.float32(self.b1),
             b2=np.float32(self.b2), one_minus_b1=np.float32(1 - self.b1),
             one_minus_b2=np.float32(1 - self.b2), eps=np.float32(self.eps),
             eps_root=np.float32(self.eps_root), weight_decay=np.float32(self.weight_decay))
-        names = [k for k in order if present[k]]
-        result = {"write": {k: (outs[order.index(k)], outs[4 + order.index(k)]) for k in names},
-                  "faults": outs[16], "grad_nonfinite": outs[17]}
-        if mirror is not None:
-            result["mirror"] = {k: (outs[8 + order.index(k)], outs[12 + order.index(k)])
-                                for k in names}
-        return result
+        results = []
+        for i, (names, has_mirror) in enumerate(layout):
+            o = outs[18 * i:18 * (i + 1)]
+            result = {"write": {k: (o[order.index(k)], o[4 + order.index(k)]) for k in names},
+                      "faults": o[16], "grad_nonfinite": o[17]}
+            if has_mirror:
+                result["mirror"] = {k: (o[8 + order.index(k)], o[12 + order.index(k)])
+                                    for k in names}
+            results.append(result)
+        return results
 
 
 def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0.9,
@@ -362,17 +371,27 @@ def restore_unless(commit: jax.Array, sources: list[jax.Array],
     return list(outs)
 
 
-def restore_clean(commit: jax.Array, faults: jax.Array, src: tuple[jax.Array, jax.Array],
-                  dst: tuple[jax.Array, jax.Array], chunk_bytes: int) -> tuple[jax.Array, jax.Array]:
-    """(tensor, table) ``dst``, where ``commit`` is 0 overwritten chunk by chunk from ``src`` for
-    the chunks whose ``faults`` entry is 0 (in place)."""
-    return tuple(jax.ffi.ffi_call(
-        "pimhbm_restore_clean",
-        [jax.ShapeDtypeStruct(dst[0].shape, dst[0].dtype),
-         jax.ShapeDtypeStruct(dst[1].shape, dst[1].dtype)],
-        input_output_aliases={4: 0, 5: 1})(
-            jnp.asarray(commit, jnp.int32).reshape(1), faults, src[0], src[1], dst[0], dst[1],
-            chunk_bytes=np.int64(chunk_bytes)))
+def restore_clean(commit: jax.Array, tensors: list[tuple[jax.Array, tuple[jax.Array, jax.Array],
+                                                        tuple[jax.Array, jax.Array], int]]
+                  ) -> list[tuple[jax.Array, jax.Array]]:
+    """For each (faults, src, dst, chunk_bytes) of ``tensors`` -- src and dst (tensor, table)
+    pairs -- ``dst`` where ``commit`` is 0 overwritten chunk by chunk from ``src`` for the chunks
+    whose ``faults`` entry is 0 (in place). One call (one launch) for all of them."""
+    ensure_registered()
+    if not tensors:
+        return []
+    args, out_types, aliases, sizes = [], [], {}, []
+    for i, (faults, src, dst, chunk_bytes) in enumerate(tensors):
+        args += [faults, src[0], src[1], dst[0], dst[1]]
+        out_types += [jax.ShapeDtypeStruct(dst[0].shape, dst[0].dtype),
+                      jax.ShapeDtypeStruct(dst[1].shape, dst[1].dtype)]
+        aliases[1 + 5 * i + 3] = 2 * i
+        aliases[1 + 5 * i + 4] = 2 * i + 1
+        sizes.append(chunk_bytes)
+    outs = jax.ffi.ffi_call("pimhbm_restore_clean", out_types, input_output_aliases=aliases)(
+        jnp.asarray(commit, jnp.int32).reshape(1), *args,
+        chunk_bytes=np.asarray(sizes, np.int64))
+    return [(outs[2 * i], outs[2 * i + 1]) for i in range(len(tensors))]
 
 
 # -- guard: commit-or-skip around any optax transformation ---------------------------------------

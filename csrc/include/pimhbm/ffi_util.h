@@ -18,24 +18,42 @@ namespace ffi = xla::ffi;
 
 inline std::string dtype_name(ffi::DataType t) {
   switch (t) {
-    case ffi::DataType::PRED: return "bool";
-    case ffi::DataType::S8: return "int8";
-    case ffi::DataType::S16: return "int16";
-    case ffi::DataType::S32: return "int32";
-    case ffi::DataType::S64: return "int64";
-    case ffi::DataType::U8: return "uint8";
-    case ffi::DataType::U16: return "uint16";
-    case ffi::DataType::U32: return "uint32";
-    case ffi::DataType::U64: return "uint64";
-    case ffi::DataType::F16: return "float16";
-    case ffi::DataType::F32: return "float32";
-    case ffi::DataType::F64: return "float64";
-    case ffi::DataType::BF16: return "bfloat16";
-    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
-    case ffi::DataType::F8E5M2: return "float8_e5m2";
-    case ffi::DataType::C64: return "complex64";
-    case ffi::DataType::C128: return "complex128";
-    default: return "dtype #" + std::to_string(static_cast<int>(t));
+    case ffi::DataType::PRED:
+      return "bool";
+    case ffi::DataType::S8:
+      return "int8";
+    case ffi::DataType::S16:
+      return "int16";
+    case ffi::DataType::S32:
+      return "int32";
+    case ffi::DataType::S64:
+      return "int64";
+    case ffi::DataType::U8:
+      return "uint8";
+    case ffi::DataType::U16:
+      return "uint16";
+    case ffi::DataType::U32:
+      return "uint32";
+    case ffi::DataType::U64:
+      return "uint64";
+    case ffi::DataType::F16:
+      return "float16";
+    case ffi::DataType::F32:
+      return "float32";
+    case ffi::DataType::F64:
+      return "float64";
+    case ffi::DataType::BF16:
+      return "bfloat16";
+    case ffi::DataType::F8E4M3FN:
+      return "float8_e4m3fn";
+    case ffi::DataType::F8E5M2:
+      return "float8_e5m2";
+    case ffi::DataType::C64:
+      return "complex64";
+    case ffi::DataType::C128:
+      return "complex128";
+    default:
+      return "dtype #" + std::to_string(static_cast<int>(t));
   }
 }
 
@@ -50,14 +68,22 @@ inline std::optional<Elem> elem_of(ffi::DataType t) {
     case ffi::DataType::U8:
     case ffi::DataType::U16:
     case ffi::DataType::U32:
-    case ffi::DataType::U64: return Elem::kRaw;
-    case ffi::DataType::F64: return Elem::kF64;
-    case ffi::DataType::F32: return Elem::kF32;
-    case ffi::DataType::F16: return Elem::kF16;
-    case ffi::DataType::BF16: return Elem::kBF16;
-    case ffi::DataType::F8E4M3FN: return Elem::kF8E4M3FN;
-    case ffi::DataType::F8E5M2: return Elem::kF8E5M2;
-    default: return std::nullopt;
+    case ffi::DataType::U64:
+      return Elem::kRaw;
+    case ffi::DataType::F64:
+      return Elem::kF64;
+    case ffi::DataType::F32:
+      return Elem::kF32;
+    case ffi::DataType::F16:
+      return Elem::kF16;
+    case ffi::DataType::BF16:
+      return Elem::kBF16;
+    case ffi::DataType::F8E4M3FN:
+      return Elem::kF8E4M3FN;
+    case ffi::DataType::F8E5M2:
+      return Elem::kF8E5M2;
+    default:
+      return std::nullopt;
   }
 }
 
@@ -65,10 +91,18 @@ inline ffi::Error invalid(std::string_view op, const std::string& what) {
   return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
 }
 
+// `err` (an invalid() of `op`) with `where` ("leaf 3: ") put after the op's name.
+inline ffi::Error in_context(std::string_view op, const std::string& where, const ffi::Error& err) {
+  const std::string head = std::string(op) + ": ";
+  std::string msg = err.message();
+  if (msg.rfind(head, 0) == 0) msg = msg.substr(head.size());
+  return invalid(op, where + msg);
+}
+
 inline ffi::Error check_chunk_bytes(std::string_view op, int64_t chunk_bytes) {
   if (chunk_bytes <= 0 || chunk_bytes % kChunkAlign != 0) {
-    return invalid(op, "chunk_bytes must be a positive multiple of 16, got " +
-                           std::to_string(chunk_bytes));
+    return invalid(
+        op, "chunk_bytes must be a positive multiple of 16, got " + std::to_string(chunk_bytes));
   }
   return ffi::Error::Success();
 }
@@ -102,8 +136,8 @@ inline ffi::Error check_digest_table(std::string_view op, std::string_view name,
   if (buf.element_type() != ffi::DataType::U32 || dims.size() != 2 || dims[0] != nchunks ||
       dims[1] != 2) {
     return invalid(op, std::string(name) + " must be a uint32 digest table of shape (" +
-                           std::to_string(nchunks) + ", 2), got " +
-                           dtype_name(buf.element_type()) + shape_str(dims));
+                           std::to_string(nchunks) + ", 2), got " + dtype_name(buf.element_type()) +
+                           shape_str(dims));
   }
   return ffi::Error::Success();
 }
