@@ -10,12 +10,11 @@
 
 #include "backup/shm_region.h"
 #include "backup/snapshot.h"
-
-#include "pimhbm/digest.h"
-#include "scan/scan_ffi.h"
 #include "faults/inject_ffi.h"
 #include "peer/peer_ffi.h"
+#include "pimhbm/digest.h"
 #include "repair/repair_ffi.h"
+#include "scan/scan_ffi.h"
 #include "telemetry/telemetry.h"
 #include "update/update_ffi.h"
 
@@ -157,7 +156,7 @@ nb::dlpack::dtype parse_dtype(const std::string& name) {
 // region mapped for as long as it lives.
 template <typename... Framework>
 nb::ndarray<Framework...> region_view(std::shared_ptr<ShmRegion> region, int64_t offset,
-                                   std::vector<size_t> shape, const std::string& dtype) {
+                                      std::vector<size_t> shape, const std::string& dtype) {
   const nb::dlpack::dtype dt = parse_dtype(dtype);
   int64_t count = 1;
   for (size_t d : shape) count *= static_cast<int64_t>(d);
@@ -168,9 +167,10 @@ nb::ndarray<Framework...> region_view(std::shared_ptr<ShmRegion> region, int64_t
                             std::to_string(region->nbytes()) + " bytes");
   }
   auto* keep = new std::shared_ptr<ShmRegion>(region);
-  nb::capsule owner(keep, [](void* p) noexcept { delete static_cast<std::shared_ptr<ShmRegion>*>(p); });
+  nb::capsule owner(keep,
+                    [](void* p) noexcept { delete static_cast<std::shared_ptr<ShmRegion>*>(p); });
   return nb::ndarray<Framework...>(region->data() + offset, shape.size(), shape.data(), owner,
-                                nullptr, dt, nb::device::cpu::value, 0);
+                                   nullptr, dt, nb::device::cpu::value, 0);
 }
 
 }  // namespace
@@ -195,14 +195,18 @@ NB_MODULE(_core, m) {
                   "Creates (or resizes) the region /name.")
       .def_static("open", &ShmRegion::open, nb::arg("name"), "Maps the existing region /name.")
       .def_static("unlink", &ShmRegion::unlink, nb::arg("name"), "Removes the region's name.")
-      .def_prop_ro("address", [](const ShmRegion& r) { return reinterpret_cast<uintptr_t>(r.data()); })
+      .def_prop_ro("address",
+                   [](const ShmRegion& r) { return reinterpret_cast<uintptr_t>(r.data()); })
       .def_prop_ro("nbytes", &ShmRegion::nbytes)
       .def_prop_ro("name", &ShmRegion::name)
       .def("pin", &ShmRegion::pin, nb::call_guard<nb::gil_scoped_release>(),
            "Page-locks the region for fast device-to-host copies (releases the GIL).")
       .def_prop_ro("pinned", &ShmRegion::pinned)
-      .def("numpy", &region_view<nb::numpy>, nb::arg("offset"), nb::arg("shape"),
-           nb::arg("dtype"), "A NumPy view of region memory (no copy).")
+      .def("pin_range", &ShmRegion::pin_range, nb::arg("offset"), nb::arg("nbytes"),
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Page-locks one range of the region (pin() locks the rest later).")
+      .def("numpy", &region_view<nb::numpy>, nb::arg("offset"), nb::arg("shape"), nb::arg("dtype"),
+           "A NumPy view of region memory (no copy).")
       .def("jax", &region_view<nb::jax>, nb::arg("offset"), nb::arg("shape"), nb::arg("dtype"),
            "A JAX array on the CPU over region memory, through DLPack (no copy).");
   m.def("snapshot_wait", &pimhbm::backup::snapshot_wait,
@@ -219,11 +223,15 @@ NB_MODULE(_core, m) {
       .def_prop_ro("reason", &Telemetry::reason)
       .def_prop_ro("library", &Telemetry::library)
       .def_prop_ro("device_count", &Telemetry::device_count)
-      .def("read", [](const Telemetry& t) {
-             nb::list out;
-             for (const auto& h : t.read()) out.append(health_dict(h));
-             return out;
-           }, "Per device: {index, name, uuid, fields: {name: value or None}, unavailable: {name: why}}.")
+      .def(
+          "read",
+          [](const Telemetry& t) {
+            nb::list out;
+            for (const auto& h : t.read()) out.append(health_dict(h));
+            return out;
+          },
+          "Per device: {index, name, uuid, fields: {name: value or None}, unavailable: {name: "
+          "why}}.")
       .def("start", &Telemetry::start, nb::arg("poll_seconds") = 1.0,
            nb::call_guard<nb::gil_scoped_release>(),
            "Starts the background thread: driver events, and counters read every poll_seconds.")
@@ -231,8 +239,9 @@ NB_MODULE(_core, m) {
       .def_prop_ro("running", &Telemetry::running)
       .def_prop_ro("events_status", &Telemetry::events_status,
                    "'' while driver events are watched, else why they are not.")
-      .def("drain", [](Telemetry& t) { return events_list(t.drain()); },
-           "The events since the last drain: {device, kind, xid, detail, seconds}.");
+      .def(
+          "drain", [](Telemetry& t) { return events_list(t.drain()); },
+          "The events since the last drain: {device, kind, xid, detail, seconds}.");
   m.def("telemetry_fields", &pimhbm::telemetry::field_names, "The fields of a reading, in order.");
   m.def("cuda_device_uuids", &cuda_device_uuids,
         "NVML-style UUIDs of the CUDA devices this process sees, by CUDA ordinal.");

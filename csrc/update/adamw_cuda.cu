@@ -446,8 +446,11 @@ __device__ __forceinline__ void resident_chunk(const AdamWLeaf& L, const AdamWHy
   if (threadIdx.x == 0) finish_chunk<kMaster>(L, c, count, psize, old, t, to_mirror);
 }
 
+// One group in flight: at least 3 blocks per SM (at most 85 registers). Without the bound the
+// leaf table's dynamic indexing lets the compiler keep the leaf's pointers in registers: 100
+// with master weights, 2 blocks per SM, 8 % slower (bench/NOTES.md, v4).
 template <bool kBF16, bool kMaster, int kInFlight, bool kMirror, bool kKeepA>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kInFlight == 1 ? 3 : 1)
     adamw_kernel(const __grid_constant__ LeafTable T, const AdamWHyper h,
                  const float* __restrict__ step) {
   const AdamWStep s = adamw_step(step);

@@ -100,15 +100,16 @@ class HostBackup:
                 self._record_header(r)[:] = 0
             self._pinning = None
             self.region.pin()
+            self._reopened = False
         else:
             self.region = _core.ShmRegion.open(name)
             self._check_header()
-            # A resuming process reads the snapshot first and writes the next one later: page-
-            # locking the whole region (~0.1 s per GiB) happens in the background, off the
-            # restore's critical path; wait_pinned() before the next snapshot is written.
-            self._pinning = threading.Thread(target=self.region.pin, name=f"pin /{name}",
-                                             daemon=True)
-            self._pinning.start()
+            # A resuming process reads a snapshot first and writes the next one later: the
+            # snapshot it reads is page-locked when it asks for it (snapshot_arrays), the rest
+            # of the region in the background, off the restore's critical path;
+            # wait_pinned() before the next snapshot is written.
+            self._pinning = None
+            self._reopened = True
 
     @property
     def pinned(self) -> bool:
@@ -117,10 +118,12 @@ class HostBackup:
         return self.region.pinned
 
     def wait_pinned(self) -> None:
-        """Returns once the background pinning of a reopened region (if any) is done."""
+        """Returns once a reopened region is page-locked (pinning it now if no restore began
+        the background pinning)."""
         if self._pinning is not None:
             self._pinning.join()
-            self._pinning = None
+        elif self._reopened:
+            self.region.pin()
 
     # -- header ------------------------------------------------------------------------------
 
@@ -178,6 +181,18 @@ class HostBackup:
         """(step, slot) of the complete snapshots, newest first."""
         found = [(s, i) for i in (0, 1) if (s := self.snapshot_step(i)) is not None]
         return sorted(found, reverse=True)
+
+    def snapshot_arrays(self, slot: int) -> list[np.ndarray]:
+        """NumPy views (no copy) of the tensors of snapshot slot ``slot``, for putting on the
+        devices. On a reopened region the slot is page-locked first (puts from page-locked
+        memory run at the link's speed) and the rest of the region in the background."""
+        if self._reopened and not self.region.pinned and self._pinning is None:
+            self.region.pin_range(self.slot_base[slot], self.slot_bytes)
+            self._pinning = threading.Thread(target=self.region.pin, name=f"pin /{self.name}",
+                                             daemon=True)
+            self._pinning.start()
+        return [self.region.numpy(o, [t.nbytes], "uint8").view(np.dtype(jnp.dtype(t.dtype)))
+                .reshape(t.shape) for o, t in zip(self.offsets(slot), self.tensors)]
 
     def snapshot_views(self, slot: int) -> list[jax.Array]:
         """Zero-copy JAX (CPU) arrays over the tensors of snapshot slot ``slot``."""

@@ -1014,7 +1014,7 @@ class Trainer:
         """Puts the newest snapshot that verifies into every copy of the state; returns its
         step. Raises if there is none."""
         for step, slot in self.backup.newest():
-            views = self.backup.snapshot_views(slot)
+            views = self.backup.snapshot_arrays(slot)
             leaves = []
             it = iter(views)
             for _ in self.paths:
