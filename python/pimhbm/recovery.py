@@ -1029,6 +1029,7 @@ class Trainer:
             opt = AdamWState((first, other), 0, self._put(np.int32(step)), mirror)
             state = TrainState(opt, self._put(np.int32(0)))
             rows = self._fetch(self._scrub_program(0)(state))
+            self.backup.pin_rest_in_background()  # the puts are done (the scrub read them)
             if any(self._decode(r) for r in rows):
                 continue  # this snapshot does not verify: an older one
             self.state = state
