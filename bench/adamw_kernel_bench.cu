@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "scan/scan.h"
@@ -76,6 +77,32 @@ __global__ void stream_fp32(const float4* p, const float4* mu, const float4* nu,
     const float4 v2 = make_float4(v.x + d.x, v.y + d.y, v.z + d.z, v.w + d.w);
     po[i] = a2, muo[i] = m2, nuo[i] = v2;
     if (pc != nullptr) pc[i] = a2, muc[i] = m2, nuc[i] = v2;
+  }
+}
+
+// The same fp32 traffic in the shape of an elementwise loop fusion: no grid-stride loop, a
+// grid that covers the tensor once, each thread kUnroll float4 of every tensor (kUnroll apart
+// by the block's width, so a warp's loads stay contiguous), all loads before any store.
+template <int kUnroll>
+__global__ void flat_fp32(const float4* __restrict__ p, const float4* __restrict__ mu,
+                          const float4* __restrict__ nu, const float4* __restrict__ g,
+                          float4* __restrict__ po, float4* __restrict__ muo,
+                          float4* __restrict__ nuo, int64_t n4) {
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x * kUnroll + threadIdx.x;
+  float4 a[kUnroll], m[kUnroll], v[kUnroll], d[kUnroll];
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) {
+    const int64_t i = base + static_cast<int64_t>(k) * blockDim.x;
+    if (i < n4) a[k] = p[i], m[k] = mu[i], v[k] = nu[i], d[k] = g[i];
+  }
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) {
+    const int64_t i = base + static_cast<int64_t>(k) * blockDim.x;
+    if (i < n4) {
+      po[i] = make_float4(a[k].x + d[k].x, a[k].y + d[k].y, a[k].z + d[k].z, a[k].w + d[k].w);
+      muo[i] = make_float4(m[k].x + d[k].x, m[k].y + d[k].y, m[k].z + d[k].z, m[k].w + d[k].w);
+      nuo[i] = make_float4(v[k].x + d[k].x, v[k].y + d[k].y, v[k].z + d[k].z, v[k].w + d[k].w);
+    }
   }
 }
 
@@ -243,6 +270,21 @@ bool time_update(const char* kind, const std::string& what, const Case& c, bool 
   return bad == 0;
 }
 
+// The loop-fusion shape, aside or in place: `threads` per block, `unroll` float4 per thread.
+float time_flat(const Case& c, bool in_place, int threads, int unroll) {
+  return median_ms([&](int i) {
+    const Side &r = c.side[i % 2], &w = in_place ? r : c.side[1 - i % 2];
+    auto f4 = [](const void* q) { return static_cast<const float4*>(q); };
+    auto o4 = [](void* q) { return static_cast<float4*>(q); };
+    const int64_t n4 = c.n / 4;
+    const int blocks = static_cast<int>((n4 + int64_t{threads} * unroll - 1) / (int64_t{threads} * unroll));
+    auto kernel = unroll == 1 ? flat_fp32<1> : unroll == 2 ? flat_fp32<2> : flat_fp32<4>;
+    kernel<<<blocks, threads>>>(f4(r.p), f4(r.mu), f4(r.nu), f4(c.g), o4(w.p), o4(w.mu), o4(w.nu),
+                                n4);
+    CHECK(cudaGetLastError());
+  });
+}
+
 // Plain fp32 streams: aside or in place, evict-first or plain loads, with or without a copy.
 float time_stream(const Case& c, bool in_place, bool evict_first, bool copy) {
   return median_ms([&](int i) {
@@ -292,6 +334,14 @@ int main(int argc, char** argv) {
                                    (in_place ? "in place" : "aside") +
                                    (evict_first ? ", evict-first" : ", plain loads");
           row(kind, what, time_stream(c, in_place, evict_first, false), 28.0, n);
+        }
+      }
+      for (bool in_place : {false, true}) {
+        for (auto [threads, unroll] : {std::pair{128, 1}, std::pair{256, 1}, std::pair{256, 2},
+                                       std::pair{256, 4}, std::pair{512, 2}}) {
+          const std::string what = "flat stream, " + std::to_string(threads) + " x " +
+                                   std::to_string(unroll) + (in_place ? ", in place" : ", aside");
+          row(kind, what, time_flat(c, in_place, threads, unroll), 28.0, n);
         }
       }
     }
