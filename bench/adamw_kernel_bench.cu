@@ -368,6 +368,18 @@ int main(int argc, char** argv) {
           28.0 + copy_bytes, n);
     }
     free_case(c);
+
+    // Chunks of 1024 elements: one group of four per thread, no loop -- the shape of the
+    // fastest plain stream (flat, above).
+    c = make_case(bf16, n, 1024);
+    ok = time_update(kind, "guarded adamw, 1024-element chunks, no copy", c, false,
+                     AdamWLaunch{1}, 28.0);
+    for (const auto& p : passes) {
+      ok = ok && time_update(kind, std::string("+ device copy, 1024: ") + p.name, c, true,
+                             AdamWLaunch{1, p.pass}, 28.0 + copy_bytes);
+    }
+    if (!ok) return 1;
+    free_case(c);
   }
   return 0;
 }
