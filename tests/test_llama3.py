@@ -215,3 +215,25 @@ def test_llama3_tool_with_fsdp_on_four_cpu_devices(tmp_path):
     assert all(row["missed"] == 0 and row["repaired"] == row["injected"]
                for row in r["campaign"]["faults"].values())
     assert r["campaign"]["reference_incidents"] == 0
+
+
+def test_llama3_tool_as_two_processes_with_fsdp(tmp_path):
+    """`pimhbm llama3 --processes 2`: two processes (jax.distributed on localhost, gloo), two CPU
+    devices each, 2 replicas x 2 shards: the timings and the campaign of every fault kind, ended
+    bit-identical with no compilation after prewarm; process 0 writes the figures."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "llama3.json"
+    cmd = [sys.executable, "-m", "pimhbm.cli", "llama3", "--tiny", "--layers", "1", "--tokens",
+           "256", "--seq", "32", "--vocab", "256", "--steps", "2", "--devices", "4", "--shard",
+           "2", "--processes", "2", "--campaign-steps", "10", "--faults", "1", "--json", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["devices"] == 4 and r["shard"] == 2 and r["processes"] == 2
+    assert r["compiles_after_prewarm"] == 0 and r["campaign"]["bit_identical"]
+    assert all(row["missed"] == 0 and row["repaired"] == row["injected"]
+               for row in r["campaign"]["faults"].values())
+    assert r["campaign"]["reference_incidents"] == 0

@@ -8,6 +8,10 @@ scale and checks that it ends bit-identical to the same run without faults.
 Bit-identical replays need a deterministic step: on GPUs run with
 XLA_FLAGS=--xla_gpu_deterministic_ops=true (``--deterministic`` sets it; its own cost is
 reported apart, it is not the cost of protection).
+
+``--processes N`` runs the same job as N processes of one host, the way clusters run it: each
+process drives its share of the devices (one GPU each on a GPU machine), they meet through
+``jax.distributed`` on a localhost coordinator, and process 0 prints and writes the figures.
 """
 
 from __future__ import annotations
@@ -15,7 +19,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
+import socket
 import statistics
+import subprocess
+import sys
 import time
 import uuid
 from typing import Any
@@ -45,7 +53,57 @@ def add_arguments(p) -> None:
                         "check of the tool on a CPU)")
     p.add_argument("--replica-transport", choices=("collective", "peer"), default="collective",
                    help="how a chunk is pulled from a healthy replica (several devices)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="run as this many processes (jax.distributed on localhost), the devices "
+                        "split evenly between them (default 1: one process sees them all)")
     p.add_argument("--json", default=None, help="write the figures here")
+    # Set by the launcher for each process of a --processes run.
+    p.add_argument("--process-id", type=int, default=None, help=argparse_suppress())
+    p.add_argument("--coordinator", default=None, help=argparse_suppress())
+
+
+def argparse_suppress() -> str:
+    import argparse
+    return argparse.SUPPRESS
+
+
+def _gpu_count() -> int:
+    """GPUs on this machine, asked of nvidia-smi (the launcher must not start a JAX backend)."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def _launch(args: Any) -> int:
+    """Starts --processes copies of this command, each with its process id and the
+    coordinator's address, and waits for all of them; the exit code is the worst of theirs."""
+    n = args.processes
+    if args.devices % n:
+        print(f"--devices {args.devices} must split evenly over --processes {n}", file=sys.stderr)
+        return 2
+    gpus = _gpu_count()
+    if gpus and gpus < args.devices:
+        print(f"--devices {args.devices}: this machine has {gpus} GPUs", file=sys.stderr)
+        return 2
+    with socket.socket() as s:  # a free port for the coordinator
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    argv = [a for a in sys.argv[1:]]
+    env = dict(os.environ)
+    if not gpus:  # CPU devices: each process makes its share of them
+        flags = [f for f in env.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
+        env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count="
+                                             f"{args.devices // n}"])
+    procs = [subprocess.Popen([sys.executable, "-m", "pimhbm.cli", *argv, "--process-id", str(i),
+                               "--coordinator", f"localhost:{port}"], env=env)
+             for i in range(n)]
+    codes = [p.wait() for p in procs]
+    return max(codes, key=abs)
 
 
 def _median_step(step, carry, batches, lrs):
@@ -63,10 +121,26 @@ def _median_step(step, carry, batches, lrs):
 
 
 def run(args: Any) -> int:
+    if args.processes < 1:
+        print("--processes must be at least 1", file=sys.stderr)
+        return 2
+    if args.processes > 1 and args.process_id is None:
+        return _launch(args)
     if args.deterministic and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    " --xla_gpu_deterministic_ops=true").strip()
     import jax
+    if args.process_id is not None:  # one process of a --processes run
+        per = args.devices // args.processes
+        if _gpu_count():
+            jax.distributed.initialize(args.coordinator, args.processes, args.process_id,
+                                       local_device_ids=list(range(args.process_id * per,
+                                                                   (args.process_id + 1) * per)),
+                                       initialization_timeout=120)
+        else:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            jax.distributed.initialize(args.coordinator, args.processes, args.process_id,
+                                       initialization_timeout=120)
     import jax.numpy as jnp
     import optax
     from rich.console import Console
@@ -79,16 +153,24 @@ def run(args: Any) -> int:
     from pimhbm.recovery import fsdp_spec
     from pimhbm.train import llama_trainer, warmup_cosine
 
-    console = Console()
+    lead = jax.process_index() == 0  # prints and writes the figures
+    console = Console(quiet=not lead)
     if args.devices < 1 or args.devices > len(jax.devices()):
         console.print(f"[red]--devices {args.devices}: this machine has {len(jax.devices())}[/]")
         return 2
     devices = jax.devices()[:args.devices]
-    dev = devices[0]
+    dev = jax.local_devices()[0]  # this process's first device (memory figures)
     if args.shard < 1 or args.devices % args.shard:
         console.print(f"[red]--shard {args.shard} must divide --devices {args.devices}[/]")
         return 2
     P = jax.sharding.PartitionSpec
+
+    def put(x, sharding):
+        """A host value onto a (possibly several-process) sharding: each process fills its own
+        devices' parts of the same value."""
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
     mesh = jax.sharding.Mesh(np.array(devices).reshape(-1, args.shard), ("dp", "shard"))
     replicated = jax.sharding.NamedSharding(mesh, P())
     split = jax.sharding.NamedSharding(mesh, P(("dp", "shard")))
@@ -112,19 +194,20 @@ def run(args: Any) -> int:
                   f"{cfg.num_params() / 1e6:.0f} M parameters (bf16, fp32 master and moments), "
                   f"{batch} x {args.seq} = {args.tokens} tokens a step, on {len(devices)} x "
                   f"{dev.device_kind} ({len(devices) // args.shard} replicas x {args.shard} "
-                  "shards); "
+                  f"shards; {jax.process_count()} process(es)); "
                   f"deterministic ops: {'on' if deterministic else 'off'}")
     rng = np.random.default_rng(0)
     data = rng.integers(0, 256, size=4_000_000, dtype=np.uint8).tobytes()  # random bytes
     lr_of = warmup_cosine(3e-4, 5, 1000)
     results: dict[str, Any] = {"device": dev.device_kind, "devices": len(devices),
+                               "processes": jax.process_count(),
                                "shard": args.shard, "tiny": args.tiny,
                                "replica_transport": args.replica_transport, "layers": args.layers,
                                "tokens": args.tokens, "params": cfg.num_params()}
 
     # Plain: optax.adamw on fp32 master weights, bf16 parameters cast from them.
     fresh = lambda: llama3.init(jax.random.key(0), cfg)  # the same weights every time
-    params = jax.tree.map(lambda p: jax.device_put(p, fsdp(p)), fresh())
+    params = jax.tree.map(lambda p: put(p, fsdp(p)), fresh())
     master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     tx = optax.inject_hyperparams(optax.adamw)(learning_rate=3e-4, weight_decay=0.01)
 
@@ -140,8 +223,8 @@ def run(args: Any) -> int:
 
     from pimhbm.train import text_batches
     batch_fn = text_batches(data, batch, args.seq, 0)
-    batches = [jax.device_put(batch_fn(s + 1), split) for s in range(args.steps)]
-    lrs = [jax.device_put(np.float32(lr_of(s + 1)), replicated) for s in range(args.steps)]
+    batches = [jax.tree.map(lambda x: put(x, split), batch_fn(s + 1)) for s in range(args.steps)]
+    lrs = [put(np.float32(lr_of(s + 1)), replicated) for s in range(args.steps)]
     console.print("timing the unprotected step (optax.adamw) ...")
     opt0 = jax.jit(tx.init)(master)  # moments follow the master weights' sharding
     plain, carry = _median_step(plain_step, (master, opt0, params), batches, lrs)
@@ -220,7 +303,8 @@ def run(args: Any) -> int:
                                             if identical else "[red]DIFFERENT[/]"))
     finally:
         HostBackup.unlink(name)
-    if args.json:
+        HostBackup.unlink(f"{name}.p{jax.process_index()}")  # a process's own region
+    if args.json and lead:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     ok = results.get("compiles_after_prewarm", 1) == 0 and (
