@@ -277,7 +277,8 @@ float time_flat(const Case& c, bool in_place, int threads, int unroll) {
     auto f4 = [](const void* q) { return static_cast<const float4*>(q); };
     auto o4 = [](void* q) { return static_cast<float4*>(q); };
     const int64_t n4 = c.n / 4;
-    const int blocks = static_cast<int>((n4 + int64_t{threads} * unroll - 1) / (int64_t{threads} * unroll));
+    const int blocks =
+        static_cast<int>((n4 + int64_t{threads} * unroll - 1) / (int64_t{threads} * unroll));
     auto kernel = unroll == 1 ? flat_fp32<1> : unroll == 2 ? flat_fp32<2> : flat_fp32<4>;
     kernel<<<blocks, threads>>>(f4(r.p), f4(r.mu), f4(r.nu), f4(c.g), o4(w.p), o4(w.mu), o4(w.nu),
                                 n4);
@@ -313,6 +314,12 @@ int main(int argc, char** argv) {
     for (int in_flight : {1, 2}) {
       if (!time_update(kind, "guarded adamw, " + std::to_string(in_flight) + " group(s) in flight",
                        c, false, AdamWLaunch{in_flight}, 28.0)) {
+        return 1;
+      }
+    }
+    for (int ahead : {2, 4}) {
+      if (!time_update(kind, "guarded adamw, L2 prefetch " + std::to_string(ahead) + " ahead", c,
+                       false, AdamWLaunch{1, MirrorPass::kDefault, ahead}, 28.0)) {
         return 1;
       }
     }
@@ -372,8 +379,8 @@ int main(int argc, char** argv) {
     // Chunks of 1024 elements: one group of four per thread, no loop -- the shape of the
     // fastest plain stream (flat, above).
     c = make_case(bf16, n, 1024);
-    ok = time_update(kind, "guarded adamw, 1024-element chunks, no copy", c, false,
-                     AdamWLaunch{1}, 28.0);
+    ok = time_update(kind, "guarded adamw, 1024-element chunks, no copy", c, false, AdamWLaunch{1},
+                     28.0);
     for (const auto& p : passes) {
       ok = ok && time_update(kind, std::string("+ device copy, 1024: ") + p.name, c, true,
                              AdamWLaunch{1, p.pass}, 28.0 + copy_bytes);

@@ -218,11 +218,14 @@ TEST_P(AdamWCuda, MatchesTheCpuReferenceBitForBit) {
         if (damaged) damage(rng, cpu);
         const HostLeaf input = cpu;
         adamw_cpu(cpu.view(), kHyper, step);
-        for (int in_flight : {1, 2}) {
+        for (const AdamWLaunch launch :
+             {AdamWLaunch{1}, AdamWLaunch{2}, AdamWLaunch{1, MirrorPass::kDefault, 2},
+              AdamWLaunch{1, MirrorPass::kDefault, 4}}) {
           HostLeaf gpu = input;
-          run_gpu(gpu, step, AdamWLaunch{in_flight});
+          run_gpu(gpu, step, launch);
           const std::string what = "n " + std::to_string(n) + " chunk " + std::to_string(chunk) +
-                                   " in flight " + std::to_string(in_flight);
+                                   " in flight " + std::to_string(launch.groups_in_flight) +
+                                   " prefetch " + std::to_string(launch.prefetch);
           ASSERT_EQ(gpu.faults, cpu.faults) << what;
           ASSERT_EQ(gpu.bad, cpu.bad) << what;
           if (damaged) {

@@ -95,9 +95,13 @@ enum class MirrorPass { kDefault = 0, kRegisters, kTwoReads, kTwoReadsKeep };
 
 // How the kernel is run: groups of four elements each thread loads before computing them
 // (1 or 2; 0 = the default, 1; not used by kRegisters), and the device copy's pass.
+// prefetch: without the device copy and with one group in flight, each thread also prefetches
+// into L2 the group it will load this many iterations later (0 = off; 2 or 4). An experiment
+// (bench/NOTES.md, v5): loads in flight without the registers to hold them.
 struct AdamWLaunch {
   int groups_in_flight = 0;
   MirrorPass mirror_pass = MirrorPass::kDefault;
+  int prefetch = 0;
 };
 
 // Groups of four elements per thread that kRegisters keeps for chunks of `chunk_elems`

@@ -307,6 +307,22 @@ __device__ __forceinline__ void finish_chunk(const AdamWLeaf& L, int64_t c, int6
   L.grad_nonfinite[c] = static_cast<int32_t>(t.bad);
 }
 
+// A hint that group e (elements e..e+3) of every tensor will be read soon: the lines go to L2
+// without taking registers, so a thread's next loads wait on L2 instead of DRAM. A warp's
+// prefetch covers its 32 groups' lines, like its load would.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+template <bool kBF16, bool kMaster>
+__device__ __forceinline__ void prefetch_group(const AdamWLeaf& L, int64_t e) {
+  constexpr int psize = kBF16 ? 2 : 4;
+  prefetch_l2(static_cast<const char*>(L.p) + e * psize);
+  prefetch_l2(static_cast<const char*>(L.g) + e * psize);
+  prefetch_l2(L.mu + e);
+  prefetch_l2(L.nu + e);
+  if constexpr (kMaster) prefetch_l2(L.master + e);
+}
+
 // Several leaves in one launch: block b takes global chunk b (and b + gridDim.x, ...), which
 // falls in leaf i when first_chunk[i] <= b < first_chunk[i + 1]. One launch instead of one per
 // leaf saves a launch and the last partial wave of blocks per leaf. The table travels in the
@@ -332,7 +348,9 @@ __device__ __forceinline__ int leaf_of(const LeafTable& T, int64_t gc) {
 // to check its digests (phase A) and then reads it again -- from L2, a chunk is 48-64 KiB --
 // to update it (phase B). kKeepA: phase A's loads are plain ones, so that L2 keeps the lines
 // for phase B (evict-first loads may lose them); phase B's are evict-first.
-template <bool kBF16, bool kMaster, int kInFlight, bool kMirror, bool kKeepA>
+// kPrefetch: iterations of the block's loop ahead whose groups each thread prefetches into L2
+// (0: none).
+template <bool kBF16, bool kMaster, int kInFlight, bool kMirror, bool kKeepA, int kPrefetch = 0>
 __device__ __forceinline__ void two_pass_chunk(const AdamWLeaf& L, const AdamWHyper& h,
                                                const AdamWStep& s, int64_t c) {
   constexpr int psize = kBF16 ? 2 : 4;
@@ -363,7 +381,19 @@ __device__ __forceinline__ void two_pass_chunk(const AdamWLeaf& L, const AdamWHy
 
   Sums sum;
   int64_t gi = threadIdx.x;
+  if constexpr (kPrefetch > 0) {  // the first iterations' groups
+#pragma unroll
+    for (int k = 1; k < kPrefetch; ++k) {
+      if (gi + k * kInFlight * bd < full_groups) {
+        prefetch_group<kBF16, kMaster>(L, first + 4 * (gi + k * kInFlight * bd));
+      }
+    }
+  }
   for (; gi + (kInFlight - 1) * bd < full_groups; gi += kInFlight * bd) {
+    if constexpr (kPrefetch > 0) {
+      const int64_t ahead = gi + kPrefetch * kInFlight * bd;
+      if (ahead < full_groups) prefetch_group<kBF16, kMaster>(L, first + 4 * ahead);
+    }
     Group x[kInFlight];
 #pragma unroll
     for (int k = 0; k < kInFlight; ++k) {
@@ -449,15 +479,15 @@ __device__ __forceinline__ void resident_chunk(const AdamWLeaf& L, const AdamWHy
 // One group in flight: at least 3 blocks per SM (at most 85 registers). Without the bound the
 // leaf table's dynamic indexing lets the compiler keep the leaf's pointers in registers: 100
 // with master weights, 2 blocks per SM, 8 % slower (bench/NOTES.md, v4).
-template <bool kBF16, bool kMaster, int kInFlight, bool kMirror, bool kKeepA>
+template <bool kBF16, bool kMaster, int kInFlight, bool kMirror, bool kKeepA, int kPrefetch = 0>
 __global__ void __launch_bounds__(kThreads, kInFlight == 1 ? 3 : 1)
     adamw_kernel(const __grid_constant__ LeafTable T, const AdamWHyper h,
                  const float* __restrict__ step) {
   const AdamWStep s = adamw_step(step);
   for (int64_t gc = blockIdx.x; gc < T.first_chunk[T.count]; gc += gridDim.x) {
     const int i = leaf_of(T, gc);
-    two_pass_chunk<kBF16, kMaster, kInFlight, kMirror, kKeepA>(T.leaf[i], h, s,
-                                                               gc - T.first_chunk[i]);
+    two_pass_chunk<kBF16, kMaster, kInFlight, kMirror, kKeepA, kPrefetch>(T.leaf[i], h, s,
+                                                                          gc - T.first_chunk[i]);
   }
 }
 
@@ -477,6 +507,7 @@ struct Plan {
   bool bf16, master, mirror;
   MirrorPass pass;
   int in_flight, resident;  // groups in flight (two-pass kernels); groups kept (resident)
+  int prefetch;             // iterations prefetched ahead (no mirror, one group in flight)
 };
 
 template <bool kBF16, bool kMaster>
@@ -486,6 +517,10 @@ cudaError_t launch_kind(const LeafTable& T, const Plan& p, const AdamWHyper& h, 
   if (!p.mirror) {
     if (p.in_flight == 2) {
       adamw_kernel<kBF16, kMaster, 2, false, false><<<blocks, kThreads, 0, stream>>>(T, h, step);
+    } else if (p.prefetch == 2) {
+      adamw_kernel<kBF16, kMaster, 1, false, false, 2><<<blocks, kThreads, 0, stream>>>(T, h, step);
+    } else if (p.prefetch == 4) {
+      adamw_kernel<kBF16, kMaster, 1, false, false, 4><<<blocks, kThreads, 0, stream>>>(T, h, step);
     } else {
       adamw_kernel<kBF16, kMaster, 1, false, false><<<blocks, kThreads, 0, stream>>>(T, h, step);
     }
@@ -532,7 +567,8 @@ Plan plan_for(const AdamWLeaf& leaf, AdamWLaunch options) {
          leaf.has_mirror,
          options.mirror_pass,
          options.groups_in_flight == 2 ? 2 : 1,
-         resident_groups(leaf.chunk_elems)};
+         resident_groups(leaf.chunk_elems),
+         options.prefetch};
   // Default (bench/NOTES.md, v3): registers where the chunk fits, except with master weights,
   // whose five tensors per group take 128 registers there and run faster read twice.
   if (p.pass == MirrorPass::kDefault) {
@@ -545,7 +581,7 @@ Plan plan_for(const AdamWLeaf& leaf, AdamWLaunch options) {
 
 bool same_launch(const Plan& a, const Plan& b) {
   return a.bf16 == b.bf16 && a.master == b.master && a.mirror == b.mirror && a.pass == b.pass &&
-         a.in_flight == b.in_flight && a.resident == b.resident;
+         a.in_flight == b.in_flight && a.resident == b.resident && a.prefetch == b.prefetch;
 }
 
 }  // namespace
@@ -558,6 +594,9 @@ int resident_groups(int64_t chunk_elems) {
 cudaError_t adamw_cuda(const AdamWLeaf* leaves, size_t count, const AdamWHyper& hyper,
                        const float* step, cudaStream_t stream, AdamWLaunch options) {
   if (options.groups_in_flight < 0 || options.groups_in_flight > 2) return cudaErrorInvalidValue;
+  if (options.prefetch != 0 && options.prefetch != 2 && options.prefetch != 4) {
+    return cudaErrorInvalidValue;
+  }
   // Leaves of the same kind go in one launch (up to kMaxLeaves each), in the order given.
   std::vector<bool> done(count, false);
   for (size_t i = 0; i < count; ++i) {
