@@ -132,10 +132,11 @@ def main() -> int:
             reopened.pin_rest_in_background()
             reopened.wait_pinned()
             t4 = time.perf_counter()
-            # The other way, for comparison: page-lock the snapshot first, then put.
+            # The other way, for comparison: page-lock the region first, then put.
             locked = HostBackup(name, backup.tensors, backup.batch, ring=1, create=False)
             t5 = time.perf_counter()
-            arrays = locked.snapshot_arrays(0, pin=True)
+            locked.wait_pinned()
+            arrays = locked.snapshot_arrays(0)
             t6 = time.perf_counter()
             jax.block_until_ready([jax.device_put(v, dev) for v in arrays])
             t7 = time.perf_counter()
@@ -198,7 +199,7 @@ def main() -> int:
                   f"{res['resume_verify_seconds']:.3f} s")
     table.add_row("  then the region page-locked (background, for the next snapshot)",
                   f"{res['resume_pin_seconds']:.3f} s")
-    table.add_row("  (for comparison: page-lock the snapshot first / put from it)",
+    table.add_row("  (for comparison: page-lock the region first / put from it)",
                   f"{res['resume_lock_first_seconds']:.3f} / {res['resume_put_locked_seconds']:.3f} s")
     table.add_row("  (for comparison: the put from 8 threads, one array each)",
                   f"{res['resume_put_threads_seconds']:.3f} s")

@@ -202,9 +202,6 @@ NB_MODULE(_core, m) {
       .def("pin", &ShmRegion::pin, nb::call_guard<nb::gil_scoped_release>(),
            "Page-locks the region for fast device-to-host copies (releases the GIL).")
       .def_prop_ro("pinned", &ShmRegion::pinned)
-      .def("pin_range", &ShmRegion::pin_range, nb::arg("offset"), nb::arg("nbytes"),
-           nb::call_guard<nb::gil_scoped_release>(),
-           "Page-locks one range of the region (pin() locks the rest later).")
       .def("numpy", &region_view<nb::numpy>, nb::arg("offset"), nb::arg("shape"), nb::arg("dtype"),
            "A NumPy view of region memory (no copy).")
       .def("jax", &region_view<nb::jax>, nb::arg("offset"), nb::arg("shape"), nb::arg("dtype"),

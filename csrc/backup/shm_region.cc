@@ -5,7 +5,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
@@ -53,7 +52,8 @@ std::shared_ptr<ShmRegion> ShmRegion::open(const std::string& name) {
     close(fd);
     fail("cannot size shared memory", name);
   }
-  // No MAP_POPULATE: page-locking (pin_range / pin) faults the pages in, in one pass.
+  // No MAP_POPULATE: a resume reads the snapshot once from the pageable pages; pin() faults
+  // the rest in later, in the background.
   void* p =
       mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   close(fd);
@@ -63,69 +63,20 @@ std::shared_ptr<ShmRegion> ShmRegion::open(const std::string& name) {
 
 bool ShmRegion::unlink(const std::string& name) { return shm_unlink(shm_path(name).c_str()) == 0; }
 
-namespace {
+bool ShmRegion::pin() {
 #if defined(PIMHBM_WITH_CUDA)
-bool have_device() {
+  std::lock_guard<std::mutex> lock(pin_mutex_);
+  if (pinned_) return true;
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     cudaGetLastError();
     return false;
   }
-  return true;
-}
-#endif
-}  // namespace
-
-bool ShmRegion::pin_range(int64_t offset, int64_t nbytes) {
-#if defined(PIMHBM_WITH_CUDA)
-  std::lock_guard<std::mutex> lock(pin_mutex_);
-  if (pinned_) return true;
-  // Whole pages: registrations must not overlap.
-  const int64_t page = sysconf(_SC_PAGESIZE);
-  int64_t begin = std::max<int64_t>(0, offset) / page * page;
-  int64_t end = std::min<int64_t>(nbytes_, (offset + nbytes + page - 1) / page * page);
-  for (const auto& [b, e] : locked_) {
-    if (b <= begin && end <= e) return true;
-    if (b < end && begin < e) return false;  // overlaps a locked range only in part
-  }
-  if (begin >= end || !have_device()) return false;
-  if (cudaHostRegister(data_ + begin, static_cast<size_t>(end - begin), cudaHostRegisterPortable) !=
+  if (cudaHostRegister(data_, static_cast<size_t>(nbytes_), cudaHostRegisterPortable) !=
       cudaSuccess) {
     cudaGetLastError();
     return false;
   }
-  locked_.emplace_back(begin, end);
-  std::sort(locked_.begin(), locked_.end());
-  return true;
-#else
-  (void)offset;
-  (void)nbytes;
-  return false;
-#endif
-}
-
-bool ShmRegion::pin() {
-#if defined(PIMHBM_WITH_CUDA)
-  std::lock_guard<std::mutex> lock(pin_mutex_);
-  if (pinned_) return true;
-  if (!have_device()) return false;
-  // Every gap between the ranges locked so far.
-  int64_t at = 0;
-  std::vector<std::pair<int64_t, int64_t>> gaps;
-  for (const auto& [b, e] : locked_) {
-    if (at < b) gaps.emplace_back(at, b);
-    at = e;
-  }
-  if (at < nbytes_) gaps.emplace_back(at, nbytes_);
-  for (const auto& [b, e] : gaps) {
-    if (cudaHostRegister(data_ + b, static_cast<size_t>(e - b), cudaHostRegisterPortable) !=
-        cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    locked_.emplace_back(b, e);
-  }
-  std::sort(locked_.begin(), locked_.end());
   pinned_ = true;
   return true;
 #else
@@ -135,7 +86,7 @@ bool ShmRegion::pin() {
 
 ShmRegion::~ShmRegion() {
 #if defined(PIMHBM_WITH_CUDA)
-  for (const auto& range : locked_) cudaHostUnregister(data_ + range.first);
+  if (pinned_) cudaHostUnregister(data_);
 #endif
   munmap(data_, static_cast<size_t>(nbytes_));
 }

@@ -8,8 +8,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <utility>
-#include <vector>
 
 namespace pimhbm::backup {
 
@@ -35,9 +33,6 @@ class ShmRegion {
   // in the background while it restores from the region).
   bool pin();
   bool pinned() const { return pinned_.load(); }
-  // Page-locks [offset, offset + nbytes) alone (the snapshot a resume reads first); a later
-  // pin() locks the rest. Returns whether the range is locked.
-  bool pin_range(int64_t offset, int64_t nbytes);
 
  private:
   ShmRegion(std::string name, uint8_t* data, int64_t nbytes)
@@ -46,7 +41,6 @@ class ShmRegion {
   uint8_t* data_;
   int64_t nbytes_;
   std::mutex pin_mutex_;
-  std::vector<std::pair<int64_t, int64_t>> locked_;  // [begin, end) ranges, sorted
   std::atomic<bool> pinned_{false};
 };
 

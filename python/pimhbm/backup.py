@@ -104,10 +104,10 @@ class HostBackup:
         else:
             self.region = _core.ShmRegion.open(name)
             self._check_header()
-            # A resuming process reads a snapshot first and writes the next one later: the
-            # snapshot it reads is page-locked when it asks for it (snapshot_arrays), the rest
-            # of the region in the background, off the restore's critical path;
-            # wait_pinned() before the next snapshot is written.
+            # A resuming process reads a snapshot first and writes the next one later: it reads
+            # from the pageable pages and locks the region in the background after
+            # (pin_rest_in_background), off the restore's critical path; wait_pinned() before
+            # the next snapshot is written.
             self._pinning = None
             self._reopened = True
 
@@ -182,20 +182,18 @@ class HostBackup:
         found = [(s, i) for i in (0, 1) if (s := self.snapshot_step(i)) is not None]
         return sorted(found, reverse=True)
 
-    def snapshot_arrays(self, slot: int, pin: bool = False) -> list[np.ndarray]:
+    def snapshot_arrays(self, slot: int) -> list[np.ndarray]:
         """NumPy views (no copy) of the tensors of snapshot slot ``slot``, for putting on the
         devices. A reopened region is not page-locked yet: a put from its pageable pages is
-        faster than locking them first (bench/NOTES.md, recovery v3); ``pin`` locks the slot
-        anyway. Lock the region with pin_rest_in_background() once the puts are done (a
-        registration running beside them slows them down)."""
-        if pin and self._reopened and not self.region.pinned:
-            self.region.pin_range(self.slot_base[slot], self.slot_bytes)
+        faster than locking them first (bench/NOTES.md, recovery v4-v6). Lock the region with
+        pin_rest_in_background() once the puts are done (a registration running beside them
+        slows them down)."""
         return [self.region.numpy(o, [t.nbytes], "uint8").view(np.dtype(jnp.dtype(t.dtype)))
                 .reshape(t.shape) for o, t in zip(self.offsets(slot), self.tensors)]
 
     def pin_rest_in_background(self) -> None:
-        """Starts page-locking a reopened region (what is not locked yet) on a background
-        thread; the next snapshot waits for it (wait_pinned())."""
+        """Starts page-locking a reopened region on a background thread; the next snapshot
+        waits for it (wait_pinned())."""
         if self._reopened and self._pinning is None and not self.region.pinned:
             self._pinning = threading.Thread(target=self.region.pin, name=f"pin /{self.name}",
                                              daemon=True)

@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         module.add_arguments(sub.add_parser(name, help=help_text, description=module.__doc__))
 
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # to start copies of itself
     if args.command in ("demo", "recover") or (args.command == "llama3" and args.deterministic):
         # Exact replay needs a deterministic step: on GPUs XLA's default attention and some
         # reductions are not bit-repeatable. Set before JAX starts its backends (harmless on

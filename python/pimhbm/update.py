@@ -288,13 +288,13 @@ class AdamW:
         Returns per leaf {"write": {...}, "faults", "grad_nonfinite"[, "mirror": {...}]}."""
         order = ["p", "master", "mu", "nu"]
         args, out_types, aliases, layout = [], [], {}, []
+        # Absent tensors (no master weights, no mirror) are empty placeholders in the call.
+        empty = (jnp.zeros((0,), jnp.float32), jnp.zeros((0, 2), jnp.uint32))
         for read, g, write, mirror in zip(reads, grads, writes, mirrors):
             p = read["p"][0]
             nchunks = _num_chunks(p.size, self.chunk_elems)
             present = {"p": True, "master": "master" in read, "mu": True, "nu": True}
-            # Absent tensors (no master weights, no mirror) are empty placeholders in the call.
-            empty = (jnp.zeros((0,), jnp.float32), jnp.zeros((0, 2), jnp.uint32))
-            empty_p = (jnp.zeros((0,), p.dtype), jnp.zeros((0, 2), jnp.uint32))
+            empty_p = (jnp.zeros((0,), p.dtype), empty[1])
 
             def side(tensors):
                 if tensors is None:

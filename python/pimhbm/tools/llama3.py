@@ -16,6 +16,7 @@ process drives its share of the devices (one GPU each on a GPU machine), they me
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
@@ -58,13 +59,8 @@ def add_arguments(p) -> None:
                         "split evenly between them (default 1: one process sees them all)")
     p.add_argument("--json", default=None, help="write the figures here")
     # Set by the launcher for each process of a --processes run.
-    p.add_argument("--process-id", type=int, default=None, help=argparse_suppress())
-    p.add_argument("--coordinator", default=None, help=argparse_suppress())
-
-
-def argparse_suppress() -> str:
-    import argparse
-    return argparse.SUPPRESS
+    p.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
 
 
 def _gpu_count() -> int:
@@ -92,7 +88,7 @@ def _launch(args: Any) -> int:
     with socket.socket() as s:  # a free port for the coordinator
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    argv = [a for a in sys.argv[1:]]
+    argv = list(args.argv)  # this command as given (pimhbm.cli keeps it)
     env = dict(os.environ)
     if not gpus:  # CPU devices: each process makes its share of them
         flags = [f for f in env.get("XLA_FLAGS", "").split()
