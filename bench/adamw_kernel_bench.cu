@@ -323,6 +323,12 @@ int main(int argc, char** argv) {
         return 1;
       }
     }
+    for (int stages : {2, 3, 4}) {
+      if (!time_update(kind, "guarded adamw, " + std::to_string(stages) + " stages in smem", c,
+                       false, AdamWLaunch{1, MirrorPass::kDefault, 0, stages}, 28.0)) {
+        return 1;
+      }
+    }
     if (bf16) {
       const float ms = median_ms([&](int i) {
         const Side &r = c.side[i % 2], &w = c.side[1 - i % 2];

@@ -220,12 +220,15 @@ TEST_P(AdamWCuda, MatchesTheCpuReferenceBitForBit) {
         adamw_cpu(cpu.view(), kHyper, step);
         for (const AdamWLaunch launch :
              {AdamWLaunch{1}, AdamWLaunch{2}, AdamWLaunch{1, MirrorPass::kDefault, 2},
-              AdamWLaunch{1, MirrorPass::kDefault, 4}}) {
+              AdamWLaunch{1, MirrorPass::kDefault, 4}, AdamWLaunch{1, MirrorPass::kDefault, 0, 2},
+              AdamWLaunch{1, MirrorPass::kDefault, 0, 3},
+              AdamWLaunch{1, MirrorPass::kDefault, 0, 4}}) {
           HostLeaf gpu = input;
           run_gpu(gpu, step, launch);
           const std::string what = "n " + std::to_string(n) + " chunk " + std::to_string(chunk) +
                                    " in flight " + std::to_string(launch.groups_in_flight) +
-                                   " prefetch " + std::to_string(launch.prefetch);
+                                   " prefetch " + std::to_string(launch.prefetch) + " stages " +
+                                   std::to_string(launch.stages);
           ASSERT_EQ(gpu.faults, cpu.faults) << what;
           ASSERT_EQ(gpu.bad, cpu.bad) << what;
           if (damaged) {
@@ -318,7 +321,9 @@ TEST(AdamWCudaTree, EveryLeafOfOneCallMatchesTheCpuReference) {
   PIMHBM_SEED_TRACE();
   auto rng = rng_for_test();
   const float step[3] = {3e-4f, 0.271f, 0.002997f};
-  for (bool mirror : {false, true}) {
+  // Without the device copy also through the shared-memory pipeline (3 stages).
+  for (const auto [mirror, stages] :
+       {std::pair{false, 0}, std::pair{false, 3}, std::pair{true, 0}}) {
     const int64_t chunk = mirror ? 1024 : 16 * (1 + static_cast<int64_t>(rng() % 300));
     const int count = 70 + static_cast<int>(rng() % 20);
     std::vector<HostLeaf> cpu, gpu;
@@ -338,7 +343,8 @@ TEST(AdamWCudaTree, EveryLeafOfOneCallMatchesTheCpuReference) {
     }
     DeviceBuffer<float> dstep(3);
     PIMHBM_ASSERT_CUDA(dstep.upload(std::vector<float>(step, step + 3)));
-    PIMHBM_ASSERT_CUDA(adamw_cuda(leaves.data(), leaves.size(), kHyper, dstep.get(), nullptr));
+    PIMHBM_ASSERT_CUDA(adamw_cuda(leaves.data(), leaves.size(), kHyper, dstep.get(), nullptr,
+                                  AdamWLaunch{0, MirrorPass::kDefault, 0, stages}));
     PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
     for (int i = 0; i < count; ++i) {
       MirrorOut out;
@@ -357,7 +363,7 @@ TEST(AdamWCudaTree, EveryLeafOfOneCallMatchesTheCpuReference) {
       adamw_cpu(L, kHyper, step);
       const std::string what = "leaf " + std::to_string(i) + " of " + std::to_string(count) +
                                ", n " + std::to_string(cpu[i].n) + ", mirror " +
-                               std::to_string(mirror);
+                               std::to_string(mirror) + ", stages " + std::to_string(stages);
       ASSERT_EQ(gpu[i].faults, cpu[i].faults) << what;
       ASSERT_EQ(gpu[i].bad, cpu[i].bad) << what;
       expect_same_but_nan_patterns(gpu[i], cpu[i], what);
@@ -386,6 +392,17 @@ TEST(AdamWLaunchPlan, RegisterLayoutsCoverChunksUpTo4096Elements) {
   EXPECT_EQ(resident_groups(4096), 4);
   EXPECT_EQ(resident_groups(4112), 0);
   EXPECT_EQ(resident_groups(16384), 0);
+}
+
+// Launch options out of range are refused before anything runs (no GPU needed).
+TEST(AdamWLaunchPlan, RefusesOptionsOutOfRange) {
+  AdamWLeaf leaf;
+  for (const AdamWLaunch bad :
+       {AdamWLaunch{3}, AdamWLaunch{-1}, AdamWLaunch{1, MirrorPass::kDefault, 3},
+        AdamWLaunch{1, MirrorPass::kDefault, 0, 1}, AdamWLaunch{1, MirrorPass::kDefault, 0, 5}}) {
+    EXPECT_EQ(adamw_cuda(&leaf, 1, kHyper, nullptr, nullptr, bad), cudaErrorInvalidValue)
+        << bad.groups_in_flight << " " << bad.prefetch << " " << bad.stages;
+  }
 }
 
 TEST(RestoreCuda, CopiesOnlyWhenTheStepDoesNotCommit) {

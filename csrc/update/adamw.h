@@ -98,10 +98,14 @@ enum class MirrorPass { kDefault = 0, kRegisters, kTwoReads, kTwoReadsKeep };
 // prefetch: without the device copy and with one group in flight, each thread also prefetches
 // into L2 the group it will load this many iterations later (0 = off; 2 or 4). An experiment
 // (bench/NOTES.md, v5): loads in flight without the registers to hold them.
+// stages: without the device copy, each thread's loads go through shared memory in a pipeline
+// of this many groups (asynchronous copies: the next stages-1 groups are in flight while one
+// is computed; 0 = off, else 2-4; takes precedence over groups_in_flight and prefetch).
 struct AdamWLaunch {
   int groups_in_flight = 0;
   MirrorPass mirror_pass = MirrorPass::kDefault;
   int prefetch = 0;
+  int stages = 0;
 };
 
 // Groups of four elements per thread that kRegisters keeps for chunks of `chunk_elems`

@@ -323,6 +323,124 @@ __device__ __forceinline__ void prefetch_group(const AdamWLeaf& L, int64_t e) {
   if constexpr (kMaster) prefetch_l2(L.master + e);
 }
 
+// Asynchronous copies global -> shared (sm_80+): the copy runs while the thread computes; it
+// waits for a copy only when it needs the data. 16-byte copies bypass L1 (.cg); 8-byte ones
+// (bf16 groups) must go through it (.ca).
+template <int kBytes>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(s), "l"(src), "n"(kBytes)
+                 : "memory");
+  }
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {  // all but the newest kPending groups done
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+// One stage of the pipeline: a group of every tensor for every thread of the block, tensor by
+// tensor, thread by thread (a warp's 16-byte reads of shared memory are conflict-free).
+template <bool kBF16, bool kMaster>
+struct Stage {
+  static constexpr int kPBytes = kBF16 ? 8 : 16;  // four elements of the parameter / gradient
+  static constexpr int kG = kPBytes * kThreads;   // offsets of the tensors in the stage
+  static constexpr int kMu = 2 * kG;
+  static constexpr int kNu = kMu + 16 * kThreads;
+  static constexpr int kMaster_ = kNu + 16 * kThreads;
+  static constexpr int kBytes = kMaster_ + (kMaster ? 16 * kThreads : 0);
+};
+
+template <bool kBF16, bool kMaster>
+__device__ __forceinline__ void stage_issue(char* st, const AdamWLeaf& L, int64_t e) {
+  using S = Stage<kBF16, kMaster>;
+  constexpr int psize = kBF16 ? 2 : 4;
+  const int t = threadIdx.x;
+  cp_async<S::kPBytes>(st + t * S::kPBytes, static_cast<const char*>(L.p) + e * psize);
+  cp_async<S::kPBytes>(st + S::kG + t * S::kPBytes, static_cast<const char*>(L.g) + e * psize);
+  cp_async<16>(st + S::kMu + 16 * t, L.mu + e);
+  cp_async<16>(st + S::kNu + 16 * t, L.nu + e);
+  if constexpr (kMaster) cp_async<16>(st + S::kMaster_ + 16 * t, L.master + e);
+}
+
+template <bool kBF16, bool kMaster>
+__device__ __forceinline__ void stage_read(const char* st, Group& x) {
+  using S = Stage<kBF16, kMaster>;
+  const int t = threadIdx.x;
+  if constexpr (kBF16) {
+    const uint2 p = *reinterpret_cast<const uint2*>(st + t * S::kPBytes);
+    const uint2 g = *reinterpret_cast<const uint2*>(st + S::kG + t * S::kPBytes);
+    x.p[0] = p.x & 0xFFFFu, x.p[1] = p.x >> 16, x.p[2] = p.y & 0xFFFFu, x.p[3] = p.y >> 16;
+    x.g[0] = g.x & 0xFFFFu, x.g[1] = g.x >> 16, x.g[2] = g.y & 0xFFFFu, x.g[3] = g.y >> 16;
+  } else {
+    const uint4 p = *reinterpret_cast<const uint4*>(st + t * S::kPBytes);
+    const uint4 g = *reinterpret_cast<const uint4*>(st + S::kG + t * S::kPBytes);
+    x.p[0] = p.x, x.p[1] = p.y, x.p[2] = p.z, x.p[3] = p.w;
+    x.g[0] = g.x, x.g[1] = g.y, x.g[2] = g.z, x.g[3] = g.w;
+  }
+  const float4 mu = *reinterpret_cast<const float4*>(st + S::kMu + 16 * t);
+  const float4 nu = *reinterpret_cast<const float4*>(st + S::kNu + 16 * t);
+  x.mu[0] = mu.x, x.mu[1] = mu.y, x.mu[2] = mu.z, x.mu[3] = mu.w;
+  x.nu[0] = nu.x, x.nu[1] = nu.y, x.nu[2] = nu.z, x.nu[3] = nu.w;
+  if constexpr (kMaster) {
+    const float4 m = *reinterpret_cast<const float4*>(st + S::kMaster_ + 16 * t);
+    x.master[0] = m.x, x.master[1] = m.y, x.master[2] = m.z, x.master[3] = m.w;
+  }
+}
+
+// The update without the device copy, its loads staged through shared memory: while a thread
+// computes group j, its groups j+1 .. j+kStages-1 are being copied in. Each thread reads back
+// only what it copied itself, so no barrier is needed; a stage is refilled only after the
+// thread's own reads of it have been used (program order).
+template <bool kBF16, bool kMaster, int kStages>
+__device__ __forceinline__ void staged_chunk(const AdamWLeaf& L, const AdamWHyper& h,
+                                             const AdamWStep& s, int64_t c, char* smem) {
+  using S = Stage<kBF16, kMaster>;
+  constexpr int psize = kBF16 ? 2 : 4;
+  const int64_t first = c * L.chunk_elems;
+  const int64_t count = min(L.chunk_elems, L.n - first);
+  const int64_t full_groups = count >> 2;
+  const int rem = static_cast<int>(count & 3);
+  const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
+
+  Sums sum;
+#pragma unroll
+  for (int k = 0; k < kStages - 1; ++k) {  // fill: the thread's first kStages-1 groups
+    const int64_t gi = threadIdx.x + static_cast<int64_t>(k) * kThreads;
+    if (gi < full_groups) stage_issue<kBF16, kMaster>(smem + k * S::kBytes, L, first + 4 * gi);
+    cp_async_commit();  // always, so that the count of groups stays the same in every thread
+  }
+  int slot = 0;
+  for (int64_t gi = threadIdx.x; gi < full_groups; gi += kThreads) {
+    const int64_t ahead = gi + static_cast<int64_t>(kStages - 1) * kThreads;
+    const int ahead_slot = slot == 0 ? kStages - 1 : slot - 1;  // the stage used last iteration
+    if (ahead < full_groups) {
+      stage_issue<kBF16, kMaster>(smem + ahead_slot * S::kBytes, L, first + 4 * ahead);
+    }
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();  // group gi has arrived
+    Group x;
+    stage_read<kBF16, kMaster>(smem + slot * S::kBytes, x);
+    process_group<kBF16, kMaster, true, true>(L, h, s, first, gi, 4, key0, x, sum, false);
+    slot = slot + 1 == kStages ? 0 : slot + 1;
+  }
+  cp_async_wait<0>();  // nothing in flight into shared memory past the chunk
+  if (rem != 0) {      // block-uniform: only a tensor's last chunk can be ragged
+    const int tail_live = threadIdx.x == 0 ? rem : 0;
+    Group x;
+    load_group<kBF16, kMaster, false>(L, first + 4 * full_groups, tail_live, x);
+    process_group<kBF16, kMaster, false, true>(L, h, s, first, full_groups, tail_live, key0, x, sum,
+                                               false);
+  }
+  const Sums t = block_sum(sum);
+  if (threadIdx.x == 0) finish_chunk<kMaster>(L, c, count, psize, t, t, false);
+}
+
 // Several leaves in one launch: block b takes global chunk b (and b + gridDim.x, ...), which
 // falls in leaf i when first_chunk[i] <= b < first_chunk[i + 1]. One launch instead of one per
 // leaf saves a launch and the last partial wave of blocks per leaf. The table travels in the
@@ -491,6 +609,32 @@ __global__ void __launch_bounds__(kThreads, kInFlight == 1 ? 3 : 1)
   }
 }
 
+// The staged pipeline: kStages stages of Stage<>::kBytes each in dynamic shared memory.
+template <bool kBF16, bool kMaster, int kStages>
+__global__ void __launch_bounds__(kThreads, 3)
+    adamw_staged_kernel(const __grid_constant__ LeafTable T, const AdamWHyper h,
+                        const float* __restrict__ step) {
+  extern __shared__ __align__(16) char stage_mem[];
+  const AdamWStep s = adamw_step(step);
+  for (int64_t gc = blockIdx.x; gc < T.first_chunk[T.count]; gc += gridDim.x) {
+    const int i = leaf_of(T, gc);
+    staged_chunk<kBF16, kMaster, kStages>(T.leaf[i], h, s, gc - T.first_chunk[i], stage_mem);
+  }
+}
+
+template <bool kBF16, bool kMaster, int kStages>
+cudaError_t launch_staged(const LeafTable& T, int blocks, const AdamWHyper& h, const float* step,
+                          cudaStream_t stream) {
+  constexpr int bytes = kStages * Stage<kBF16, kMaster>::kBytes;  // up to 64 KiB
+  auto kernel = adamw_staged_kernel<kBF16, kMaster, kStages>;
+  // Above 48 KiB of dynamic shared memory a kernel must opt in (once per kernel and device).
+  PIMHBM_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  kernel<<<blocks, kThreads, bytes, stream>>>(T, h, step);
+  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
+  return cudaSuccess;
+}
+
 template <bool kBF16, bool kMaster, int kG>
 __global__ void __launch_bounds__(kThreads)
     adamw_resident_kernel(const __grid_constant__ LeafTable T, const AdamWHyper h,
@@ -508,12 +652,18 @@ struct Plan {
   MirrorPass pass;
   int in_flight, resident;  // groups in flight (two-pass kernels); groups kept (resident)
   int prefetch;             // iterations prefetched ahead (no mirror, one group in flight)
+  int stages;               // groups staged through shared memory (no mirror; 0 = off)
 };
 
 template <bool kBF16, bool kMaster>
 cudaError_t launch_kind(const LeafTable& T, const Plan& p, const AdamWHyper& h, const float* step,
                         cudaStream_t stream) {
   const int blocks = static_cast<int>(std::min<int64_t>(T.first_chunk[T.count], 0x7FFFFFFF));
+  if (!p.mirror && p.stages != 0) {
+    if (p.stages == 2) return launch_staged<kBF16, kMaster, 2>(T, blocks, h, step, stream);
+    if (p.stages == 3) return launch_staged<kBF16, kMaster, 3>(T, blocks, h, step, stream);
+    return launch_staged<kBF16, kMaster, 4>(T, blocks, h, step, stream);
+  }
   if (!p.mirror) {
     if (p.in_flight == 2) {
       adamw_kernel<kBF16, kMaster, 2, false, false><<<blocks, kThreads, 0, stream>>>(T, h, step);
@@ -568,7 +718,8 @@ Plan plan_for(const AdamWLeaf& leaf, AdamWLaunch options) {
          options.mirror_pass,
          options.groups_in_flight == 2 ? 2 : 1,
          resident_groups(leaf.chunk_elems),
-         options.prefetch};
+         options.prefetch,
+         options.stages};
   // Default (bench/NOTES.md, v3): registers where the chunk fits, except with master weights,
   // whose five tensors per group take 128 registers there and run faster read twice.
   if (p.pass == MirrorPass::kDefault) {
@@ -581,7 +732,8 @@ Plan plan_for(const AdamWLeaf& leaf, AdamWLaunch options) {
 
 bool same_launch(const Plan& a, const Plan& b) {
   return a.bf16 == b.bf16 && a.master == b.master && a.mirror == b.mirror && a.pass == b.pass &&
-         a.in_flight == b.in_flight && a.resident == b.resident && a.prefetch == b.prefetch;
+         a.in_flight == b.in_flight && a.resident == b.resident && a.prefetch == b.prefetch &&
+         a.stages == b.stages;
 }
 
 }  // namespace
@@ -595,6 +747,9 @@ cudaError_t adamw_cuda(const AdamWLeaf* leaves, size_t count, const AdamWHyper& 
                        const float* step, cudaStream_t stream, AdamWLaunch options) {
   if (options.groups_in_flight < 0 || options.groups_in_flight > 2) return cudaErrorInvalidValue;
   if (options.prefetch != 0 && options.prefetch != 2 && options.prefetch != 4) {
+    return cudaErrorInvalidValue;
+  }
+  if (options.stages != 0 && (options.stages < 2 || options.stages > 4)) {
     return cudaErrorInvalidValue;
   }
   // Leaves of the same kind go in one launch (up to kMaxLeaves each), in the order given.
