@@ -311,9 +311,15 @@ int main(int argc, char** argv) {
     const char* kind = bf16 ? "bf16+master" : "fp32";
     const double copy_bytes = bf16 ? 14.0 : 12.0;  // the device copy's writes per parameter
     Case c = make_case(bf16, n, kChunk);
+    int base_blocks = 0;
+    CHECK(update::adamw_blocks_per_sm(bf16, bf16, 0, &base_blocks));
     for (int in_flight : {1, 2}) {
-      if (!time_update(kind, "guarded adamw, " + std::to_string(in_flight) + " group(s) in flight",
-                       c, false, AdamWLaunch{in_flight}, 28.0)) {
+      const std::string occupancy =
+          in_flight == 1 ? " (" + std::to_string(base_blocks) + " blocks/SM)" : "";
+      if (!time_update(
+              kind,
+              "guarded adamw, " + std::to_string(in_flight) + " group(s) in flight" + occupancy, c,
+              false, AdamWLaunch{in_flight}, 28.0)) {
         return 1;
       }
     }
@@ -324,8 +330,12 @@ int main(int argc, char** argv) {
       }
     }
     for (int stages : {2, 3, 4}) {
-      if (!time_update(kind, "guarded adamw, " + std::to_string(stages) + " stages in smem", c,
-                       false, AdamWLaunch{1, MirrorPass::kDefault, 0, stages}, 28.0)) {
+      int blocks = 0;
+      CHECK(update::adamw_blocks_per_sm(bf16, bf16, stages, &blocks));
+      if (!time_update(kind,
+                       "guarded adamw, " + std::to_string(stages) + " stages in smem (" +
+                           std::to_string(blocks) + " blocks/SM)",
+                       c, false, AdamWLaunch{1, MirrorPass::kDefault, 0, stages}, 28.0)) {
         return 1;
       }
     }

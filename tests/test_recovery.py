@@ -515,3 +515,36 @@ def test_a_damaged_snapshot_is_passed_over_for_the_older_one(shm_name, fault_fre
     assert state[0].step == 23 and state[0].action == "restored from host snapshot @10"
     assert stats.host_restores == 1 and tr.compiles == 0
     assert same_state(tr.current_state(), ref_state)
+
+
+def test_a_snapshot_is_trusted_only_once_the_next_step_verified_its_slot(shm_name, fault_free):
+    """Damage that lands in the state while its snapshot is being copied (here: just before the
+    copy starts, on the scrub of the snapshot's step) goes into the copy. The next step reads the
+    same slot and finds it, so that snapshot is never marked complete and is taken again at the
+    next step; a later host restore starts from the retaken one."""
+    ref_state = fault_free[30]
+
+    class AtTheSnapshot:
+        def before_step(self, trainer, step, attempt):
+            if step == 14 and attempt == 1:
+                for copy in (False, True):  # a double fault: restore from the host snapshot
+                    trainer.inject("b1", "mu", faults.spec(faults.FLIP_BIT, offset=8, bit=3),
+                                   into_copy=copy)
+            return None
+
+        def before_scrub(self, trainer, step):
+            if step == 10 and trainer.stats.steps_skipped == 0:
+                trainer.inject("w1", "p", faults.spec(faults.FLIP_BIT, offset=4 * 100 + 1, bit=6))
+
+    tr = make_trainer(shm_name)
+    stats = tr.run(30, campaign=AtTheSnapshot())
+    state = [i for i in stats.incidents if i.kind == "state"]
+    # (the step dispatched behind a skipped one reports the same damage: 11-12, 14-15)
+    assert state[0].step == 11 and state[0].action == "repaired from the device copy"
+    restores = [i for i in state if i.action.startswith("restored from host snapshot")]
+    assert {(i.step, i.action) for i in restores} == {(14, "restored from host snapshot @11"),
+                                                      (15, "restored from host snapshot @11")}
+    assert stats.host_restores == 1 and tr.compiles == 0
+    assert same_state(tr.current_state(), ref_state)
+    for step, slot in tr.backup.newest():  # every snapshot marked complete verifies
+        assert step != 10

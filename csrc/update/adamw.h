@@ -112,6 +112,10 @@ struct AdamWLaunch {
 // elements (1, 2 or 4), or 0 when such chunks do not fit.
 int resident_groups(int64_t chunk_elems);
 
+// Blocks per SM the update kernel without the device copy can keep resident (one group in
+// flight, or the shared-memory pipeline of `stages` stages): for the benchmark's table.
+cudaError_t adamw_blocks_per_sm(bool bf16, bool master, int stages, int* blocks);
+
 // The fused kernel; `step` points to lr, bc1, bc2 in device memory (no host sync).
 cudaError_t adamw_cuda(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step,
                        cudaStream_t stream, AdamWLaunch options = {});

@@ -630,6 +630,10 @@ cudaError_t launch_staged(const LeafTable& T, int blocks, const AdamWHyper& h, c
   // Above 48 KiB of dynamic shared memory a kernel must opt in (once per kernel and device).
   PIMHBM_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  // The largest shared-memory carve-out, so that three blocks' stages fit on an SM (the
+  // driver's own choice may leave room for fewer).
+  PIMHBM_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   kernel<<<blocks, kThreads, bytes, stream>>>(T, h, step);
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
   return cudaSuccess;
@@ -736,7 +740,31 @@ bool same_launch(const Plan& a, const Plan& b) {
          a.stages == b.stages;
 }
 
+template <bool kBF16, bool kMaster>
+cudaError_t occupancy_kind(int stages, int* blocks) {
+  if (stages == 0) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        blocks, adamw_kernel<kBF16, kMaster, 1, false, false>, kThreads, 0);
+  }
+  const int bytes = stages * Stage<kBF16, kMaster>::kBytes;
+  auto kernel = stages == 2   ? adamw_staged_kernel<kBF16, kMaster, 2>
+                : stages == 3 ? adamw_staged_kernel<kBF16, kMaster, 3>
+                              : adamw_staged_kernel<kBF16, kMaster, 4>;
+  PIMHBM_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  PIMHBM_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, kThreads, bytes);
+}
+
 }  // namespace
+
+cudaError_t adamw_blocks_per_sm(bool bf16, bool master, int stages, int* blocks) {
+  if (stages != 0 && (stages < 2 || stages > 4)) return cudaErrorInvalidValue;
+  if (bf16 && master) return occupancy_kind<true, true>(stages, blocks);
+  if (bf16) return occupancy_kind<true, false>(stages, blocks);
+  return occupancy_kind<false, false>(stages, blocks);
+}
 
 int resident_groups(int64_t chunk_elems) {
   const int64_t groups = (chunk_elems + 4 * kThreads - 1) / (4 * kThreads);  // per thread

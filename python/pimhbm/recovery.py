@@ -656,12 +656,19 @@ class Trainer:
         pending: collections.deque = collections.deque()
         attempts: collections.Counter = collections.Counter()
         snapshot = None  # (slot, step, ticket) in flight
+        # A snapshot copied but not yet trusted: (slot, step). The copy runs beside the next
+        # step, and damage to the state it reads may land before or during the copy; the next
+        # step reads the same slot and checks every chunk's digest, so the snapshot is marked
+        # complete only once that step has committed (else it is taken again at the next step).
+        unverified = None
+        snapshot_due = False
         step = self.next_step
         if self.backup is not None and not self.backup.newest():
             # A first snapshot of the starting state, so that a host restore is always possible.
             slot = self.backup.slot_for_next()
             self.backup.begin(slot, step - 1)
-            self._finish_snapshot((slot, step - 1, self._run_snapshot(slot)), True)
+            self._wait_snapshot((slot, step - 1, self._run_snapshot(slot)))
+            self._complete_snapshot(slot)  # nothing ran beside it
         while step <= until or pending:
             if step <= until and len(pending) < 2:
                 attempts[step] += 1
@@ -677,8 +684,9 @@ class Trainer:
                     scrub = self._programs["scrub", self.state.opt.current](self.state)
                     self._settle(scrub)
                     scrub.copy_to_host_async()
-                if (self.backup is not None and snapshot is None and self.snapshot_every and
-                        step % self.snapshot_every == 0):
+                if (self.backup is not None and snapshot is None and unverified is None and
+                        self.snapshot_every and (step % self.snapshot_every == 0 or snapshot_due)):
+                    snapshot_due = False
                     slot = self.backup.slot_for_next()
                     self.backup.begin(slot, step)
                     snapshot = (slot, step, self._run_snapshot(slot))
@@ -689,7 +697,13 @@ class Trainer:
             s = self._guarded(done, lambda: self._fetch(summary))  # [devices, summary]
             committed = bool(s[0, 0])  # the verdict is global: the same on every device
             if snapshot is not None and snapshot[1] == done:
-                snapshot = self._finish_snapshot(snapshot, committed)
+                self._wait_snapshot(snapshot)  # the copy is done before the slot is rewritten
+                unverified = snapshot[:2] if committed else None
+                snapshot_due, snapshot = not committed, None
+            elif unverified is not None and unverified[1] + 1 == done:
+                if committed:
+                    self._complete_snapshot(unverified[0])
+                snapshot_due, unverified = not committed, None
             if committed:
                 self.stats.steps_committed += 1
                 self.stats.losses[done] = float(self._fetch(loss))
@@ -705,12 +719,16 @@ class Trainer:
             later = [(t, self._fetch(later_summary)) for t, _, later_summary, _ in pending]
             pending.clear()
             if snapshot is not None:
-                snapshot = self._finish_snapshot(snapshot, False)
+                self._wait_snapshot(snapshot)
+                snapshot, snapshot_due = None, True
             replay_from = self._handle_fault([(done, s)] + later)
             self.stats.steps_replayed += step - replay_from
             step = replay_from
         if snapshot is not None:
-            self._finish_snapshot(snapshot, True)
+            self._wait_snapshot(snapshot)
+            unverified = snapshot[:2]
+        if unverified is not None and self._current_slot_verifies():
+            self._complete_snapshot(unverified[0])  # no step after it: a scrub checks its slot
         return self.stats
 
     # -- hardware telemetry --------------------------------------------------------------------
@@ -1001,14 +1019,19 @@ class Trainer:
 
     # -- host snapshots ------------------------------------------------------------------------
 
-    def _finish_snapshot(self, snapshot, committed: bool):
-        slot, step, ticket = snapshot
-        jax.block_until_ready(ticket)
+    def _wait_snapshot(self, snapshot) -> None:
+        """Returns once the snapshot's copies to the host are done."""
+        jax.block_until_ready(snapshot[2])
         pimhbm._core.snapshot_wait()
-        if committed:
-            self.backup.complete(slot)
-            self.stats.snapshots += 1
-        return None
+
+    def _complete_snapshot(self, slot: int) -> None:
+        self.backup.complete(slot)
+        self.stats.snapshots += 1
+
+    def _current_slot_verifies(self) -> bool:
+        """A scrub of the current state: whether every chunk of the current slot verifies."""
+        rows = self._fetch(self._programs["scrub", self.state.opt.current](self.state))
+        return not any(b & 0xF for r in rows for _, b in self._decode(r))
 
     def _load_snapshot(self) -> int:
         """Puts the newest snapshot that verifies into every copy of the state; returns its

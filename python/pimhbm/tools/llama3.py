@@ -58,6 +58,9 @@ def add_arguments(p) -> None:
                    help="run as this many processes (jax.distributed on localhost), the devices "
                         "split evenly between them (default 1: one process sees them all)")
     p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="also trace 3 steps of each kind with jax.profiler into DIR and print "
+                        "where the device time goes (kernels by kind, the largest ones)")
     # Set by the launcher for each process of a --processes run.
     p.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
@@ -116,6 +119,34 @@ def _median_step(step, carry, batches, lrs):
     return statistics.median(times), carry
 
 
+def _print_profile(console, profiles, results) -> None:
+    """Device time per step by kind of kernel, plain against protected, and the largest
+    kernels of the protected step (matmuls left out: the same in both)."""
+    from rich.table import Table
+
+    from pimhbm.tools import device_profile
+    sums = {k: device_profile.summary(ev, 3) for k, ev in profiles.items()}
+    results["profile_ms_per_step"] = sums
+    t = Table(title="device time per step (ms), from the profiler")
+    for col in ("kernels", "plain", "protected", "difference"):
+        t.add_column(col, justify="left" if col == "kernels" else "right")
+    for cat in sorted(set(sums["plain"]) | set(sums["protected"]), key=lambda c: c == "total"):
+        a, b = sums["plain"].get(cat, 0.0), sums["protected"].get(cat, 0.0)
+        t.add_row(cat, f"{a:.2f}", f"{b:.2f}", f"{b - a:+.2f}")
+    console.print(t)
+    if not profiles["protected"]:
+        console.print("(the trace holds no device timeline: nothing to split)")
+        return
+    t = Table(title="largest kernels of the protected step, matmuls left out (ms per step)")
+    for col in ("kernel", "XLA op", "ms", "launches"):
+        t.add_column(col, justify="left" if col in ("kernel", "XLA op") else "right")
+    rows = device_profile.top_kernels(profiles["protected"], 3)
+    results["profile_top_protected"] = rows
+    for name, op, ms, n in rows:
+        t.add_row(name, op, f"{ms:.3f}", str(n))
+    console.print(t)
+
+
 def run(args: Any) -> int:
     if args.processes < 1:
         print("--processes must be at least 1", file=sys.stderr)
@@ -147,6 +178,7 @@ def run(args: Any) -> int:
     from pimhbm.campaign import KINDS, Campaign
     from pimhbm.models import llama3
     from pimhbm.recovery import fsdp_spec
+    from pimhbm.tools import device_profile
     from pimhbm.train import llama_trainer, warmup_cosine
 
     lead = jax.process_index() == 0  # prints and writes the figures
@@ -224,6 +256,15 @@ def run(args: Any) -> int:
     console.print("timing the unprotected step (optax.adamw) ...")
     opt0 = jax.jit(tx.init)(master)  # moments follow the master weights' sharding
     plain, carry = _median_step(plain_step, (master, opt0, params), batches, lrs)
+    profiles = {}
+    if args.profile:
+        def three_plain():
+            nonlocal carry
+            for b, lr in zip(batches[:3], lrs[:3]):
+                carry = plain_step(carry, b, lr)
+            jax.block_until_ready(carry)
+        profiles["plain"] = device_profile.device_events(
+            device_profile.trace(os.path.join(args.profile, "plain"), three_plain))
     del carry, master, params  # donated
     results["plain_ms"] = plain * 1e3
 
@@ -255,6 +296,10 @@ def run(args: Any) -> int:
         protected = statistics.median(times)
         results["protected_ms"] = protected * 1e3
         results["overhead"] = protected / plain - 1
+        if args.profile:
+            start = trainer.next_step
+            profiles["protected"] = device_profile.device_events(device_profile.trace(
+                os.path.join(args.profile, "protected"), lambda: trainer.run(start + 2)))
         results["compiles_after_prewarm"] = trainer.compiles
 
         table = Table(title=f"step time, {args.tokens} tokens, {len(devices)} x {dev.device_kind}")
@@ -265,6 +310,8 @@ def run(args: Any) -> int:
         console.print(table)
         console.print(f"cost of protection: {results['overhead'] * 100:+.2f} % (target <= 2 %): " +
                       ("[green]met[/]" if results["overhead"] <= 0.02 else "[red]not met[/]"))
+        if profiles:
+            _print_profile(console, profiles, results)
 
         if not args.no_campaign:
             steps = args.campaign_steps

@@ -1,0 +1,93 @@
+"""Where a step's device time goes: a few steps traced with ``jax.profiler`` and the device
+events of the trace summed per kernel (or per XLA op where the trace names it).
+
+Used by ``pimhbm llama3 --profile DIR`` to split the cost of protection into its kernels.
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+from typing import Callable
+
+
+def trace(log_dir: str, fn: Callable[[], None]) -> str:
+    """Runs ``fn`` under the profiler; returns the path of the Perfetto trace it wrote."""
+    import jax
+    os.makedirs(log_dir, exist_ok=True)
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        fn()
+    found = sorted(glob.glob(os.path.join(log_dir, "**", "*perfetto_trace.json.gz"), recursive=True),
+                   key=os.path.getmtime)
+    if not found:
+        raise RuntimeError(f"the profiler wrote no Perfetto trace under {log_dir}")
+    return found[-1]
+
+
+def device_events(path: str) -> list[tuple[str, str, float]]:
+    """(kernel name, XLA op or "", microseconds) of every event on the trace's device (GPU)
+    timelines. Empty when the trace holds no device timeline (a CPU run)."""
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    device_pids = {e["pid"] for e in events
+                   if e.get("ph") == "M" and e.get("name") == "process_name" and
+                   "gpu" in str(e.get("args", {}).get("name", "")).lower()}
+    # A device's timeline also holds derived lines ("XLA Ops", "XLA Modules") over the same
+    # time: only its streams' kernels count (all of its lines where none is named a stream).
+    streams = {(e["pid"], e.get("tid")) for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name" and
+               e.get("pid") in device_pids and
+               "stream" in str(e.get("args", {}).get("name", "")).lower()}
+    out = []
+    for e in events:
+        if e.get("ph") != "X" or e.get("pid") not in device_pids:
+            continue
+        if streams and (e["pid"], e.get("tid")) not in streams:
+            continue
+        args = e.get("args", {}) or {}
+        out.append((str(e.get("name", "?")), str(args.get("hlo_op", "")), float(e.get("dur", 0.0))))
+    return out
+
+
+CATEGORIES = (  # first match wins; names are CUDA kernel names, lower-cased
+    ("pimhbm kernels", ("pimhbm",)),
+    ("matmuls", ("gemm", "xmma", "cutlass", "cublas", "nvjet", "sm90_", "sm80_")),
+    ("copies / memsets", ("memcpy", "memset", "copy")),
+    ("collectives", ("nccl", "all_reduce", "all-reduce", "allreduce")),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for label, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return label
+    return "other XLA kernels"
+
+
+def summary(events: list[tuple[str, str, float]], steps: int) -> dict[str, float]:
+    """Milliseconds per step by category (and "total")."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for name, _, us in events:
+        out[category(name)] += us / steps / 1e3
+        out["total"] += us / steps / 1e3
+    return dict(out)
+
+
+def top_kernels(events: list[tuple[str, str, float]], steps: int, n: int = 15,
+                skip: tuple[str, ...] = ("matmuls",)) -> list[tuple[str, str, float, int]]:
+    """The n kernels (name, XLA op, ms per step, launches per step) taking the most time,
+    leaving out the categories in ``skip``."""
+    time: dict[tuple[str, str], float] = collections.defaultdict(float)
+    count: collections.Counter = collections.Counter()
+    for name, op, us in events:
+        if category(name) in skip:
+            continue
+        time[name, op] += us
+        count[name, op] += 1
+    rows = sorted(time.items(), key=lambda kv: -kv[1])[:n]
+    return [(name[:70], op[:40], us / steps / 1e3, count[name, op] // steps)
+            for (name, op), us in rows]
