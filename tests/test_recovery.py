@@ -548,3 +548,32 @@ def test_a_snapshot_is_trusted_only_once_the_next_step_verified_its_slot(shm_nam
     assert same_state(tr.current_state(), ref_state)
     for step, slot in tr.backup.newest():  # every snapshot marked complete verifies
         assert step != 10
+
+
+def test_a_gradient_fault_hidden_in_a_poisoned_gradient_is_detected_not_located(shm_name):
+    """A NaN written into one gradient value on a step whose forward pass already reads a
+    parameter row overwritten with random bytes: the whole gradient is non-finite, more chunks than the
+    summary lists. The step is skipped and replayed, the engine says the list was a prefix, and
+    the campaign counts the NaN as detected (kept out of the update) but not located."""
+    tr = make_trainer(shm_name, inject=True, fault_capacity=2)
+    campaign = Campaign(tr, {"grad_nonfinite": 1}, last_step=12, seed=3)
+    planned = campaign.plan[0]
+    planned.step, planned.path, planned.element, planned.chunks = 8, "w1", 256 * 20 + 7, (20,)
+    campaign._by_step = {8: [planned]}
+
+    class Poisoned:
+        def before_step(self, trainer, step, attempt):
+            if step == 8 and attempt == 1:  # a failed row: random bytes, NaN patterns among them
+                trainer.inject("w0", "p", faults.spec(faults.OVERWRITE, offset=0, length=2048,
+                                                      seed=5))
+            return campaign.before_step(trainer, step, attempt)
+
+        def before_scrub(self, trainer, step):
+            pass
+
+    stats = tr.run(12, campaign=Poisoned())
+    grads = [i for i in stats.incidents if i.kind == "gradient" and i.step == 8]
+    assert grads and grads[0].unlisted
+    assert ("w1", "gradient", 20) not in {loc[1:] for loc in grads[0].locations}
+    row = campaign.check(stats)["grad_nonfinite"]
+    assert row == {"injected": 1, "detected": 1, "repaired": 1, "missed": 0, "unlocated": 1}

@@ -33,6 +33,7 @@ class Planned:
     value: str = "nan"
     chunks: tuple[int, ...] = ()  # where it must be found
     detected: bool = False
+    located: bool = False  # detected at its own chunk(s)
     repaired: bool = False
 
 
@@ -141,13 +142,23 @@ class Campaign:
         """Marks each planned fault detected (an incident at its step names every chunk it
         damaged) and repaired (that incident's action succeeded); counts by kind."""
         found: dict[tuple[int, str, str, int], str] = {}
+        unlisted: set[int] = set()  # steps whose non-finite gradients overflowed the list
         for inc in stats.incidents:
             for _device, path, tensor, chunk in inc.locations:
                 found[(inc.step, path, tensor, chunk)] = inc.action
-        table = {k: {"injected": 0, "detected": 0, "repaired": 0, "missed": 0} for k in KINDS}
+            if inc.kind == "gradient" and inc.unlisted:
+                unlisted.add(inc.step)
+        table = {k: {"injected": 0, "detected": 0, "repaired": 0, "missed": 0, "unlocated": 0}
+                 for k in KINDS}
         for f in self.plan:
             actions = [found.get((f.step, f.path, f.tensor, c)) for c in f.chunks]
             f.detected = all(a is not None for a in actions)
+            f.located = f.detected
+            if not f.detected and f.kind == "grad_nonfinite" and f.step in unlisted:
+                # Its step was skipped for non-finite gradients in more chunks than the summary
+                # lists (damaged state upstream poisoned the whole gradient): detected and kept
+                # out of the update, but not told apart from the rest.
+                f.detected, actions = True, ["step skipped, replayed"]
             f.repaired = f.detected and all(
                 a.startswith(("repaired", "restored", "step skipped")) for a in actions)
             row = table[f.kind]
@@ -155,4 +166,5 @@ class Campaign:
             row["detected"] += f.detected
             row["repaired"] += f.repaired
             row["missed"] += not f.detected
+            row["unlocated"] += f.detected and not f.located
         return {k: v for k, v in table.items() if v["injected"]}

@@ -182,6 +182,11 @@ def run(args: Any) -> int:
         out.add_row(kind, str(row["injected"]), str(row["detected"]), str(row["repaired"]),
                     f"[red]{row['missed']}[/]" if row["missed"] else "0")
     console.print(out)
+    unlocated = sum(r["unlocated"] for r in table.values())
+    if unlocated:
+        console.print(f"({unlocated} NaN/Inf gradient fault(s) fell on steps whose whole gradient "
+                      "was non-finite from damaged state upstream: detected and kept out of the "
+                      "update, not told apart from the rest)")
     facts = Table(show_header=False, title="The run under faults")
     facts.add_column(justify="left")
     facts.add_column(justify="right")

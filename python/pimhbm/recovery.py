@@ -61,6 +61,9 @@ class Incident:
     locations: list[tuple[int, str, str, int]]  # (device, leaf, tensor, chunk)
     action: str  # "repaired from the device copy", "restored from host snapshot @N", ...
     replayed: int = 0
+    # gradient incidents: more chunks held NaN/Inf than the summary lists (typically a damaged
+    # parameter upstream made the whole gradient non-finite); the list is then a prefix
+    unlisted: bool = False
 
 
 @dataclasses.dataclass
@@ -818,20 +821,22 @@ class Trainer:
         state_faults: dict[int, int] = {}  # chunk -> bits, over every device
         overflow = False
         for step, rows in summaries:
-            locs, grad_locs = [], []
+            locs, grad_locs, unlisted = [], [], False
             for device, s in enumerate(rows):
                 faults = self._decode(s[3:3 + 2 * k])
                 overflow |= int(s[2]) > len(faults)
                 for i, b in faults:
                     state_faults[i] = state_faults.get(i, 0) | b
                     locs += self._locate(i, b, device=device)
-                for i, _ in self._decode(s[3 + 2 * k:3 + 4 * k]):
+                grads = self._decode(s[3 + 2 * k:3 + 4 * k])
+                unlisted |= int(s[1]) > sum(c for _, c in grads)
+                for i, _ in grads:
                     grad_locs.append((device, self._locate(i, 1)[0][1], "gradient", self._chunk_of(i)))
             if locs:  # every damaged chunk this step saw (damage persists until repaired)
                 self.stats.incidents.append(Incident(step, "state", locs, ""))
             if grad_locs:
-                self.stats.incidents.append(Incident(step, "gradient", grad_locs,
-                                                     "step skipped, replayed"))
+                self.stats.incidents.append(Incident(
+                    step, "gradient", grad_locs, "step skipped, replayed", unlisted=unlisted))
         pending_state = [inc for inc in self.stats.incidents if inc.kind == "state" and not inc.action]
         if state_faults:
             failures: list[tuple[int, str, str, int]] = []

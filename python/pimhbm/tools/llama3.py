@@ -137,14 +137,15 @@ def _print_profile(console, profiles, results) -> None:
     if not profiles["protected"]:
         console.print("(the trace holds no device timeline: nothing to split)")
         return
-    t = Table(title="largest kernels of the protected step, matmuls left out (ms per step)")
-    for col in ("kernel", "XLA op", "ms", "launches"):
-        t.add_column(col, justify="left" if col in ("kernel", "XLA op") else "right")
-    rows = device_profile.top_kernels(profiles["protected"], 3)
-    results["profile_top_protected"] = rows
-    for name, op, ms, n in rows:
-        t.add_row(name, op, f"{ms:.3f}", str(n))
-    console.print(t)
+    for kind in ("plain", "protected"):
+        t = Table(title=f"largest kernels of the {kind} step, matmuls left out (ms per step)")
+        for col in ("kernel", "XLA op", "ms", "launches"):
+            t.add_column(col, justify="left" if col in ("kernel", "XLA op") else "right")
+        rows = device_profile.top_kernels(profiles[kind], 3, n=15 if kind == "protected" else 10)
+        results[f"profile_top_{kind}"] = rows
+        for name, op, ms, n in rows:
+            t.add_row(name, op, f"{ms:.3f}", str(n))
+        console.print(t)
 
 
 def run(args: Any) -> int:
@@ -340,6 +341,11 @@ def run(args: Any) -> int:
             for kind, row in found.items():
                 t.add_row(kind, *(str(row[c]) for c in ("injected", "detected", "repaired", "missed")))
             console.print(t)
+            unlocated = sum(r["unlocated"] for r in found.values())
+            if unlocated:
+                console.print(f"({unlocated} NaN/Inf gradient fault(s) fell on steps whose whole "
+                              "gradient was non-finite from damaged state upstream: detected and "
+                              "kept out of the update, not told apart from the rest)")
             console.print(f"repairs from the device copy {stats.repairs}, host restores "
                           f"{stats.host_restores}, compilations after prewarm {trainer.compiles}; "
                           "final state " + ("[green]bit-identical[/] to the run without faults"
