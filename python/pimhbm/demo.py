@@ -64,6 +64,12 @@ def _run(console, title, trainer, steps, campaign=None):
         return stats, time.perf_counter() - t0
 
 
+def _attention() -> str | None:
+    """XLA's own attention in exact-replay mode: with XLA's deterministic-ops flag this XLA fails
+    to run the cuDNN attention it compiled (see `pimhbm llama3`); else the best available."""
+    return "xla" if "xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "") else None
+
+
 def _plain_step_seconds(cfg, data, args, device) -> float:
     """Seconds per step of the same training without protection -- optax.adamw on fp32 master
     weights, bf16 parameters cast from them, the same batches and learning rates, no digests,
@@ -77,7 +83,7 @@ def _plain_step_seconds(cfg, data, args, device) -> float:
     def step(state, batch, lr):
         master, opt, params = state
         opt.hyperparams["learning_rate"] = lr
-        loss, grads = jax.value_and_grad(lambda p: llama3.loss(p, batch, cfg))(params)
+        loss, grads = jax.value_and_grad(lambda p: llama3.loss(p, batch, cfg, _attention()))(params)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         updates, opt = tx.update(grads, opt, master)
         master = optax.apply_updates(master, updates)
@@ -145,7 +151,8 @@ def run(args: Any) -> int:
                    else "off"))
     names = [f"pimhbm_demo_{uuid.uuid4().hex[:10]}_{k}" for k in ("clean", "faults")]
     common = dict(steps=args.steps, batch=args.batch, seq=args.seq, seed=args.seed,
-                  shm_name=None, inject_gradients=True, devices=[device])
+                  shm_name=None, inject_gradients=True, devices=[device],
+                  attention_impl=_attention())
     try:
         # Run 1: without faults. The same compiled programs as run 2 (fault hooks included).
         clean = llama_trainer(cfg, data, **{**common, "shm_name": names[0]})
