@@ -577,3 +577,22 @@ def test_a_gradient_fault_hidden_in_a_poisoned_gradient_is_detected_not_located(
     assert ("w1", "gradient", 20) not in {loc[1:] for loc in grads[0].locations}
     row = campaign.check(stats)["grad_nonfinite"]
     assert row == {"injected": 1, "detected": 1, "repaired": 1, "missed": 0, "unlocated": 1}
+
+
+def test_first_nonzero_is_jnp_nonzero_without_a_scatter(rng):
+    """The fault lists of every step: the same entries as jnp.nonzero(size=k), in a program with
+    no scatter and no sort (under XLA's deterministic ops on GPUs a scatter becomes sorts of the
+    whole array, every step)."""
+    from pimhbm.recovery import first_nonzero
+
+    for n in (1, 2, 63, 64, 65, 1000, int(rng.integers(2000, 300000))):
+        for density in (0.0, 1e-4, 0.01, 0.5, 1.0):
+            x = np.where(rng.random(n) < density, rng.integers(1, 1 << 20, n), 0).astype(np.int32)
+            for k in (1, 7, 64):
+                got = np.asarray(first_nonzero(jnp.asarray(x), k))
+                want = np.asarray(jnp.nonzero(x, size=k, fill_value=-1)[0])
+                assert got.tolist() == want.tolist(), (n, density, k)
+    assert np.asarray(first_nonzero(jnp.zeros((0,), jnp.int32), 3)).tolist() == [-1, -1, -1]
+    hlo = jax.jit(first_nonzero, static_argnums=1).lower(
+        jax.ShapeDtypeStruct((123000,), jnp.int32), 64).compile().as_text()
+    assert re.findall(r"\b(scatter|sort)\(", hlo) == []
