@@ -622,18 +622,22 @@ __global__ void __launch_bounds__(kThreads, 3)
   }
 }
 
+// Above 48 KiB of dynamic shared memory a kernel must opt in (once per kernel and device); the
+// largest carve-out lets three blocks' stages share an SM (the driver's own choice may not).
+template <typename Kernel>
+cudaError_t allow_shared_memory(Kernel kernel, int bytes) {
+  PIMHBM_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                              cudaSharedmemCarveoutMaxShared);
+}
+
 template <bool kBF16, bool kMaster, int kStages>
 cudaError_t launch_staged(const LeafTable& T, int blocks, const AdamWHyper& h, const float* step,
                           cudaStream_t stream) {
   constexpr int bytes = kStages * Stage<kBF16, kMaster>::kBytes;  // up to 64 KiB
   auto kernel = adamw_staged_kernel<kBF16, kMaster, kStages>;
-  // Above 48 KiB of dynamic shared memory a kernel must opt in (once per kernel and device).
-  PIMHBM_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  // The largest shared-memory carve-out, so that three blocks' stages fit on an SM (the
-  // driver's own choice may leave room for fewer).
-  PIMHBM_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  PIMHBM_CUDA_RETURN_IF_ERROR(allow_shared_memory(kernel, bytes));
   kernel<<<blocks, kThreads, bytes, stream>>>(T, h, step);
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
   return cudaSuccess;
@@ -750,10 +754,7 @@ cudaError_t occupancy_kind(int stages, int* blocks) {
   auto kernel = stages == 2   ? adamw_staged_kernel<kBF16, kMaster, 2>
                 : stages == 3 ? adamw_staged_kernel<kBF16, kMaster, 3>
                               : adamw_staged_kernel<kBF16, kMaster, 4>;
-  PIMHBM_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  PIMHBM_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+  PIMHBM_CUDA_RETURN_IF_ERROR(allow_shared_memory(kernel, bytes));
   return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, kThreads, bytes);
 }
 
