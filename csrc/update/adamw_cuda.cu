@@ -307,6 +307,20 @@ __device__ __forceinline__ void finish_chunk(const AdamWLeaf& L, int64_t c, int6
   L.grad_nonfinite[c] = static_cast<int32_t>(t.bad);
 }
 
+// Where chunk c of a leaf lies: its first element, its length (the last chunk may be short),
+// its whole groups of four, the elements past them, and its digest key.
+struct ChunkSpan {
+  int64_t first, count, full_groups;
+  int rem;
+  uint64_t key0;
+};
+__device__ __forceinline__ ChunkSpan chunk_span(const AdamWLeaf& L, int64_t c) {
+  const int64_t first = c * L.chunk_elems;
+  const int64_t count = min(L.chunk_elems, L.n - first);
+  return {first, count, count >> 2, static_cast<int>(count & 3),
+          chunk_key(static_cast<uint64_t>(c))};
+}
+
 // A hint that group e (elements e..e+3) of every tensor will be read soon: the lines go to L2
 // without taking registers, so a thread's next loads wait on L2 instead of DRAM. A warp's
 // prefetch covers its 32 groups' lines, like its load would.
@@ -402,11 +416,7 @@ __device__ __forceinline__ void staged_chunk(const AdamWLeaf& L, const AdamWHype
                                              const AdamWStep& s, int64_t c, char* smem) {
   using S = Stage<kBF16, kMaster>;
   constexpr int psize = kBF16 ? 2 : 4;
-  const int64_t first = c * L.chunk_elems;
-  const int64_t count = min(L.chunk_elems, L.n - first);
-  const int64_t full_groups = count >> 2;
-  const int rem = static_cast<int>(count & 3);
-  const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
+  const auto [first, count, full_groups, rem, key0] = chunk_span(L, c);
 
   Sums sum;
 #pragma unroll
@@ -473,11 +483,7 @@ __device__ __forceinline__ void two_pass_chunk(const AdamWLeaf& L, const AdamWHy
                                                const AdamWStep& s, int64_t c) {
   constexpr int psize = kBF16 ? 2 : 4;
   const int64_t bd = blockDim.x;
-  const int64_t first = c * L.chunk_elems;
-  const int64_t count = min(L.chunk_elems, L.n - first);
-  const int64_t full_groups = count >> 2;
-  const int rem = static_cast<int>(count & 3);
-  const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
+  const auto [first, count, full_groups, rem, key0] = chunk_span(L, c);
   const int tail_live = threadIdx.x == 0 ? rem : 0;
 
   Sums old;
@@ -546,11 +552,7 @@ template <bool kBF16, bool kMaster, int kG>
 __device__ __forceinline__ void resident_chunk(const AdamWLeaf& L, const AdamWHyper& h,
                                                const AdamWStep& s, int64_t c) {
   constexpr int psize = kBF16 ? 2 : 4;
-  const int64_t first = c * L.chunk_elems;
-  const int64_t count = min(L.chunk_elems, L.n - first);
-  const int64_t full_groups = count >> 2;
-  const int rem = static_cast<int>(count & 3);
-  const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
+  const auto [first, count, full_groups, rem, key0] = chunk_span(L, c);
 
   // Group gi = threadIdx.x + k * kThreads: whole (live 4), the ragged last one (live rem), or
   // past the end (live 0: nothing loaded, nothing stored, no digest term).
@@ -632,12 +634,24 @@ cudaError_t allow_shared_memory(Kernel kernel, int bytes) {
                               cudaSharedmemCarveoutMaxShared);
 }
 
-template <bool kBF16, bool kMaster, int kStages>
-cudaError_t launch_staged(const LeafTable& T, int blocks, const AdamWHyper& h, const float* step,
-                          cudaStream_t stream) {
-  constexpr int bytes = kStages * Stage<kBF16, kMaster>::kBytes;  // up to 64 KiB
-  auto kernel = adamw_staged_kernel<kBF16, kMaster, kStages>;
-  PIMHBM_CUDA_RETURN_IF_ERROR(allow_shared_memory(kernel, bytes));
+// The pipeline kernel of `stages` stages (2-4), opted into the shared memory it needs (up to
+// 64 KiB, returned in `bytes`).
+template <bool kBF16, bool kMaster>
+cudaError_t staged_kernel(int stages, void (**kernel)(LeafTable, AdamWHyper, const float*),
+                          int* bytes) {
+  *kernel = stages == 2   ? adamw_staged_kernel<kBF16, kMaster, 2>
+            : stages == 3 ? adamw_staged_kernel<kBF16, kMaster, 3>
+                          : adamw_staged_kernel<kBF16, kMaster, 4>;
+  *bytes = stages * Stage<kBF16, kMaster>::kBytes;
+  return allow_shared_memory(*kernel, *bytes);
+}
+
+template <bool kBF16, bool kMaster>
+cudaError_t launch_staged(int stages, const LeafTable& T, int blocks, const AdamWHyper& h,
+                          const float* step, cudaStream_t stream) {
+  void (*kernel)(LeafTable, AdamWHyper, const float*);
+  int bytes;
+  PIMHBM_CUDA_RETURN_IF_ERROR((staged_kernel<kBF16, kMaster>(stages, &kernel, &bytes)));
   kernel<<<blocks, kThreads, bytes, stream>>>(T, h, step);
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
   return cudaSuccess;
@@ -668,9 +682,7 @@ cudaError_t launch_kind(const LeafTable& T, const Plan& p, const AdamWHyper& h, 
                         cudaStream_t stream) {
   const int blocks = static_cast<int>(std::min<int64_t>(T.first_chunk[T.count], 0x7FFFFFFF));
   if (!p.mirror && p.stages != 0) {
-    if (p.stages == 2) return launch_staged<kBF16, kMaster, 2>(T, blocks, h, step, stream);
-    if (p.stages == 3) return launch_staged<kBF16, kMaster, 3>(T, blocks, h, step, stream);
-    return launch_staged<kBF16, kMaster, 4>(T, blocks, h, step, stream);
+    return launch_staged<kBF16, kMaster>(p.stages, T, blocks, h, step, stream);
   }
   if (!p.mirror) {
     if (p.in_flight == 2) {
@@ -750,11 +762,9 @@ cudaError_t occupancy_kind(int stages, int* blocks) {
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         blocks, adamw_kernel<kBF16, kMaster, 1, false, false>, kThreads, 0);
   }
-  const int bytes = stages * Stage<kBF16, kMaster>::kBytes;
-  auto kernel = stages == 2   ? adamw_staged_kernel<kBF16, kMaster, 2>
-                : stages == 3 ? adamw_staged_kernel<kBF16, kMaster, 3>
-                              : adamw_staged_kernel<kBF16, kMaster, 4>;
-  PIMHBM_CUDA_RETURN_IF_ERROR(allow_shared_memory(kernel, bytes));
+  void (*kernel)(LeafTable, AdamWHyper, const float*);
+  int bytes;
+  PIMHBM_CUDA_RETURN_IF_ERROR((staged_kernel<kBF16, kMaster>(stages, &kernel, &bytes)));
   return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, kThreads, bytes);
 }
 

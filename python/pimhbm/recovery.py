@@ -1049,7 +1049,7 @@ class Trainer:
 
     def _current_slot_verifies(self) -> bool:
         """A scrub of the current state: whether every chunk of the current slot verifies."""
-        rows = self._fetch(self._programs["scrub", self.state.opt.current](self.state))
+        rows = self._fetch(self._scrub_program(self.state.opt.current)(self.state))
         return not any(b & 0xF for r in rows for _, b in self._decode(r))
 
     def _load_snapshot(self) -> int:
