@@ -600,3 +600,29 @@ def test_first_nonzero_is_jnp_nonzero_without_a_scatter(rng):
     hlo = jax.jit(first_nonzero, static_argnums=1).lower(
         jax.ShapeDtypeStruct((123000,), jnp.int32), 64).compile().as_text()
     assert re.findall(r"\b(scatter|sort)\(", hlo) == []
+
+
+def test_a_step_that_fails_on_every_replay_stops_the_run_with_a_clear_error(shm_name):
+    """A batch with a NaN in it makes the same gradient non-finite on every replay: not a
+    transient fault. The run stops after max_skips skips of that step, naming the step and
+    what came back, instead of replaying it for ever; the steps before it committed."""
+    plain = mlp.batches(0)
+
+    def batch_fn(step):
+        b = plain(step)
+        if step == 7:
+            b["x"][3, 5] = np.nan
+        return b
+
+    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+    tr = Trainer(mlp.loss, opt, mlp.init(0), batch_fn, shm_name=shm_name, max_skips=3)
+    tr.prewarm()
+    with pytest.raises(pimhbm.recovery.PersistentFault,
+                       match=r"step 7 was skipped 3 times in a row.*non-finite gradient values "
+                             r"\(in b0 chunk 0, .*comes back on every replay\. A gradient .* loss diverged") as err:
+        tr.run(12)
+    assert err.value.step == 7 and err.value.skips == 3
+    assert tr.stats.steps_committed == 6 and tr.next_step == 7
+    assert all(i.kind == "gradient" for i in err.value.incidents)
+    with pytest.raises(ValueError, match="max_skips=1"):
+        Trainer(mlp.loss, opt, mlp.init(0), batch_fn, max_skips=1)

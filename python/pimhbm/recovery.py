@@ -110,6 +110,19 @@ class DeviceFailure(RuntimeError):
         self.snapshot_step = snapshot_step
 
 
+class PersistentFault(RuntimeError):
+    """The same step was skipped on every replay: the damage comes back each time, so it is not
+    a transient fault the engine can repair (a gradient that is non-finite on its own -- the
+    loss diverged, bad data -- or a device that computes wrongly). ``step``, ``skips``, and the
+    last skip's ``incidents``."""
+
+    def __init__(self, message: str, step: int, skips: int, incidents: list[Incident]):
+        super().__init__(message)
+        self.step = step
+        self.skips = skips
+        self.incidents = incidents
+
+
 def fsdp_spec(shape: tuple[int, ...], shard: int) -> P:
     """How the engine places a parameter of ``shape`` over a 'shard' axis of ``shard`` devices:
     split along its first dimension when that divides evenly, else replicated."""
@@ -145,8 +158,13 @@ class Trainer:
                  scrub_every: int = 10, repair_capacity: int = 16, fault_capacity: int = 64,
                  inject_gradients: bool = False, devices: Any = None, resume: bool = False,
                  telemetry: Any = "auto", replica_transport: str = "collective",
-                 shard: int = 1):
+                 shard: int = 1, max_skips: int = 5):
         ensure_registered()
+        if max_skips < 2:
+            raise ValueError(f"max_skips={max_skips}: a step must be allowed at least one replay")
+        # A step skipped this many times in a row (no commit between) stops the run with
+        # PersistentFault: repaired damage that comes back on every replay is not transient.
+        self.max_skips = max_skips
         if replica_transport not in ("collective", "peer"):
             raise ValueError(f"replica_transport must be 'collective' or 'peer', got "
                              f"{replica_transport!r}")
@@ -679,6 +697,7 @@ class Trainer:
         # complete only once that step has committed (else it is taken again at the next step).
         unverified = None
         snapshot_due = False
+        skipped_step, skips = None, 0  # the step skipped last, and how often in a row
         step = self.next_step
         if self.backup is not None and not self.backup.newest():
             # A first snapshot of the starting state, so that a host restore is always possible.
@@ -722,6 +741,7 @@ class Trainer:
                     self._complete_snapshot(unverified[0])
                 snapshot_due, unverified = not committed, None
             if committed:
+                skipped_step = None
                 self.stats.steps_committed += 1
                 self.stats.losses[done] = float(self._fetch(loss))
                 self.next_step = done + 1
@@ -738,7 +758,11 @@ class Trainer:
             if snapshot is not None:
                 self._wait_snapshot(snapshot)
                 snapshot, snapshot_due = None, True
+            skips = skips + 1 if skipped_step == done else 1
+            skipped_step, seen = done, len(self.stats.incidents)
             replay_from = self._handle_fault([(done, s)] + later)
+            if skips >= self.max_skips:
+                raise self._persistent(done, skips, s, self.stats.incidents[seen:])
             self.stats.steps_replayed += step - replay_from
             step = replay_from
         if snapshot is not None:
@@ -873,6 +897,30 @@ class Trainer:
                 inc.action = action
         self.state = TrainState(self.state.opt, self._put(np.int32(0)))
         return first
+
+    def _persistent(self, step: int, skips: int, rows: np.ndarray,
+                    incidents: list[Incident]) -> PersistentFault:
+        """What to tell a user whose step never commits, from the last skip's summary."""
+        what = []
+        nonfinite, damaged = int(rows[:, 1].sum()), int(rows[:, 2].sum())
+        if nonfinite:
+            grads = [loc for inc in incidents if inc.kind == "gradient" for loc in inc.locations]
+            where = ", ".join(f"{p} chunk {c}" for _, p, _, c in grads[:3])
+            what.append(f"{nonfinite} non-finite gradient values" + (f" (in {where}, ...)" if where else ""))
+        if damaged:
+            locs = [loc for inc in incidents if inc.kind == "state" for loc in inc.locations]
+            where = ", ".join(f"{p}/{t} chunk {c} on device {d}" for d, p, t, c in locs[:3])
+            what.append(f"{damaged} state chunks whose digest did not match" +
+                        (f" ({where}, ...)" if where else ""))
+        hint = ("A gradient that is non-finite on its own is no fault: the loss diverged or the "
+                "batch holds bad values (check the learning rate, the data and the loss)"
+                if nonfinite and not damaged else
+                "State that fails its digest again after each repair points at a device that "
+                "computes or stores wrongly (see `pimhbm health`)")
+        return PersistentFault(
+            f"step {step} was skipped {skips} times in a row, every replay reporting "
+            f"{' and '.join(what) or 'a fault'}. Faults are transient; this comes back on every "
+            f"replay. {hint}.", step, skips, incidents)
 
     def _chunk_of(self, idx: int) -> int:
         leaf = int(np.searchsorted(self.chunk_base, idx, side="right") - 1)
