@@ -626,3 +626,25 @@ def test_a_step_that_fails_on_every_replay_stops_the_run_with_a_clear_error(shm_
     assert all(i.kind == "gradient" for i in err.value.incidents)
     with pytest.raises(ValueError, match="max_skips=1"):
         Trainer(mlp.loss, opt, mlp.init(0), batch_fn, max_skips=1)
+
+
+def test_the_gradient_fault_hook_leaves_every_gradient_alone_when_told_to():
+    """The step's in-graph hook (kind 0: no fault) must pass every gradient through bit for
+    bit. Its op updates in place through XLA's aliasing, which XLA does not always grant: on
+    the GPU this model's gradients came out of the hook as uninitialised memory (NaN/Inf
+    among it, so every step of the demo was skipped). The handlers now copy where XLA did not
+    alias."""
+    from pimhbm.data import corpus_bytes
+    from pimhbm.models import llama3
+    from pimhbm.train import text_batches
+
+    cfg = llama3.tiny(layers=2, hidden=64)
+    params = llama3.init(jax.random.key(0), cfg)
+    batch = {k: jnp.asarray(v) for k, v in text_batches(corpus_bytes(), 4, 32, 0)(1).items()}
+    grad = jax.grad(lambda p, b: llama3.loss(p, b, cfg))
+    spec = jnp.zeros(8, jnp.int32)
+    plain = jax.jit(grad)(params, batch)
+    hooked = jax.jit(lambda p, b: jax.tree.map(lambda g: faults.inject_in_graph(g, spec),
+                                               grad(p, b)))(params, batch)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(plain)[0], jax.tree.leaves(hooked)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), jax.tree_util.keystr(path)

@@ -1,5 +1,7 @@
 #include "faults/inject_ffi.h"
 
+#include "pimhbm/ffi_alias.h"
+
 namespace pimhbm::faults {
 
 ffi::Error validate_inject(const ffi::AnyBuffer& x, const ffi::AnyBuffer& spec, Format* format) {
@@ -8,20 +10,34 @@ ffi::Error validate_inject(const ffi::AnyBuffer& x, const ffi::AnyBuffer& spec, 
     return err;
   }
   switch (x.element_type()) {
-    case ffi::DataType::F32: *format = kFloat32; break;
-    case ffi::DataType::BF16: *format = kBFloat16; break;
-    case ffi::DataType::F16: *format = kFloat16; break;
-    case ffi::DataType::F64: *format = kFloat64; break;
-    default: *format = kRawBytes; break;
+    case ffi::DataType::F32:
+      *format = kFloat32;
+      break;
+    case ffi::DataType::BF16:
+      *format = kBFloat16;
+      break;
+    case ffi::DataType::F16:
+      *format = kFloat16;
+      break;
+    case ffi::DataType::F64:
+      *format = kFloat64;
+      break;
+    default:
+      *format = kRawBytes;
+      break;
   }
   return ffi::Error::Success();
 }
 
 namespace {
 
-ffi::Error inject_cpu_impl(ffi::AnyBuffer, ffi::AnyBuffer spec, ffi::Result<ffi::AnyBuffer> x) {
+ffi::Error inject_cpu_impl(ffi::AnyBuffer x_in, ffi::AnyBuffer spec,
+                           ffi::Result<ffi::AnyBuffer> x) {
   Format format;
   if (auto err = validate_inject(*x, spec, &format); err.failure()) return err;
+  std::vector<ffi_util::Unaliased> copies;
+  ffi_util::note_unaliased(&copies, x_in, *x);
+  ffi_util::copy_unaliased_cpu(copies);
   inject_cpu(static_cast<uint8_t*>(x->untyped_data()), static_cast<int64_t>(x->size_bytes()),
              format, static_cast<const int32_t*>(spec.untyped_data()));
   return ffi::Error::Success();

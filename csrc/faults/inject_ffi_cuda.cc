@@ -1,17 +1,22 @@
 #include <string>
 
 #include "faults/inject_ffi.h"
+#include "pimhbm/ffi_alias_cuda.h"
 
 namespace pimhbm::faults {
 namespace {
 
-ffi::Error inject_cuda_impl(cudaStream_t stream, ffi::AnyBuffer, ffi::AnyBuffer spec,
+ffi::Error inject_cuda_impl(cudaStream_t stream, ffi::AnyBuffer x_in, ffi::AnyBuffer spec,
                             ffi::Result<ffi::AnyBuffer> x) {
   Format format;
   if (auto err = validate_inject(*x, spec, &format); err.failure()) return err;
-  cudaError_t err = inject_cuda(static_cast<uint8_t*>(x->untyped_data()),
-                                static_cast<int64_t>(x->size_bytes()), format,
-                                static_cast<const int32_t*>(spec.untyped_data()), stream);
+  std::vector<ffi_util::Unaliased> copies;
+  ffi_util::note_unaliased(&copies, x_in, *x);
+  cudaError_t err = ffi_util::copy_unaliased_cuda(copies, stream);
+  if (err == cudaSuccess)
+    err =
+        inject_cuda(static_cast<uint8_t*>(x->untyped_data()), static_cast<int64_t>(x->size_bytes()),
+                    format, static_cast<const int32_t*>(spec.untyped_data()), stream);
   return err == cudaSuccess ? ffi::Error::Success()
                             : ffi::Error::Internal(std::string("pimhbm.inject: CUDA error: ") +
                                                    cudaGetErrorString(err));

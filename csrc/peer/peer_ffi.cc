@@ -3,6 +3,7 @@
 // and what runs the multi-device logic in CI.
 #include "peer/peer_ffi.h"
 
+#include "pimhbm/ffi_alias.h"
 #include "repair/repair_ffi.h"
 
 namespace pimhbm::peer {
@@ -157,8 +158,8 @@ ffi::Error all_to_all_cpu(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::An
   });
 }
 
-ffi::Error pull_cpu(int32_t ordinal, ffi::AnyBuffer chunks, ffi::AnyBuffer which, ffi::AnyBuffer,
-                    ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> x,
+ffi::Error pull_cpu(int32_t ordinal, ffi::AnyBuffer chunks, ffi::AnyBuffer which,
+                    ffi::AnyBuffer x_in, ffi::AnyBuffer table_in, ffi::Result<ffi::AnyBuffer> x,
                     ffi::Result<ffi::AnyBuffer> table, ffi::Result<ffi::AnyBuffer> status,
                     int64_t chunk_bytes, int64_t tag, ffi::Span<const int64_t> ordinals,
                     int64_t group_size, int64_t timeout_ms) {
@@ -168,6 +169,12 @@ ffi::Error pull_cpu(int32_t ordinal, ffi::AnyBuffer chunks, ffi::AnyBuffer which
   if (auto err = validate_pull(chunks, which, *x, *table, *status, chunk_bytes); err.failure()) {
     return err;
   }
+  // The target starts as the operand where XLA did not alias them (ffi_alias.h), before the
+  // peers meet: what they read of this device is its current state.
+  std::vector<ffi_util::Unaliased> copies;
+  ffi_util::note_unaliased(&copies, x_in, *x);
+  ffi_util::note_unaliased(&copies, table_in, *table);
+  ffi_util::copy_unaliased_cpu(copies);
   Payload mine{x->untyped_data(), table->untyped_data()};
   return meet_and_run(kOp, *m, mine, [&](const std::vector<Payload>& all) {
     repair::repair_from_cpu(

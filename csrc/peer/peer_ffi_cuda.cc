@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "peer/peer_ffi.h"
+#include "pimhbm/ffi_alias_cuda.h"
 #include "repair/repair_ffi.h"
 
 namespace pimhbm::peer {
@@ -156,7 +157,7 @@ ffi::Error all_to_all_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
 }
 
 ffi::Error pull_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer chunks,
-                     ffi::AnyBuffer which, ffi::AnyBuffer, ffi::AnyBuffer,
+                     ffi::AnyBuffer which, ffi::AnyBuffer x_in, ffi::AnyBuffer table_in,
                      ffi::Result<ffi::AnyBuffer> x, ffi::Result<ffi::AnyBuffer> table,
                      ffi::Result<ffi::AnyBuffer> status, int64_t chunk_bytes, int64_t tag,
                      ffi::Span<const int64_t> ordinals, int64_t group_size, int64_t timeout_ms) {
@@ -165,6 +166,14 @@ ffi::Error pull_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer chunks
   if (m.has_error()) return m.error();
   if (auto err = validate_pull(chunks, which, *x, *table, *status, chunk_bytes); err.failure()) {
     return err;
+  }
+  // The target starts as the operand where XLA did not alias them (ffi_alias.h), before the
+  // peers meet: what they read of this device is its current state.
+  std::vector<ffi_util::Unaliased> copies;
+  ffi_util::note_unaliased(&copies, x_in, *x);
+  ffi_util::note_unaliased(&copies, table_in, *table);
+  if (cudaError_t err = ffi_util::copy_unaliased_cuda(copies, stream); err != cudaSuccess) {
+    return ffi::Error::Internal(std::string(kOp) + ": CUDA error: " + cudaGetErrorString(err));
   }
   Payload mine{x->untyped_data(), table->untyped_data()};
   return meet_and_launch(kOp, ordinal, *m, stream, mine, [&](const std::vector<Payload>& all) {

@@ -3,6 +3,8 @@
 #include <string>
 #include <vector>
 
+#include "pimhbm/ffi_alias.h"
+
 namespace pimhbm::repair {
 
 using ffi_util::check_buffer;
@@ -116,14 +118,24 @@ ffi::Error validate_restore_clean(const ffi::AnyBuffer& commit, const ffi::Remai
 
 namespace {
 
+// The target (and its table) start as the operands where XLA did not alias them (ffi_alias.h).
+void copy_unaliased(const ffi::AnyBuffer& dst_in, const ffi::AnyBuffer& dst_table_in,
+                    const ffi::AnyBuffer& dst, const ffi::AnyBuffer& dst_table) {
+  std::vector<ffi_util::Unaliased> copies;
+  ffi_util::note_unaliased(&copies, dst_in, dst);
+  ffi_util::note_unaliased(&copies, dst_table_in, dst_table);
+  ffi_util::copy_unaliased_cpu(copies);
+}
+
 ffi::Error repair_cpu_impl(ffi::AnyBuffer chunks, ffi::AnyBuffer src, ffi::AnyBuffer src_table,
-                           ffi::AnyBuffer, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> dst,
-                           ffi::Result<ffi::AnyBuffer> dst_table,
+                           ffi::AnyBuffer dst_in, ffi::AnyBuffer dst_table_in,
+                           ffi::Result<ffi::AnyBuffer> dst, ffi::Result<ffi::AnyBuffer> dst_table,
                            ffi::Result<ffi::AnyBuffer> status, int64_t chunk_bytes) {
   if (auto err = validate_repair(chunks, src, src_table, *dst, *dst_table, *status, chunk_bytes);
       err.failure()) {
     return err;
   }
+  copy_unaliased(dst_in, dst_table_in, *dst, *dst_table);
   repair_cpu(static_cast<const int32_t*>(chunks.untyped_data()),
              static_cast<int64_t>(chunks.element_count()), chunked(src, src_table, chunk_bytes),
              mutable_chunked(*dst, *dst_table, chunk_bytes),
@@ -137,6 +149,8 @@ ffi::Error restore_clean_cpu_impl(ffi::AnyBuffer commit, ffi::RemainingArgs args
   if (auto err = validate_restore_clean(commit, args, rets, chunk_bytes, &pairs); err.failure()) {
     return err;
   }
+  ffi_util::copy_unaliased_cpu(
+      ffi_util::unaliased(args, rets, restore_clean_aliases(pairs.size())));
   for (const CleanPair& p : pairs) {
     restore_clean_cpu(static_cast<const int32_t*>(commit.untyped_data()), p.faults, p.src, p.dst);
   }
@@ -144,8 +158,8 @@ ffi::Error restore_clean_cpu_impl(ffi::AnyBuffer commit, ffi::RemainingArgs args
 }
 
 ffi::Error repair_packed_cpu_impl(ffi::AnyBuffer chunks, ffi::AnyBuffer rows,
-                                  ffi::AnyBuffer row_table, ffi::AnyBuffer, ffi::AnyBuffer,
-                                  ffi::Result<ffi::AnyBuffer> dst,
+                                  ffi::AnyBuffer row_table, ffi::AnyBuffer dst_in,
+                                  ffi::AnyBuffer dst_table_in, ffi::Result<ffi::AnyBuffer> dst,
                                   ffi::Result<ffi::AnyBuffer> dst_table,
                                   ffi::Result<ffi::AnyBuffer> status, int64_t chunk_bytes) {
   if (auto err =
@@ -153,6 +167,7 @@ ffi::Error repair_packed_cpu_impl(ffi::AnyBuffer chunks, ffi::AnyBuffer rows,
       err.failure()) {
     return err;
   }
+  copy_unaliased(dst_in, dst_table_in, *dst, *dst_table);
   repair_from_cpu(static_cast<const int32_t*>(chunks.untyped_data()),
                   static_cast<int64_t>(chunks.element_count()),
                   packed_sources(rows, row_table, chunk_bytes),

@@ -1,6 +1,7 @@
 #include <string>
 #include <vector>
 
+#include "pimhbm/ffi_alias_cuda.h"
 #include "repair/repair_ffi.h"
 
 namespace pimhbm::repair {
@@ -10,19 +11,32 @@ ffi::Error cuda_error(const char* op, cudaError_t err) {
   return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(err));
 }
 
+// The target (and its table) start as the operands where XLA did not alias them (ffi_alias.h).
+cudaError_t copy_unaliased(const ffi::AnyBuffer& dst_in, const ffi::AnyBuffer& dst_table_in,
+                           const ffi::AnyBuffer& dst, const ffi::AnyBuffer& dst_table,
+                           cudaStream_t stream) {
+  std::vector<ffi_util::Unaliased> copies;
+  ffi_util::note_unaliased(&copies, dst_in, dst);
+  ffi_util::note_unaliased(&copies, dst_table_in, dst_table);
+  return ffi_util::copy_unaliased_cuda(copies, stream);
+}
+
 ffi::Error repair_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, ffi::AnyBuffer src,
-                            ffi::AnyBuffer src_table, ffi::AnyBuffer, ffi::AnyBuffer,
-                            ffi::Result<ffi::AnyBuffer> dst, ffi::Result<ffi::AnyBuffer> dst_table,
+                            ffi::AnyBuffer src_table, ffi::AnyBuffer dst_in,
+                            ffi::AnyBuffer dst_table_in, ffi::Result<ffi::AnyBuffer> dst,
+                            ffi::Result<ffi::AnyBuffer> dst_table,
                             ffi::Result<ffi::AnyBuffer> status, int64_t chunk_bytes) {
   if (auto err = validate_repair(chunks, src, src_table, *dst, *dst_table, *status, chunk_bytes);
       err.failure()) {
     return err;
   }
-  cudaError_t err = repair_cuda(static_cast<const int32_t*>(chunks.untyped_data()),
-                                static_cast<int64_t>(chunks.element_count()),
-                                chunked(src, src_table, chunk_bytes),
-                                mutable_chunked(*dst, *dst_table, chunk_bytes),
-                                static_cast<int32_t*>(status->untyped_data()), stream);
+  cudaError_t err = copy_unaliased(dst_in, dst_table_in, *dst, *dst_table, stream);
+  if (err == cudaSuccess)
+    err = repair_cuda(static_cast<const int32_t*>(chunks.untyped_data()),
+                      static_cast<int64_t>(chunks.element_count()),
+                      chunked(src, src_table, chunk_bytes),
+                      mutable_chunked(*dst, *dst_table, chunk_bytes),
+                      static_cast<int32_t*>(status->untyped_data()), stream);
   return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.repair", err);
 }
 
@@ -33,14 +47,17 @@ ffi::Error restore_clean_cuda_impl(cudaStream_t stream, ffi::AnyBuffer commit,
   if (auto err = validate_restore_clean(commit, args, rets, chunk_bytes, &pairs); err.failure()) {
     return err;
   }
-  cudaError_t err = restore_clean_cuda(static_cast<const int32_t*>(commit.untyped_data()),
-                                       pairs.data(), pairs.size(), stream);
+  cudaError_t err = ffi_util::copy_unaliased_cuda(
+      ffi_util::unaliased(args, rets, restore_clean_aliases(pairs.size())), stream);
+  if (err == cudaSuccess)
+    err = restore_clean_cuda(static_cast<const int32_t*>(commit.untyped_data()), pairs.data(),
+                             pairs.size(), stream);
   return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.restore_clean", err);
 }
 
 ffi::Error repair_packed_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, ffi::AnyBuffer rows,
-                                   ffi::AnyBuffer row_table, ffi::AnyBuffer, ffi::AnyBuffer,
-                                   ffi::Result<ffi::AnyBuffer> dst,
+                                   ffi::AnyBuffer row_table, ffi::AnyBuffer dst_in,
+                                   ffi::AnyBuffer dst_table_in, ffi::Result<ffi::AnyBuffer> dst,
                                    ffi::Result<ffi::AnyBuffer> dst_table,
                                    ffi::Result<ffi::AnyBuffer> status, int64_t chunk_bytes) {
   if (auto err =
@@ -48,11 +65,13 @@ ffi::Error repair_packed_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, f
       err.failure()) {
     return err;
   }
-  cudaError_t err = repair_from_cuda(static_cast<const int32_t*>(chunks.untyped_data()),
-                                     static_cast<int64_t>(chunks.element_count()),
-                                     packed_sources(rows, row_table, chunk_bytes),
-                                     mutable_chunked(*dst, *dst_table, chunk_bytes),
-                                     static_cast<int32_t*>(status->untyped_data()), stream);
+  cudaError_t err = copy_unaliased(dst_in, dst_table_in, *dst, *dst_table, stream);
+  if (err == cudaSuccess)
+    err = repair_from_cuda(static_cast<const int32_t*>(chunks.untyped_data()),
+                           static_cast<int64_t>(chunks.element_count()),
+                           packed_sources(rows, row_table, chunk_bytes),
+                           mutable_chunked(*dst, *dst_table, chunk_bytes),
+                           static_cast<int32_t*>(status->untyped_data()), stream);
   return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.repair_packed", err);
 }
 

@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "pimhbm/ffi_alias.h"
+
 namespace pimhbm::update {
 
 using ffi_util::check_buffer;
@@ -209,6 +211,7 @@ ffi::Error adamw_cpu_impl(ffi::AnyBuffer step, ffi::RemainingArgs args, ffi::Rem
   const AdamWAttrs a = attrs(chunk_elems, b1, b2, omb1, omb2, eps, eps_root, wd);
   std::vector<AdamWLeaf> leaves;
   if (auto err = validate_adamw_call(step, args, rets, a, &leaves); err.failure()) return err;
+  ffi_util::copy_unaliased_cpu(ffi_util::unaliased(args, rets, adamw_aliases(leaves.size())));
   for (const AdamWLeaf& leaf : leaves) {
     adamw_cpu(leaf, a.hyper, static_cast<const float*>(step.untyped_data()));
   }
@@ -219,6 +222,7 @@ ffi::Error restore_cpu_impl(ffi::AnyBuffer commit, ffi::RemainingArgs args,
                             ffi::RemainingRets rets) {
   std::vector<CopyPair> pairs;
   if (auto err = validate_restore(commit, args, rets, &pairs); err.failure()) return err;
+  ffi_util::copy_unaliased_cpu(ffi_util::unaliased(args, rets, restore_aliases(pairs.size())));
   restore_cpu(static_cast<const int32_t*>(commit.untyped_data()), pairs);
   return ffi::Error::Success();
 }

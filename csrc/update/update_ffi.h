@@ -2,6 +2,7 @@
 // ("pimhbm_restore").
 #pragma once
 
+#include <utility>
 #include <vector>
 
 #include "pimhbm/ffi_util.h"
@@ -28,6 +29,24 @@ struct AdamWBuffers {
 // mirror's 8, the fault map, the non-finite gradient map).
 constexpr size_t kArgsPerLeaf = 25;
 constexpr size_t kRetsPerLeaf = 18;
+
+// pimhbm_adamw's aliasing: per leaf, arguments 9..24 (the write side and the device copy as
+// they were) are results 0..15.
+inline std::vector<std::pair<size_t, size_t>> adamw_aliases(size_t leaves) {
+  std::vector<std::pair<size_t, size_t>> pairs;
+  for (size_t i = 0; i < leaves; ++i) {
+    for (size_t k = 0; k < 16; ++k)
+      pairs.push_back({i * kArgsPerLeaf + 9 + k, i * kRetsPerLeaf + k});
+  }
+  return pairs;
+}
+
+// pimhbm_restore's: the k destinations (arguments k..2k-1) are results 0..k-1.
+inline std::vector<std::pair<size_t, size_t>> restore_aliases(size_t k) {
+  std::vector<std::pair<size_t, size_t>> pairs;
+  for (size_t i = 0; i < k; ++i) pairs.push_back({k + i, i});
+  return pairs;
+}
 
 struct AdamWAttrs {
   int64_t chunk_elems;

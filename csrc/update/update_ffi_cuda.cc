@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "pimhbm/ffi_alias_cuda.h"
 #include "update/update_ffi.h"
 
 namespace pimhbm::update {
@@ -18,8 +19,12 @@ ffi::Error adamw_cuda_impl(cudaStream_t stream, ffi::AnyBuffer step, ffi::Remain
   const AdamWAttrs a{chunk_elems, AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd}};
   std::vector<AdamWLeaf> leaves;
   if (auto err = validate_adamw_call(step, args, rets, a, &leaves); err.failure()) return err;
-  cudaError_t err = adamw_cuda(leaves.data(), leaves.size(), a.hyper,
-                               static_cast<const float*>(step.untyped_data()), stream);
+  cudaError_t err = ffi_util::copy_unaliased_cuda(
+      ffi_util::unaliased(args, rets, adamw_aliases(leaves.size())), stream);
+  if (err == cudaSuccess) {
+    err = adamw_cuda(leaves.data(), leaves.size(), a.hyper,
+                     static_cast<const float*>(step.untyped_data()), stream);
+  }
   return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.adamw", err);
 }
 
@@ -27,7 +32,10 @@ ffi::Error restore_cuda_impl(cudaStream_t stream, ffi::AnyBuffer commit, ffi::Re
                              ffi::RemainingRets rets) {
   std::vector<CopyPair> pairs;
   if (auto err = validate_restore(commit, args, rets, &pairs); err.failure()) return err;
-  cudaError_t err = restore_cuda(static_cast<const int32_t*>(commit.untyped_data()), pairs, stream);
+  cudaError_t err = ffi_util::copy_unaliased_cuda(
+      ffi_util::unaliased(args, rets, restore_aliases(pairs.size())), stream);
+  if (err == cudaSuccess)
+    err = restore_cuda(static_cast<const int32_t*>(commit.untyped_data()), pairs, stream);
   return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.restore", err);
 }
 

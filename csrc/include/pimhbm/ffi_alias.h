@@ -1,0 +1,51 @@
+// In-place operations and XLA's aliasing. The ops that update a tensor in place ask XLA to
+// give a result the operand's buffer (input_output_aliases) and write through the result only.
+// XLA does not always honour that: on the GPU an in-graph fault hook got a fresh result buffer,
+// so uninitialised memory stood where the gradient should have been. Where a result's buffer
+// is not its operand's, the handler first copies the operand into it (on the op's stream), so
+// that the op means the same whether XLA aliased or not; where it is, nothing is copied.
+#pragma once
+
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace pimhbm::ffi_util {
+
+namespace ffi = xla::ffi;
+
+struct Unaliased {
+  const void* from;
+  void* to;
+  size_t bytes;
+};
+
+// Adds (operand, result) when they are different buffers.
+inline void note_unaliased(std::vector<Unaliased>* out, const ffi::AnyBuffer& operand,
+                           const ffi::AnyBuffer& result) {
+  if (operand.untyped_data() != result.untyped_data() && result.size_bytes() > 0) {
+    out->push_back({operand.untyped_data(), result.untyped_data(), result.size_bytes()});
+  }
+}
+
+// The same for (argument index, result index) pairs of a variadic op (indices already checked
+// by the op's validation).
+inline std::vector<Unaliased> unaliased(const ffi::RemainingArgs& args,
+                                        const ffi::RemainingRets& rets,
+                                        const std::vector<std::pair<size_t, size_t>>& pairs) {
+  std::vector<Unaliased> out;
+  for (const auto& [a, r] : pairs) {
+    auto operand = args.get<ffi::AnyBuffer>(a);
+    auto result = rets.get<ffi::AnyBuffer>(r);
+    if (operand.has_value() && result.has_value()) note_unaliased(&out, *operand, **result);
+  }
+  return out;
+}
+
+inline void copy_unaliased_cpu(const std::vector<Unaliased>& copies) {
+  for (const Unaliased& c : copies) std::memcpy(c.to, c.from, c.bytes);
+}
+
+}  // namespace pimhbm::ffi_util
