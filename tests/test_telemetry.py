@@ -11,6 +11,7 @@ import subprocess
 import time
 import uuid
 
+import jax
 import numpy as np
 import pytest
 
@@ -167,9 +168,12 @@ def shm_name():
 
 
 def trainer(name, telemetry, resume=False):
+    # The stand-in's devices are the four virtual CPU devices, by position (on a GPU machine
+    # too: there NVML's devices would be matched to the GPUs by UUID).
     opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
     tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=name, snapshot_every=4,
-                 scrub_every=1000, telemetry=telemetry, resume=resume)
+                 scrub_every=1000, telemetry=telemetry, resume=resume,
+                 devices=jax.devices("cpu"))
     tr.prewarm()
     return tr
 
