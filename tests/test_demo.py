@@ -21,3 +21,18 @@ def test_short_demo_run_ends_bit_identical(tmp_path):
     assert all(row["injected"] == 3 and row["repaired"] == 3 for row in metrics["faults"].values())
     assert len(metrics["faults"]) == 6
     assert (out / "loss.png").stat().st_size > 10_000
+
+
+def test_a_run_that_cannot_go_on_ends_with_its_reason_not_a_traceback(monkeypatch, capsys):
+    """PersistentFault / DeviceFailure from the main job: exit code 3 and the engine's message
+    (what happened, what to do) on stderr."""
+    from pimhbm import cli, demo
+    from pimhbm.recovery import PersistentFault
+
+    def fails(args):
+        raise PersistentFault("step 7 was skipped 5 times in a row", 7, 5, [])
+
+    monkeypatch.setattr(demo, "run", fails)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() adds a flag
+    assert cli.main(["demo", "--steps", "3"]) == 3
+    assert "pimhbm demo: stopped: step 7 was skipped 5 times in a row" in capsys.readouterr().err

@@ -65,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
         from pimhbm import scan_demo as module
     else:
         module = tools[args.command][0]
-    return module.run(args)
+    from pimhbm.recovery import DeviceFailure, PersistentFault
+    try:
+        return module.run(args)
+    except (PersistentFault, DeviceFailure) as err:
+        # The run cannot go on; the message says why and what to do: no traceback.
+        print(f"pimhbm {args.command}: stopped: {err}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":
