@@ -222,6 +222,11 @@ def run(args: Any) -> int:
         console.print("[dim]On a CPU the guarded update runs the plain reference loops (digests "
                       "computed chunk by chunk); the cost of protection is measured on the GPU by "
                       "`pimhbm llama3` and bench/.[/]")
+    elif cfg.num_params() < 1e8:
+        console.print(f"[dim]A model of {cfg.num_params() / 1e6:.2f} M parameters: each step's "
+                      "fixed work (kernel launches of the checks, the host's per-step bookkeeping) "
+                      "outweighs its arithmetic, so the cost above says little about a real model; "
+                      "`pimhbm llama3` measures it at Llama-3-8B-layer scale.[/]")
 
     metrics = {
         "model": cfg.__dict__, "steps": args.steps, "batch": args.batch, "seq": args.seq,
