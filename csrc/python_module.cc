@@ -11,6 +11,7 @@
 #include "backup/shm_region.h"
 #include "backup/snapshot.h"
 #include "faults/inject_ffi.h"
+#include "peer/ipc.h"
 #include "peer/peer_ffi.h"
 #include "pimhbm/digest.h"
 #include "repair/repair_ffi.h"
@@ -240,6 +241,32 @@ NB_MODULE(_core, m) {
           "drain", [](Telemetry& t) { return events_list(t.drain()); },
           "The events since the last drain: {device, kind, xid, detail, seconds}.");
   m.def("telemetry_fields", &pimhbm::telemetry::field_names, "The fields of a reading, in order.");
+  m.def(
+      "ipc_export",
+      [](uint64_t ptr, int device) {
+        const std::string blob = pimhbm::peer::ipc::export_pointer(ptr, device);
+        return nb::bytes(blob.data(), blob.size());
+      },
+      nb::arg("ptr"), nb::arg("device"),
+      "The CUDA IPC export (handle of the allocation, offset) of device pointer `ptr` on CUDA "
+      "device `device`; RuntimeError when that memory cannot be shared between processes.");
+  m.def(
+      "ipc_pull",
+      [](int device, const std::vector<int32_t>& chunks, uint64_t dst, uint64_t dst_table,
+         int64_t nbytes, int64_t chunk_bytes, nb::bytes src, nb::bytes src_table,
+         int64_t timeout_ms) {
+        const std::string s(src.c_str(), src.size()), st(src_table.c_str(), src_table.size());
+        nb::gil_scoped_release release;
+        return pimhbm::peer::ipc::pull(device, chunks, dst, dst_table, nbytes, chunk_bytes, s, st,
+                                       timeout_ms);
+      },
+      nb::arg("device"), nb::arg("chunks"), nb::arg("dst"), nb::arg("dst_table"), nb::arg("nbytes"),
+      nb::arg("chunk_bytes"), nb::arg("src"), nb::arg("src_table"), nb::arg("timeout_ms"),
+      "Repairs the listed chunks of this process's tensor at `dst` (with its digest table) from "
+      "another process's copy (exports of it and its table), reading that GPU's memory "
+      "directly; a status per chunk (pimhbm.REPAIRED, ...). Bounded by timeout_ms.");
+  m.def("ipc_close", &pimhbm::peer::ipc::close_all,
+        "Closes every peer allocation this process mapped for IPC pulls.");
   m.def("cuda_device_uuids", &cuda_device_uuids,
         "NVML-style UUIDs of the CUDA devices this process sees, by CUDA ordinal.");
 }

@@ -15,6 +15,7 @@ import sys
 
 pid, nproc, port, shm, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 platform = sys.argv[6] if len(sys.argv) > 6 else "cpu"
+transport = sys.argv[7] if len(sys.argv) > 7 else "collective"
 if platform == "cpu":
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
@@ -36,7 +37,8 @@ STEPS = 20
 opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
 shard = 2 if platform == "cpu" else 1
 tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=shm, snapshot_every=5,
-             scrub_every=5, inject_gradients=True, shard=shard, telemetry=None)
+             scrub_every=5, inject_gradients=True, shard=shard, telemetry=None,
+             replica_transport=transport)
 assert [d.process_index for d in tr.mesh.devices[:, 0]] == [0, 1], "a replica per process"
 n = len(tr.devices)
 DOUBLE = 1  # state and copy damaged: repaired from the same shard of the other replica
@@ -100,6 +102,7 @@ result = {
     "incidents": [(i.step, i.kind, [list(l) for l in i.locations], i.action)
                   for i in stats.incidents],
     "replica_repairs": stats.replica_repairs,
+    "ipc_pulls": stats.ipc_pulls,
     "host_restores": stats.host_restores,
     "compiles": tr.compiles,
 }

@@ -23,7 +23,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_repair_across_processes_and_end_bit_identical(tmp_path):
+@pytest.mark.parametrize("transport", ["collective", "ipc"])
+def test_two_processes_repair_across_processes_and_end_bit_identical(tmp_path, transport):
+    """The double fault is repaired from the other process's replica: by a collective, or by a
+    CUDA IPC pull -- on GPUs; elsewhere IPC is unavailable, said once, and the collective
+    transport takes over."""
     shm = f"pimhbm_test_{uuid.uuid4().hex[:10]}"
     out = str(tmp_path / "result.json")
     port = str(free_port())
@@ -32,7 +36,7 @@ def test_two_processes_repair_across_processes_and_end_bit_identical(tmp_path):
         env.pop("XLA_FLAGS", None)
         env["JAX_PLATFORMS"] = "cpu"
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multiprocess_worker.py"),
-                               str(i), "2", port, shm, out, PLATFORM], env=env,
+                               str(i), "2", port, shm, out, PLATFORM, transport], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]
     try:
@@ -53,3 +57,10 @@ def test_two_processes_repair_across_processes_and_end_bit_identical(tmp_path):
     assert not failed, (failed, r["incidents"])
     assert len(r["checks"]) == 8
     assert r["replica_repairs"] == 1 and r["host_restores"] == 1 and r["compiles"] == 0
+    notes = [i for i in r["incidents"] if i[1] == "replica transport"]
+    if transport == "ipc" and PLATFORM == "gpu":
+        assert r["ipc_pulls"] == 1 and not notes, r["incidents"]
+    elif transport == "ipc":
+        assert r["ipc_pulls"] == 0 and len(notes) == 1 and "CUDA IPC unavailable" in notes[0][3]
+    else:
+        assert r["ipc_pulls"] == 0 and not notes

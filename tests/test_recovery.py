@@ -648,3 +648,11 @@ def test_the_gradient_fault_hook_leaves_every_gradient_alone_when_told_to():
                                                grad(p, b)))(params, batch)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(plain)[0], jax.tree.leaves(hooked)):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), jax.tree_util.keystr(path)
+
+
+def test_the_ipc_transport_is_for_several_processes():
+    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+    with pytest.raises(ValueError, match="replica_transport='ipc' pulls from another process"):
+        Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), replica_transport="ipc")
+    with pytest.raises(ValueError, match="'collective', 'peer' or 'ipc'"):
+        Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), replica_transport="nccl")

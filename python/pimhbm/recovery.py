@@ -35,7 +35,7 @@ import numpy as np
 
 import pimhbm
 from pimhbm import faults as faults_mod
-from pimhbm import replica
+from pimhbm import ipc, replica
 from pimhbm._ffi import ensure_registered
 from pimhbm.backup import HostBackup, TensorSpec, specs_of
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -88,6 +88,7 @@ class RunStats:
     repairs: int = 0
     host_restores: int = 0
     replica_repairs: int = 0  # chunks pulled from another device's copy of the state
+    ipc_pulls: int = 0  # of those, chunks pulled from another process's GPU over CUDA IPC
     replica_rebuilds: int = 0  # devices whose whole state was rebuilt from another's
     snapshots: int = 0
     scrubs: int = 0
@@ -165,8 +166,8 @@ class Trainer:
         # A step skipped this many times in a row (no commit between) stops the run with
         # PersistentFault: repaired damage that comes back on every replay is not transient.
         self.max_skips = max_skips
-        if replica_transport not in ("collective", "peer"):
-            raise ValueError(f"replica_transport must be 'collective' or 'peer', got "
+        if replica_transport not in ("collective", "peer", "ipc"):
+            raise ValueError(f"replica_transport must be 'collective', 'peer' or 'ipc', got "
                              f"{replica_transport!r}")
         self.replica_transport = replica_transport
         if not opt.device_copy:
@@ -191,7 +192,13 @@ class Trainer:
         self.multiprocess = jax.process_count() > 1
         if self.multiprocess and replica_transport == "peer":
             raise ValueError("replica_transport='peer' reads peer memory inside one process; "
-                             "with several processes use 'collective'")
+                             "with several processes use 'ipc' or 'collective'")
+        if not self.multiprocess and replica_transport == "ipc":
+            raise ValueError("replica_transport='ipc' pulls from another process's GPU; within "
+                             "one process use 'peer' or 'collective'")
+        # IPC pulls: rounds numbered alike in every process; the reason IPC was given up (the
+        # collective transport is used from then on); the bound on every wait of a round.
+        self._ipc_round, self._ipc_off, self.replica_timeout_s = 0, None, 30.0
         self.mesh = Mesh(np.array(devices).reshape(len(devices) // shard, shard), ("dp", "shard"))
         self.devices = devices
         # Who writes this process's host snapshot: per shard column, its first device here.
@@ -965,6 +972,27 @@ class Trainer:
             yield lists, batch
             work = rest
 
+    def _pull_by_ipc(self, work: list, damaged: dict) -> set[int]:
+        """The chunks of ``work`` pulled into every damaged replica over CUDA IPC (pimhbm.ipc),
+        straight into the current slot's buffers; returns the source devices."""
+        jax.block_until_ready(self.state)  # nothing of the state is still being written
+        self._ipc_round += 1
+        cur = slot_tensors(self.state.opt.slots[self.state.opt.current], self.treedef)
+        by_pair: dict[tuple, list[int]] = collections.defaultdict(list)
+        for col, path, k, chunk, row in work:
+            for target in sorted(damaged[col, path, k, chunk]):
+                by_pair[row, target, col, path, k].append(chunk)
+        pulls = []
+        for (row, target, col, path, k), chunks in sorted(by_pair.items()):
+            t = cur[self.paths.index(path)][k]
+            pulls.append(ipc.Pull(f"{row}.{target}.{col}.{path}.{k}", self.mesh.devices[row, col],
+                                  self.mesh.devices[target, col], chunks, t, t,
+                                  self.opt.chunk_bytes(t[0].dtype)))
+        pulled = ipc.run_round(self._ipc_round, pulls, int(self.replica_timeout_s * 1000))
+        self.stats.repairs += pulled
+        self.stats.ipc_pulls += pulled
+        return {row * self.shard + col for row, _, col, _, _ in by_pair}
+
     def _rebuild_from_replica(self, summaries: list[tuple[int, np.ndarray]]) -> str | None:
         """The whole state of every damaged device rebuilt from a device that reported no
         damage in any of ``summaries``; None when there is no such device (or one device)."""
@@ -1026,6 +1054,17 @@ class Trainer:
                 return None
             work.append((col, path, k, chunk, healthy[0]))
         sources = set()
+        if self.replica_transport == "ipc" and self._ipc_off is None:
+            try:
+                sources = self._pull_by_ipc(work, damaged)
+                work = []  # every chunk pulled and verified
+            except ipc.Unavailable as err:
+                self._ipc_off = str(err)
+                self.stats.incidents.append(Incident(
+                    self.next_step, "replica transport", [],
+                    f"CUDA IPC unavailable ({err}); the collective transport from now on"))
+            except (RuntimeError, jax.errors.JaxRuntimeError) as err:
+                return self._replica_failed(err)
         while work:
             lists = np.full((self.shard, len(self.paths), len(self.names), self.repair_capacity),
                             -1, np.int32)

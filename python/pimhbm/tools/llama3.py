@@ -52,8 +52,10 @@ def add_arguments(p) -> None:
     p.add_argument("--tiny", action="store_true",
                    help="the tiny configuration of the same code instead of 8B dimensions (a "
                         "check of the tool on a CPU)")
-    p.add_argument("--replica-transport", choices=("collective", "peer"), default="collective",
-                   help="how a chunk is pulled from a healthy replica (several devices)")
+    p.add_argument("--replica-transport", choices=("collective", "peer", "ipc"), default="collective",
+                   help="how a chunk is pulled from a healthy replica (several devices): an XLA "
+                        "collective, our kernel reading a peer GPU of this process (peer), or "
+                        "of another process over CUDA IPC (ipc, with --processes)")
     p.add_argument("--processes", type=int, default=1,
                    help="run as this many processes (jax.distributed on localhost), the devices "
                         "split evenly between them (default 1: one process sees them all)")
@@ -151,6 +153,10 @@ def _print_profile(console, profiles, results) -> None:
 def run(args: Any) -> int:
     if args.processes < 1:
         print("--processes must be at least 1", file=sys.stderr)
+        return 2
+    if (args.replica_transport == "ipc") != (args.processes > 1) and args.replica_transport != "collective":
+        print(f"--replica-transport {args.replica_transport}: 'ipc' pulls across processes "
+              "(--processes 2 or more), 'peer' within one process", file=sys.stderr)
         return 2
     if args.processes > 1 and args.process_id is None:
         return _launch(args)

@@ -1,0 +1,36 @@
+// Repair from a replica in another process: a one-sided pull over CUDA IPC. The healthy
+// process exports a handle for the allocation that holds its copy of a tensor (and of its
+// digest table); the damaged process opens it once (cached) and runs the chunk-repair kernel
+// on its own stream, reading the peer GPU's memory directly -- no NCCL call, no kernel on the
+// healthy GPU. Every wait is bounded: a pull that does not finish in time is an error.
+//
+// Built without CUDA, every call fails with a message that says so (the engine then keeps
+// its collective transport).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pimhbm::peer::ipc {
+
+// A device pointer made shareable: the CUDA IPC handle of the allocation it lies in and the
+// pointer's offset from that allocation's base (XLA hands out pieces of larger allocations).
+constexpr size_t kExportBytes = 64 + 8;
+
+// The export of `ptr` (device memory of CUDA device `device`), kExportBytes long. Throws
+// std::runtime_error when the memory cannot be shared between processes.
+std::string export_pointer(uint64_t ptr, int device);
+
+// Repairs the listed chunks of this process's tensor (dst, dst_table: device pointers on
+// `device`, nbytes long, chunk_bytes per chunk) from another process's copy (src, src_table:
+// exports from that process); returns a repair::Status per entry. Throws std::runtime_error
+// on a CUDA error or when the pull has not finished after timeout_ms.
+std::vector<int32_t> pull(int device, const std::vector<int32_t>& chunks, uint64_t dst,
+                          uint64_t dst_table, int64_t nbytes, int64_t chunk_bytes,
+                          const std::string& src, const std::string& src_table, int64_t timeout_ms);
+
+// Closes every handle this process opened (a peer's memory stays mapped until then).
+void close_all();
+
+}  // namespace pimhbm::peer::ipc

@@ -1,0 +1,148 @@
+// The CUDA IPC pull between two processes: this test exports a tensor (inside a larger
+// allocation, so the offset matters) and its digest table, then starts a second copy of this
+// binary that maps them, pulls damaged chunks into its own tensor and checks them bit for bit.
+#include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda_test_util.h"
+#include "peer/ipc.h"
+#include "repair/repair.h"
+#include "scan/scan.h"
+#include "test_util.h"
+
+extern char** environ;
+
+namespace pimhbm {
+namespace {
+
+constexpr int64_t kLen = 100003, kChunk = 4096;  // a ragged last chunk
+
+std::vector<uint8_t> data_of(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  return testing::random_bytes(rng, kLen);
+}
+
+std::vector<uint32_t> table_of(const std::vector<uint8_t>& x) {
+  const int64_t n = num_chunks(kLen, kChunk);
+  std::vector<uint32_t> t(2 * n);
+  std::vector<int32_t> nf(n);
+  std::vector<float> mx(n);
+  scan::scan_cpu(x.data(), kLen, Elem::kRaw, kChunk, t.data(), nf.data(), mx.data());
+  return t;
+}
+
+std::string hex(const std::string& s) {
+  static const char* d = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : s) out += {d[c >> 4], d[c & 15]};
+  return out;
+}
+
+std::string unhex(const std::string& h) {
+  std::string out;
+  for (size_t i = 0; i + 1 < h.size(); i += 2) {
+    out += static_cast<char>(std::stoi(h.substr(i, 2), nullptr, 16));
+  }
+  return out;
+}
+
+// The exporting side. The source's chunk kBadSource is damaged after its digest was taken.
+constexpr int kBadSource = 7;
+
+TEST(IpcPull, AnotherProcessPullsChunksFromThisOne) {
+  PIMHBM_SKIP_WITHOUT_GPU();
+  PIMHBM_SEED_TRACE();
+  const uint64_t seed = testing::rng_for_test()();
+  auto good = data_of(seed);
+  const auto table = table_of(good);
+  auto src = good;
+  src[kBadSource * kChunk + 5] ^= 0x10;
+  // Inside larger allocations: the exports carry the offset from the allocation's base.
+  testing::DeviceBuffer<uint8_t> data(kLen + 8192);
+  testing::DeviceBuffer<uint32_t> tab(table.size() + 64);
+  ASSERT_EQ(cudaMemcpy(data.get() + 4096, src.data(), kLen, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(tab.get() + 64, table.data(), table.size() * 4, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  const std::string e_data =
+      peer::ipc::export_pointer(reinterpret_cast<uint64_t>(data.get() + 4096), 0);
+  const std::string e_table =
+      peer::ipc::export_pointer(reinterpret_cast<uint64_t>(tab.get() + 64), 0);
+  ASSERT_EQ(e_data.size(), peer::ipc::kExportBytes);
+
+  std::ostringstream env;
+  env << "PIMHBM_IPC_CHILD=" << hex(e_data) << "," << hex(e_table) << "," << seed;
+  std::vector<std::string> envs{env.str()};
+  for (char** e = environ; *e; ++e) envs.emplace_back(*e);
+  std::vector<char*> envp;
+  for (auto& e : envs) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::string exe = "/proc/self/exe", filter = "--gtest_filter=IpcPullChild.*";
+  char* argv[] = {exe.data(), filter.data(), nullptr};
+  pid_t pid;
+  ASSERT_EQ(posix_spawn(&pid, exe.c_str(), nullptr, nullptr, argv, envp.data()), 0);
+  int status = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      FAIL() << "the pulling process did not finish in 120 s";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "the pulling process failed (its output is above)";
+}
+
+// The pulling side: runs only when started by the test above.
+TEST(IpcPullChild, PullsDamagedChunksAndChecksThem) {
+  const char* arg = std::getenv("PIMHBM_IPC_CHILD");
+  if (arg == nullptr) GTEST_SKIP() << "started by IpcPull.AnotherProcessPullsChunksFromThisOne";
+  std::string s(arg);
+  const auto c1 = s.find(','), c2 = s.find(',', c1 + 1);
+  const std::string e_data = unhex(s.substr(0, c1)), e_table = unhex(s.substr(c1 + 1, c2 - c1 - 1));
+  const uint64_t seed = std::stoull(s.substr(c2 + 1));
+  const auto good = data_of(seed);
+  const auto table = table_of(good);
+  const int64_t n = num_chunks(kLen, kChunk);
+  auto dst = good;
+  const std::vector<int32_t> chunks{
+      0, 3, kBadSource, static_cast<int32_t>(n - 1), -1, static_cast<int32_t>(n + 2)};
+  for (int32_t c : chunks) {
+    if (c >= 0 && c < n) dst[c * kChunk] ^= 0x01;  // damage where a pull is asked
+  }
+  testing::DeviceBuffer<uint8_t> d_dst(kLen);
+  testing::DeviceBuffer<uint32_t> d_table(table.size());
+  ASSERT_EQ(d_dst.upload(dst), cudaSuccess);
+  ASSERT_EQ(d_table.upload(table), cudaSuccess);
+  const auto status = peer::ipc::pull(0, chunks, reinterpret_cast<uint64_t>(d_dst.get()),
+                                      reinterpret_cast<uint64_t>(d_table.get()), kLen, kChunk,
+                                      e_data, e_table, 10000);
+  EXPECT_EQ(status,
+            (std::vector<int32_t>{repair::kRepaired, repair::kRepaired, repair::kSourceDamaged,
+                                  repair::kRepaired, repair::kNotListed, repair::kOutOfRange}));
+  cudaError_t err;
+  auto got = d_dst.download(&err);
+  ASSERT_EQ(err, cudaSuccess);
+  for (int64_t c = 0; c < n; ++c) {  // repaired chunks are the source's; the rest untouched
+    const int64_t a = c * kChunk, b = std::min(kLen, a + kChunk);
+    const auto& want = c == kBadSource ? dst : (c == 0 || c == 3 || c == n - 1 ? good : dst);
+    EXPECT_TRUE(std::equal(got.begin() + a, got.begin() + b, want.begin() + a)) << "chunk " << c;
+  }
+  peer::ipc::close_all();
+}
+
+}  // namespace
+}  // namespace pimhbm
