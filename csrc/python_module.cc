@@ -241,6 +241,7 @@ NB_MODULE(_core, m) {
           "drain", [](Telemetry& t) { return events_list(t.drain()); },
           "The events since the last drain: {device, kind, xid, detail, seconds}.");
   m.def("telemetry_fields", &pimhbm::telemetry::field_names, "The fields of a reading, in order.");
+  nb::exception<pimhbm::peer::ipc::Unavailable>(m, "IpcUnavailable", PyExc_RuntimeError);
   m.def(
       "ipc_export",
       [](uint64_t ptr, int device) {

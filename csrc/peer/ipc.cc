@@ -27,18 +27,15 @@ void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) fail(what, err);
 }
 
-// Runs on `device` and puts the caller's current device back afterwards.
-class OnDevice {
- public:
-  explicit OnDevice(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    check(cudaSetDevice(device), "cudaSetDevice");
+// Makes `device` current for this thread. The previous device is not put back: in a thread
+// without a context that would be device 0, and setting it would create a context there.
+void use_device(int device) {
+  if (cudaError_t err = cudaSetDevice(device); err != cudaSuccess) {
+    cudaGetLastError();
+    throw Unavailable(std::string("pimhbm IPC pull: no usable CUDA device ") +
+                      std::to_string(device) + " (" + cudaGetErrorString(err) + ")");
   }
-  ~OnDevice() { cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
+}
 
 // cuMemGetAddressRange through the runtime's driver entry point (nothing links libcuda).
 using GetAddressRange = int (*)(unsigned long long* base, size_t* size, unsigned long long ptr);
@@ -47,11 +44,16 @@ GetAddressRange address_range_fn() {
   static GetAddressRange fn = [] {
     void* p = nullptr;
     cudaDriverEntryPointQueryResult found{};
-    check(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000, cudaEnableDefault,
-                                           &found),
-          "looking up cuMemGetAddressRange");
-    if (found != cudaDriverEntryPointSuccess || p == nullptr) {
-      throw std::runtime_error("pimhbm IPC pull: the driver has no cuMemGetAddressRange");
+#if CUDART_VERSION >= 12050
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000,
+                                                             cudaEnableDefault, &found);
+#else
+    const cudaError_t err =
+        cudaGetDriverEntryPoint("cuMemGetAddressRange", &p, cudaEnableDefault, &found);
+#endif
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
+      cudaGetLastError();
+      throw Unavailable("pimhbm IPC pull: the driver has no cuMemGetAddressRange");
     }
     return reinterpret_cast<GetAddressRange>(p);
   }();
@@ -73,13 +75,40 @@ void* open_export(const std::string& blob, int device) {
     cudaIpcMemHandle_t handle;
     std::memcpy(&handle, blob.data(), sizeof(handle));
     void* base = nullptr;
-    check(cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess),
-          "cudaIpcOpenMemHandle (the peer's memory could not be mapped here)");
+    if (cudaError_t err = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
+        err != cudaSuccess) {
+      cudaGetLastError();
+      throw Unavailable(std::string("pimhbm IPC pull: the peer's memory cannot be mapped here "
+                                    "(cudaIpcOpenMemHandle: ") +
+                        cudaGetErrorString(err) + ")");
+    }
     it = opened.emplace(key, base).first;
   }
   uint64_t offset = 0;
   std::memcpy(&offset, blob.data() + 64, sizeof(offset));
   return static_cast<uint8_t*>(it->second) + offset;
+}
+
+// Device memory for the list of chunks and their statuses, kept between pulls (an allocation
+// or a free per pull would synchronise the device).
+struct Scratch {
+  void* chunks = nullptr;
+  void* status = nullptr;
+  size_t bytes = 0;
+};
+std::map<int, Scratch> scratches;
+
+Scratch& scratch_of(int device, size_t bytes) {
+  Scratch& s = scratches[device];
+  if (s.bytes < bytes) {
+    if (s.chunks) cudaFree(s.chunks);
+    if (s.status) cudaFree(s.status);
+    s = Scratch{};
+    check(cudaMalloc(&s.chunks, bytes), "cudaMalloc");
+    check(cudaMalloc(&s.status, bytes), "cudaMalloc");
+    s.bytes = bytes;
+  }
+  return s;
 }
 
 cudaStream_t stream_of(int device) {
@@ -96,17 +125,20 @@ cudaStream_t stream_of(int device) {
 
 std::string export_pointer(uint64_t ptr, int device) {
   std::lock_guard<std::mutex> lock(mu);
-  OnDevice on(device);
+  use_device(device);
   unsigned long long base = 0;
   size_t size = 0;
   if (int r = address_range_fn()(&base, &size, ptr); r != 0) {
-    throw std::runtime_error("pimhbm IPC pull: cuMemGetAddressRange failed (CUresult " +
-                             std::to_string(r) + "): not device memory of this process");
+    throw Unavailable("pimhbm IPC pull: cuMemGetAddressRange failed (CUresult " +
+                      std::to_string(r) + "): not device memory of this process");
   }
   cudaIpcMemHandle_t handle;
   if (cudaError_t err = cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base));
       err != cudaSuccess) {
-    fail("cudaIpcGetMemHandle (this allocator's memory cannot be shared between processes)", err);
+    cudaGetLastError();
+    throw Unavailable(std::string("pimhbm IPC pull: this allocator's memory cannot be shared "
+                                  "between processes (cudaIpcGetMemHandle: ") +
+                      cudaGetErrorString(err) + ")");
   }
   std::string blob(kExportBytes, '\0');
   const uint64_t offset = ptr - base;
@@ -120,12 +152,12 @@ std::vector<int32_t> pull(int device, const std::vector<int32_t>& chunks, uint64
                           const std::string& src, const std::string& src_table,
                           int64_t timeout_ms) {
   if (chunk_bytes <= 0 || nbytes < 0) {
-    throw std::invalid_argument("pimhbm IPC pull: chunk_bytes must be positive, nbytes >= 0");
+    throw std::runtime_error("pimhbm IPC pull: chunk_bytes must be positive, nbytes >= 0");
   }
   std::vector<int32_t> status(chunks.size(), repair::kNotListed);
   if (chunks.empty()) return status;
   std::lock_guard<std::mutex> lock(mu);
-  OnDevice on(device);
+  use_device(device);
   repair::Sources sources{};
   sources.count = 1;
   sources.self = -1;
@@ -135,12 +167,9 @@ std::vector<int32_t> pull(int device, const std::vector<int32_t>& chunks, uint64
   const repair::MutableChunkedTensor target{reinterpret_cast<uint8_t*>(dst), nbytes, chunk_bytes,
                                             reinterpret_cast<uint32_t*>(dst_table)};
   const size_t bytes = chunks.size() * sizeof(int32_t);
-  void* chunks_mem = nullptr;
-  void* status_mem = nullptr;
-  check(cudaMalloc(&chunks_mem, bytes), "cudaMalloc");
-  check(cudaMalloc(&status_mem, bytes), "cudaMalloc");
-  auto* d_chunks = static_cast<int32_t*>(chunks_mem);
-  auto* d_status = static_cast<int32_t*>(status_mem);
+  Scratch& scratch = scratch_of(device, bytes);
+  auto* d_chunks = static_cast<int32_t*>(scratch.chunks);
+  auto* d_status = static_cast<int32_t*>(scratch.status);
   cudaStream_t stream = stream_of(device);
   cudaEvent_t done = nullptr;
   check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
@@ -155,7 +184,9 @@ std::vector<int32_t> pull(int device, const std::vector<int32_t>& chunks, uint64
   cudaError_t state;
   while ((state = cudaEventQuery(done)) == cudaErrorNotReady) {
     if (std::chrono::steady_clock::now() > deadline) {
-      // The kernel may still run: its buffers are left allocated rather than freed under it.
+      // The kernel may still run: its scratch is abandoned (never freed under it), and the
+      // caller must not trust or free the target.
+      scratch = Scratch{};
       throw std::runtime_error("pimhbm IPC pull: the pull did not finish within " +
                                std::to_string(timeout_ms) + " ms");
     }
@@ -164,8 +195,6 @@ std::vector<int32_t> pull(int device, const std::vector<int32_t>& chunks, uint64
   check(state, "the pull kernel");
   check(cudaMemcpy(status.data(), d_status, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
   cudaEventDestroy(done);
-  cudaFree(d_chunks);
-  cudaFree(d_status);
   return status;
 }
 
@@ -183,7 +212,7 @@ void close_all() {
 
 namespace {
 [[noreturn]] void no_cuda() {
-  throw std::runtime_error("pimhbm IPC pull: this build has no CUDA (CUDA IPC needs GPUs)");
+  throw Unavailable("pimhbm IPC pull: this build has no CUDA (CUDA IPC needs GPUs)");
 }
 }  // namespace
 

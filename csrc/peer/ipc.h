@@ -9,23 +9,34 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace pimhbm::peer::ipc {
+
+// This memory cannot be pulled over CUDA IPC here (no CUDA, an allocation without an IPC
+// handle, a peer allocation that cannot be mapped into this process): the caller should use
+// another transport. Every other failure is a std::runtime_error.
+class Unavailable : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
 
 // A device pointer made shareable: the CUDA IPC handle of the allocation it lies in and the
 // pointer's offset from that allocation's base (XLA hands out pieces of larger allocations).
 constexpr size_t kExportBytes = 64 + 8;
 
 // The export of `ptr` (device memory of CUDA device `device`), kExportBytes long. Throws
-// std::runtime_error when the memory cannot be shared between processes.
+// Unavailable when the memory cannot be shared between processes.
 std::string export_pointer(uint64_t ptr, int device);
 
 // Repairs the listed chunks of this process's tensor (dst, dst_table: device pointers on
 // `device`, nbytes long, chunk_bytes per chunk) from another process's copy (src, src_table:
-// exports from that process); returns a repair::Status per entry. Throws std::runtime_error
-// on a CUDA error or when the pull has not finished after timeout_ms.
+// exports from that process); returns a repair::Status per entry. Throws Unavailable when
+// the peer's memory cannot be mapped here, std::runtime_error on a CUDA error or when the pull
+// has not finished after timeout_ms (its kernel may then still run: this process's target
+// memory is not to be trusted or freed).
 std::vector<int32_t> pull(int device, const std::vector<int32_t>& chunks, uint64_t dst,
                           uint64_t dst_table, int64_t nbytes, int64_t chunk_bytes,
                           const std::string& src, const std::string& src_table, int64_t timeout_ms);

@@ -69,16 +69,19 @@ TEST(IpcPull, AnotherProcessPullsChunksFromThisOne) {
   const auto table = table_of(good);
   auto src = good;
   src[kBadSource * kChunk + 5] ^= 0x10;
-  // Inside larger allocations: the exports carry the offset from the allocation's base.
-  testing::DeviceBuffer<uint8_t> data(kLen + 8192);
-  testing::DeviceBuffer<uint32_t> tab(table.size() + 64);
-  ASSERT_EQ(cudaMemcpy(data.get() + 4096, src.data(), kLen, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(tab.get() + 64, table.data(), table.size() * 4, cudaMemcpyHostToDevice),
-            cudaSuccess);
+  // Both inside one larger allocation, as XLA places buffers: the exports carry each one's
+  // offset from the allocation's base, and the puller maps that allocation once.
+  constexpr int64_t kTableAt = 4096 + (kLen + 255) / 256 * 256;
+  testing::DeviceBuffer<uint8_t> mem(kTableAt + table.size() * 4 + 4096);
+  ASSERT_EQ(cudaMemcpy(mem.get() + 4096, src.data(), kLen, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(
+      cudaMemcpy(mem.get() + kTableAt, table.data(), table.size() * 4, cudaMemcpyHostToDevice),
+      cudaSuccess);
   const std::string e_data =
-      peer::ipc::export_pointer(reinterpret_cast<uint64_t>(data.get() + 4096), 0);
+      peer::ipc::export_pointer(reinterpret_cast<uint64_t>(mem.get() + 4096), 0);
   const std::string e_table =
-      peer::ipc::export_pointer(reinterpret_cast<uint64_t>(tab.get() + 64), 0);
+      peer::ipc::export_pointer(reinterpret_cast<uint64_t>(mem.get() + kTableAt), 0);
+  EXPECT_EQ(e_data.substr(0, 64), e_table.substr(0, 64)) << "one allocation, one handle";
   ASSERT_EQ(e_data.size(), peer::ipc::kExportBytes);
 
   std::ostringstream env;

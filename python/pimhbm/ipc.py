@@ -21,6 +21,7 @@ caller then uses the collective transport. A pull that fails or times out makes 
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import jax
@@ -33,6 +34,11 @@ PREFIX = "pimhbm/ipc"
 
 class Unavailable(RuntimeError):
     """This run's memory cannot be pulled over CUDA IPC (the reason is the message)."""
+
+
+class Fatal(RuntimeError):
+    """A pull did not finish in time (its kernel may still be writing a device's state) or a
+    process did not answer: the run cannot go on in this process."""
 
 
 @dataclasses.dataclass
@@ -60,52 +66,86 @@ def _client():
     return client
 
 
-def run_round(round_id: int, pulls: list[Pull], timeout_ms: int) -> int:
+# Outcomes, from best to worst; a round's decision is the worst outcome of any pull.
+_RANK = {b"ok": 0, b"unavailable": 1, b"failed": 2, b"fatal": 3}
+
+
+def _export(p: Pull) -> bytes:
+    if p.source.platform != "gpu" or p.target.platform != "gpu":
+        raise Unavailable(f"the devices are not GPUs ({p.source.platform})")
+    if p.source.process_index == p.target.process_index:
+        raise Unavailable("source and target are devices of one process")
+    return b"".join(_core.ipc_export(_on(a, p.source).unsafe_buffer_pointer(),
+                                     p.source.local_hardware_id) for a in p.src)
+
+
+def _pull(p: Pull, blob: bytes, timeout_ms: int) -> bytes:
+    half = len(blob) // 2
+    t, table = (_on(a, p.target) for a in p.dst)
+    try:
+        status = _core.ipc_pull(p.target.local_hardware_id, p.chunks, t.unsafe_buffer_pointer(),
+                                table.unsafe_buffer_pointer(), t.nbytes, p.chunk_bytes,
+                                blob[:half], blob[half:], timeout_ms)
+    except _core.IpcUnavailable as err:
+        return b"unavailable " + str(err).encode()
+    except RuntimeError as err:  # a CUDA error, or the pull did not finish in time
+        return b"fatal " + str(err).encode()
+    bad = [c for c, s in zip(p.chunks, status) if s != pimhbm.REPAIRED]
+    return b"ok" if not bad else f"failed chunks {bad} did not verify".encode()
+
+
+def run_round(run_id: str, round_id: int, pulls: list[Pull], timeout_ms: int) -> int:
     """Runs every pull of a round (each process its own part); returns the chunks repaired.
-    Raises Unavailable (every process alike) when IPC cannot serve this run, RuntimeError
-    when a pull failed or an outcome did not come in time."""
+    Every process comes to the same decision: raises Unavailable when IPC cannot serve this run
+    (use another transport), RuntimeError when a pull failed (a chunk did not verify), Fatal
+    when a pull or a process did not finish in time. Each wait is bounded by ``timeout_ms``,
+    the whole round by four times that."""
     client = _client()
     me = jax.process_index()
-    key = lambda kind, p: f"{PREFIX}/{round_id}/{kind}/{p.name}"
+    start = time.monotonic()
+    prefix = f"{PREFIX}/{run_id}/{round_id}"
+
+    def get(key: str, within: int) -> bytes:  # waits until `within` timeouts from the start
+        left = int(within * timeout_ms - (time.monotonic() - start) * 1000)
+        try:
+            return client.blocking_key_value_get_bytes(key, max(left, 1))
+        except Exception as err:  # the store's timeout (an XLA runtime error)
+            raise Fatal(f"no answer for {key} within {within * timeout_ms} ms: {err}") from err
+
     # 1. Exports of what this process holds (an error is published in place of the handles).
     for p in pulls:
-        if p.source.process_index != me:
-            continue
-        try:
-            if p.source.process_index == p.target.process_index:
-                raise Unavailable("source and target are devices of one process")
-            blob = b"".join(_core.ipc_export(_on(a, p.source).unsafe_buffer_pointer(),
-                                             p.source.local_hardware_id) for a in p.src)
-        except (RuntimeError, Unavailable) as err:
-            blob = b"!" + str(err).encode()
-        client.key_value_set_bytes(key("export", p), blob)
-    # 2. Pulls into this process's devices.
+        if p.source.process_index == me:
+            try:
+                blob = _export(p)
+            except Unavailable as err:
+                blob = b"!" + str(err).encode()
+            client.key_value_set_bytes(f"{prefix}/export/{p.name}", blob)
+    # 2. Pulls into this process's devices; each outcome published.
     for p in pulls:
         if p.target.process_index != me:
             continue
-        blob = client.blocking_key_value_get_bytes(key("export", p), timeout_ms)
-        if blob.startswith(b"!"):
-            outcome = b"unavailable: " + blob[1:]
-        else:
-            half = len(blob) // 2
-            t, table = (_on(a, p.target) for a in p.dst)
-            try:
-                status = _core.ipc_pull(p.target.local_hardware_id, p.chunks,
-                                        t.unsafe_buffer_pointer(), table.unsafe_buffer_pointer(),
-                                        t.nbytes, p.chunk_bytes, blob[:half], blob[half:],
-                                        timeout_ms)
-                bad = [c for c, s in zip(p.chunks, status) if s != pimhbm.REPAIRED]
-                outcome = b"ok" if not bad else f"failed: chunks {bad} did not verify".encode()
-            except RuntimeError as err:
-                outcome = f"failed: {err}".encode()
-        client.key_value_set_bytes(key("outcome", p), outcome)
-    # 3. Every outcome, in every process: the same decision everywhere.
-    outcomes = [client.blocking_key_value_get_bytes(key("outcome", p), timeout_ms)
-                for p in pulls]
-    for p, o in zip(pulls, outcomes):
-        if o.startswith(b"unavailable: "):
-            raise Unavailable(o[len(b"unavailable: "):].decode())
-    for p, o in zip(pulls, outcomes):
-        if o != b"ok":
-            raise RuntimeError(f"IPC pull {p.name}: {o.decode()}")
+        try:
+            blob = get(f"{prefix}/export/{p.name}", 1)
+            outcome = (b"unavailable " + blob[1:] if blob.startswith(b"!")
+                       else _pull(p, blob, timeout_ms))
+        except Fatal as err:
+            outcome = b"fatal " + str(err).encode()
+        client.key_value_set_bytes(f"{prefix}/outcome/{p.name}", outcome)
+    # 3. Every outcome, in every process, then each process's conclusion from them: the same
+    # decision everywhere, or (a process that did not answer) Fatal.
+    try:
+        outcomes = [get(f"{prefix}/outcome/{p.name}", 3) for p in pulls]
+    except Fatal as err:
+        outcomes = [b"fatal " + str(err).encode()]
+    worst = max(outcomes, key=lambda o: _RANK[o.split(b" ", 1)[0]]) if outcomes else b"ok"
+    client.key_value_set_bytes(f"{prefix}/decision/{me}", worst)
+    decisions = [get(f"{prefix}/decision/{i}", 4) for i in range(jax.process_count())]
+    worst = max(decisions, key=lambda o: _RANK[o.split(b" ", 1)[0]])
+    kind, _, why = worst.partition(b" ")
+    if kind == b"unavailable":
+        raise Unavailable(why.decode())
+    if kind == b"failed":
+        raise RuntimeError(f"IPC pull: {why.decode()}")
+    if kind == b"fatal":
+        raise Fatal(why.decode())
     return sum(len(p.chunks) for p in pulls)

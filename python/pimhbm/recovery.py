@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import os
 import time
 from typing import Any, Callable, NamedTuple
@@ -109,6 +110,9 @@ class DeviceFailure(RuntimeError):
         super().__init__(message)
         self.device = device
         self.snapshot_step = snapshot_step
+
+
+_TRAINERS = itertools.count()  # numbers each Trainer of a process (its IPC keys)
 
 
 class PersistentFault(RuntimeError):
@@ -199,6 +203,7 @@ class Trainer:
         # IPC pulls: rounds numbered alike in every process; the reason IPC was given up (the
         # collective transport is used from then on); the bound on every wait of a round.
         self._ipc_round, self._ipc_off, self.replica_timeout_s = 0, None, 30.0
+        self._ipc_run = str(next(_TRAINERS))  # keys of this trainer's rounds (same everywhere)
         self.mesh = Mesh(np.array(devices).reshape(len(devices) // shard, shard), ("dp", "shard"))
         self.devices = devices
         # Who writes this process's host snapshot: per shard column, its first device here.
@@ -761,6 +766,7 @@ class Trainer:
             # summaries may name more damage (injected while they were in flight).
             self.stats.steps_skipped += 1 + len(pending)
             later = [(t, self._fetch(later_summary)) for t, _, later_summary, _ in pending]
+            jax.block_until_ready([scrub] + [p[3] for p in pending])  # readers of the state
             pending.clear()
             if snapshot is not None:
                 self._wait_snapshot(snapshot)
@@ -975,7 +981,9 @@ class Trainer:
     def _pull_by_ipc(self, work: list, damaged: dict) -> set[int]:
         """The chunks of ``work`` pulled into every damaged replica over CUDA IPC (pimhbm.ipc),
         straight into the current slot's buffers; returns the source devices."""
-        jax.block_until_ready(self.state)  # nothing of the state is still being written
+        # Nothing of the state is still written (its last writers) or read (the steps' and
+        # scrubs' results were waited for before the fault was handled; snapshots too).
+        jax.block_until_ready(self.state)
         self._ipc_round += 1
         cur = slot_tensors(self.state.opt.slots[self.state.opt.current], self.treedef)
         by_pair: dict[tuple, list[int]] = collections.defaultdict(list)
@@ -988,7 +996,8 @@ class Trainer:
             pulls.append(ipc.Pull(f"{row}.{target}.{col}.{path}.{k}", self.mesh.devices[row, col],
                                   self.mesh.devices[target, col], chunks, t, t,
                                   self.opt.chunk_bytes(t[0].dtype)))
-        pulled = ipc.run_round(self._ipc_round, pulls, int(self.replica_timeout_s * 1000))
+        pulled = ipc.run_round(self._ipc_run, self._ipc_round, pulls,
+                               int(self.replica_timeout_s * 1000))
         self.stats.repairs += pulled
         self.stats.ipc_pulls += pulled
         return {row * self.shard + col for row, _, col, _, _ in by_pair}
@@ -1063,7 +1072,11 @@ class Trainer:
                 self.stats.incidents.append(Incident(
                     self.next_step, "replica transport", [],
                     f"CUDA IPC unavailable ({err}); the collective transport from now on"))
-            except (RuntimeError, jax.errors.JaxRuntimeError) as err:
+            except ipc.Fatal as err:  # a pull may still be writing this state: stop here
+                raise DeviceFailure(self._failure_message(f"repair from a replica over CUDA "
+                                                          f"IPC: {err}"), None,
+                                    self._newest_snapshot()) from err
+            except RuntimeError as err:  # a pulled chunk did not verify: host snapshot
                 return self._replica_failed(err)
         while work:
             lists = np.full((self.shard, len(self.paths), len(self.names), self.repair_capacity),
@@ -1233,5 +1246,7 @@ class Trainer:
     def close(self, unlink: bool = False) -> None:
         if self.telemetry is not None:
             self.telemetry.close()
+        if self.replica_transport == "ipc" and self._ipc_round:
+            pimhbm._core.ipc_close()  # the peers' memory this process mapped
         if self.backup is not None and unlink:
             HostBackup.unlink(self.backup.name)
