@@ -14,6 +14,7 @@
 #include "peer/ipc.h"
 #include "peer/peer_ffi.h"
 #include "pimhbm/digest.h"
+#include "pimhbm/ffi_alias.h"
 #include "repair/repair_ffi.h"
 #include "scan/scan_ffi.h"
 #include "telemetry/telemetry.h"
@@ -241,6 +242,10 @@ NB_MODULE(_core, m) {
           "drain", [](Telemetry& t) { return events_list(t.drain()); },
           "The events since the last drain: {device, kind, xid, detail, seconds}.");
   m.def("telemetry_fields", &pimhbm::telemetry::field_names, "The fields of a reading, in order.");
+  m.def(
+      "unaliased_copies", [] { return pimhbm::ffi_util::unaliased_count.load(); },
+      "How many results of in-place ops XLA did not alias with their operands in this process "
+      "(each cost a copy); zero is the expected figure.");
   nb::exception<pimhbm::peer::ipc::Unavailable>(m, "IpcUnavailable", PyExc_RuntimeError);
   m.def(
       "ipc_export",

@@ -203,6 +203,25 @@ def test_learning_rate_changes_without_recompiling(rng):
     assert step._cache_size() == 2  # one program per slot parity, never more
 
 
+@pytest.mark.parametrize("master", [False, True])
+def test_xla_aliases_the_update_in_place_no_hidden_copies(rng, master):
+    """The update writes its state through results XLA is asked to alias with the operands
+    (the write side, the device copy). Where XLA does not, the handler copies the operand in
+    first -- correct, but a whole extra pass over the state. On this backend, in a donated
+    step, XLA must alias every one of them: no copies counted."""
+    dtype = ml_dtypes.bfloat16 if master else np.float32
+    params = random_params(rng, dtype)
+    opt = pimhbm.adamw(LR, master_weights=master, device_copy=True, chunk_elems=1024)
+    step = make_step(opt)
+    state = opt.init(params)
+    state, _ = step(random_grads(rng, params), state, jnp.float32(LR))  # both parities compiled
+    before = pimhbm._core.unaliased_copies()
+    for _ in range(4):
+        state, report = step(random_grads(rng, params), state, jnp.float32(LR))
+    assert bool(report.committed)
+    assert pimhbm._core.unaliased_copies() == before
+
+
 def test_the_compiled_step_has_no_conditional_and_no_host_transfer(rng):
     params = random_params(rng, ml_dtypes.bfloat16)
     opt = pimhbm.adamw(LR, master_weights=True)

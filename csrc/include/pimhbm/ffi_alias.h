@@ -6,6 +6,9 @@
 // that the op means the same whether XLA aliased or not; where it is, nothing is copied.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -15,6 +18,10 @@
 namespace pimhbm::ffi_util {
 
 namespace ffi = xla::ffi;
+
+// How many results this process's in-place ops found unaliased (each one a copy that XLA's
+// aliasing would have saved): zero is the expected figure; pimhbm._core.unaliased_copies().
+inline std::atomic<uint64_t> unaliased_count{0};
 
 struct Unaliased {
   const void* from;
@@ -26,7 +33,9 @@ struct Unaliased {
 inline void note_unaliased(std::vector<Unaliased>* out, const ffi::AnyBuffer& operand,
                            const ffi::AnyBuffer& result) {
   if (operand.untyped_data() != result.untyped_data() && result.size_bytes() > 0) {
-    out->push_back({operand.untyped_data(), result.untyped_data(), result.size_bytes()});
+    out->push_back({operand.untyped_data(), result.untyped_data(),
+                    std::min(operand.size_bytes(), result.size_bytes())});
+    unaliased_count.fetch_add(1, std::memory_order_relaxed);
   }
 }
 
