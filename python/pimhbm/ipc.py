@@ -10,12 +10,15 @@ summary). For each (source device, target device, tensor) pair of those repairs:
    (cached) and runs the chunk-repair kernel on its own stream, reading the peer GPU directly
    (``pimhbm._core.ipc_pull``: each chunk checked against the source's digest before it is
    written, the target checked after) -- no NCCL call, no work on the healthy GPU;
-3. it publishes the outcome; every process reads every outcome (bounded) and so decides alike.
+3. it publishes the outcome; every process reads every outcome, publishes its conclusion and
+   reads everyone's (each wait bounded), so all decide alike -- or stop.
 
 The source's process waits for the outcomes before it goes on, so nothing rewrites memory a
-peer is reading. Memory that cannot be exported (a build without CUDA, an allocator whose
-memory has no IPC handle, two devices of one process) makes the round "unavailable": the
-caller then uses the collective transport. A pull that fails or times out makes it "failed".
+peer is reading. Memory that cannot be exported or mapped (a build without CUDA, devices that
+are not GPUs, an allocator whose memory has no IPC handle, two devices of one process) makes
+the round "unavailable": the caller then uses the collective transport. A chunk that does not
+verify makes it "failed" (the caller goes to the host snapshot); a pull or a process that does
+not answer in time, "fatal" (a kernel may still be writing: the run stops).
 """
 
 from __future__ import annotations
