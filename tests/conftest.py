@@ -2,9 +2,12 @@ import os
 import random
 import zlib
 
-# Four virtual CPU devices, for the data-parallel tests; set before JAX starts.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=4").strip()
+# Four virtual CPU devices, for the data-parallel tests; on GPUs, XLA's deterministic ops
+# (the tests replay steps and compare bits, as the demo does); set before JAX starts.
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_gpu_deterministic_ops" not in _flags:
+    _flags += " --xla_gpu_deterministic_ops=true"
+os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=4").strip()
 
 import jax  # noqa: E402
 import numpy as np
