@@ -27,13 +27,17 @@ void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) fail(what, err);
 }
 
+// The same for what makes IPC unusable here (the caller takes another transport).
+[[noreturn]] void unavailable(const std::string& what, cudaError_t err) {
+  cudaGetLastError();
+  throw Unavailable("pimhbm IPC pull: " + what + " (" + cudaGetErrorString(err) + ")");
+}
+
 // Makes `device` current for this thread. The previous device is not put back: in a thread
 // without a context that would be device 0, and setting it would create a context there.
 void use_device(int device) {
   if (cudaError_t err = cudaSetDevice(device); err != cudaSuccess) {
-    cudaGetLastError();
-    throw Unavailable(std::string("pimhbm IPC pull: no usable CUDA device ") +
-                      std::to_string(device) + " (" + cudaGetErrorString(err) + ")");
+    unavailable("no usable CUDA device " + std::to_string(device), err);
   }
 }
 
@@ -77,10 +81,7 @@ void* open_export(const std::string& blob, int device) {
     void* base = nullptr;
     if (cudaError_t err = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
         err != cudaSuccess) {
-      cudaGetLastError();
-      throw Unavailable(std::string("pimhbm IPC pull: the peer's memory cannot be mapped here "
-                                    "(cudaIpcOpenMemHandle: ") +
-                        cudaGetErrorString(err) + ")");
+      unavailable("the peer's memory cannot be mapped here (cudaIpcOpenMemHandle)", err);
     }
     it = opened.emplace(key, base).first;
   }
@@ -135,10 +136,10 @@ std::string export_pointer(uint64_t ptr, int device) {
   cudaIpcMemHandle_t handle;
   if (cudaError_t err = cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base));
       err != cudaSuccess) {
-    cudaGetLastError();
-    throw Unavailable(std::string("pimhbm IPC pull: this allocator's memory cannot be shared "
-                                  "between processes (cudaIpcGetMemHandle: ") +
-                      cudaGetErrorString(err) + ")");
+    unavailable(
+        "this allocator's memory cannot be shared between processes "
+        "(cudaIpcGetMemHandle)",
+        err);
   }
   std::string blob(kExportBytes, '\0');
   const uint64_t offset = ptr - base;

@@ -169,10 +169,9 @@ ffi::Error pull_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer chunks
   }
   // The target starts as the operand where XLA did not alias them (ffi_alias.h), before the
   // peers meet: what they read of this device is its current state.
-  std::vector<ffi_util::Unaliased> copies;
-  ffi_util::note_unaliased(&copies, x_in, *x);
-  ffi_util::note_unaliased(&copies, table_in, *table);
-  if (cudaError_t err = ffi_util::copy_unaliased_cuda(copies, stream); err != cudaSuccess) {
+  if (cudaError_t err = ffi_util::copy_unaliased_cuda(
+          ffi_util::unaliased({{x_in, *x}, {table_in, *table}}), stream);
+      err != cudaSuccess) {
     return ffi::Error::Internal(std::string(kOp) + ": CUDA error: " + cudaGetErrorString(err));
   }
   Payload mine{x->untyped_data(), table->untyped_data()};

@@ -3,8 +3,6 @@
 #include <string>
 #include <vector>
 
-#include "pimhbm/ffi_alias.h"
-
 namespace pimhbm::repair {
 
 using ffi_util::check_buffer;
@@ -79,7 +77,8 @@ ffi::Error validate_repair_packed(const ffi::AnyBuffer& chunks, const ffi::AnyBu
 ffi::Error validate_restore_clean(const ffi::AnyBuffer& commit, const ffi::RemainingArgs& args,
                                   const ffi::RemainingRets& rets,
                                   ffi::Span<const int64_t> chunk_bytes,
-                                  std::vector<CleanPair>* pairs) {
+                                  std::vector<CleanPair>* pairs,
+                                  std::vector<ffi_util::Unaliased>* copies) {
   constexpr const char* kOp = "pimhbm.restore_clean";
   if (auto err = check_buffer(kOp, "commit flag", commit, ffi::DataType::S32, 1); err.failure()) {
     return err;
@@ -91,13 +90,16 @@ ffi::Error validate_restore_clean(const ffi::AnyBuffer& commit, const ffi::Remai
                             " and " + std::to_string(chunk_bytes.size()));
   }
   pairs->clear();
+  copies->clear();
   for (size_t i = 0; i < k; ++i) {
     auto faults = args.get<ffi::AnyBuffer>(5 * i);
     auto src = args.get<ffi::AnyBuffer>(5 * i + 1);
     auto src_table = args.get<ffi::AnyBuffer>(5 * i + 2);
+    auto dst_in = args.get<ffi::AnyBuffer>(5 * i + 3);  // aliased with the results
+    auto dst_table_in = args.get<ffi::AnyBuffer>(5 * i + 4);
     auto dst = rets.get<ffi::AnyBuffer>(2 * i);
     auto dst_table = rets.get<ffi::AnyBuffer>(2 * i + 1);
-    if (!faults || !src || !src_table || !dst || !dst_table) {
+    if (!faults || !src || !src_table || !dst_in || !dst_table_in || !dst || !dst_table) {
       return invalid(kOp, "tensor " + std::to_string(i) + ": an argument is not a buffer");
     }
     const std::string where = k > 1 ? "tensor " + std::to_string(i) + ": " : "";
@@ -112,20 +114,13 @@ ffi::Error validate_restore_clean(const ffi::AnyBuffer& commit, const ffi::Remai
     pairs->push_back({static_cast<const int32_t*>(faults->untyped_data()),
                       chunked(*src, *src_table, chunk_bytes[i]),
                       mutable_chunked(**dst, **dst_table, chunk_bytes[i])});
+    ffi_util::note_unaliased(copies, *dst_in, **dst);
+    ffi_util::note_unaliased(copies, *dst_table_in, **dst_table);
   }
   return ffi::Error::Success();
 }
 
 namespace {
-
-// The target (and its table) start as the operands where XLA did not alias them (ffi_alias.h).
-void copy_unaliased(const ffi::AnyBuffer& dst_in, const ffi::AnyBuffer& dst_table_in,
-                    const ffi::AnyBuffer& dst, const ffi::AnyBuffer& dst_table) {
-  std::vector<ffi_util::Unaliased> copies;
-  ffi_util::note_unaliased(&copies, dst_in, dst);
-  ffi_util::note_unaliased(&copies, dst_table_in, dst_table);
-  ffi_util::copy_unaliased_cpu(copies);
-}
 
 ffi::Error repair_cpu_impl(ffi::AnyBuffer chunks, ffi::AnyBuffer src, ffi::AnyBuffer src_table,
                            ffi::AnyBuffer dst_in, ffi::AnyBuffer dst_table_in,
@@ -135,7 +130,7 @@ ffi::Error repair_cpu_impl(ffi::AnyBuffer chunks, ffi::AnyBuffer src, ffi::AnyBu
       err.failure()) {
     return err;
   }
-  copy_unaliased(dst_in, dst_table_in, *dst, *dst_table);
+  ffi_util::copy_unaliased_cpu(ffi_util::unaliased({{dst_in, *dst}, {dst_table_in, *dst_table}}));
   repair_cpu(static_cast<const int32_t*>(chunks.untyped_data()),
              static_cast<int64_t>(chunks.element_count()), chunked(src, src_table, chunk_bytes),
              mutable_chunked(*dst, *dst_table, chunk_bytes),
@@ -146,11 +141,12 @@ ffi::Error repair_cpu_impl(ffi::AnyBuffer chunks, ffi::AnyBuffer src, ffi::AnyBu
 ffi::Error restore_clean_cpu_impl(ffi::AnyBuffer commit, ffi::RemainingArgs args,
                                   ffi::RemainingRets rets, ffi::Span<const int64_t> chunk_bytes) {
   std::vector<CleanPair> pairs;
-  if (auto err = validate_restore_clean(commit, args, rets, chunk_bytes, &pairs); err.failure()) {
+  std::vector<ffi_util::Unaliased> copies;
+  if (auto err = validate_restore_clean(commit, args, rets, chunk_bytes, &pairs, &copies);
+      err.failure()) {
     return err;
   }
-  ffi_util::copy_unaliased_cpu(
-      ffi_util::unaliased(args, rets, restore_clean_aliases(pairs.size())));
+  ffi_util::copy_unaliased_cpu(copies);
   for (const CleanPair& p : pairs) {
     restore_clean_cpu(static_cast<const int32_t*>(commit.untyped_data()), p.faults, p.src, p.dst);
   }
@@ -167,7 +163,7 @@ ffi::Error repair_packed_cpu_impl(ffi::AnyBuffer chunks, ffi::AnyBuffer rows,
       err.failure()) {
     return err;
   }
-  copy_unaliased(dst_in, dst_table_in, *dst, *dst_table);
+  ffi_util::copy_unaliased_cpu(ffi_util::unaliased({{dst_in, *dst}, {dst_table_in, *dst_table}}));
   repair_from_cpu(static_cast<const int32_t*>(chunks.untyped_data()),
                   static_cast<int64_t>(chunks.element_count()),
                   packed_sources(rows, row_table, chunk_bytes),

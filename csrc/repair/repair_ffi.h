@@ -1,9 +1,9 @@
 // XLA FFI handlers of "pimhbm_repair" and "pimhbm_restore_clean".
 #pragma once
 
-#include <utility>
 #include <vector>
 
+#include "pimhbm/ffi_alias.h"
 #include "pimhbm/ffi_util.h"
 #include "repair/repair.h"
 #include "xla/ffi/api/c_api.h"
@@ -41,21 +41,13 @@ inline Sources packed_sources(const ffi::AnyBuffer& rows, const ffi::AnyBuffer& 
 
 // pimhbm_restore_clean takes the commit flag, then per tensor (faults, src, src_table, dst,
 // dst_table) and returns per tensor (dst, dst_table), aliased; chunk_bytes: one per tensor.
-// Checks the whole call and lists the tensors.
-// restore_clean's aliasing: per tensor, arguments 3 and 4 (dst, dst_table) are results 0, 1.
-inline std::vector<std::pair<size_t, size_t>> restore_clean_aliases(size_t tensors) {
-  std::vector<std::pair<size_t, size_t>> pairs;
-  for (size_t i = 0; i < tensors; ++i) {
-    pairs.push_back({5 * i + 3, 2 * i});
-    pairs.push_back({5 * i + 4, 2 * i + 1});
-  }
-  return pairs;
-}
-
+// Checks the whole call and lists the tensors, and the results XLA did not alias with their
+// operands (ffi_alias.h).
 ffi::Error validate_restore_clean(const ffi::AnyBuffer& commit, const ffi::RemainingArgs& args,
                                   const ffi::RemainingRets& rets,
                                   ffi::Span<const int64_t> chunk_bytes,
-                                  std::vector<CleanPair>* pairs);
+                                  std::vector<CleanPair>* pairs,
+                                  std::vector<ffi_util::Unaliased>* copies);
 
 inline ChunkedTensor chunked(const ffi::AnyBuffer& data, const ffi::AnyBuffer& table,
                              int64_t chunk_bytes) {

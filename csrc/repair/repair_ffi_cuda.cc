@@ -11,16 +11,6 @@ ffi::Error cuda_error(const char* op, cudaError_t err) {
   return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(err));
 }
 
-// The target (and its table) start as the operands where XLA did not alias them (ffi_alias.h).
-cudaError_t copy_unaliased(const ffi::AnyBuffer& dst_in, const ffi::AnyBuffer& dst_table_in,
-                           const ffi::AnyBuffer& dst, const ffi::AnyBuffer& dst_table,
-                           cudaStream_t stream) {
-  std::vector<ffi_util::Unaliased> copies;
-  ffi_util::note_unaliased(&copies, dst_in, dst);
-  ffi_util::note_unaliased(&copies, dst_table_in, dst_table);
-  return ffi_util::copy_unaliased_cuda(copies, stream);
-}
-
 ffi::Error repair_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, ffi::AnyBuffer src,
                             ffi::AnyBuffer src_table, ffi::AnyBuffer dst_in,
                             ffi::AnyBuffer dst_table_in, ffi::Result<ffi::AnyBuffer> dst,
@@ -30,7 +20,8 @@ ffi::Error repair_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, ffi::Any
       err.failure()) {
     return err;
   }
-  cudaError_t err = copy_unaliased(dst_in, dst_table_in, *dst, *dst_table, stream);
+  cudaError_t err = ffi_util::copy_unaliased_cuda(
+      ffi_util::unaliased({{dst_in, *dst}, {dst_table_in, *dst_table}}), stream);
   if (err == cudaSuccess)
     err = repair_cuda(static_cast<const int32_t*>(chunks.untyped_data()),
                       static_cast<int64_t>(chunks.element_count()),
@@ -44,11 +35,12 @@ ffi::Error restore_clean_cuda_impl(cudaStream_t stream, ffi::AnyBuffer commit,
                                    ffi::RemainingArgs args, ffi::RemainingRets rets,
                                    ffi::Span<const int64_t> chunk_bytes) {
   std::vector<CleanPair> pairs;
-  if (auto err = validate_restore_clean(commit, args, rets, chunk_bytes, &pairs); err.failure()) {
+  std::vector<ffi_util::Unaliased> copies;
+  if (auto err = validate_restore_clean(commit, args, rets, chunk_bytes, &pairs, &copies);
+      err.failure()) {
     return err;
   }
-  cudaError_t err = ffi_util::copy_unaliased_cuda(
-      ffi_util::unaliased(args, rets, restore_clean_aliases(pairs.size())), stream);
+  cudaError_t err = ffi_util::copy_unaliased_cuda(copies, stream);
   if (err == cudaSuccess)
     err = restore_clean_cuda(static_cast<const int32_t*>(commit.untyped_data()), pairs.data(),
                              pairs.size(), stream);
@@ -65,7 +57,8 @@ ffi::Error repair_packed_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, f
       err.failure()) {
     return err;
   }
-  cudaError_t err = copy_unaliased(dst_in, dst_table_in, *dst, *dst_table, stream);
+  cudaError_t err = ffi_util::copy_unaliased_cuda(
+      ffi_util::unaliased({{dst_in, *dst}, {dst_table_in, *dst_table}}), stream);
   if (err == cudaSuccess)
     err = repair_from_cuda(static_cast<const int32_t*>(chunks.untyped_data()),
                            static_cast<int64_t>(chunks.element_count()),

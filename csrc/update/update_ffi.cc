@@ -4,8 +4,6 @@
 #include <string>
 #include <vector>
 
-#include "pimhbm/ffi_alias.h"
-
 namespace pimhbm::update {
 
 using ffi_util::check_buffer;
@@ -129,7 +127,8 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
 
 ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingArgs& args,
                                const ffi::RemainingRets& rets, const AdamWAttrs& a,
-                               std::vector<AdamWLeaf>* leaves) {
+                               std::vector<AdamWLeaf>* leaves,
+                               std::vector<ffi_util::Unaliased>* copies) {
   if (args.size() % kArgsPerLeaf != 0 || rets.size() != args.size() / kArgsPerLeaf * kRetsPerLeaf) {
     return invalid(kAdamW, "expected " + std::to_string(kArgsPerLeaf) + " arguments and " +
                                std::to_string(kRetsPerLeaf) +
@@ -139,6 +138,7 @@ ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingA
   }
   const size_t count = args.size() / kArgsPerLeaf;
   leaves->assign(count, AdamWLeaf{});
+  copies->clear();
   for (size_t i = 0; i < count; ++i) {
     const std::string where = "leaf " + std::to_string(i) + ": ";
     std::vector<ffi::AnyBuffer> in;
@@ -162,12 +162,14 @@ ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingA
     if (auto err = validate_adamw(b, a, &(*leaves)[i]); err.failure()) {
       return count == 1 ? err : ffi_util::in_context(kAdamW, where, err);
     }
+    for (size_t k = 0; k < 16; ++k) ffi_util::note_unaliased(copies, in[9 + k], *out[k]);
   }
   return ffi::Error::Success();
 }
 
 ffi::Error validate_restore(const ffi::AnyBuffer& commit, const ffi::RemainingArgs& args,
-                            const ffi::RemainingRets& rets, std::vector<CopyPair>* pairs) {
+                            const ffi::RemainingRets& rets, std::vector<CopyPair>* pairs,
+                            std::vector<ffi_util::Unaliased>* copies) {
   if (auto err = check_buffer(kRestore, "commit flag", commit, ffi::DataType::S32, 1);
       err.failure()) {
     return err;
@@ -178,6 +180,7 @@ ffi::Error validate_restore(const ffi::AnyBuffer& commit, const ffi::RemainingAr
                                  " destinations, got " + std::to_string(args.size()) + " buffers");
   }
   pairs->clear();
+  copies->clear();
   for (size_t i = 0; i < k; ++i) {
     auto src = args.get<ffi::AnyBuffer>(i);
     auto dst_in = args.get<ffi::AnyBuffer>(k + i);
@@ -194,6 +197,7 @@ ffi::Error validate_restore(const ffi::AnyBuffer& commit, const ffi::RemainingAr
     }
     pairs->push_back(
         {src->untyped_data(), (*dst)->untyped_data(), static_cast<int64_t>(src->size_bytes())});
+    ffi_util::note_unaliased(copies, *dst_in, **dst);
   }
   return ffi::Error::Success();
 }
@@ -210,8 +214,11 @@ ffi::Error adamw_cpu_impl(ffi::AnyBuffer step, ffi::RemainingArgs args, ffi::Rem
                           float eps, float eps_root, float wd) {
   const AdamWAttrs a = attrs(chunk_elems, b1, b2, omb1, omb2, eps, eps_root, wd);
   std::vector<AdamWLeaf> leaves;
-  if (auto err = validate_adamw_call(step, args, rets, a, &leaves); err.failure()) return err;
-  ffi_util::copy_unaliased_cpu(ffi_util::unaliased(args, rets, adamw_aliases(leaves.size())));
+  std::vector<ffi_util::Unaliased> copies;
+  if (auto err = validate_adamw_call(step, args, rets, a, &leaves, &copies); err.failure()) {
+    return err;
+  }
+  ffi_util::copy_unaliased_cpu(copies);
   for (const AdamWLeaf& leaf : leaves) {
     adamw_cpu(leaf, a.hyper, static_cast<const float*>(step.untyped_data()));
   }
@@ -221,8 +228,9 @@ ffi::Error adamw_cpu_impl(ffi::AnyBuffer step, ffi::RemainingArgs args, ffi::Rem
 ffi::Error restore_cpu_impl(ffi::AnyBuffer commit, ffi::RemainingArgs args,
                             ffi::RemainingRets rets) {
   std::vector<CopyPair> pairs;
-  if (auto err = validate_restore(commit, args, rets, &pairs); err.failure()) return err;
-  ffi_util::copy_unaliased_cpu(ffi_util::unaliased(args, rets, restore_aliases(pairs.size())));
+  std::vector<ffi_util::Unaliased> copies;
+  if (auto err = validate_restore(commit, args, rets, &pairs, &copies); err.failure()) return err;
+  ffi_util::copy_unaliased_cpu(copies);
   restore_cpu(static_cast<const int32_t*>(commit.untyped_data()), pairs);
   return ffi::Error::Success();
 }

@@ -2,9 +2,9 @@
 // ("pimhbm_restore").
 #pragma once
 
-#include <utility>
 #include <vector>
 
+#include "pimhbm/ffi_alias.h"
 #include "pimhbm/ffi_util.h"
 #include "update/adamw.h"
 #include "update/restore.h"
@@ -30,24 +30,6 @@ struct AdamWBuffers {
 constexpr size_t kArgsPerLeaf = 25;
 constexpr size_t kRetsPerLeaf = 18;
 
-// pimhbm_adamw's aliasing: per leaf, arguments 9..24 (the write side and the device copy as
-// they were) are results 0..15.
-inline std::vector<std::pair<size_t, size_t>> adamw_aliases(size_t leaves) {
-  std::vector<std::pair<size_t, size_t>> pairs;
-  for (size_t i = 0; i < leaves; ++i) {
-    for (size_t k = 0; k < 16; ++k)
-      pairs.push_back({i * kArgsPerLeaf + 9 + k, i * kRetsPerLeaf + k});
-  }
-  return pairs;
-}
-
-// pimhbm_restore's: the k destinations (arguments k..2k-1) are results 0..k-1.
-inline std::vector<std::pair<size_t, size_t>> restore_aliases(size_t k) {
-  std::vector<std::pair<size_t, size_t>> pairs;
-  for (size_t i = 0; i < k; ++i) pairs.push_back({k + i, i});
-  return pairs;
-}
-
 struct AdamWAttrs {
   int64_t chunk_elems;
   AdamWHyper hyper;
@@ -56,14 +38,18 @@ struct AdamWAttrs {
 // Checks every buffer of one leaf; on success fills *leaf (write side from the results).
 ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf* leaf);
 
-// Checks the whole call (the step scalars, every leaf) and lists the leaves.
+// Checks the whole call (the step scalars, every leaf) and lists the leaves, and the results
+// XLA did not alias with their operands (ffi_alias.h).
 ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingArgs& args,
                                const ffi::RemainingRets& rets, const AdamWAttrs& a,
-                               std::vector<AdamWLeaf>* leaves);
+                               std::vector<AdamWLeaf>* leaves,
+                               std::vector<ffi_util::Unaliased>* copies);
 
-// Checks the (commit, sources..., destinations...) of pimhbm_restore and lists the copies.
+// Checks the (commit, sources..., destinations...) of pimhbm_restore and lists the copies to
+// make, and the results XLA did not alias with their destinations.
 ffi::Error validate_restore(const ffi::AnyBuffer& commit, const ffi::RemainingArgs& args,
-                            const ffi::RemainingRets& rets, std::vector<CopyPair>* pairs);
+                            const ffi::RemainingRets& rets, std::vector<CopyPair>* pairs,
+                            std::vector<ffi_util::Unaliased>* copies);
 
 }  // namespace pimhbm::update
 

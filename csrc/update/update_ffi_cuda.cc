@@ -18,9 +18,11 @@ ffi::Error adamw_cuda_impl(cudaStream_t stream, ffi::AnyBuffer step, ffi::Remain
                            float omb1, float omb2, float eps, float eps_root, float wd) {
   const AdamWAttrs a{chunk_elems, AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd}};
   std::vector<AdamWLeaf> leaves;
-  if (auto err = validate_adamw_call(step, args, rets, a, &leaves); err.failure()) return err;
-  cudaError_t err = ffi_util::copy_unaliased_cuda(
-      ffi_util::unaliased(args, rets, adamw_aliases(leaves.size())), stream);
+  std::vector<ffi_util::Unaliased> copies;
+  if (auto err = validate_adamw_call(step, args, rets, a, &leaves, &copies); err.failure()) {
+    return err;
+  }
+  cudaError_t err = ffi_util::copy_unaliased_cuda(copies, stream);
   if (err == cudaSuccess) {
     err = adamw_cuda(leaves.data(), leaves.size(), a.hyper,
                      static_cast<const float*>(step.untyped_data()), stream);
@@ -31,9 +33,9 @@ ffi::Error adamw_cuda_impl(cudaStream_t stream, ffi::AnyBuffer step, ffi::Remain
 ffi::Error restore_cuda_impl(cudaStream_t stream, ffi::AnyBuffer commit, ffi::RemainingArgs args,
                              ffi::RemainingRets rets) {
   std::vector<CopyPair> pairs;
-  if (auto err = validate_restore(commit, args, rets, &pairs); err.failure()) return err;
-  cudaError_t err = ffi_util::copy_unaliased_cuda(
-      ffi_util::unaliased(args, rets, restore_aliases(pairs.size())), stream);
+  std::vector<ffi_util::Unaliased> copies;
+  if (auto err = validate_restore(commit, args, rets, &pairs, &copies); err.failure()) return err;
+  cudaError_t err = ffi_util::copy_unaliased_cuda(copies, stream);
   if (err == cudaSuccess)
     err = restore_cuda(static_cast<const int32_t*>(commit.untyped_data()), pairs, stream);
   return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.restore", err);

@@ -168,3 +168,13 @@ class Campaign:
             row["missed"] += not f.detected
             row["unlocated"] += f.detected and not f.located
         return {k: v for k, v in table.items() if v["injected"]}
+
+
+def unlocated_note(table: dict[str, dict[str, int]]) -> str | None:
+    """A line for a table from Campaign.check that counted faults detected but not located."""
+    unlocated = sum(r["unlocated"] for r in table.values())
+    if not unlocated:
+        return None
+    return (f"({unlocated} NaN/Inf gradient fault(s) fell on steps whose whole gradient was "
+            "non-finite from damaged state upstream: detected and kept out of the update, not "
+            "told apart from the rest)")

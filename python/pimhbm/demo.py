@@ -28,7 +28,7 @@ from rich.table import Table
 
 import pimhbm
 from pimhbm.backup import HostBackup
-from pimhbm.campaign import KINDS, Campaign
+from pimhbm.campaign import KINDS, Campaign, unlocated_note
 from pimhbm.data import corpus_bytes
 from pimhbm.models import llama3
 from pimhbm.train import llama_trainer, text_batches, warmup_cosine
@@ -191,11 +191,8 @@ def run(args: Any) -> int:
         out.add_row(kind, str(row["injected"]), str(row["detected"]), str(row["repaired"]),
                     f"[red]{row['missed']}[/]" if row["missed"] else "0")
     console.print(out)
-    unlocated = sum(r["unlocated"] for r in table.values())
-    if unlocated:
-        console.print(f"({unlocated} NaN/Inf gradient fault(s) fell on steps whose whole gradient "
-                      "was non-finite from damaged state upstream: detected and kept out of the "
-                      "update, not told apart from the rest)")
+    if note := unlocated_note(table):
+        console.print(note)
     facts = Table(show_header=False, title="The run under faults")
     facts.add_column(justify="left")
     facts.add_column(justify="right")

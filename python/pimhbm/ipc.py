@@ -73,6 +73,10 @@ def _client():
 _RANK = {b"ok": 0, b"unavailable": 1, b"failed": 2, b"fatal": 3}
 
 
+def _worst(outcomes: list[bytes]) -> bytes:
+    return max(outcomes, key=lambda o: _RANK[o.split(b" ", 1)[0]], default=b"ok")
+
+
 def _export(p: Pull) -> bytes:
     if p.source.platform != "gpu" or p.target.platform != "gpu":
         raise Unavailable(f"the devices are not GPUs ({p.source.platform})")
@@ -140,11 +144,9 @@ def run_round(run_id: str, round_id: int, pulls: list[Pull], timeout_ms: int) ->
         outcomes = [get(f"{prefix}/outcome/{p.name}", 3) for p in pulls]
     except Fatal as err:
         outcomes = [b"fatal " + str(err).encode()]
-    worst = max(outcomes, key=lambda o: _RANK[o.split(b" ", 1)[0]]) if outcomes else b"ok"
-    client.key_value_set_bytes(f"{prefix}/decision/{me}", worst)
+    client.key_value_set_bytes(f"{prefix}/decision/{me}", _worst(outcomes))
     decisions = [get(f"{prefix}/decision/{i}", 4) for i in range(jax.process_count())]
-    worst = max(decisions, key=lambda o: _RANK[o.split(b" ", 1)[0]])
-    kind, _, why = worst.partition(b" ")
+    kind, _, why = _worst(decisions).partition(b" ")
     if kind == b"unavailable":
         raise Unavailable(why.decode())
     if kind == b"failed":

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <utility>
 #include <vector>
 
@@ -39,17 +40,11 @@ inline void note_unaliased(std::vector<Unaliased>* out, const ffi::AnyBuffer& op
   }
 }
 
-// The same for (argument index, result index) pairs of a variadic op (indices already checked
-// by the op's validation).
-inline std::vector<Unaliased> unaliased(const ffi::RemainingArgs& args,
-                                        const ffi::RemainingRets& rets,
-                                        const std::vector<std::pair<size_t, size_t>>& pairs) {
+// The (operand, result) pairs of an op that are different buffers.
+inline std::vector<Unaliased> unaliased(
+    std::initializer_list<std::pair<const ffi::AnyBuffer&, const ffi::AnyBuffer&>> pairs) {
   std::vector<Unaliased> out;
-  for (const auto& [a, r] : pairs) {
-    auto operand = args.get<ffi::AnyBuffer>(a);
-    auto result = rets.get<ffi::AnyBuffer>(r);
-    if (operand.has_value() && result.has_value()) note_unaliased(&out, *operand, **result);
-  }
+  for (const auto& [operand, result] : pairs) note_unaliased(&out, operand, result);
   return out;
 }
 

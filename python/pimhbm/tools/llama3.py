@@ -154,7 +154,8 @@ def run(args: Any) -> int:
     if args.processes < 1:
         print("--processes must be at least 1", file=sys.stderr)
         return 2
-    if (args.replica_transport == "ipc") != (args.processes > 1) and args.replica_transport != "collective":
+    if ((args.replica_transport == "ipc" and args.processes < 2) or
+            (args.replica_transport == "peer" and args.processes > 1)):
         print(f"--replica-transport {args.replica_transport}: 'ipc' pulls across processes "
               "(--processes 2 or more), 'peer' within one process", file=sys.stderr)
         return 2
@@ -182,7 +183,7 @@ def run(args: Any) -> int:
 
     import pimhbm
     from pimhbm.backup import HostBackup
-    from pimhbm.campaign import KINDS, Campaign
+    from pimhbm.campaign import KINDS, Campaign, unlocated_note
     from pimhbm.models import llama3
     from pimhbm.recovery import fsdp_spec
     from pimhbm.tools import device_profile
@@ -354,11 +355,8 @@ def run(args: Any) -> int:
             for kind, row in found.items():
                 t.add_row(kind, *(str(row[c]) for c in ("injected", "detected", "repaired", "missed")))
             console.print(t)
-            unlocated = sum(r["unlocated"] for r in found.values())
-            if unlocated:
-                console.print(f"({unlocated} NaN/Inf gradient fault(s) fell on steps whose whole "
-                              "gradient was non-finite from damaged state upstream: detected and "
-                              "kept out of the update, not told apart from the rest)")
+            if note := unlocated_note(found):
+                console.print(note)
             console.print(f"repairs from the device copy {stats.repairs}, host restores "
                           f"{stats.host_restores}, compilations after prewarm {trainer.compiles}; "
                           "final state " + ("[green]bit-identical[/] to the run without faults"
