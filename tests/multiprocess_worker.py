@@ -10,8 +10,19 @@ The worker checks what it saw itself and exits 1 on any failed check.
 usage: python multiprocess_worker.py PROCESS_ID NUM_PROCESSES PORT SHM_NAME OUT.json [cpu|gpu]"""
 
 import json
+import logging
 import os
 import sys
+import time
+
+T0 = time.monotonic()
+logging.basicConfig(format="%(relativeCreated)9.0f ms %(name)s: %(message)s")
+logging.getLogger("pimhbm.ipc").setLevel(logging.DEBUG)
+
+
+def progress(what: str) -> None:  # seen when the test prints a run that did not finish
+    print(f"[{time.monotonic() - T0:7.1f} s] process {sys.argv[1]}: {what}", flush=True)
+
 
 pid, nproc, port, shm, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 platform = sys.argv[6] if len(sys.argv) > 6 else "cpu"
@@ -28,6 +39,7 @@ else:
     jax.distributed.initialize(f"localhost:{port}", nproc, pid, local_device_ids=[pid],
                                initialization_timeout=120)
 
+progress("jax.distributed initialised")
 import pimhbm  # noqa: E402
 from pimhbm import faults  # noqa: E402
 from pimhbm.models import mlp  # noqa: E402
@@ -45,12 +57,15 @@ DOUBLE = 1  # state and copy damaged: repaired from the same shard of the other 
 SOURCE = (1 - DOUBLE // shard) * shard + DOUBLE % shard
 SINGLE = n - 2  # state only: its own device copy
 tr.prewarm()
+progress("prewarmed")
 ref_stats = tr.run(STEPS)
 ref = tr.current_state()
+progress("fault-free run done")
 
 
 class Faults:
     def before_step(self, trainer, step, attempt):
+        progress(f"step {step}, attempt {attempt}")
         if attempt != 1:
             return None
         if step == 4:
@@ -74,6 +89,7 @@ class Faults:
 
 tr.restart(mlp.init(0))
 stats = tr.run(STEPS, campaign=Faults())
+progress("run under faults done")
 state = tr.current_state()
 by_step = {}
 for i in stats.incidents:

@@ -4,9 +4,11 @@ PIMHBM_MULTIPROCESS_PLATFORM=gpu (scripts/gpu-check --multi) each process drives
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -15,6 +17,7 @@ from pimhbm.backup import HostBackup
 
 HERE = os.path.dirname(__file__)
 PLATFORM = os.environ.get("PIMHBM_MULTIPROCESS_PLATFORM", "cpu")
+TIMEOUT_S = float(os.environ.get("PIMHBM_MULTIPROCESS_TIMEOUT", "600"))
 
 
 def free_port() -> int:
@@ -31,23 +34,38 @@ def test_two_processes_repair_across_processes_and_end_bit_identical(tmp_path, t
     shm = f"pimhbm_test_{uuid.uuid4().hex[:10]}"
     out = str(tmp_path / "result.json")
     port = str(free_port())
-    env = dict(os.environ)
+    env = dict(os.environ, PYTHONFAULTHANDLER="1", PYTHONUNBUFFERED="1")
     if PLATFORM == "cpu":  # not this suite's four devices: two per process
         env.pop("XLA_FLAGS", None)
         env["JAX_PLATFORMS"] = "cpu"
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multiprocess_worker.py"),
                                str(i), "2", port, shm, out, PLATFORM, transport], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=open(logs[i], "w"), stderr=subprocess.STDOUT)
              for i in range(2)]
+    deadline = time.monotonic() + TIMEOUT_S
     try:
-        logs = [p.communicate(timeout=600)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail("the two-process run did not finish in 600 s")
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.2)
+        late = [p for p in procs if p.poll() is None]
+        for p in late:  # its Python stacks (faulthandler), then it is stopped
+            p.send_signal(signal.SIGABRT)
+        for p in late:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
     finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
         for i in range(2):
             HostBackup.unlink(f"{shm}.p{i}")
+    logs = [f.read_text() for f in logs]
+    if late:
+        pytest.fail(f"the two-process run did not finish in {TIMEOUT_S:.0f} s:\n" + "\n".join(
+            f"--- process {i}:\n{log[-6000:]}" for i, log in enumerate(logs)))
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
     r = json.load(open(out))

@@ -24,6 +24,7 @@ not answer in time, "fatal" (a kernel may still be writing: the run stops).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -33,6 +34,7 @@ import pimhbm
 from pimhbm import _core
 
 PREFIX = "pimhbm/ipc"
+log = logging.getLogger(__name__)  # each phase of a round, at DEBUG level
 
 
 class Unavailable(RuntimeError):
@@ -127,6 +129,7 @@ def run_round(run_id: str, round_id: int, pulls: list[Pull], timeout_ms: int) ->
             except Unavailable as err:
                 blob = b"!" + str(err).encode()
             client.key_value_set_bytes(f"{prefix}/export/{p.name}", blob)
+            log.debug("round %s: exported %s (%d bytes)", prefix, p.name, len(blob))
     # 2. Pulls into this process's devices; each outcome published.
     for p in pulls:
         if p.target.process_index != me:
@@ -138,6 +141,7 @@ def run_round(run_id: str, round_id: int, pulls: list[Pull], timeout_ms: int) ->
         except Fatal as err:
             outcome = b"fatal " + str(err).encode()
         client.key_value_set_bytes(f"{prefix}/outcome/{p.name}", outcome)
+        log.debug("round %s: pulled %s: %s", prefix, p.name, outcome[:200])
     # 3. Every outcome, in every process, then each process's conclusion from them: the same
     # decision everywhere, or (a process that did not answer) Fatal.
     try:
@@ -146,6 +150,7 @@ def run_round(run_id: str, round_id: int, pulls: list[Pull], timeout_ms: int) ->
         outcomes = [b"fatal " + str(err).encode()]
     client.key_value_set_bytes(f"{prefix}/decision/{me}", _worst(outcomes))
     decisions = [get(f"{prefix}/decision/{i}", 4) for i in range(jax.process_count())]
+    log.debug("round %s: decisions %s", prefix, decisions)
     kind, _, why = _worst(decisions).partition(b" ")
     if kind == b"unavailable":
         raise Unavailable(why.decode())
