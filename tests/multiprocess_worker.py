@@ -64,8 +64,13 @@ progress("fault-free run done")
 
 
 class Faults:
+    seen = 0  # incidents already printed
+
     def before_step(self, trainer, step, attempt):
         progress(f"step {step}, attempt {attempt}")
+        for i in trainer.stats.incidents[self.seen:]:
+            progress(f"incident at step {i.step}: {i.kind}: {i.action}")
+        self.seen = len(trainer.stats.incidents)
         if attempt != 1:
             return None
         if step == 4:

@@ -97,7 +97,7 @@ def _pull(p: Pull, blob: bytes, timeout_ms: int) -> bytes:
                                 blob[:half], blob[half:], timeout_ms)
     except _core.IpcUnavailable as err:
         return b"unavailable " + str(err).encode()
-    except RuntimeError as err:  # a CUDA error, or the pull did not finish in time
+    except Exception as err:  # noqa: BLE001 -- a CUDA error, a pull not finished in time, ...
         return b"fatal " + str(err).encode()
     bad = [c for c, s in zip(p.chunks, status) if s != pimhbm.REPAIRED]
     return b"ok" if not bad else f"failed chunks {bad} did not verify".encode()
@@ -126,8 +126,10 @@ def run_round(run_id: str, round_id: int, pulls: list[Pull], timeout_ms: int) ->
         if p.source.process_index == me:
             try:
                 blob = _export(p)
-            except Unavailable as err:
-                blob = b"!" + str(err).encode()
+            except Exception as err:  # noqa: BLE001 -- whatever it is, the peers must hear it
+                # (memory without an IPC handle, a driver without the entry point, ...): the
+                # round is "unavailable" everywhere, never a peer left waiting for the export.
+                blob = b"!" + f"{type(err).__name__}: {err}".encode()
             client.key_value_set_bytes(f"{prefix}/export/{p.name}", blob)
             log.debug("round %s: exported %s (%d bytes)", prefix, p.name, len(blob))
     # 2. Pulls into this process's devices; each outcome published.
@@ -138,8 +140,8 @@ def run_round(run_id: str, round_id: int, pulls: list[Pull], timeout_ms: int) ->
             blob = get(f"{prefix}/export/{p.name}", 1)
             outcome = (b"unavailable " + blob[1:] if blob.startswith(b"!")
                        else _pull(p, blob, timeout_ms))
-        except Fatal as err:
-            outcome = b"fatal " + str(err).encode()
+        except Exception as err:  # noqa: BLE001 -- no answer in time, or anything unforeseen:
+            outcome = b"fatal " + str(err).encode()  # the peers hear it rather than wait
         client.key_value_set_bytes(f"{prefix}/outcome/{p.name}", outcome)
         log.debug("round %s: pulled %s: %s", prefix, p.name, outcome[:200])
     # 3. Every outcome, in every process, then each process's conclusion from them: the same
