@@ -48,7 +48,16 @@ from pimhbm.recovery import Trainer  # noqa: E402
 STEPS = 20
 opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
 shard = 2 if platform == "cpu" else 1
-tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=shm, snapshot_every=5,
+seen_batch_rows = []  # the batch rows one device computes on, as the step is traced
+
+
+def loss(params, batch):
+    seen_batch_rows.append(batch["x"].shape[0])
+    return mlp.loss(params, batch)
+
+
+global_rows = mlp.batches(0)(0)["x"].shape[0]
+tr = Trainer(loss, opt, mlp.init(0), mlp.batches(0), shm_name=shm, snapshot_every=5,
              scrub_every=5, inject_gradients=True, shard=shard, telemetry=None,
              replica_transport=transport)
 assert [d.process_index for d in tr.mesh.devices[:, 0]] == [0, 1], "a replica per process"
@@ -100,6 +109,8 @@ by_step = {}
 for i in stats.incidents:
     by_step.setdefault(i.step, []).append(i)
 checks = {
+    "each device computes its part of the batch":
+        bool(seen_batch_rows) and set(seen_batch_rows) == {global_rows // n},
     "fault-free run reports nothing": not ref_stats.incidents,
     "double fault located": by_step[4][0].locations == [(DOUBLE, "w1", "nu", 1000 // 256)],
     "double fault from the other replica":

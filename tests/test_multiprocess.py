@@ -73,7 +73,7 @@ def test_two_processes_repair_across_processes_and_end_bit_identical(tmp_path, t
     assert [len(row) for row in r["devices"]] == ([2, 2] if PLATFORM == "cpu" else [1, 1])
     failed = [what for what, ok in r["checks"].items() if not ok]
     assert not failed, (failed, r["incidents"])
-    assert len(r["checks"]) == 8
+    assert len(r["checks"]) == 9
     assert r["replica_repairs"] == 1 and r["host_restores"] == 1 and r["compiles"] == 0
     notes = [i for i in r["incidents"] if i[1] == "replica transport"]
     if transport == "ipc" and PLATFORM == "gpu":

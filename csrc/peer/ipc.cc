@@ -1,6 +1,8 @@
 #include "peer/ipc.h"
 
+#include <cerrno>
 #include <chrono>
+#include <cstddef>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -10,7 +12,11 @@
 #include "repair/repair.h"
 
 #if defined(PIMHBM_WITH_CUDA)
+#include <cuda.h>  // the driver API's types only: its functions come through the runtime
 #include <cuda_runtime_api.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace pimhbm::peer::ipc {
@@ -41,53 +47,169 @@ void use_device(int device) {
   }
 }
 
-// cuMemGetAddressRange through the runtime's driver entry point (nothing links libcuda).
-using GetAddressRange = int (*)(unsigned long long* base, size_t* size, unsigned long long ptr);
-
-GetAddressRange address_range_fn() {
-  static GetAddressRange fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found{};
+// The driver functions used here, through the runtime's driver entry point (nothing links
+// libcuda); a driver without one of them makes IPC unavailable.
+template <class Fn>
+Fn driver_fn(const char* name) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult found{};
 #if CUDART_VERSION >= 12050
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &p, 12000,
-                                                             cudaEnableDefault, &found);
+  const cudaError_t err =
+      cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found);
 #else
-    const cudaError_t err =
-        cudaGetDriverEntryPoint("cuMemGetAddressRange", &p, cudaEnableDefault, &found);
+  const cudaError_t err = cudaGetDriverEntryPoint(name, &p, cudaEnableDefault, &found);
 #endif
-    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
-      cudaGetLastError();
-      throw Unavailable("pimhbm IPC pull: the driver has no cuMemGetAddressRange");
-    }
-    return reinterpret_cast<GetAddressRange>(p);
-  }();
-  return fn;
+  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
+    cudaGetLastError();
+    throw Unavailable(std::string("pimhbm IPC pull: the driver has no ") + name);
+  }
+  return reinterpret_cast<Fn>(p);
+}
+
+struct Driver {
+  decltype(&cuMemGetAddressRange) address_range =
+      driver_fn<decltype(address_range)>("cuMemGetAddressRange");
+  decltype(&cuMemRetainAllocationHandle) retain =
+      driver_fn<decltype(retain)>("cuMemRetainAllocationHandle");
+  decltype(&cuMemExportToShareableHandle) export_handle =
+      driver_fn<decltype(export_handle)>("cuMemExportToShareableHandle");
+  decltype(&cuMemImportFromShareableHandle) import_handle =
+      driver_fn<decltype(import_handle)>("cuMemImportFromShareableHandle");
+  decltype(&cuMemRelease) release = driver_fn<decltype(release)>("cuMemRelease");
+  decltype(&cuMemAddressReserve) reserve = driver_fn<decltype(reserve)>("cuMemAddressReserve");
+  decltype(&cuMemAddressFree) address_free = driver_fn<decltype(address_free)>("cuMemAddressFree");
+  decltype(&cuMemMap) map = driver_fn<decltype(map)>("cuMemMap");
+  decltype(&cuMemUnmap) unmap = driver_fn<decltype(unmap)>("cuMemUnmap");
+  decltype(&cuMemSetAccess) set_access = driver_fn<decltype(set_access)>("cuMemSetAccess");
+};
+
+const Driver& driver() {
+  static const Driver d;  // a throw leaves it unset: the next call tries again
+  return d;
+}
+
+[[noreturn]] void unavailable_cu(const std::string& what, CUresult r) {
+  throw Unavailable("pimhbm IPC pull: " + what + " (CUresult " + std::to_string(r) + ")");
 }
 
 std::mutex mu;
-std::map<std::string, void*> opened;  // (device, handle) -> mapped base of a peer allocation
-std::map<int, cudaStream_t> streams;  // per device: the stream pulls run on
+std::map<uint64_t, int> exported_fds;  // allocation base -> the descriptor peers take
+struct Mapping {
+  void* base;
+  uint32_t kind;
+  uint64_t size;
+};
+std::map<std::string, Mapping> opened;  // (device, export) -> a peer allocation mapped here
+std::map<int, cudaStream_t> streams;    // per device: the stream pulls run on
+
+// A descriptor of the virtual-memory allocation at `base` that another process can take.
+int descriptor_of(uint64_t base) {
+  if (auto it = exported_fds.find(base); it != exported_fds.end()) return it->second;
+  const Driver& d = driver();
+  CUmemGenericAllocationHandle h{};
+  if (CUresult r = d.retain(&h, reinterpret_cast<void*>(base)); r != CUDA_SUCCESS) {
+    unavailable_cu(
+        "this memory has neither a CUDA IPC handle nor a virtual-memory allocation "
+        "handle",
+        r);
+  }
+  int fd = -1;
+  const CUresult r = d.export_handle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  d.release(h);  // the retain's reference; the allocation lives on in its owner
+  if (r != CUDA_SUCCESS) {
+    unavailable_cu("this allocation was not created shareable as a file descriptor", r);
+  }
+  // Under Yama's ptrace scope 1 only an ancestor may take a process's descriptors; peers are
+  // siblings. Where Yama is absent this fails harmlessly.
+  prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
+  exported_fds.emplace(base, fd);
+  return fd;
+}
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
+
+// Maps a peer's virtual-memory allocation (its descriptor taken from the exporting process)
+// into this process's address space, readable by `device`.
+void* map_descriptor(const Export& e, int device) {
+  const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, e.pid, 0));
+  if (pidfd < 0) {
+    throw Unavailable("pimhbm IPC pull: process " + std::to_string(e.pid) +
+                      " cannot be reached (pidfd_open: " + std::strerror(errno) + ")");
+  }
+  const int fd = static_cast<int>(syscall(SYS_pidfd_getfd, pidfd, e.fd, 0));
+  const int getfd_errno = errno;
+  close(pidfd);
+  if (fd < 0) {
+    throw Unavailable("pimhbm IPC pull: the allocation's descriptor cannot be taken from process " +
+                      std::to_string(e.pid) + " (pidfd_getfd: " + std::strerror(getfd_errno) +
+                      "; it needs ptrace permission over the peer)");
+  }
+  const Driver& d = driver();
+  CUmemGenericAllocationHandle h{};
+  CUresult r = d.import_handle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
+                               CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  close(fd);
+  if (r != CUDA_SUCCESS) unavailable_cu("the peer's allocation cannot be imported", r);
+  CUdeviceptr va = 0;
+  if (r = d.reserve(&va, e.size, 0, 0, 0); r != CUDA_SUCCESS) {
+    d.release(h);
+    unavailable_cu("no address range for the peer's allocation", r);
+  }
+  r = d.map(va, e.size, 0, h, 0);
+  d.release(h);  // the mapping holds the allocation from here on
+  if (r != CUDA_SUCCESS) {
+    d.address_free(va, e.size);
+    unavailable_cu("the peer's allocation cannot be mapped here", r);
+  }
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READ;  // a pull only reads the healthy replica
+  if (r = d.set_access(va, e.size, &access, 1); r != CUDA_SUCCESS) {
+    d.unmap(va, e.size);
+    d.address_free(va, e.size);
+    unavailable_cu("device " + std::to_string(device) + " may not read the peer's allocation", r);
+  }
+  return reinterpret_cast<void*>(va);
+}
 
 void* open_export(const std::string& blob, int device) {
   if (blob.size() != kExportBytes) {
     throw std::runtime_error("pimhbm IPC pull: an export is " + std::to_string(kExportBytes) +
                              " bytes, got " + std::to_string(blob.size()));
   }
-  const std::string key = std::to_string(device) + ":" + blob.substr(0, 64);
+  Export e;
+  std::memcpy(&e, blob.data(), sizeof(e));
+  // The allocation, without the pointer's offset in it.
+  const std::string key = std::to_string(device) + ":" + blob.substr(0, offsetof(Export, offset)) +
+                          blob.substr(offsetof(Export, handle));
   auto it = opened.find(key);
   if (it == opened.end()) {
-    cudaIpcMemHandle_t handle;
-    std::memcpy(&handle, blob.data(), sizeof(handle));
     void* base = nullptr;
-    if (cudaError_t err = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
-        err != cudaSuccess) {
-      unavailable("the peer's memory cannot be mapped here (cudaIpcOpenMemHandle)", err);
+    if (e.kind == kLegacyHandle) {
+      cudaIpcMemHandle_t handle;
+      std::memcpy(&handle, e.handle, sizeof(handle));
+      if (cudaError_t err = cudaIpcOpenMemHandle(&base, handle, cudaIpcMemLazyEnablePeerAccess);
+          err != cudaSuccess) {
+        unavailable("the peer's memory cannot be mapped here (cudaIpcOpenMemHandle)", err);
+      }
+    } else if (e.kind == kFileDescriptor) {
+      base = map_descriptor(e, device);
+    } else {
+      throw std::runtime_error("pimhbm IPC pull: an export of unknown kind " +
+                               std::to_string(e.kind));
     }
-    it = opened.emplace(key, base).first;
+    it = opened.emplace(key, Mapping{base, e.kind, e.size}).first;
   }
-  uint64_t offset = 0;
-  std::memcpy(&offset, blob.data() + 64, sizeof(offset));
-  return static_cast<uint8_t*>(it->second) + offset;
+  if (e.offset >= e.size) {
+    throw std::runtime_error("pimhbm IPC pull: an export's offset lies outside its allocation");
+  }
+  return static_cast<uint8_t*>(it->second.base) + e.offset;
 }
 
 // Device memory for the list of chunks and their statuses, kept between pulls (an allocation
@@ -127,24 +249,26 @@ cudaStream_t stream_of(int device) {
 std::string export_pointer(uint64_t ptr, int device) {
   std::lock_guard<std::mutex> lock(mu);
   use_device(device);
-  unsigned long long base = 0;
+  CUdeviceptr base = 0;
   size_t size = 0;
-  if (int r = address_range_fn()(&base, &size, ptr); r != 0) {
-    throw Unavailable("pimhbm IPC pull: cuMemGetAddressRange failed (CUresult " +
-                      std::to_string(r) + "): not device memory of this process");
+  if (CUresult r = driver().address_range(&base, &size, ptr); r != CUDA_SUCCESS) {
+    unavailable_cu("cuMemGetAddressRange failed: not device memory of this process", r);
   }
+  Export e{};
+  e.size = size;
+  e.offset = ptr - base;
   cudaIpcMemHandle_t handle;
-  if (cudaError_t err = cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base));
-      err != cudaSuccess) {
-    unavailable(
-        "this allocator's memory cannot be shared between processes "
-        "(cudaIpcGetMemHandle)",
-        err);
+  if (cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base)) == cudaSuccess) {
+    e.kind = kLegacyHandle;
+    std::memcpy(e.handle, &handle, sizeof(handle));
+  } else {  // memory from cuMemCreate (XLA's allocator): its descriptor
+    cudaGetLastError();
+    e.kind = kFileDescriptor;
+    e.pid = static_cast<int32_t>(getpid());
+    e.fd = descriptor_of(base);
   }
   std::string blob(kExportBytes, '\0');
-  const uint64_t offset = ptr - base;
-  std::memcpy(blob.data(), &handle, sizeof(handle));
-  std::memcpy(blob.data() + 64, &offset, sizeof(offset));
+  std::memcpy(blob.data(), &e, sizeof(e));
   return blob;
 }
 
@@ -201,11 +325,20 @@ std::vector<int32_t> pull(int device, const std::vector<int32_t>& chunks, uint64
 
 void close_all() {
   std::lock_guard<std::mutex> lock(mu);
-  for (auto& [key, base] : opened) {
+  for (auto& [key, m] : opened) {
     const int device = std::stoi(key.substr(0, key.find(':')));
-    if (cudaSetDevice(device) == cudaSuccess) cudaIpcCloseMemHandle(base);
+    if (cudaSetDevice(device) != cudaSuccess) continue;
+    if (m.kind == kLegacyHandle) {
+      cudaIpcCloseMemHandle(m.base);
+    } else {
+      const Driver& d = driver();
+      d.unmap(reinterpret_cast<CUdeviceptr>(m.base), m.size);
+      d.address_free(reinterpret_cast<CUdeviceptr>(m.base), m.size);
+    }
   }
   opened.clear();
+  for (auto& [base, fd] : exported_fds) close(fd);
+  exported_fds.clear();
   cudaGetLastError();
 }
 

@@ -23,9 +23,23 @@ class Unavailable : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// A device pointer made shareable: the CUDA IPC handle of the allocation it lies in and the
-// pointer's offset from that allocation's base (XLA hands out pieces of larger allocations).
-constexpr size_t kExportBytes = 64 + 8;
+// A device pointer made shareable: how another process maps the allocation it lies in, and
+// the pointer's offset from that allocation's base (XLA hands out pieces of larger
+// allocations). Memory from cudaMalloc/cuMemAlloc travels as a CUDA IPC handle; memory from the
+// virtual memory management API (cuMemCreate, which XLA's allocator uses) as this process's id
+// and a POSIX file descriptor of the allocation, which the puller takes with pidfd_getfd.
+struct Export {
+  uint32_t kind;  // kLegacyHandle or kFileDescriptor
+  int32_t pid;    // kFileDescriptor: the exporting process and its descriptor
+  int32_t fd;
+  uint32_t reserved;
+  uint64_t size;    // of the allocation
+  uint64_t offset;  // of the pointer in it
+  char handle[64];  // kLegacyHandle: the cudaIpcMemHandle_t
+};
+constexpr uint32_t kLegacyHandle = 1, kFileDescriptor = 2;
+constexpr size_t kExportBytes = sizeof(Export);
+static_assert(kExportBytes == 96, "an export's layout is part of the protocol between processes");
 
 // The export of `ptr` (device memory of CUDA device `device`), kExportBytes long. Throws
 // Unavailable when the memory cannot be shared between processes.
@@ -41,7 +55,8 @@ std::vector<int32_t> pull(int device, const std::vector<int32_t>& chunks, uint64
                           uint64_t dst_table, int64_t nbytes, int64_t chunk_bytes,
                           const std::string& src, const std::string& src_table, int64_t timeout_ms);
 
-// Closes every handle this process opened (a peer's memory stays mapped until then).
+// Unmaps every peer allocation this process mapped, and closes the descriptors it exported
+// (a peer's memory stays mapped until then).
 void close_all();
 
 }  // namespace pimhbm::peer::ipc

@@ -1,6 +1,8 @@
 // The CUDA IPC pull between two processes: this test exports a tensor (inside a larger
-// allocation, so the offset matters) and its digest table, then starts a second copy of this
+// allocation, so the offset matters) and its digest table -- from cudaMalloc'd memory and from
+// a cuMemCreate allocation shared as a file descriptor -- then starts a second copy of this
 // binary that maps them, pulls damaged chunks into its own tensor and checks them bit for bit.
+#include <cuda.h>
 #include <gtest/gtest.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -61,7 +63,80 @@ std::string unhex(const std::string& h) {
 // The exporting side. The source's chunk kBadSource is damaged after its digest was taken.
 constexpr int kBadSource = 7;
 
-TEST(IpcPull, AnotherProcessPullsChunksFromThisOne) {
+// A driver function through the runtime (the binary does not link libcuda: on machines without
+// a driver it must still start, to list and skip its tests).
+template <class Fn>
+Fn driver(const char* name) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    return nullptr;
+  }
+  return reinterpret_cast<Fn>(p);
+}
+#define PIMHBM_DRIVER(name) driver<decltype(&name)>(#name)
+
+// Where the exporting side keeps its data: `bytes` of device memory from cudaMalloc (a CUDA IPC
+// handle) or from cuMemCreate with a shareable file descriptor, as XLA's allocator makes it.
+class Region {
+ public:
+  Region(size_t bytes, bool vmm) : vmm_(vmm) {
+    if (!vmm) {
+      ok_ = cudaMalloc(&ptr_, bytes) == cudaSuccess;
+      return;
+    }
+    const auto granularity_of = PIMHBM_DRIVER(cuMemGetAllocationGranularity);
+    const auto create = PIMHBM_DRIVER(cuMemCreate);
+    const auto reserve = PIMHBM_DRIVER(cuMemAddressReserve);
+    const auto map = PIMHBM_DRIVER(cuMemMap);
+    const auto set_access = PIMHBM_DRIVER(cuMemSetAccess);
+    const auto release = PIMHBM_DRIVER(cuMemRelease);
+    if (!granularity_of || !create || !reserve || !map || !set_access || !release) return;
+    CUmemAllocationProp prop{};
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location = {CU_MEM_LOCATION_TYPE_DEVICE, 0};
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    size_t granularity = 0;
+    if (granularity_of(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS) {
+      return;
+    }
+    size_ = (bytes + granularity - 1) / granularity * granularity;
+    CUmemGenericAllocationHandle h{};
+    CUdeviceptr va = 0;
+    CUmemAccessDesc access{{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    if (create(&h, size_, &prop, 0) != CUDA_SUCCESS) return;
+    if (reserve(&va, size_, 0, 0, 0) == CUDA_SUCCESS) {
+      ptr_ = reinterpret_cast<void*>(va);
+      ok_ = map(va, size_, 0, h, 0) == CUDA_SUCCESS &&
+            set_access(va, size_, &access, 1) == CUDA_SUCCESS;
+      mapped_ = ok_;
+    }
+    release(h);  // the mapping holds the allocation
+  }
+  ~Region() {
+    if (!vmm_) {
+      cudaFree(ptr_);
+      return;
+    }
+    const auto unmap = PIMHBM_DRIVER(cuMemUnmap);
+    const auto address_free = PIMHBM_DRIVER(cuMemAddressFree);
+    const auto va = reinterpret_cast<CUdeviceptr>(ptr_);
+    if (mapped_) unmap(va, size_);
+    if (ptr_ != nullptr) address_free(va, size_);
+  }
+  bool ok() const { return ok_; }
+  uint8_t* get() const { return static_cast<uint8_t*>(ptr_); }
+
+ private:
+  bool vmm_, ok_ = false, mapped_ = false;
+  void* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+
+class IpcPull : public ::testing::TestWithParam<bool> {};
+
+TEST_P(IpcPull, AnotherProcessPullsChunksFromThisOne) {
   PIMHBM_SKIP_WITHOUT_GPU();
   PIMHBM_SEED_TRACE();
   const uint64_t seed = testing::rng_for_test()();
@@ -72,7 +147,8 @@ TEST(IpcPull, AnotherProcessPullsChunksFromThisOne) {
   // Both inside one larger allocation, as XLA places buffers: the exports carry each one's
   // offset from the allocation's base, and the puller maps that allocation once.
   constexpr int64_t kTableAt = 4096 + (kLen + 255) / 256 * 256;
-  testing::DeviceBuffer<uint8_t> mem(kTableAt + table.size() * 4 + 4096);
+  Region mem(kTableAt + table.size() * 4 + 4096, GetParam());
+  ASSERT_TRUE(mem.ok()) << "allocating the exported region";
   ASSERT_EQ(cudaMemcpy(mem.get() + 4096, src.data(), kLen, cudaMemcpyHostToDevice), cudaSuccess);
   ASSERT_EQ(
       cudaMemcpy(mem.get() + kTableAt, table.data(), table.size() * 4, cudaMemcpyHostToDevice),
@@ -81,8 +157,16 @@ TEST(IpcPull, AnotherProcessPullsChunksFromThisOne) {
       peer::ipc::export_pointer(reinterpret_cast<uint64_t>(mem.get() + 4096), 0);
   const std::string e_table =
       peer::ipc::export_pointer(reinterpret_cast<uint64_t>(mem.get() + kTableAt), 0);
-  EXPECT_EQ(e_data.substr(0, 64), e_table.substr(0, 64)) << "one allocation, one handle";
   ASSERT_EQ(e_data.size(), peer::ipc::kExportBytes);
+  peer::ipc::Export a, b;
+  std::memcpy(&a, e_data.data(), sizeof(a));
+  std::memcpy(&b, e_table.data(), sizeof(b));
+  EXPECT_EQ(a.kind, GetParam() ? peer::ipc::kFileDescriptor : peer::ipc::kLegacyHandle);
+  EXPECT_EQ(a.offset, 4096u);
+  EXPECT_EQ(b.offset, static_cast<uint64_t>(kTableAt));
+  EXPECT_TRUE(a.kind == b.kind && a.pid == b.pid && a.fd == b.fd && a.size == b.size &&
+              std::memcmp(a.handle, b.handle, sizeof(a.handle)) == 0)
+      << "one allocation, one export of it";
 
   std::ostringstream env;
   env << "PIMHBM_IPC_CHILD=" << hex(e_data) << "," << hex(e_table) << "," << seed;
@@ -107,7 +191,12 @@ TEST(IpcPull, AnotherProcessPullsChunksFromThisOne) {
   }
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
       << "the pulling process failed (its output is above)";
+  peer::ipc::close_all();  // the descriptor this process exported
 }
+
+INSTANTIATE_TEST_SUITE_P(Memory, IpcPull, ::testing::Values(false, true), [](const auto& info) {
+  return info.param ? "CuMemCreate" : "CudaMalloc";
+});
 
 // The pulling side: runs only when started by the test above.
 TEST(IpcPullChild, PullsDamagedChunksAndChecksThem) {

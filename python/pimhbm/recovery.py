@@ -567,7 +567,10 @@ class Trainer:
             st = self._abstract_state(current)
             ss = self._state_specs(current)
             # The step hands over to the other slot: its output is the other parity's state.
-            step = self._manual(self._step_fn, (ss, each, P(), P()),
+            # The batch is split over every device (each computes its own part), in every
+            # process layout; only the reports are gathered whole where processes must all read
+            # them (report_spec).
+            step = self._manual(self._step_fn, (ss, dev.spec, P(), P()),
                                 (self._state_specs(1 - current), P(), each))
             self._programs["step", current] = jax.jit(step, donate_argnums=0).lower(
                 st, batch, sds((), jnp.float32), sds((9,), jnp.int32)).compile()
