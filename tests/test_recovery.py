@@ -207,7 +207,13 @@ def test_fault_campaign_ends_bit_identical_to_the_fault_free_run(shm_name):
         assert row["injected"] >= 50, kind
         assert row["detected"] == row["injected"], (kind, row)
         assert row["repaired"] == row["injected"], (kind, row)
-    assert stats.host_restores >= 1  # the double faults took the host path
+    # A double fault damages one device's state and device copy: its replicas are healthy.
+    assert len(tr.devices) > tr.shard and stats.host_restores == 0 and stats.replica_repairs >= 1
+    actions = {(i.step, i.action) for i in stats.incidents if i.kind == "state"}
+    for f in (f for f in campaign.plan if f.kind == "double_fault"):
+        assert f.device is not None
+        assert any(step == f.step and a.startswith("repaired from a healthy replica")
+                   for step, a in actions), f
     assert stats.compiles_after_prewarm == 0
     assert same_state(tr.current_state(), ref_state), "the run did not end bit-identical"
 

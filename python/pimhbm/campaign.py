@@ -5,7 +5,9 @@ Kinds:
   param_flip, master_flip, moment_flip  one bit of one element of the current state
   row_burst         1-2 KiB of one state tensor overwritten with random bytes (a failed row)
   grad_nonfinite    NaN/+Inf/-Inf written into one gradient value inside the step (transient)
-  double_fault      the same bit flipped in the current state and in the device copy
+  double_fault      the same bit flipped in the current state and in the device copy; where
+                    replicas exist, on one device only (repaired from a healthy replica),
+                    otherwise on every device (the host snapshot)
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Planned:
     length: int = 0
     value: str = "nan"
     chunks: tuple[int, ...] = ()  # where it must be found
+    device: int | None = None  # one device's state (None: every device's)
     detected: bool = False
     located: bool = False  # detected at its own chunk(s)
     repaired: bool = False
@@ -73,8 +76,11 @@ class Campaign:
                                           "moment_flip": ["mu", "nu"],
                                           "double_fault": list(by_tensor)}[kind])
             e = int(rng.integers(n))
+            device = None
+            if kind == "double_fault" and len(trainer.devices) > trainer.shard:
+                device = int(rng.integers(len(trainer.devices)))  # its replicas stay healthy
             return Planned(step, kind, path, tensor, element=e, bit=int(rng.integers(8 * size)),
-                           chunks=(e // self.chunk_elems,))
+                           chunks=(e // self.chunk_elems,), device=device)
         if kind == "row_burst":
             tensor, path, n, size = pick(list(by_tensor))
             nbytes = n * size
@@ -128,9 +134,9 @@ class Campaign:
                     size = next(s for p, t, _, s in trainer.tensor_info() if p == f.path and t == "p")
                 fault = faults.spec(faults.FLIP_BIT, offset=f.element * size + f.bit // 8,
                                     bit=f.bit % 8)
-                trainer.inject(f.path, f.tensor, fault)
+                trainer.inject(f.path, f.tensor, fault, device=f.device)
                 if f.kind == "double_fault":
-                    trainer.inject(f.path, f.tensor, fault, into_copy=True)
+                    trainer.inject(f.path, f.tensor, fault, into_copy=True, device=f.device)
         return grad
 
     def before_scrub(self, trainer: Any, step: int) -> None:

@@ -345,6 +345,10 @@ def run(args: Any) -> int:
             found = campaign.check(stats)
             results["campaign"] = {"faults": found, "bit_identical": identical,
                                    "repairs": stats.repairs, "host_restores": stats.host_restores,
+                                   "replica_repairs": stats.replica_repairs,
+                                   "replica_rebuilds": stats.replica_rebuilds,
+                                   "ipc_pulls": stats.ipc_pulls,
+                                   "incidents": [(i.step, i.kind, i.action) for i in stats.incidents],
                                    "steps_skipped": stats.steps_skipped,
                                    "compiles_after_prewarm": trainer.compiles,
                                    "seconds": time.perf_counter() - t0,
@@ -357,7 +361,9 @@ def run(args: Any) -> int:
             console.print(t)
             if note := unlocated_note(found):
                 console.print(note)
-            console.print(f"repairs from the device copy {stats.repairs}, host restores "
+            replicas = (f"from a replica {stats.replica_repairs} (over CUDA IPC "
+                        f"{stats.ipc_pulls}), " if len(trainer.devices) > trainer.shard else "")
+            console.print(f"chunks repaired {stats.repairs}, {replicas}host restores "
                           f"{stats.host_restores}, compilations after prewarm {trainer.compiles}; "
                           "final state " + ("[green]bit-identical[/] to the run without faults"
                                             if identical else "[red]DIFFERENT[/]"))
