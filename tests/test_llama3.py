@@ -193,10 +193,12 @@ def test_one_hot_embedding_equals_the_gather(rng):
     assert "gather" in hlo and "dot_general" not in hlo
 
 
-def test_llama3_tool_with_fsdp_on_four_cpu_devices(tmp_path):
+@pytest.mark.parametrize("device_copy", [True, False])
+def test_llama3_tool_with_fsdp_on_four_cpu_devices(tmp_path, device_copy):
     """`pimhbm llama3` on 2 replicas x 2 shards (the tiny configuration of the same code): the
     plain and protected steps are timed, and the campaign of every fault kind ends
-    bit-identical with no compilation after prewarm (the tool's exit code says so)."""
+    bit-identical with no compilation after prewarm (the tool's exit code says so). Without
+    device copies every damaged chunk comes from the other replica."""
     import json
     import subprocess
     import sys
@@ -207,10 +209,17 @@ def test_llama3_tool_with_fsdp_on_four_cpu_devices(tmp_path):
     cmd = [sys.executable, "-m", "pimhbm.cli", "llama3", "--tiny", "--layers", "1", "--tokens",
            "256", "--seq", "32", "--vocab", "256", "--steps", "2", "--devices", "4", "--shard",
            "2", "--campaign-steps", "10", "--faults", "1", "--json", str(out)]
+    cmd += [] if device_copy else ["--no-device-copy"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert r["devices"] == 4 and r["shard"] == 2
+    assert r["devices"] == 4 and r["shard"] == 2 and r["device_copy"] == device_copy
+    c = r["campaign"]
+    if not device_copy:  # no double faults; every state fault from the other replica
+        assert "double_fault" not in c["faults"]  # kinds with nothing injected are left out
+        state_kinds = ("param_flip", "master_flip", "moment_flip", "row_burst")
+        assert c["host_restores"] == 0
+        assert c["replica_repairs"] >= sum(c["faults"][k]["injected"] for k in state_kinds) > 0
     assert r["compiles_after_prewarm"] == 0 and r["campaign"]["bit_identical"]
     assert all(row["missed"] == 0 and row["repaired"] == row["injected"]
                for row in r["campaign"]["faults"].values())

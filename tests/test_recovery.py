@@ -32,8 +32,8 @@ def shm_name():
     HostBackup.unlink(name)
 
 
-def make_trainer(name, inject=False, resume=False, **kwargs):
-    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+def make_trainer(name, inject=False, resume=False, device_copy=True, **kwargs):
+    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=device_copy, chunk_elems=256)
     tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=name, snapshot_every=10,
                  scrub_every=5, inject_gradients=inject, resume=resume, **kwargs)
     tr.prewarm()
@@ -664,3 +664,36 @@ def test_the_ipc_transport_is_for_several_processes():
         Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), replica_transport="ipc")
     with pytest.raises(ValueError, match="'collective', 'peer' or 'ipc'"):
         Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), replica_transport="nccl")
+
+
+def test_without_device_copies_every_fault_is_repaired_from_a_replica(shm_name, fault_free):
+    """Replicas instead of a device copy (pimhbm.adamw(device_copy=False) on a replica axis):
+    the update writes no copy; each damaged chunk -- flips, bursts, on one device each -- is
+    pulled from another replica, and the run ends bit-identical to the fault-free run *with*
+    device copies (the copy never enters the mathematics)."""
+    tr = make_trainer(shm_name, inject=True, device_copy=False)
+    assert tr.state.opt.mirror is None and len(tr.devices) // tr.shard == 4
+    with pytest.raises(ValueError, match="keeps no device copy"):
+        tr.inject("w0", "p", faults.spec(faults.FLIP_BIT, offset=0, bit=1), into_copy=True)
+    counts = {k: 3 for k in KINDS}
+    campaign = Campaign(tr, counts, last_step=30, seed=20261130)
+    assert not [f for f in campaign.plan if f.kind == "double_fault"]
+    state_faults = [f for f in campaign.plan if f.kind != "grad_nonfinite"]
+    assert state_faults and all(f.device is not None for f in state_faults)
+    stats = tr.run(30, campaign=campaign)
+    table = campaign.check(stats)
+    assert sorted(table) == sorted(k for k in KINDS if k != "double_fault")
+    for kind, row in table.items():
+        assert row["injected"] == 3 and row["repaired"] == 3, (kind, row)
+    assert stats.host_restores == 0 and stats.replica_repairs >= len(state_faults)
+    assert all(i.action.startswith("repaired from a healthy replica")
+               for i in stats.incidents if i.kind == "state")
+    assert tr.compiles == 0
+    assert same_state(tr.current_state(), fault_free[30])
+    tr.close()
+
+
+def test_without_device_copies_a_replica_axis_is_required():
+    opt = pimhbm.adamw(3e-3, device_copy=False, chunk_elems=256)
+    with pytest.raises(ValueError, match="needs more devices than shard=2"):
+        Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), devices=jax.devices()[:2], shard=2)

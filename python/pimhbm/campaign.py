@@ -8,6 +8,9 @@ Kinds:
   double_fault      the same bit flipped in the current state and in the device copy; where
                     replicas exist, on one device only (repaired from a healthy replica),
                     otherwise on every device (the host snapshot)
+
+A run without device copies (pimhbm.adamw(device_copy=False), replicas only) has no double
+faults, and its state faults each damage one device: the others hold the healthy replicas.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class Campaign:
         if "master" not in by_tensor and counts.get("master_flip"):
             raise ValueError("master_flip needs master weights")
         self.plan: list[Planned] = []
+        self.one_device = not trainer.opt.device_copy  # every state fault on one device
+        if self.one_device:
+            counts = {k: c for k, c in counts.items() if k != "double_fault"}
         for kind, count in counts.items():
             for _ in range(count):
                 step = int(self.rng.integers(first_step, last_step + 1))
@@ -77,7 +83,7 @@ class Campaign:
                                           "double_fault": list(by_tensor)}[kind])
             e = int(rng.integers(n))
             device = None
-            if kind == "double_fault" and len(trainer.devices) > trainer.shard:
+            if (kind == "double_fault" or self.one_device) and len(trainer.devices) > trainer.shard:
                 device = int(rng.integers(len(trainer.devices)))  # its replicas stay healthy
             return Planned(step, kind, path, tensor, element=e, bit=int(rng.integers(8 * size)),
                            chunks=(e // self.chunk_elems,), device=device)
@@ -87,8 +93,10 @@ class Campaign:
             length = min(nbytes, int(rng.integers(1024, 2049)))
             off = int(rng.integers(0, nbytes - length + 1))
             cb = self.chunk_elems * size
+            device = int(rng.integers(len(trainer.devices))) if self.one_device else None
             return Planned(step, kind, path, tensor, byte_offset=off, length=length,
-                           chunks=tuple(range(off // cb, (off + length - 1) // cb + 1)))
+                           chunks=tuple(range(off // cb, (off + length - 1) // cb + 1)),
+                           device=device)
         if kind == "grad_nonfinite":
             leaves = [(path, n, size) for path, n, size in by_tensor["p"]]
             li = int(rng.integers(len(leaves)))
@@ -127,7 +135,7 @@ class Campaign:
             elif f.kind == "row_burst":
                 trainer.inject(f.path, f.tensor, faults.spec(
                     faults.OVERWRITE, offset=f.byte_offset, length=f.length,
-                    seed=int(self.rng.integers(2**31))))
+                    seed=int(self.rng.integers(2**31))), device=f.device)
             else:
                 size = 2 if (f.tensor == "p" and trainer.opt.master_weights) else 4
                 if f.tensor == "p" and not trainer.opt.master_weights:

@@ -174,9 +174,10 @@ class Trainer:
             raise ValueError(f"replica_transport must be 'collective', 'peer' or 'ipc', got "
                              f"{replica_transport!r}")
         self.replica_transport = replica_transport
-        if not opt.device_copy:
-            raise ValueError("the recovery engine needs the device copy: pimhbm.adamw(..., "
-                             "device_copy=True)")
+        # Without the device copy (pimhbm.adamw(device_copy=False)) every damaged chunk is
+        # pulled from another replica, current to the same committed step: the update writes
+        # 14 bytes a parameter less (bf16 + master) where replicas hold the state anyway.
+        self.device_copy = opt.device_copy
         self.loss_fn, self.opt, self.batch_fn = loss_fn, opt, batch_fn
         # The learning rate of a step: a host function of the step, or the optimizer's own
         # (a constant, or a schedule it evaluates on the device).
@@ -190,6 +191,10 @@ class Trainer:
         if shard < 1 or len(devices) % shard:
             raise ValueError(f"shard={shard} must divide the {len(devices)} devices")
         self.shard = shard
+        if not opt.device_copy and len(devices) == shard:
+            raise ValueError("without the device copy (pimhbm.adamw(device_copy=False)) damaged "
+                             "chunks are repaired from another replica: that needs more devices "
+                             f"than shard={shard} (a replica axis); got {len(devices)}")
         # One process per GPU (jax.distributed): each process feeds and reads its own devices;
         # what the host decides on (fault summaries, statuses) is gathered inside the programs
         # so that every process sees every device's rows and decides alike.
@@ -307,7 +312,7 @@ class Trainer:
 
     def _opt_specs(self, current: int = 0) -> AdamWState:
         slot = self._slot_specs()
-        return AdamWState((slot, slot), current, P(), slot)
+        return AdamWState((slot, slot), current, P(), slot if self.device_copy else None)
 
     def _state_specs(self, current: int = 0) -> TrainState:
         return TrainState(self._opt_specs(current), P())
@@ -481,7 +486,8 @@ class Trainer:
         slot = slot_from_tensors(new, self.treedef)
         # The device copy of a rebuilt device: the same as its new current slot (after a
         # commit the copy equals the state; nothing committed since).
-        mirror = jax.tree.map(lambda n, m: jnp.where(take, n, m), slot, opt.mirror)
+        mirror = (None if opt.mirror is None else
+                  jax.tree.map(lambda n, m: jnp.where(take, n, m), slot, opt.mirror))
         opt = AdamWState(opt.slots, opt.current, opt.step, mirror).replace_current(slot)
         return TrainState(opt, state.halted), self._per_device(bad[None])
 
@@ -490,13 +496,17 @@ class Trainer:
         the current slot's damaged tensors, and those of the copy shifted by 4."""
         opt = state.opt
         maps = []
-        for cur, copy in zip(slot_tensors(opt.slots[opt.current], self.treedef),
-                             slot_tensors(opt.mirror, self.treedef)):
+        cur_leaves = slot_tensors(opt.slots[opt.current], self.treedef)
+        copies = ([None] * len(cur_leaves) if opt.mirror is None
+                  else slot_tensors(opt.mirror, self.treedef))
+        for cur, copy in zip(cur_leaves, copies):
             acc = jnp.zeros((cur["p"][1].shape[0],), jnp.int32)
             for k in self.names:
                 cb = self.opt.chunk_bytes(cur[k][0].dtype)
                 acc |= pimhbm.verify(cur[k][0], cur[k][1], cb).astype(jnp.int32) * TENSOR_BIT[k]
-                acc |= pimhbm.verify(copy[k][0], copy[k][1], cb).astype(jnp.int32) * (TENSOR_BIT[k] << 4)
+                if copy is not None:
+                    acc |= pimhbm.verify(copy[k][0], copy[k][1],
+                                         cb).astype(jnp.int32) * (TENSOR_BIT[k] << 4)
             maps.append(acc)
         idx, bits = self._fault_list(maps)
         return self._per_device(jnp.concatenate([idx, bits])[None])
@@ -574,7 +584,7 @@ class Trainer:
                                 (self._state_specs(1 - current), P(), each))
             self._programs["step", current] = jax.jit(step, donate_argnums=0).lower(
                 st, batch, sds((), jnp.float32), sds((9,), jnp.int32)).compile()
-            for into_copy in (False, True):
+            for into_copy in ((False, True) if self.device_copy else ()):
                 fn = self._manual(lambda s, l, c=into_copy: self._repair_fn(s, l, into_copy=c),
                                   (ss, P()), (ss, each))
                 self._programs["repair", current, into_copy] = jax.jit(
@@ -619,7 +629,8 @@ class Trainer:
         devices once and makes the other slot and the device copy from it there)."""
         if "clone" not in self._programs:
             slot = self._abstract_state(0).opt.slots[0]
-            fn = lambda x: (jax.tree.map(jnp.copy, x), jax.tree.map(jnp.copy, x))
+            fn = lambda x: (jax.tree.map(jnp.copy, x),
+                            jax.tree.map(jnp.copy, x) if self.device_copy else None)
             self._programs["clone"] = jax.jit(fn).lower(slot).compile()
         return self._programs["clone"]
 
@@ -874,6 +885,7 @@ class Trainer:
         first = summaries[0][0]
         state_faults: dict[int, int] = {}  # chunk -> bits, over every device
         overflow = False
+        damaged: set[tuple[int, str, str, int]] = set()  # (device, leaf, tensor, chunk)
         for step, rows in summaries:
             locs, grad_locs, unlisted = [], [], False
             for device, s in enumerate(rows):
@@ -886,6 +898,7 @@ class Trainer:
                 unlisted |= int(s[1]) > sum(c for _, c in grads)
                 for i, _ in grads:
                     grad_locs.append((device, self._locate(i, 1)[0][1], "gradient", self._chunk_of(i)))
+            damaged.update(locs)
             if locs:  # every damaged chunk this step saw (damage persists until repaired)
                 self.stats.incidents.append(Incident(step, "state", locs, ""))
             if grad_locs:
@@ -895,8 +908,10 @@ class Trainer:
         if state_faults:
             failures: list[tuple[int, str, str, int]] = []
             action = "repaired from the device copy"
-            if not overflow and not self._repair(sorted(state_faults.items()), into_copy=False,
-                                                 failures=failures):
+            if not overflow and not self.device_copy:  # every chunk from another replica
+                action = self._repair_from_replicas(sorted(damaged))
+            elif not overflow and not self._repair(sorted(state_faults.items()), into_copy=False,
+                                                   failures=failures):
                 # The device copy is damaged too (a double fault): another device's copy of
                 # the state, current to the same step, before the host snapshot and a replay.
                 action = self._repair_from_replicas(failures)
@@ -1048,9 +1063,9 @@ class Trainer:
         return None
 
     def _repair_from_replicas(self, failures: list[tuple[int, str, str, int]]) -> str | None:
-        """Chunks that a device could not repair from its own device copy, pulled from a
-        device whose copy of them is healthy; then that device copy is rewritten from the
-        repaired state. Returns the action's description, or None when some chunk has no
+        """Chunks that a device could not repair from its own device copy (without device
+        copies: every damaged chunk), pulled from a device whose copy of them is healthy; then
+        that device copy (if any) is rewritten from the repaired state. Returns the action's description, or None when some chunk has no
         healthy copy on any device (or there is one device)."""
         if len(self.devices) < 2 or "replica" not in {k[0] for k in self._programs}:
             return None
@@ -1112,6 +1127,9 @@ class Trainer:
                     return None
                 self.stats.repairs += 1
             work = rest
+        if not self.device_copy:
+            self.stats.replica_repairs += len(damaged)
+            return f"repaired from a healthy replica (device {', '.join(map(str, sorted(sources)))})"
         # The device copies of those chunks: from the repaired state (an intact copy gets the
         # same bytes again).
         copy_faults = []
@@ -1207,6 +1225,8 @@ class Trainer:
         of the device copy), on one device's copy or shard (``device``: its position in the
         mesh, row-major) or on every device's; offsets are within a device's shard."""
         opt = self.state.opt
+        if into_copy and opt.mirror is None:
+            raise ValueError("this run keeps no device copy (pimhbm.adamw(device_copy=False))")
         slot = opt.mirror if into_copy else opt.slots[opt.current]
         leaves = slot_tensors(slot, self.treedef)
         i = self.paths.index(path)

@@ -56,6 +56,10 @@ def add_arguments(p) -> None:
                    help="how a chunk is pulled from a healthy replica (several devices): an XLA "
                         "collective, our kernel reading a peer GPU of this process (peer), or "
                         "of another process over CUDA IPC (ipc, with --processes)")
+    p.add_argument("--no-device-copy", action="store_true",
+                   help="keep no device copy of the state: every damaged chunk is pulled from "
+                        "another replica (needs more devices than --shard); the update writes "
+                        "14 bytes a parameter less")
     p.add_argument("--processes", type=int, default=1,
                    help="run as this many processes (jax.distributed on localhost), the devices "
                         "split evenly between them (default 1: one process sees them all)")
@@ -159,6 +163,10 @@ def run(args: Any) -> int:
         print(f"--replica-transport {args.replica_transport}: 'ipc' pulls across processes "
               "(--processes 2 or more), 'peer' within one process", file=sys.stderr)
         return 2
+    if args.no_device_copy and args.devices <= args.shard:
+        print(f"--no-device-copy repairs from other replicas: it needs more devices than "
+              f"--shard ({args.devices} devices, --shard {args.shard})", file=sys.stderr)
+        return 2
     if args.processes > 1 and args.process_id is None:
         return _launch(args)
     if args.deterministic and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
@@ -239,6 +247,7 @@ def run(args: Any) -> int:
                                "processes": jax.process_count(),
                                "shard": args.shard, "tiny": args.tiny,
                                "replica_transport": args.replica_transport, "layers": args.layers,
+                               "device_copy": not args.no_device_copy,
                                "tokens": args.tokens, "params": cfg.num_params()}
 
     # Plain: optax.adamw on fp32 master weights, bf16 parameters cast from them.
@@ -282,7 +291,8 @@ def run(args: Any) -> int:
                             warmup=5, chunk_elems=4096, shm_name=name, snapshot_every=0,
                             scrub_every=0, inject_gradients=True, devices=devices,
                             attention_impl=attention, params=fresh(),
-                            replica_transport=args.replica_transport, shard=args.shard)
+                            replica_transport=args.replica_transport, shard=args.shard,
+                            device_copy=not args.no_device_copy)
     try:
         console.print("prewarm (every program, from shapes) ...")
         before = dev.memory_stats() or {}
