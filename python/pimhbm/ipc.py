@@ -129,7 +129,8 @@ def run_round(run_id: str, round_id: int, pulls: list[Pull], timeout_ms: int) ->
             except Exception as err:  # noqa: BLE001 -- whatever it is, the peers must hear it
                 # (memory without an IPC handle, a driver without the entry point, ...): the
                 # round is "unavailable" everywhere, never a peer left waiting for the export.
-                blob = b"!" + f"{type(err).__name__}: {err}".encode()
+                known = isinstance(err, (Unavailable, _core.IpcUnavailable))
+                blob = b"!" + (str(err) if known else f"{type(err).__name__}: {err}").encode()
             client.key_value_set_bytes(f"{prefix}/export/{p.name}", blob)
             log.debug("round %s: exported %s (%d bytes)", prefix, p.name, len(blob))
     # 2. Pulls into this process's devices; each outcome published.
