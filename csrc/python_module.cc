@@ -272,7 +272,8 @@ NB_MODULE(_core, m) {
       "another process's copy (exports of it and its table), reading that GPU's memory "
       "directly; a status per chunk (pimhbm.REPAIRED, ...). Bounded by timeout_ms.");
   m.def("ipc_close", &pimhbm::peer::ipc::close_all,
-        "Closes every peer allocation this process mapped for IPC pulls.");
+        "Unmaps every peer allocation this process mapped for IPC pulls and closes the "
+        "descriptors it exported (for every trainer of the process).");
   m.def("cuda_device_uuids", &cuda_device_uuids,
         "NVML-style UUIDs of the CUDA devices this process sees, by CUDA ordinal.");
 }

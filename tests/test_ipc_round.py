@@ -147,3 +147,21 @@ class FakeBuffer:
     def unsafe_buffer_pointer(self):
         return 0x1000
 
+
+
+def test_an_unforeseen_error_inside_the_pull_call_is_fatal_in_both_processes(monkeypatch):
+    """The same through ipc._pull itself: an error of any type from the pull is its outcome."""
+    real_pull = ipc.__dict__["_pull"]
+
+    class Core:
+        IpcUnavailable = _core.IpcUnavailable
+
+        @staticmethod
+        def ipc_pull(*args):
+            raise TypeError("ipc_pull(): incompatible function arguments")
+
+    monkeypatch.setattr(ipc, "_core", Core)
+    monkeypatch.setattr(ipc, "_on", lambda x, device: FakeBuffer())
+    out, took = run_two(monkeypatch, ok_export, real_pull)
+    assert all(isinstance(o, ipc.Fatal) and "incompatible function" in str(o) for o in out), out
+    assert took < 1.0

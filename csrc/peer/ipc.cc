@@ -5,10 +5,13 @@
 #include <cstddef>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
+#include <utility>
 
+#include "pimhbm/digest.h"
 #include "repair/repair.h"
 
 #if defined(PIMHBM_WITH_CUDA)
@@ -93,7 +96,10 @@ const Driver& driver() {
 }
 
 std::mutex mu;
-std::map<uint64_t, int> exported_fds;  // allocation base -> the descriptor peers take
+// (allocation base, size) -> the descriptor peers take. XLA's allocator keeps its allocation
+// for the process's life; one freed and made again at the same base with the same size would
+// be sent with the old descriptor (close_all forgets them).
+std::map<std::pair<uint64_t, uint64_t>, int> exported_fds;
 struct Mapping {
   void* base;
   uint32_t kind;
@@ -103,8 +109,8 @@ std::map<std::string, Mapping> opened;  // (device, export) -> a peer allocation
 std::map<int, cudaStream_t> streams;    // per device: the stream pulls run on
 
 // A descriptor of the virtual-memory allocation at `base` that another process can take.
-int descriptor_of(uint64_t base) {
-  if (auto it = exported_fds.find(base); it != exported_fds.end()) return it->second;
+int descriptor_of(uint64_t base, uint64_t size) {
+  if (auto it = exported_fds.find({base, size}); it != exported_fds.end()) return it->second;
   const Driver& d = driver();
   CUmemGenericAllocationHandle h{};
   if (CUresult r = d.retain(&h, reinterpret_cast<void*>(base)); r != CUDA_SUCCESS) {
@@ -120,9 +126,10 @@ int descriptor_of(uint64_t base) {
     unavailable_cu("this allocation was not created shareable as a file descriptor", r);
   }
   // Under Yama's ptrace scope 1 only an ancestor may take a process's descriptors; peers are
-  // siblings. Where Yama is absent this fails harmlessly.
+  // siblings. This lets any process of the same user do so until close_all takes it back.
+  // Where Yama is absent this fails harmlessly.
   prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
-  exported_fds.emplace(base, fd);
+  exported_fds.emplace(std::make_pair(base, size), fd);
   return fd;
 }
 
@@ -178,7 +185,8 @@ void* map_descriptor(const Export& e, int device) {
   return reinterpret_cast<void*>(va);
 }
 
-void* open_export(const std::string& blob, int device) {
+// The peer memory an export names, mapped here; `bytes` from it must lie in its allocation.
+void* open_export(const std::string& blob, int device, uint64_t bytes) {
   if (blob.size() != kExportBytes) {
     throw std::runtime_error("pimhbm IPC pull: an export is " + std::to_string(kExportBytes) +
                              " bytes, got " + std::to_string(blob.size()));
@@ -206,8 +214,12 @@ void* open_export(const std::string& blob, int device) {
     }
     it = opened.emplace(key, Mapping{base, e.kind, e.size}).first;
   }
-  if (e.offset >= e.size) {
-    throw std::runtime_error("pimhbm IPC pull: an export's offset lies outside its allocation");
+  if (e.offset > e.size || bytes > e.size - e.offset) {
+    // An allocator that maps several allocations side by side can place a buffer across two:
+    // this transport maps one, so such a buffer is for another transport.
+    throw Unavailable("pimhbm IPC pull: " + std::to_string(bytes) + " bytes at offset " +
+                      std::to_string(e.offset) + " lie outside the peer's allocation of " +
+                      std::to_string(e.size) + " bytes");
   }
   return static_cast<uint8_t*>(it->second.base) + e.offset;
 }
@@ -265,7 +277,7 @@ std::string export_pointer(uint64_t ptr, int device) {
     cudaGetLastError();
     e.kind = kFileDescriptor;
     e.pid = static_cast<int32_t>(getpid());
-    e.fd = descriptor_of(base);
+    e.fd = descriptor_of(base, size);
   }
   std::string blob(kExportBytes, '\0');
   std::memcpy(blob.data(), &e, sizeof(e));
@@ -287,8 +299,10 @@ std::vector<int32_t> pull(int device, const std::vector<int32_t>& chunks, uint64
   sources.count = 1;
   sources.self = -1;
   sources.which = nullptr;
-  sources.tensor[0] = {static_cast<const uint8_t*>(open_export(src, device)), nbytes, chunk_bytes,
-                       static_cast<const uint32_t*>(open_export(src_table, device))};
+  const auto table_bytes = static_cast<uint64_t>(num_chunks(nbytes, chunk_bytes)) * 8;
+  sources.tensor[0] = {
+      static_cast<const uint8_t*>(open_export(src, device, static_cast<uint64_t>(nbytes))), nbytes,
+      chunk_bytes, static_cast<const uint32_t*>(open_export(src_table, device, table_bytes))};
   const repair::MutableChunkedTensor target{reinterpret_cast<uint8_t*>(dst), nbytes, chunk_bytes,
                                             reinterpret_cast<uint32_t*>(dst_table)};
   const size_t bytes = chunks.size() * sizeof(int32_t);
@@ -298,6 +312,8 @@ std::vector<int32_t> pull(int device, const std::vector<int32_t>& chunks, uint64
   cudaStream_t stream = stream_of(device);
   cudaEvent_t done = nullptr;
   check(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
+  // Destroyed on every way out (an event not yet complete is released once it completes).
+  const std::unique_ptr<CUevent_st, decltype(&cudaEventDestroy)> done_guard(done, cudaEventDestroy);
   check(cudaMemcpyAsync(d_chunks, chunks.data(), bytes, cudaMemcpyHostToDevice, stream),
         "cudaMemcpyAsync");
   check(repair::repair_from_cuda(d_chunks, static_cast<int64_t>(chunks.size()), sources, target,
@@ -319,7 +335,6 @@ std::vector<int32_t> pull(int device, const std::vector<int32_t>& chunks, uint64
   }
   check(state, "the pull kernel");
   check(cudaMemcpy(status.data(), d_status, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy");
-  cudaEventDestroy(done);
   return status;
 }
 
@@ -337,7 +352,8 @@ void close_all() {
     }
   }
   opened.clear();
-  for (auto& [base, fd] : exported_fds) close(fd);
+  for (auto& [allocation, fd] : exported_fds) close(fd);
+  if (!exported_fds.empty()) prctl(PR_SET_PTRACER, 0, 0, 0, 0);  // as before the first export
   exported_fds.clear();
   cudaGetLastError();
 }

@@ -69,10 +69,13 @@ template <class Fn>
 Fn driver(const char* name) {
   void* p = nullptr;
   cudaDriverEntryPointQueryResult found{};
-  if (cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess) {
-    return nullptr;
-  }
+#if CUDART_VERSION >= 12050
+  const cudaError_t err =
+      cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found);
+#else
+  const cudaError_t err = cudaGetDriverEntryPoint(name, &p, cudaEnableDefault, &found);
+#endif
+  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) return nullptr;
   return reinterpret_cast<Fn>(p);
 }
 #define PIMHBM_DRIVER(name) driver<decltype(&name)>(#name)
@@ -139,6 +142,10 @@ class IpcPull : public ::testing::TestWithParam<bool> {};
 TEST_P(IpcPull, AnotherProcessPullsChunksFromThisOne) {
   PIMHBM_SKIP_WITHOUT_GPU();
   PIMHBM_SEED_TRACE();
+  // Whatever way the test ends, the descriptor this process exported is closed and forgotten.
+  struct CloseAll {
+    ~CloseAll() { peer::ipc::close_all(); }
+  } close_all;
   const uint64_t seed = testing::rng_for_test()();
   auto good = data_of(seed);
   const auto table = table_of(good);
@@ -191,7 +198,6 @@ TEST_P(IpcPull, AnotherProcessPullsChunksFromThisOne) {
   }
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
       << "the pulling process failed (its output is above)";
-  peer::ipc::close_all();  // the descriptor this process exported
 }
 
 INSTANTIATE_TEST_SUITE_P(Memory, IpcPull, ::testing::Values(false, true), [](const auto& info) {

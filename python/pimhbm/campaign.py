@@ -61,6 +61,11 @@ class Campaign:
             raise ValueError("master_flip needs master weights")
         self.plan: list[Planned] = []
         self.one_device = not trainer.opt.device_copy  # every state fault on one device
+        # One-device faults all land on one replica (row of the mesh), so that the same chunk
+        # never is damaged on every replica at once: the others stay healthy sources.
+        self.shard = trainer.shard
+        self.faulty_row = int(np.random.default_rng([seed, 1]).integers(
+            max(1, len(trainer.devices) // trainer.shard)))
         if self.one_device:
             counts = {k: c for k, c in counts.items() if k != "double_fault"}
         for kind, count in counts.items():
@@ -84,7 +89,7 @@ class Campaign:
             e = int(rng.integers(n))
             device = None
             if (kind == "double_fault" or self.one_device) and len(trainer.devices) > trainer.shard:
-                device = int(rng.integers(len(trainer.devices)))  # its replicas stay healthy
+                device = self._one_device()
             return Planned(step, kind, path, tensor, element=e, bit=int(rng.integers(8 * size)),
                            chunks=(e // self.chunk_elems,), device=device)
         if kind == "row_burst":
@@ -93,7 +98,7 @@ class Campaign:
             length = min(nbytes, int(rng.integers(1024, 2049)))
             off = int(rng.integers(0, nbytes - length + 1))
             cb = self.chunk_elems * size
-            device = int(rng.integers(len(trainer.devices))) if self.one_device else None
+            device = self._one_device() if self.one_device else None
             return Planned(step, kind, path, tensor, byte_offset=off, length=length,
                            chunks=tuple(range(off // cb, (off + length - 1) // cb + 1)),
                            device=device)
@@ -106,6 +111,10 @@ class Campaign:
                            value=["nan", "inf", "-inf"][int(rng.integers(3))],
                            chunks=(e // self.chunk_elems,))
         raise ValueError(kind)
+
+    def _one_device(self) -> int:
+        """A device of the faulty replica (its position in the mesh, row-major)."""
+        return self.faulty_row * self.shard + int(self.rng.integers(self.shard))
 
     def _avoid_cancelling(self, first_step: int, last_step: int) -> None:
         # Two flips of the same bit before one step would undo each other, and a step carries

@@ -4,8 +4,10 @@ After a fault every process of a run decides the same repairs (each sees every d
 summary). For each (source device, target device, tensor) pair of those repairs:
 
 1. the process that holds the source exports the source tensor's and digest table's memory
-   (``pimhbm._core.ipc_export``: the CUDA IPC handle of the allocation, the offset in it) and
-   publishes them in jax.distributed's key-value store;
+   (``pimhbm._core.ipc_export``: for cudaMalloc'd memory the CUDA IPC handle of the
+   allocation; for a cuMemCreate allocation, as XLA's allocator makes them, this process's id
+   and a file descriptor of the allocation, which the puller takes with pidfd_getfd; and the
+   offset in the allocation) and publishes them in jax.distributed's key-value store;
 2. the process that holds the target reads them (bounded wait), maps the peer's memory once
    (cached) and runs the chunk-repair kernel on its own stream, reading the peer GPU directly
    (``pimhbm._core.ipc_pull``: each chunk checked against the source's digest before it is
@@ -16,9 +18,11 @@ summary). For each (source device, target device, tensor) pair of those repairs:
 The source's process waits for the outcomes before it goes on, so nothing rewrites memory a
 peer is reading. Memory that cannot be exported or mapped (a build without CUDA, devices that
 are not GPUs, an allocator whose memory has no IPC handle, two devices of one process) makes
-the round "unavailable": the caller then uses the collective transport. A chunk that does not
+the round "unavailable" (so does any error of an export): the caller then uses the collective
+transport. A chunk that does not
 verify makes it "failed" (the caller goes to the host snapshot); a pull or a process that does
-not answer in time, "fatal" (a kernel may still be writing: the run stops).
+not answer in time, or any other error of a pull, "fatal" (a kernel may still be writing: the
+run stops).
 """
 
 from __future__ import annotations

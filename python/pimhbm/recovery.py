@@ -176,7 +176,7 @@ class Trainer:
         self.replica_transport = replica_transport
         # Without the device copy (pimhbm.adamw(device_copy=False)) every damaged chunk is
         # pulled from another replica, current to the same committed step: the update writes
-        # 14 bytes a parameter less (bf16 + master) where replicas hold the state anyway.
+        # 14 bytes a parameter less (bf16 p, fp32 master, mu, nu) where replicas hold the state.
         self.device_copy = opt.device_copy
         self.loss_fn, self.opt, self.batch_fn = loss_fn, opt, batch_fn
         # The learning rate of a step: a host function of the step, or the optimizer's own
