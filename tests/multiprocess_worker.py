@@ -27,6 +27,8 @@ def progress(what: str) -> None:  # seen when the test prints a run that did not
 pid, nproc, port, shm, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 platform = sys.argv[6] if len(sys.argv) > 6 else "cpu"
 transport = sys.argv[7] if len(sys.argv) > 7 else "collective"
+# "copy": the state has a device copy; "no-copy": none, every damaged chunk from the replica.
+DEVICE_COPY = (sys.argv[8] if len(sys.argv) > 8 else "copy") == "copy"
 if platform == "cpu":
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
@@ -46,7 +48,7 @@ from pimhbm.models import mlp  # noqa: E402
 from pimhbm.recovery import Trainer  # noqa: E402
 
 STEPS = 20
-opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=DEVICE_COPY, chunk_elems=256)
 shard = 2 if platform == "cpu" else 1
 seen_batch_rows = []  # the batch rows one device computes on, as the step is traced
 
@@ -64,7 +66,9 @@ assert [d.process_index for d in tr.mesh.devices[:, 0]] == [0, 1], "a replica pe
 n = len(tr.devices)
 DOUBLE = 1  # state and copy damaged: repaired from the same shard of the other replica
 SOURCE = (1 - DOUBLE // shard) * shard + DOUBLE % shard
-SINGLE = n - 2  # state only: its own device copy
+SINGLE = n - 2  # state only: its own device copy (without one: the other replica)
+SINGLE_SOURCE = (1 - SINGLE // shard) * shard + SINGLE % shard
+COPIES = (False, True) if DEVICE_COPY else (False,)
 tr.prewarm()
 progress("prewarmed")
 ref_stats = tr.run(STEPS)
@@ -83,7 +87,7 @@ class Faults:
         if attempt != 1:
             return None
         if step == 4:
-            for copy in (False, True):
+            for copy in COPIES:
                 trainer.inject("w1", "nu", faults.spec(faults.FLIP_BIT, offset=4 * 1000, bit=6),
                                into_copy=copy, device=DOUBLE)
         if step == 8:
@@ -92,7 +96,7 @@ class Faults:
         if step == 11:  # a NaN in a gradient on every device
             return [0] + list(faults.spec(faults.NONFINITE, offset=5, value="nan"))
         if step == 14:  # the same flip in state and copy everywhere: each process's snapshot
-            for copy in (False, True):
+            for copy in COPIES:
                 trainer.inject("b1", "mu", faults.spec(faults.FLIP_BIT, offset=8, bit=1),
                                into_copy=copy)
         return None
@@ -115,8 +119,9 @@ checks = {
     "double fault located": by_step[4][0].locations == [(DOUBLE, "w1", "nu", 1000 // 256)],
     "double fault from the other replica":
         by_step[4][0].action == f"repaired from a healthy replica (device {SOURCE})",
-    "single flip from the device copy": by_step[8][0].locations == [(SINGLE, "w0", "p", 0)] and
-        by_step[8][0].action == "repaired from the device copy",
+    "single flip repaired": by_step[8][0].locations == [(SINGLE, "w0", "p", 0)] and
+        by_step[8][0].action == ("repaired from the device copy" if DEVICE_COPY else
+                                 f"repaired from a healthy replica (device {SINGLE_SOURCE})"),
     "NaN gradient skipped": by_step[11][0].kind == "gradient",
     "everywhere: host snapshot": by_step[14][0].action.startswith("restored from host snapshot"),
     "no compilation after prewarm": tr.compiles == 0,

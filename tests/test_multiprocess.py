@@ -26,11 +26,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("transport", ["collective", "ipc"])
-def test_two_processes_repair_across_processes_and_end_bit_identical(tmp_path, transport):
+@pytest.mark.parametrize("transport,copy", [("collective", "copy"), ("ipc", "copy"),
+                                            ("collective", "no-copy")])
+def test_two_processes_repair_across_processes_and_end_bit_identical(tmp_path, transport, copy):
     """The double fault is repaired from the other process's replica: by a collective, or by a
     CUDA IPC pull -- on GPUs; elsewhere IPC is unavailable, said once, and the collective
-    transport takes over."""
+    transport takes over. Without device copies the single flip comes from the replica too."""
     shm = f"pimhbm_test_{uuid.uuid4().hex[:10]}"
     out = str(tmp_path / "result.json")
     port = str(free_port())
@@ -40,7 +41,7 @@ def test_two_processes_repair_across_processes_and_end_bit_identical(tmp_path, t
         env["JAX_PLATFORMS"] = "cpu"
     logs = [tmp_path / f"process{i}.log" for i in range(2)]
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multiprocess_worker.py"),
-                               str(i), "2", port, shm, out, PLATFORM, transport], env=env,
+                               str(i), "2", port, shm, out, PLATFORM, transport, copy], env=env,
                               stdout=open(logs[i], "w"), stderr=subprocess.STDOUT)
              for i in range(2)]
     deadline = time.monotonic() + TIMEOUT_S
@@ -74,10 +75,12 @@ def test_two_processes_repair_across_processes_and_end_bit_identical(tmp_path, t
     failed = [what for what, ok in r["checks"].items() if not ok]
     assert not failed, (failed, r["incidents"])
     assert len(r["checks"]) == 9
-    assert r["replica_repairs"] == 1 and r["host_restores"] == 1 and r["compiles"] == 0
+    replica_repairs = 1 if copy == "copy" else 2
+    assert r["replica_repairs"] == replica_repairs and r["host_restores"] == 1
+    assert r["compiles"] == 0
     notes = [i for i in r["incidents"] if i[1] == "replica transport"]
     if transport == "ipc" and PLATFORM == "gpu":
-        assert r["ipc_pulls"] == 1 and not notes, r["incidents"]
+        assert r["ipc_pulls"] == replica_repairs and not notes, r["incidents"]
     elif transport == "ipc":
         assert r["ipc_pulls"] == 0 and len(notes) == 1 and "CUDA IPC unavailable" in notes[0][3]
     else:
