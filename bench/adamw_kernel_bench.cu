@@ -323,6 +323,16 @@ int main(int argc, char** argv) {
         return 1;
       }
     }
+    {
+      int blocks = 0;
+      CHECK(update::adamw_blocks_per_sm(bf16, bf16, 0, &blocks, 4));
+      if (!time_update(
+              kind,
+              "guarded adamw, compiled for 4 blocks/SM (" + std::to_string(blocks) + " resident)",
+              c, false, AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 4}, 28.0)) {
+        return 1;
+      }
+    }
     for (int ahead : {2, 4}) {
       if (!time_update(kind, "guarded adamw, L2 prefetch " + std::to_string(ahead) + " ahead", c,
                        false, AdamWLaunch{1, MirrorPass::kDefault, ahead}, 28.0)) {

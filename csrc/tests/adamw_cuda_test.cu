@@ -222,13 +222,15 @@ TEST_P(AdamWCuda, MatchesTheCpuReferenceBitForBit) {
              {AdamWLaunch{1}, AdamWLaunch{2}, AdamWLaunch{1, MirrorPass::kDefault, 2},
               AdamWLaunch{1, MirrorPass::kDefault, 4}, AdamWLaunch{1, MirrorPass::kDefault, 0, 2},
               AdamWLaunch{1, MirrorPass::kDefault, 0, 3},
-              AdamWLaunch{1, MirrorPass::kDefault, 0, 4}}) {
+              AdamWLaunch{1, MirrorPass::kDefault, 0, 4},
+              AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 4}}) {
           HostLeaf gpu = input;
           run_gpu(gpu, step, launch);
           const std::string what = "n " + std::to_string(n) + " chunk " + std::to_string(chunk) +
                                    " in flight " + std::to_string(launch.groups_in_flight) +
                                    " prefetch " + std::to_string(launch.prefetch) + " stages " +
-                                   std::to_string(launch.stages);
+                                   std::to_string(launch.stages) + " min blocks " +
+                                   std::to_string(launch.min_blocks);
           ASSERT_EQ(gpu.faults, cpu.faults) << what;
           ASSERT_EQ(gpu.bad, cpu.bad) << what;
           if (damaged) {
@@ -399,9 +401,12 @@ TEST(AdamWLaunchPlan, RefusesOptionsOutOfRange) {
   AdamWLeaf leaf;
   for (const AdamWLaunch bad :
        {AdamWLaunch{3}, AdamWLaunch{-1}, AdamWLaunch{1, MirrorPass::kDefault, 3},
-        AdamWLaunch{1, MirrorPass::kDefault, 0, 1}, AdamWLaunch{1, MirrorPass::kDefault, 0, 5}}) {
+        AdamWLaunch{1, MirrorPass::kDefault, 0, 1}, AdamWLaunch{1, MirrorPass::kDefault, 0, 5},
+        AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 2},
+        AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 5}}) {
     EXPECT_EQ(adamw_cuda(&leaf, 1, kHyper, nullptr, nullptr, bad), cudaErrorInvalidValue)
-        << bad.groups_in_flight << " " << bad.prefetch << " " << bad.stages;
+        << bad.groups_in_flight << " " << bad.prefetch << " " << bad.stages << " "
+        << bad.min_blocks;
   }
 }
 

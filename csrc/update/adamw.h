@@ -101,11 +101,15 @@ enum class MirrorPass { kDefault = 0, kRegisters, kTwoReads, kTwoReadsKeep };
 // stages: without the device copy, each thread's loads go through shared memory in a pipeline
 // of this many groups (asynchronous copies: the next stages-1 groups are in flight while one
 // is computed; 0 = off, else 2-4; takes precedence over groups_in_flight and prefetch).
+// min_blocks: without the device copy, one group in flight and no prefetch, the blocks per SM
+// the kernel is compiled to keep resident: 0 = the default, 3 (at most 85 registers); 4 (at
+// most 64 registers, a few spills: 32 warps per SM instead of 24; an experiment, v8).
 struct AdamWLaunch {
   int groups_in_flight = 0;
   MirrorPass mirror_pass = MirrorPass::kDefault;
   int prefetch = 0;
   int stages = 0;
+  int min_blocks = 0;
 };
 
 // Groups of four elements per thread that kRegisters keeps for chunks of `chunk_elems`
@@ -114,7 +118,8 @@ int resident_groups(int64_t chunk_elems);
 
 // Blocks per SM the update kernel without the device copy can keep resident (one group in
 // flight, or the shared-memory pipeline of `stages` stages): for the benchmark's table.
-cudaError_t adamw_blocks_per_sm(bool bf16, bool master, int stages, int* blocks);
+cudaError_t adamw_blocks_per_sm(bool bf16, bool master, int stages, int* blocks,
+                                int min_blocks = 0);
 
 // The fused kernel; `step` points to lr, bc1, bc2 in device memory (no host sync).
 cudaError_t adamw_cuda(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step,

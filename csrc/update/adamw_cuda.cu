@@ -611,6 +611,20 @@ __global__ void __launch_bounds__(kThreads, kInFlight == 1 ? 3 : 1)
   }
 }
 
+// The same with at least 4 blocks per SM (at most 64 registers; ptxas spills 36 bytes for
+// fp32, 52 for bf16, 180 with master weights): more warps to hide the loads behind, at the
+// price of the spills (AdamWLaunch::min_blocks = 4; bench/NOTES.md, v8).
+template <bool kBF16, bool kMaster>
+__global__ void __launch_bounds__(kThreads, 4)
+    adamw_kernel_4_blocks(const __grid_constant__ LeafTable T, const AdamWHyper h,
+                          const float* __restrict__ step) {
+  const AdamWStep s = adamw_step(step);
+  for (int64_t gc = blockIdx.x; gc < T.first_chunk[T.count]; gc += gridDim.x) {
+    const int i = leaf_of(T, gc);
+    two_pass_chunk<kBF16, kMaster, 1, false, false, 0>(T.leaf[i], h, s, gc - T.first_chunk[i]);
+  }
+}
+
 // The staged pipeline: kStages stages of Stage<>::kBytes each in dynamic shared memory.
 template <bool kBF16, bool kMaster, int kStages>
 __global__ void __launch_bounds__(kThreads, 3)
@@ -675,6 +689,7 @@ struct Plan {
   int in_flight, resident;  // groups in flight (two-pass kernels); groups kept (resident)
   int prefetch;             // iterations prefetched ahead (no mirror, one group in flight)
   int stages;               // groups staged through shared memory (no mirror; 0 = off)
+  int min_blocks;           // blocks per SM compiled for (no mirror, one group; 0 = 3)
 };
 
 template <bool kBF16, bool kMaster>
@@ -691,6 +706,8 @@ cudaError_t launch_kind(const LeafTable& T, const Plan& p, const AdamWHyper& h, 
       adamw_kernel<kBF16, kMaster, 1, false, false, 2><<<blocks, kThreads, 0, stream>>>(T, h, step);
     } else if (p.prefetch == 4) {
       adamw_kernel<kBF16, kMaster, 1, false, false, 4><<<blocks, kThreads, 0, stream>>>(T, h, step);
+    } else if (p.min_blocks == 4) {
+      adamw_kernel_4_blocks<kBF16, kMaster><<<blocks, kThreads, 0, stream>>>(T, h, step);
     } else {
       adamw_kernel<kBF16, kMaster, 1, false, false><<<blocks, kThreads, 0, stream>>>(T, h, step);
     }
@@ -739,7 +756,8 @@ Plan plan_for(const AdamWLeaf& leaf, AdamWLaunch options) {
          options.groups_in_flight == 2 ? 2 : 1,
          resident_groups(leaf.chunk_elems),
          options.prefetch,
-         options.stages};
+         options.stages,
+         options.min_blocks};
   // Default (bench/NOTES.md, v3): registers where the chunk fits, except with master weights,
   // whose five tensors per group take 128 registers there and run faster read twice.
   if (p.pass == MirrorPass::kDefault) {
@@ -753,11 +771,15 @@ Plan plan_for(const AdamWLeaf& leaf, AdamWLaunch options) {
 bool same_launch(const Plan& a, const Plan& b) {
   return a.bf16 == b.bf16 && a.master == b.master && a.mirror == b.mirror && a.pass == b.pass &&
          a.in_flight == b.in_flight && a.resident == b.resident && a.prefetch == b.prefetch &&
-         a.stages == b.stages;
+         a.stages == b.stages && a.min_blocks == b.min_blocks;
 }
 
 template <bool kBF16, bool kMaster>
-cudaError_t occupancy_kind(int stages, int* blocks) {
+cudaError_t occupancy_kind(int stages, int* blocks, int min_blocks) {
+  if (stages == 0 && min_blocks == 4) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        blocks, adamw_kernel_4_blocks<kBF16, kMaster>, kThreads, 0);
+  }
   if (stages == 0) {
     return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
         blocks, adamw_kernel<kBF16, kMaster, 1, false, false>, kThreads, 0);
@@ -770,11 +792,11 @@ cudaError_t occupancy_kind(int stages, int* blocks) {
 
 }  // namespace
 
-cudaError_t adamw_blocks_per_sm(bool bf16, bool master, int stages, int* blocks) {
+cudaError_t adamw_blocks_per_sm(bool bf16, bool master, int stages, int* blocks, int min_blocks) {
   if (stages != 0 && (stages < 2 || stages > 4)) return cudaErrorInvalidValue;
-  if (bf16 && master) return occupancy_kind<true, true>(stages, blocks);
-  if (bf16) return occupancy_kind<true, false>(stages, blocks);
-  return occupancy_kind<false, false>(stages, blocks);
+  if (bf16 && master) return occupancy_kind<true, true>(stages, blocks, min_blocks);
+  if (bf16) return occupancy_kind<true, false>(stages, blocks, min_blocks);
+  return occupancy_kind<false, false>(stages, blocks, min_blocks);
 }
 
 int resident_groups(int64_t chunk_elems) {
@@ -789,6 +811,9 @@ cudaError_t adamw_cuda(const AdamWLeaf* leaves, size_t count, const AdamWHyper& 
     return cudaErrorInvalidValue;
   }
   if (options.stages != 0 && (options.stages < 2 || options.stages > 4)) {
+    return cudaErrorInvalidValue;
+  }
+  if (options.min_blocks != 0 && options.min_blocks != 3 && options.min_blocks != 4) {
     return cudaErrorInvalidValue;
   }
   // Leaves of the same kind go in one launch (up to kMaxLeaves each), in the order given.
