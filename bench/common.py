@@ -49,3 +49,28 @@ def write_json(path: str | None, payload: Any) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)
+
+
+def time_replica_repair(fn: Callable[..., Any], state: list, lists: Any, srcs: Any, reps: int,
+                        fetch: Callable[[Any], Any] = None) -> tuple[float, bool]:
+    """Median seconds of a repair program ``fn(tensor, table, lists, srcs) -> (tensor, table,
+    statuses)`` from the call to the statuses on the host (``fetch``: how they come there; after
+    two warm-up calls), ``state`` = [tensor, table] replaced by each call's (donated) results;
+    and whether every device but the source (the first) reports its chunks repaired or not
+    listed, and some repaired."""
+    import numpy as np
+
+    import pimhbm
+
+    fetch = fetch or np.asarray
+    samples = []
+    for r in range(reps + 2):
+        t0 = time.perf_counter()
+        state[0], state[1], status = fn(state[0], state[1], lists, srcs)
+        status = fetch(status)  # waits: the chunks verified on every device
+        if r >= 2:
+            samples.append(time.perf_counter() - t0)
+    others = np.asarray(status)[1:]
+    ok = bool(((others == pimhbm.REPAIRED) | (others == pimhbm.NOT_LISTED)).all() and
+              (others == pimhbm.REPAIRED).any())
+    return statistics.median(samples), ok

@@ -9,9 +9,7 @@ usage: python bench/replica_bench.py [--mib 1024] [--json out.json]
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import write_json  # noqa: E402
+from common import time_replica_repair, write_json  # noqa: E402
 
 import pimhbm  # noqa: E402
 from pimhbm import replica  # noqa: E402
@@ -79,17 +77,7 @@ def main() -> int:
     def measure(name, fn, lists, reps):
         lists = jax.device_put(np.asarray(lists, np.int32), rep)
         srcs = jax.device_put(np.zeros(lists.shape, np.int32), rep)
-        samples = []
-        for r in range(reps + 2):
-            t0 = time.perf_counter()
-            state[0], state[1], status = fn(state[0], state[1], lists, srcs)
-            status = np.asarray(status)  # waits: the chunk verified on every device
-            if r >= 2:
-                samples.append(time.perf_counter() - t0)
-        others = status[1:]
-        ok = bool(((others == pimhbm.REPAIRED) | (others == pimhbm.NOT_LISTED)).all() and
-                  (others == pimhbm.REPAIRED).any())
-        return statistics.median(samples), ok
+        return time_replica_repair(fn, state, lists, srcs, reps)
 
     table_out = Table(title=f"repair from a replica, {n} devices")
     for col in ("what", "transport", "ms", "GB/s", "verified"):

@@ -118,7 +118,9 @@ def test_an_unforeseen_error_in_a_pull_is_fatal_in_both_processes(monkeypatch):
     assert took < 1.0
 
 
-def test_a_pull_that_raises_is_fatal_in_both_processes(monkeypatch):
+def run_pull_that_raises(monkeypatch, error):
+    """A round whose pull goes through ipc._pull, with a _core.ipc_pull that raises ``error``;
+    returns what each process raised, the seconds taken and the pulls that ran."""
     real_pull = ipc.__dict__["_pull"]
 
     class Core:
@@ -126,7 +128,7 @@ def test_a_pull_that_raises_is_fatal_in_both_processes(monkeypatch):
 
         @staticmethod
         def ipc_pull(*args):
-            raise RuntimeError("pimhbm IPC pull: the pull did not finish within 400 ms")
+            raise error
 
     monkeypatch.setattr(ipc, "_core", Core)
     monkeypatch.setattr(ipc, "_on", lambda x, device: FakeBuffer())
@@ -136,7 +138,13 @@ def test_a_pull_that_raises_is_fatal_in_both_processes(monkeypatch):
         pulls_seen.append(p.name)
         return real_pull(p, blob, timeout_ms)
 
-    out, _ = run_two(monkeypatch, ok_export, pull)
+    out, took = run_two(monkeypatch, ok_export, pull)
+    return out, took, pulls_seen
+
+
+def test_a_pull_that_raises_is_fatal_in_both_processes(monkeypatch):
+    out, _, pulls_seen = run_pull_that_raises(
+        monkeypatch, RuntimeError("pimhbm IPC pull: the pull did not finish within 400 ms"))
     assert pulls_seen == ["w.nu"]
     assert all(isinstance(o, ipc.Fatal) and "did not finish" in str(o) for o in out), out
 
@@ -148,20 +156,9 @@ class FakeBuffer:
         return 0x1000
 
 
-
 def test_an_unforeseen_error_inside_the_pull_call_is_fatal_in_both_processes(monkeypatch):
     """The same through ipc._pull itself: an error of any type from the pull is its outcome."""
-    real_pull = ipc.__dict__["_pull"]
-
-    class Core:
-        IpcUnavailable = _core.IpcUnavailable
-
-        @staticmethod
-        def ipc_pull(*args):
-            raise TypeError("ipc_pull(): incompatible function arguments")
-
-    monkeypatch.setattr(ipc, "_core", Core)
-    monkeypatch.setattr(ipc, "_on", lambda x, device: FakeBuffer())
-    out, took = run_two(monkeypatch, ok_export, real_pull)
+    out, took, _ = run_pull_that_raises(
+        monkeypatch, TypeError("ipc_pull(): incompatible function arguments"))
     assert all(isinstance(o, ipc.Fatal) and "incompatible function" in str(o) for o in out), out
     assert took < 1.0

@@ -11,6 +11,7 @@
 #include <thread>
 #include <utility>
 
+#include "pimhbm/cuda_driver.h"
 #include "pimhbm/digest.h"
 #include "repair/repair.h"
 
@@ -54,19 +55,8 @@ void use_device(int device) {
 // libcuda); a driver without one of them makes IPC unavailable.
 template <class Fn>
 Fn driver_fn(const char* name) {
-  void* p = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-#if CUDART_VERSION >= 12050
-  const cudaError_t err =
-      cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found);
-#else
-  const cudaError_t err = cudaGetDriverEntryPoint(name, &p, cudaEnableDefault, &found);
-#endif
-  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess || p == nullptr) {
-    cudaGetLastError();
-    throw Unavailable(std::string("pimhbm IPC pull: the driver has no ") + name);
-  }
-  return reinterpret_cast<Fn>(p);
+  if (Fn fn = cuda_driver_fn<Fn>(name)) return fn;
+  throw Unavailable(std::string("pimhbm IPC pull: the driver has no ") + name);
 }
 
 struct Driver {

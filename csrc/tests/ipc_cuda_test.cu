@@ -20,6 +20,7 @@
 
 #include "cuda_test_util.h"
 #include "peer/ipc.h"
+#include "pimhbm/cuda_driver.h"
 #include "repair/repair.h"
 #include "scan/scan.h"
 #include "test_util.h"
@@ -63,22 +64,9 @@ std::string unhex(const std::string& h) {
 // The exporting side. The source's chunk kBadSource is damaged after its digest was taken.
 constexpr int kBadSource = 7;
 
-// A driver function through the runtime (the binary does not link libcuda: on machines without
-// a driver it must still start, to list and skip its tests).
-template <class Fn>
-Fn driver(const char* name) {
-  void* p = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-#if CUDART_VERSION >= 12050
-  const cudaError_t err =
-      cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &found);
-#else
-  const cudaError_t err = cudaGetDriverEntryPoint(name, &p, cudaEnableDefault, &found);
-#endif
-  if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) return nullptr;
-  return reinterpret_cast<Fn>(p);
-}
-#define PIMHBM_DRIVER(name) driver<decltype(&name)>(#name)
+// Driver functions through the runtime (the binary does not link libcuda: on machines
+// without a driver it must still start, to list and skip its tests).
+#define PIMHBM_DRIVER(name) cuda_driver_fn<decltype(&name)>(#name)
 
 // Where the exporting side keeps its data: `bytes` of device memory from cudaMalloc (a CUDA IPC
 // handle) or from cuMemCreate with a shareable file descriptor, as XLA's allocator makes it.

@@ -1127,17 +1127,13 @@ class Trainer:
                     return None
                 self.stats.repairs += 1
             work = rest
-        if not self.device_copy:
-            self.stats.replica_repairs += len(damaged)
-            return f"repaired from a healthy replica (device {', '.join(map(str, sorted(sources)))})"
-        # The device copies of those chunks: from the repaired state (an intact copy gets the
-        # same bytes again).
-        copy_faults = []
-        for col, path, k, chunk in damaged:
-            li = self.paths.index(path)
-            copy_faults.append((int(self.chunk_base[li]) + chunk, TENSOR_BIT[k] << 4))
-        if not self._repair(copy_faults, into_copy=True, shift=4):
-            return None
+        if self.device_copy:
+            # The device copies of those chunks: from the repaired state (an intact copy gets
+            # the same bytes again).
+            copy_faults = [(int(self.chunk_base[self.paths.index(path)]) + chunk,
+                            TENSOR_BIT[k] << 4) for col, path, k, chunk in damaged]
+            if not self._repair(copy_faults, into_copy=True, shift=4):
+                return None
         self.stats.replica_repairs += len(damaged)
         return f"repaired from a healthy replica (device {', '.join(map(str, sorted(sources)))})"
 
