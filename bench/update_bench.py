@@ -85,6 +85,20 @@ def bench_case(kind, n_params, leaves):
     upd = jax.jit(lambda s, g, lr: opt.update(g, s, lr)[0], donate_argnums=0)
     t, state = timed_loop(upd, state, (grads, jnp.float32(LR)))
     out["pimhbm.adamw (guarded)"] = t
+    # The same update by each CUDA kernel (the default is one of them; bench/NOTES.md, v9).
+    for kernel, name in ((-1, "chunk-loop kernel"), (1, "flat kernel, 1 group"),
+                         (2, "flat kernel, 2 groups"), (4, "flat kernel, 4 groups")):
+        del state
+        opt_k = pimhbm.adamw(LR, master_weights=bf16, kernel=kernel)
+        state = opt_k.init(params)
+        upd_k = jax.jit(lambda s, g, lr, opt_k=opt_k: opt_k.update(g, s, lr)[0], donate_argnums=0)
+        t_k, state = timed_loop(upd_k, state, (grads, jnp.float32(LR)))
+        # Every kernel must leave a state that verifies: the next step commits.
+        report = jax.jit(lambda s, g, lr, opt_k=opt_k: opt_k.update(g, s, lr)[1])(
+            state, grads, jnp.float32(LR))
+        if not bool(report.committed):
+            raise RuntimeError(f"kernel {name}: the state did not verify at the next step")
+        out[f"pimhbm.adamw, {name}"] = t_k
     # The same with the device copy kept current (written in the same pass, verified chunks).
     del state
     opt_copy = pimhbm.adamw(LR, master_weights=bf16, device_copy=True)

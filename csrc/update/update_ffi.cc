@@ -1,6 +1,7 @@
 // CPU handlers of pimhbm_adamw / pimhbm_restore and the argument checks both platforms share.
 #include "update/update_ffi.h"
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,7 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
       {"mirror nu", *b.nu_m, ffi::DataType::F32, nr},
       {"fault map", *b.faults, ffi::DataType::S32, nchunks},
       {"gradient non-finite map", *b.grad_nonfinite, ffi::DataType::S32, nchunks},
+      {"work space", *b.work, ffi::DataType::U32, nchunks * kWorkWords},
   };
   for (const Check& c : checks) {
     if (auto err = check_buffer(kAdamW, c.name, c.buf, c.dtype, c.count); err.failure()) {
@@ -117,6 +119,7 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
   L.dm_nu = static_cast<uint32_t*>(b.dm_nu->untyped_data());
   L.faults = static_cast<int32_t*>(b.faults->untyped_data());
   L.grad_nonfinite = static_cast<int32_t*>(b.grad_nonfinite->untyped_data());
+  L.work = static_cast<uint32_t*>(b.work->untyped_data());
   // The write side must not be the read side: the read side is what a skipped step keeps.
   if (n != 0 && (L.p_out == L.p || L.mu_out == L.mu || L.nu_out == L.nu ||
                  (has_master && L.master_out == L.master))) {
@@ -129,6 +132,10 @@ ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingA
                                const ffi::RemainingRets& rets, const AdamWAttrs& a,
                                std::vector<AdamWLeaf>* leaves,
                                std::vector<ffi_util::Unaliased>* copies) {
+  if (a.kernel < -1 || a.kernel == 3 || a.kernel > 4) {
+    return invalid(kAdamW, "kernel must be 0 (default), -1 (chunk loop) or 1, 2, 4 (flat), got " +
+                               std::to_string(a.kernel));
+  }
   if (args.size() % kArgsPerLeaf != 0 || rets.size() != args.size() / kArgsPerLeaf * kRetsPerLeaf) {
     return invalid(kAdamW, "expected " + std::to_string(kArgsPerLeaf) + " arguments and " +
                                std::to_string(kRetsPerLeaf) +
@@ -155,10 +162,10 @@ ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingA
     }
     // Arguments 9..24 are the write side and the mirror as they were (aliased with results
     // 0..15): the handler writes through the results.
-    const AdamWBuffers b{in[0],   in[1],   in[2],   in[3],   in[4],   in[5],   in[6],
-                         in[7],   in[8],   step,    out[0],  out[1],  out[2],  out[3],
-                         out[4],  out[5],  out[6],  out[7],  out[8],  out[9],  out[10],
-                         out[11], out[12], out[13], out[14], out[15], out[16], out[17]};
+    const AdamWBuffers b{in[0],   in[1],   in[2],   in[3],   in[4],   in[5],   in[6],   in[7],
+                         in[8],   step,    out[0],  out[1],  out[2],  out[3],  out[4],  out[5],
+                         out[6],  out[7],  out[8],  out[9],  out[10], out[11], out[12], out[13],
+                         out[14], out[15], out[16], out[17], out[18]};
     if (auto err = validate_adamw(b, a, &(*leaves)[i]); err.failure()) {
       return count == 1 ? err : ffi_util::in_context(kAdamW, where, err);
     }
@@ -202,17 +209,18 @@ ffi::Error validate_restore(const ffi::AnyBuffer& commit, const ffi::RemainingAr
   return ffi::Error::Success();
 }
 
-namespace {
-
-AdamWAttrs attrs(int64_t chunk_elems, float b1, float b2, float omb1, float omb2, float eps,
-                 float eps_root, float wd) {
-  return AdamWAttrs{chunk_elems, AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd}};
+AdamWLaunch launch_for(int64_t kernel) {
+  AdamWLaunch launch;
+  launch.flat = kernel == 0 ? kDefaultFlatGroups : kernel < 0 ? 0 : static_cast<int>(kernel);
+  return launch;
 }
+
+namespace {
 
 ffi::Error adamw_cpu_impl(ffi::AnyBuffer step, ffi::RemainingArgs args, ffi::RemainingRets rets,
                           int64_t chunk_elems, float b1, float b2, float omb1, float omb2,
-                          float eps, float eps_root, float wd) {
-  const AdamWAttrs a = attrs(chunk_elems, b1, b2, omb1, omb2, eps, eps_root, wd);
+                          float eps, float eps_root, float wd, int64_t kernel) {
+  const AdamWAttrs a{chunk_elems, AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd}, kernel};
   std::vector<AdamWLeaf> leaves;
   std::vector<ffi_util::Unaliased> copies;
   if (auto err = validate_adamw_call(step, args, rets, a, &leaves, &copies); err.failure()) {
@@ -221,6 +229,8 @@ ffi::Error adamw_cpu_impl(ffi::AnyBuffer step, ffi::RemainingArgs args, ffi::Rem
   ffi_util::copy_unaliased_cpu(copies);
   for (const AdamWLeaf& leaf : leaves) {
     adamw_cpu(leaf, a.hyper, static_cast<const float*>(step.untyped_data()));
+    // The work space is the CUDA kernel's; the CPU leaves it defined.
+    std::fill_n(leaf.work, leaf_chunks(leaf) * kWorkWords, 0u);
   }
   return ffi::Error::Success();
 }

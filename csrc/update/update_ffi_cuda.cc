@@ -15,8 +15,9 @@ ffi::Error cuda_error(const char* op, cudaError_t err) {
 
 ffi::Error adamw_cuda_impl(cudaStream_t stream, ffi::AnyBuffer step, ffi::RemainingArgs args,
                            ffi::RemainingRets rets, int64_t chunk_elems, float b1, float b2,
-                           float omb1, float omb2, float eps, float eps_root, float wd) {
-  const AdamWAttrs a{chunk_elems, AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd}};
+                           float omb1, float omb2, float eps, float eps_root, float wd,
+                           int64_t kernel) {
+  const AdamWAttrs a{chunk_elems, AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd}, kernel};
   std::vector<AdamWLeaf> leaves;
   std::vector<ffi_util::Unaliased> copies;
   if (auto err = validate_adamw_call(step, args, rets, a, &leaves, &copies); err.failure()) {
@@ -25,7 +26,7 @@ ffi::Error adamw_cuda_impl(cudaStream_t stream, ffi::AnyBuffer step, ffi::Remain
   cudaError_t err = ffi_util::copy_unaliased_cuda(copies, stream);
   if (err == cudaSuccess) {
     err = adamw_cuda(leaves.data(), leaves.size(), a.hyper,
-                     static_cast<const float*>(step.untyped_data()), stream);
+                     static_cast<const float*>(step.untyped_data()), stream, launch_for(a.kernel));
   }
   return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.adamw", err);
 }

@@ -110,6 +110,10 @@ class UpdateReport(NamedTuple):
     grad_nonfinite_maps: Any  # per leaf: int32 (nchunks,) NaN/Inf gradients per chunk
 
 
+_RETS_PER_LEAF = 19  # results of pimhbm_adamw per leaf (csrc/update/update_ffi.h)
+_WORK_WORDS = 8  # uint32 words of the kernel's work space per chunk (adamw.h, kWorkWords)
+
+
 def _num_chunks(n: int, chunk_elems: int) -> int:
     return -(-n // chunk_elems)
 
@@ -167,10 +171,16 @@ class AdamW:
     master_weights: bool = False
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
     device_copy: bool = False
+    # Which CUDA kernel runs the update (for benchmarks): 0 the default, -1 the chunk loop, 1, 2
+    # or 4 the flat kernel with that many groups of four per thread. Results are identical.
+    kernel: int = 0
 
     def __post_init__(self):
         if self.chunk_elems <= 0 or self.chunk_elems % 16:
             raise ValueError(f"chunk_elems must be a positive multiple of 16, got {self.chunk_elems}")
+        if self.kernel not in (0, -1, 1, 2, 4):
+            raise ValueError(f"kernel must be 0 (default), -1 (chunk loop) or 1, 2, 4 (flat), "
+                             f"got {self.kernel}")
 
     def chunk_bytes(self, dtype: Any) -> int:
         """Digest chunk of a state tensor of this dtype: chunk_elems elements."""
@@ -313,7 +323,8 @@ class AdamW:
             args += leaf_args
             out_types += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaf_args[9:25]] + [
                 jax.ShapeDtypeStruct((nchunks,), jnp.int32),
-                jax.ShapeDtypeStruct((nchunks,), jnp.int32)]
+                jax.ShapeDtypeStruct((nchunks,), jnp.int32),
+                jax.ShapeDtypeStruct((nchunks, _WORK_WORDS), jnp.uint32)]  # the kernel's sums
             layout.append(([k for k in order if present[k]], mirror is not None))
         if not args:
             return []
@@ -321,10 +332,11 @@ class AdamW:
             scalars, *args, chunk_elems=np.int64(self.chunk_elems), b1=np.float32(self.b1),
             b2=np.float32(self.b2), one_minus_b1=np.float32(1 - self.b1),
             one_minus_b2=np.float32(1 - self.b2), eps=np.float32(self.eps),
-            eps_root=np.float32(self.eps_root), weight_decay=np.float32(self.weight_decay))
+            eps_root=np.float32(self.eps_root), weight_decay=np.float32(self.weight_decay),
+            kernel=np.int64(self.kernel))
         results = []
         for i, (names, has_mirror) in enumerate(layout):
-            o = outs[18 * i:18 * (i + 1)]
+            o = outs[_RETS_PER_LEAF * i:_RETS_PER_LEAF * (i + 1)]
             result = {"write": {k: (o[order.index(k)], o[4 + order.index(k)]) for k in names},
                       "faults": o[16], "grad_nonfinite": o[17]}
             if has_mirror:
@@ -337,17 +349,17 @@ class AdamW:
 def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0.9,
           b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
           weight_decay: float = 1e-4, *, master_weights: bool = False,
-          chunk_elems: int | None = None, device_copy: bool = False) -> AdamW:
+          chunk_elems: int | None = None, device_copy: bool = False, kernel: int = 0) -> AdamW:
     """Guarded fused AdamW; arguments as ``optax.adamw`` (``learning_rate`` may be a schedule
     of the step count). ``master_weights``: keep fp32 master weights for bf16 parameters.
     ``device_copy``: keep a current copy of the state on the device, written in the same pass,
     for chunk-level repair. ``chunk_elems``: elements per digest chunk (default 16384, or 4096
     with a device copy: the update then reads each chunk twice and the second read must come
-    from L2)."""
+    from L2). ``kernel``: which CUDA kernel (benchmarks; see AdamW.kernel)."""
     if chunk_elems is None:
         chunk_elems = DEVICE_COPY_CHUNK_ELEMS if device_copy else DEFAULT_CHUNK_ELEMS
     return AdamW(learning_rate, b1, b2, eps, eps_root, weight_decay, master_weights, chunk_elems,
-                 device_copy)
+                 device_copy, kernel)
 
 
 def restore_unless(commit: jax.Array, sources: list[jax.Array],
