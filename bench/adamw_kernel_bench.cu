@@ -325,6 +325,11 @@ int main(int argc, char** argv) {
         return 1;
       }
     }
+    {  // v10: the default kernel with plain loads instead of evict-first ones
+      AdamWLaunch plain;
+      plain.plain_loads = true;
+      if (!time_update(kind, "guarded adamw, plain loads", c, false, plain, 28.0)) return 1;
+    }
     for (int groups : {1, 2, 4}) {  // v9: blocks over groups, sums by warp atomics
       AdamWLaunch flat;
       flat.flat = groups;

@@ -294,7 +294,7 @@ def test_the_handler_rejects_a_wrong_digest_table():
     short = jax.ffi.ffi_call("pimhbm_adamw", outs[:-1] + [jax.ShapeDtypeStruct((1, 4), jnp.uint32)])
     with pytest.raises(Exception, match=r"work space"):
         jax.block_until_ready(short(args[-1], *good, **attrs))
-    with pytest.raises(Exception, match=r"kernel must be 0 \(default\), -1 \(chunk loop\) or 1, 2, 4"):
+    with pytest.raises(Exception, match=r"kernel must be 0 \(default\), -1 \(chunk loop\), -2"):
         jax.block_until_ready(call(args[-1], *good, **dict(attrs, kernel=np.int64(3))))
     with pytest.raises(ValueError, match="kernel must be"):
         pimhbm.adamw(LR, kernel=8)
@@ -331,7 +331,7 @@ def test_guard_skips_nonfinite_and_damaged_state_bit_exactly(rng):
 
 
 @requires_gpu
-@pytest.mark.parametrize("kernel", [0, -1, 1, 2, 4])
+@pytest.mark.parametrize("kernel", [0, -1, -2, 1, 2, 4])
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "bf16_master"])
 def test_gpu_update_equals_cpu_update(rng, kind, kernel):
     """Every CUDA kernel (the default, the chunk loop, the flat one) against the CPU, bit for bit."""

@@ -230,15 +230,16 @@ TEST_P(AdamWCuda, MatchesTheCpuReferenceBitForBit) {
               AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 4},
               AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 0, 1},
               AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 0, 2},
-              AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 0, 4}}) {
+              AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 0, 4},
+              AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 0, 0, true}}) {
           HostLeaf gpu = input;
           run_gpu(gpu, step, launch);
-          const std::string what = "n " + std::to_string(n) + " chunk " + std::to_string(chunk) +
-                                   " in flight " + std::to_string(launch.groups_in_flight) +
-                                   " prefetch " + std::to_string(launch.prefetch) + " stages " +
-                                   std::to_string(launch.stages) + " min blocks " +
-                                   std::to_string(launch.min_blocks) + " flat " +
-                                   std::to_string(launch.flat);
+          const std::string what =
+              "n " + std::to_string(n) + " chunk " + std::to_string(chunk) + " in flight " +
+              std::to_string(launch.groups_in_flight) + " prefetch " +
+              std::to_string(launch.prefetch) + " stages " + std::to_string(launch.stages) +
+              " min blocks " + std::to_string(launch.min_blocks) + " flat " +
+              std::to_string(launch.flat) + " plain loads " + std::to_string(launch.plain_loads);
           ASSERT_EQ(gpu.faults, cpu.faults) << what;
           ASSERT_EQ(gpu.bad, cpu.bad) << what;
           if (damaged) {

@@ -126,11 +126,13 @@ struct AdamWLaunch {
   int stages = 0;
   int min_blocks = 0;
   int flat = 0;
+  bool plain_loads = false;  // without the device copy, one group in flight: plain loads (v10)
 };
 
 // The launch the FFI handler uses when the call does not choose one (kernel = 0): the flat
-// kernel with this many groups per thread (0: the chunk loop).
-inline constexpr int kDefaultFlatGroups = 1;
+// kernel with this many groups per thread (0: the chunk loop; the flat kernel measured slower
+// with every G, bench/NOTES.md v9).
+inline constexpr int kDefaultFlatGroups = 0;
 
 // Groups of four elements per thread that kRegisters keeps for chunks of `chunk_elems`
 // elements (1, 2 or 4), or 0 when such chunks do not fit.

@@ -132,9 +132,11 @@ ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingA
                                const ffi::RemainingRets& rets, const AdamWAttrs& a,
                                std::vector<AdamWLeaf>* leaves,
                                std::vector<ffi_util::Unaliased>* copies) {
-  if (a.kernel < -1 || a.kernel == 3 || a.kernel > 4) {
-    return invalid(kAdamW, "kernel must be 0 (default), -1 (chunk loop) or 1, 2, 4 (flat), got " +
-                               std::to_string(a.kernel));
+  if (a.kernel < -2 || a.kernel == 3 || a.kernel > 4) {
+    return invalid(kAdamW,
+                   "kernel must be 0 (default), -1 (chunk loop), -2 (chunk loop, plain loads) or "
+                   "1, 2, 4 (flat), got " +
+                       std::to_string(a.kernel));
   }
   if (args.size() % kArgsPerLeaf != 0 || rets.size() != args.size() / kArgsPerLeaf * kRetsPerLeaf) {
     return invalid(kAdamW, "expected " + std::to_string(kArgsPerLeaf) + " arguments and " +
@@ -212,6 +214,7 @@ ffi::Error validate_restore(const ffi::AnyBuffer& commit, const ffi::RemainingAr
 AdamWLaunch launch_for(int64_t kernel) {
   AdamWLaunch launch;
   launch.flat = kernel == 0 ? kDefaultFlatGroups : kernel < 0 ? 0 : static_cast<int>(kernel);
+  launch.plain_loads = kernel == -2;
   return launch;
 }
 

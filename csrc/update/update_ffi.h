@@ -31,8 +31,9 @@ struct AdamWBuffers {
 constexpr size_t kArgsPerLeaf = 25;
 constexpr size_t kRetsPerLeaf = 19;
 
-// The attribute `kernel`: 0 the default launch, -1 the chunk loop, 1, 2 or 4 the flat kernel
-// with that many groups per thread (adamw.h, AdamWLaunch::flat) -- for benchmarks.
+// The attribute `kernel`: 0 the default launch, -1 the chunk loop, -2 the chunk loop with plain
+// loads, 1, 2 or 4 the flat kernel with that many groups per thread (adamw.h, AdamWLaunch) --
+// for benchmarks; the results are the same bit for bit.
 struct AdamWAttrs {
   int64_t chunk_elems;
   AdamWHyper hyper;

@@ -171,16 +171,17 @@ class AdamW:
     master_weights: bool = False
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
     device_copy: bool = False
-    # Which CUDA kernel runs the update (for benchmarks): 0 the default, -1 the chunk loop, 1, 2
-    # or 4 the flat kernel with that many groups of four per thread. Results are identical.
+    # Which CUDA kernel runs the update (for benchmarks): 0 the default, -1 the chunk loop, -2 the
+    # chunk loop with plain loads, 1, 2 or 4 the flat kernel with that many groups of four per
+    # thread. Results are identical bit for bit.
     kernel: int = 0
 
     def __post_init__(self):
         if self.chunk_elems <= 0 or self.chunk_elems % 16:
             raise ValueError(f"chunk_elems must be a positive multiple of 16, got {self.chunk_elems}")
-        if self.kernel not in (0, -1, 1, 2, 4):
-            raise ValueError(f"kernel must be 0 (default), -1 (chunk loop) or 1, 2, 4 (flat), "
-                             f"got {self.kernel}")
+        if self.kernel not in (0, -1, -2, 1, 2, 4):
+            raise ValueError(f"kernel must be 0 (default), -1 (chunk loop), -2 (chunk loop, plain "
+                             f"loads) or 1, 2, 4 (flat), got {self.kernel}")
 
     def chunk_bytes(self, dtype: Any) -> int:
         """Digest chunk of a state tensor of this dtype: chunk_elems elements."""
