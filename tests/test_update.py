@@ -427,3 +427,45 @@ def test_restore_clean_puts_back_only_clean_chunks_of_every_tensor_when_not_comm
         jax.block_until_ready(restore_clean(jnp.int32(0), [
             (jnp.asarray(f), tuple(map(jnp.asarray, s)), tuple(map(jnp.asarray, d)), cb)
             for f, s, d, cb in bad]))
+
+
+def test_update_calls_split_the_tree_into_consecutive_groups():
+    from pimhbm.update import MIN_CALL_PARAMS, call_groups
+    big = MIN_CALL_PARAMS
+    assert call_groups([], 8) == []
+    assert call_groups([10, 20, 30], 8) == [(0, 3)]  # small trees: one call
+    assert call_groups([big] * 8, 8) == [(i, i + 1) for i in range(8)]
+    assert call_groups([big] * 8, 1) == [(0, 8)]
+    assert call_groups([big] * 10, 4) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    # A leaf larger than the share of a call is a call of its own; groups cover every leaf once.
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        sizes = [int(x) for x in rng.integers(1, 3 * big, int(rng.integers(1, 40)))]
+        calls = int(rng.integers(1, 12))
+        groups = call_groups(sizes, calls)
+        assert 1 <= len(groups) <= calls
+        assert [i for lo, hi in groups for i in range(lo, hi)] == list(range(len(sizes)))
+
+
+def test_an_update_split_into_calls_equals_one_call(rng):
+    """The same steps with one update call and with one call per leaf: bit-identical state."""
+    import pimhbm.update as upd
+    params = random_params(rng)
+    grads = [random_grads(np.random.default_rng(i), params) for i in range(3)]
+    results = []
+    old = upd.MIN_CALL_PARAMS
+    try:
+        upd.MIN_CALL_PARAMS = 1  # split even this small tree
+        for calls in (1, 8):
+            opt = pimhbm.adamw(LR, update_calls=calls)
+            state = opt.init(params)
+            step = make_step(opt)
+            for g in grads:
+                state, report = step(g, state, jnp.float32(LR))
+            assert bool(report.committed)
+            results.append(bits(current_view(state)))
+    finally:
+        upd.MIN_CALL_PARAMS = old
+    assert results[0] == results[1]
+    with pytest.raises(ValueError, match="update_calls"):
+        pimhbm.adamw(LR, update_calls=0)

@@ -129,10 +129,14 @@ struct AdamWLaunch {
   bool plain_loads = false;  // without the device copy, one group in flight: plain loads (v10)
 };
 
-// The launch the FFI handler uses when the call does not choose one (kernel = 0): the flat
-// kernel with this many groups per thread (0: the chunk loop; the flat kernel measured slower
-// with every G, bench/NOTES.md v9).
-inline constexpr int kDefaultFlatGroups = 0;
+// The launch the FFI handler uses when the call does not choose one (kernel = 0): the chunk
+// loop with plain loads, 5 % faster than evict-first ones on the H200 (bench/NOTES.md, v10; the
+// flat kernel measured slower at every G, v9). The device copy's passes are unaffected.
+inline AdamWLaunch default_launch() {
+  AdamWLaunch launch;
+  launch.plain_loads = true;
+  return launch;
+}
 
 // Groups of four elements per thread that kRegisters keeps for chunks of `chunk_elems`
 // elements (1, 2 or 4), or 0 when such chunks do not fit.

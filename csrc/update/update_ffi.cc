@@ -212,8 +212,9 @@ ffi::Error validate_restore(const ffi::AnyBuffer& commit, const ffi::RemainingAr
 }
 
 AdamWLaunch launch_for(int64_t kernel) {
+  if (kernel == 0) return default_launch();
   AdamWLaunch launch;
-  launch.flat = kernel == 0 ? kDefaultFlatGroups : kernel < 0 ? 0 : static_cast<int>(kernel);
+  launch.flat = kernel > 0 ? static_cast<int>(kernel) : 0;
   launch.plain_loads = kernel == -2;
   return launch;
 }

@@ -114,6 +114,24 @@ _RETS_PER_LEAF = 19  # results of pimhbm_adamw per leaf (csrc/update/update_ffi.
 _WORK_WORDS = 8  # uint32 words of the kernel's work space per chunk (adamw.h, kWorkWords)
 
 
+MIN_CALL_PARAMS = 1 << 24  # an update call of fewer parameters is not split further
+
+
+def call_groups(sizes: list[int], calls: int) -> list[tuple[int, int]]:
+    """Consecutive ranges [lo, hi) of leaves (by their element counts) for at most ``calls``
+    update calls of about equal size, none smaller than MIN_CALL_PARAMS unless it is all."""
+    target = max(-(-sum(sizes) // calls), MIN_CALL_PARAMS)
+    groups, lo, acc = [], 0, 0
+    for i, n in enumerate(sizes):
+        acc += n
+        if acc >= target and len(groups) < calls - 1:
+            groups.append((lo, i + 1))
+            lo, acc = i + 1, 0
+    if lo < len(sizes):
+        groups.append((lo, len(sizes)))
+    return groups
+
+
 def _num_chunks(n: int, chunk_elems: int) -> int:
     return -(-n // chunk_elems)
 
@@ -171,6 +189,10 @@ class AdamW:
     master_weights: bool = False
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
     device_copy: bool = False
+    # Update calls a step makes at most (consecutive leaves of the tree, ~equal parameter counts,
+    # at least MIN_CALL_PARAMS each): a call can start as soon as its leaves' gradients are ready,
+    # while the gradients of other leaves are still being reduced across devices.
+    update_calls: int = 8
     # Which CUDA kernel runs the update (for benchmarks): 0 the default, -1 the chunk loop, -2 the
     # chunk loop with plain loads, 1, 2 or 4 the flat kernel with that many groups of four per
     # thread. Results are identical bit for bit.
@@ -179,6 +201,8 @@ class AdamW:
     def __post_init__(self):
         if self.chunk_elems <= 0 or self.chunk_elems % 16:
             raise ValueError(f"chunk_elems must be a positive multiple of 16, got {self.chunk_elems}")
+        if self.update_calls < 1:
+            raise ValueError(f"update_calls must be at least 1, got {self.update_calls}")
         if self.kernel not in (0, -1, -2, 1, 2, 4):
             raise ValueError(f"kernel must be 0 (default), -1 (chunk loop), -2 (chunk loop, plain "
                              f"loads) or 1, 2, 4 (flat), got {self.kernel}")
@@ -249,7 +273,11 @@ class AdamW:
         reads = slot_tensors(read, treedef)
         writes = slot_tensors(write, treedef)
         mirrors = slot_tensors(state.mirror, treedef) if state.mirror is not None else [None] * len(reads)
-        outs = self._update_call(reads, treedef.flatten_up_to(grads), writes, mirrors, scalars)
+        flat_grads = treedef.flatten_up_to(grads)
+        outs = []
+        for lo, hi in call_groups([r["p"][0].size for r in reads], self.update_calls):
+            outs += self._update_call(reads[lo:hi], flat_grads[lo:hi], writes[lo:hi],
+                                      mirrors[lo:hi], scalars)
 
         faults = [o["faults"] for o in outs]
         bad = [o["grad_nonfinite"] for o in outs]
@@ -350,17 +378,19 @@ class AdamW:
 def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0.9,
           b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
           weight_decay: float = 1e-4, *, master_weights: bool = False,
-          chunk_elems: int | None = None, device_copy: bool = False, kernel: int = 0) -> AdamW:
+          chunk_elems: int | None = None, device_copy: bool = False, update_calls: int = 8,
+          kernel: int = 0) -> AdamW:
     """Guarded fused AdamW; arguments as ``optax.adamw`` (``learning_rate`` may be a schedule
     of the step count). ``master_weights``: keep fp32 master weights for bf16 parameters.
     ``device_copy``: keep a current copy of the state on the device, written in the same pass,
     for chunk-level repair. ``chunk_elems``: elements per digest chunk (default 16384, or 4096
     with a device copy: the update then reads each chunk twice and the second read must come
-    from L2). ``kernel``: which CUDA kernel (benchmarks; see AdamW.kernel)."""
+    from L2). ``update_calls``: at most this many update calls a step, over consecutive leaves
+    (see AdamW.update_calls). ``kernel``: which CUDA kernel (benchmarks; see AdamW.kernel)."""
     if chunk_elems is None:
         chunk_elems = DEVICE_COPY_CHUNK_ELEMS if device_copy else DEFAULT_CHUNK_ELEMS
     return AdamW(learning_rate, b1, b2, eps, eps_root, weight_decay, master_weights, chunk_elems,
-                 device_copy, kernel)
+                 device_copy, update_calls, kernel)
 
 
 def restore_unless(commit: jax.Array, sources: list[jax.Array],

@@ -56,6 +56,9 @@ def add_arguments(p) -> None:
                    help="how a chunk is pulled from a healthy replica (several devices): an XLA "
                         "collective, our kernel reading a peer GPU of this process (peer), or "
                         "of another process over CUDA IPC (ipc, with --processes)")
+    p.add_argument("--update-calls", type=int, default=8,
+                   help="at most this many guarded-update calls a step, over consecutive leaves "
+                        "(default 8; 1: one call for the whole tree)")
     p.add_argument("--no-device-copy", action="store_true",
                    help="keep no device copy of the state: every damaged chunk is pulled from "
                         "another replica (needs more devices than --shard); the update writes "
@@ -248,6 +251,7 @@ def run(args: Any) -> int:
                                "shard": args.shard, "tiny": args.tiny,
                                "replica_transport": args.replica_transport, "layers": args.layers,
                                "device_copy": not args.no_device_copy,
+                               "update_calls": args.update_calls,
                                "tokens": args.tokens, "params": cfg.num_params()}
 
     # Plain: optax.adamw on fp32 master weights, bf16 parameters cast from them.
@@ -292,7 +296,8 @@ def run(args: Any) -> int:
                             scrub_every=0, inject_gradients=True, devices=devices,
                             attention_impl=attention, params=fresh(),
                             replica_transport=args.replica_transport, shard=args.shard,
-                            device_copy=not args.no_device_copy)
+                            device_copy=not args.no_device_copy,
+                            update_calls=args.update_calls)
     try:
         console.print("prewarm (every program, from shapes) ...")
         before = dev.memory_stats() or {}
