@@ -141,7 +141,6 @@ struct Case {
   void* g;
   int32_t *faults, *bad;
   float* step;
-  uint32_t* work;  // the flat kernel's sums
 };
 
 void table(const void* x, int64_t n, int size, int64_t chunk, uint32_t* out) {
@@ -155,7 +154,7 @@ void table(const void* x, int64_t n, int size, int64_t chunk, uint32_t* out) {
 }
 
 Case make_case(bool bf16, int64_t n, int64_t chunk) {
-  Case c{bf16, n, chunk, (n + chunk - 1) / chunk, {}, nullptr, nullptr, nullptr, nullptr, nullptr};
+  Case c{bf16, n, chunk, (n + chunk - 1) / chunk, {}, nullptr, nullptr, nullptr, nullptr};
   float* tmp = alloc<float>(n);
   for (Side& s : c.side) {
     s.mu = alloc<float>(n);
@@ -190,7 +189,6 @@ Case make_case(bool bf16, int64_t n, int64_t chunk) {
   c.faults = alloc<int32_t>(c.nchunks);
   c.bad = alloc<int32_t>(c.nchunks);
   c.step = alloc<float>(3);
-  c.work = alloc<uint32_t>(c.nchunks * update::kWorkWords);
   const float step[3] = {1e-4f, 0.1f, 0.001f};
   CHECK(cudaMemcpy(c.step, step, sizeof(step), cudaMemcpyHostToDevice));
   CHECK(cudaFree(tmp));
@@ -206,8 +204,8 @@ void free_case(Case& c) {
       CHECK(cudaFree(p));
     }
   }
-  for (void* p : {c.g, static_cast<void*>(c.faults), static_cast<void*>(c.bad),
-                  static_cast<void*>(c.step), static_cast<void*>(c.work)}) {
+  for (void* p :
+       {c.g, static_cast<void*>(c.faults), static_cast<void*>(c.bad), static_cast<void*>(c.step)}) {
     CHECK(cudaFree(p));
   }
 }
@@ -221,7 +219,7 @@ update::AdamWLeaf leaf(const Case& c, int from, bool mirror) {
   L.d_p = r.d_p, L.d_master = r.d_master, L.d_mu = r.d_mu, L.d_nu = r.d_nu;
   L.p_out = w.p, L.master_out = w.master, L.mu_out = w.mu, L.nu_out = w.nu;
   L.dn_p = w.d_p, L.dn_master = w.d_master, L.dn_mu = w.d_mu, L.dn_nu = w.d_nu;
-  L.faults = c.faults, L.grad_nonfinite = c.bad, L.work = c.work;
+  L.faults = c.faults, L.grad_nonfinite = c.bad;
   if (mirror) {
     L.has_mirror = true;
     L.p_mirror = m.p, L.master_mirror = m.master, L.mu_mirror = m.mu, L.nu_mirror = m.nu;
@@ -330,14 +328,6 @@ int main(int argc, char** argv) {
       plain.plain_loads = true;
       if (!time_update(kind, "guarded adamw, plain loads", c, false, plain, 28.0)) return 1;
     }
-    for (int groups : {1, 2, 4}) {  // v9: blocks over groups, sums by warp atomics
-      AdamWLaunch flat;
-      flat.flat = groups;
-      if (!time_update(kind, "guarded adamw, flat, " + std::to_string(groups) + " group(s)/thread",
-                       c, false, flat, 28.0)) {
-        return 1;
-      }
-    }
     {
       int blocks = 0;
       CHECK(update::adamw_blocks_per_sm(bf16, bf16, 0, &blocks, 4));
@@ -400,9 +390,10 @@ int main(int argc, char** argv) {
     c = make_case(bf16, n, kCopyChunk);
     bool ok = time_update(kind, "guarded adamw, 4096-element chunks, no copy", c, false,
                           AdamWLaunch{1}, 28.0);
-    AdamWLaunch flat;
-    flat.flat = 1;
-    ok = ok && time_update(kind, "guarded adamw, 4096-element chunks, flat", c, false, flat, 28.0);
+    AdamWLaunch plain;
+    plain.plain_loads = true;
+    ok = ok && time_update(kind, "guarded adamw, 4096-element chunks, plain loads", c, false, plain,
+                           28.0);
     const struct {
       MirrorPass pass;
       const char* name;

@@ -85,10 +85,8 @@ def bench_case(kind, n_params, leaves):
     upd = jax.jit(lambda s, g, lr: opt.update(g, s, lr)[0], donate_argnums=0)
     t, state = timed_loop(upd, state, (grads, jnp.float32(LR)))
     out["pimhbm.adamw (guarded)"] = t
-    # The same update by each CUDA kernel (the default is one of them; bench/NOTES.md, v9).
-    for kernel, name in ((-1, "chunk-loop kernel"), (-2, "chunk loop, plain loads"),
-                         (1, "flat kernel, 1 group"),
-                         (2, "flat kernel, 2 groups"), (4, "flat kernel, 4 groups")):
+    # The same update with each kind of load (the default is one of them; bench/NOTES.md, v10).
+    for kernel, name in ((-1, "evict-first loads"), (-2, "plain loads")):
         del state
         opt_k = pimhbm.adamw(LR, master_weights=bf16, kernel=kernel)
         state = opt_k.init(params)

@@ -55,7 +55,6 @@ struct DeviceLeaf {
   Mirror<uint8_t> m_p;
   Mirror<float> m_w, m_mu, m_nu;
   Mirror<uint32_t> m_dp, m_dw, m_dmu, m_dnu;
-  DeviceBuffer<uint32_t> work;  // the flat kernel's sums, filled with a pattern before the run
   AdamWLeaf L;
 
   DeviceLeaf(HostLeaf& host, bool mirror)
@@ -94,8 +93,7 @@ struct DeviceLeaf {
         m_dp(tp),
         m_dw(tw),
         m_dmu(tmu),
-        m_dnu(tnu),
-        work(static_cast<size_t>(h.chunks() * kWorkWords)) {
+        m_dnu(tnu) {
     L.n = h.n, L.chunk_elems = h.chunk, L.param_bf16 = h.bf16, L.has_master = h.master;
     L.p = p.dev.get(), L.master = w.dev.get(), L.mu = mu.dev.get(), L.nu = nu.dev.get();
     L.g = g.dev.get();
@@ -106,7 +104,6 @@ struct DeviceLeaf {
     L.dn_p = dn_p.dev.get(), L.dn_master = dn_w.dev.get(), L.dn_mu = dn_mu.dev.get();
     L.dn_nu = dn_nu.dev.get();
     L.faults = faults.dev.get(), L.grad_nonfinite = bad.dev.get();
-    L.work = work.get();
     if (mirror) {
       L.has_mirror = true;
       L.p_mirror = m_p.dev.get(), L.master_mirror = m_w.dev.get(), L.mu_mirror = m_mu.dev.get();
@@ -124,8 +121,7 @@ struct DeviceLeaf {
           m_mu.up(),   m_nu.up(),   m_dp.up(),  m_dw.up(),   m_dmu.up(), m_dnu.up()}) {
       if (e != cudaSuccess) return e;
     }
-    // Sums that do not start at zero unless the flat kernel zeroes them first.
-    return work.poison(0x5A);
+    return cudaSuccess;
   }
 
   cudaError_t finish(MirrorOut* mirror_out) {
@@ -228,18 +224,15 @@ TEST_P(AdamWCuda, MatchesTheCpuReferenceBitForBit) {
               AdamWLaunch{1, MirrorPass::kDefault, 0, 3},
               AdamWLaunch{1, MirrorPass::kDefault, 0, 4},
               AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 4},
-              AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 0, 1},
-              AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 0, 2},
-              AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 0, 4},
-              AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 0, 0, true}}) {
+              AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 0, true}}) {
           HostLeaf gpu = input;
           run_gpu(gpu, step, launch);
-          const std::string what =
-              "n " + std::to_string(n) + " chunk " + std::to_string(chunk) + " in flight " +
-              std::to_string(launch.groups_in_flight) + " prefetch " +
-              std::to_string(launch.prefetch) + " stages " + std::to_string(launch.stages) +
-              " min blocks " + std::to_string(launch.min_blocks) + " flat " +
-              std::to_string(launch.flat) + " plain loads " + std::to_string(launch.plain_loads);
+          const std::string what = "n " + std::to_string(n) + " chunk " + std::to_string(chunk) +
+                                   " in flight " + std::to_string(launch.groups_in_flight) +
+                                   " prefetch " + std::to_string(launch.prefetch) + " stages " +
+                                   std::to_string(launch.stages) + " min blocks " +
+                                   std::to_string(launch.min_blocks) + " plain loads " +
+                                   std::to_string(launch.plain_loads);
           ASSERT_EQ(gpu.faults, cpu.faults) << what;
           ASSERT_EQ(gpu.bad, cpu.bad) << what;
           if (damaged) {
@@ -294,7 +287,8 @@ TEST_P(AdamWCuda, DeviceCopyMatchesTheCpuReference) {
            {AdamWLaunch{1, MirrorPass::kRegisters}, AdamWLaunch{1, MirrorPass::kTwoReads},
             AdamWLaunch{2, MirrorPass::kTwoReads}, AdamWLaunch{1, MirrorPass::kTwoReadsKeep},
             AdamWLaunch{0, MirrorPass::kDefault},
-            AdamWLaunch{0, MirrorPass::kDefault, 0, 0, 0, 1}}) {  // flat: not with the copy
+            AdamWLaunch{0, MirrorPass::kDefault, 0, 0, 0,
+                        true}}) {  // plain loads: not with the copy
         HostLeaf g = gpu;
         MirrorOut out;
         run_gpu(g, step, launch, &out);
@@ -413,18 +407,11 @@ TEST(AdamWLaunchPlan, RefusesOptionsOutOfRange) {
        {AdamWLaunch{3}, AdamWLaunch{-1}, AdamWLaunch{1, MirrorPass::kDefault, 3},
         AdamWLaunch{1, MirrorPass::kDefault, 0, 1}, AdamWLaunch{1, MirrorPass::kDefault, 0, 5},
         AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 2},
-        AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 5},
-        AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 0, 3},
-        AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 0, -1}}) {
+        AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 5}}) {
     EXPECT_EQ(adamw_cuda(&leaf, 1, kHyper, nullptr, nullptr, bad), cudaErrorInvalidValue)
-        << bad.groups_in_flight << " " << bad.prefetch << " " << bad.stages << " " << bad.min_blocks
-        << " " << bad.flat;
+        << bad.groups_in_flight << " " << bad.prefetch << " " << bad.stages << " "
+        << bad.min_blocks;
   }
-  // The flat kernel without its work space (a leaf with chunks, no device copy).
-  leaf.n = 100, leaf.chunk_elems = 16;
-  EXPECT_EQ(adamw_cuda(&leaf, 1, kHyper, nullptr, nullptr,
-                       AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 0, 1}),
-            cudaErrorInvalidValue);
 }
 
 TEST(RestoreCuda, CopiesOnlyWhenTheStepDoesNotCommit) {

@@ -73,14 +73,7 @@ struct AdamWLeaf {
   // per-chunk reports
   int32_t* faults = nullptr;          // FaultBits
   int32_t* grad_nonfinite = nullptr;  // NaN/Inf gradient values
-
-  // Work space of the flat kernel (AdamWLaunch::flat): kWorkWords uint32 per chunk, where the
-  // digest sums of the state as read are gathered; its contents afterwards are unspecified.
-  uint32_t* work = nullptr;
 };
-
-// uint32 words of AdamWLeaf::work per chunk: four 64-bit sums (parameter, master, mu, nu).
-inline constexpr int64_t kWorkWords = 8;
 
 int64_t leaf_chunks(const AdamWLeaf& leaf);
 
@@ -111,27 +104,20 @@ enum class MirrorPass { kDefault = 0, kRegisters, kTwoReads, kTwoReadsKeep };
 // min_blocks: without the device copy, one group in flight and no prefetch, the blocks per SM
 // the kernel is compiled to keep resident: 0 = the default, 3 (at most 85 registers); 4 (at
 // most 64 registers, a few spills: 32 warps per SM instead of 24; an experiment, v8).
-// flat: without the device copy, the flat kernel with this many groups of four per thread
-// (1, 2 or 4; 0 = off, the chunk loop above). Its blocks do not own chunks: each takes the next
-// kThreads x flat groups of the leaf, so the blocks in flight read one contiguous window of every
-// tensor and no block waits at a barrier. Each warp sums its digest terms with shuffles and adds
-// them atomically (the sum is order-independent, digest.h) to the chunk's sums -- the old state's
-// in AdamWLeaf::work, the new state's in the new digest tables -- and a last small launch turns
-// the sums into the fault map and the finished tables. Needs AdamWLeaf::work; chunks of a
-// multiple of 4 elements (else the chunk loop runs). bench/NOTES.md, v9.
+// plain_loads: without the device copy, one group in flight: plain loads instead of
+// evict-first ones (bench/NOTES.md, v10).
 struct AdamWLaunch {
   int groups_in_flight = 0;
   MirrorPass mirror_pass = MirrorPass::kDefault;
   int prefetch = 0;
   int stages = 0;
   int min_blocks = 0;
-  int flat = 0;
-  bool plain_loads = false;  // without the device copy, one group in flight: plain loads (v10)
+  bool plain_loads = false;
 };
 
 // The launch the FFI handler uses when the call does not choose one (kernel = 0): the chunk
-// loop with plain loads, 5 % faster than evict-first ones on the H200 (bench/NOTES.md, v10; the
-// flat kernel measured slower at every G, v9). The device copy's passes are unaffected.
+// loop with plain loads, 5 % faster than evict-first ones on the H200 (bench/NOTES.md, v10).
+// The device copy's passes are unaffected.
 inline AdamWLaunch default_launch() {
   AdamWLaunch launch;
   launch.plain_loads = true;

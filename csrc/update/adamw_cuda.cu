@@ -459,7 +459,6 @@ constexpr int kMaxLeaves = 64;
 struct LeafTable {
   AdamWLeaf leaf[kMaxLeaves];
   int64_t first_chunk[kMaxLeaves + 1];
-  int64_t first_block[kMaxLeaves + 1];  // the flat kernel's blocks (launch_flat fills it)
   int count;
 };
 static_assert(sizeof(LeafTable) < 32000, "the leaf table must fit the kernel parameters");
@@ -699,220 +698,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// ---- The flat kernel (AdamWLaunch::flat) -------------------------------------------------
-// Three launches per table: zero the chunks' sums, the update (blocks over groups, not chunks),
-// and the finish (sums -> fault map and digest tables), one thread per chunk.
-
-__device__ __forceinline__ uint64_t* work_sums(const AdamWLeaf& L, int64_t c) {
-  return reinterpret_cast<uint64_t*>(L.work + kWorkWords * c);  // 8-byte aligned: 32 B a chunk
-}
-__device__ __forceinline__ uint64_t* table_sum(uint32_t* t, int64_t c) {
-  return reinterpret_cast<uint64_t*>(t + 2 * c);  // (low, high) words = one little-endian u64
-}
-
-template <bool kMaster>
-__global__ void __launch_bounds__(kThreads)
-    adamw_flat_zero_kernel(const __grid_constant__ LeafTable T) {
-  const int64_t gc = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
-  if (gc >= T.first_chunk[T.count]) return;
-  const int i = leaf_of(T, gc);
-  const AdamWLeaf& L = T.leaf[i];
-  const int64_t c = gc - T.first_chunk[i];
-  uint64_t* w = work_sums(L, c);
-  w[0] = w[1] = w[2] = w[3] = 0;
-  *table_sum(L.dn_p, c) = 0;
-  *table_sum(L.dn_mu, c) = 0;
-  *table_sum(L.dn_nu, c) = 0;
-  if constexpr (kMaster) *table_sum(L.dn_master, c) = 0;
-  L.grad_nonfinite[c] = 0;
-}
-
-template <bool kMaster>
-__global__ void __launch_bounds__(kThreads)
-    adamw_flat_finish_kernel(const __grid_constant__ LeafTable T) {
-  const int64_t gc = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x;
-  if (gc >= T.first_chunk[T.count]) return;
-  const int i = leaf_of(T, gc);
-  const AdamWLeaf& L = T.leaf[i];
-  const int64_t c = gc - T.first_chunk[i];
-  const uint64_t* w = work_sums(L, c);
-  Sums old, t;
-  old.old_p = w[0], old.old_master = w[1], old.old_mu = w[2], old.old_nu = w[3];
-  t.new_p = *table_sum(L.dn_p, c), t.new_mu = *table_sum(L.dn_mu, c);
-  t.new_nu = *table_sum(L.dn_nu, c);
-  if constexpr (kMaster) t.new_master = *table_sum(L.dn_master, c);
-  t.bad = static_cast<uint32_t>(L.grad_nonfinite[c]);
-  const int64_t count = min(L.chunk_elems, L.n - c * L.chunk_elems);
-  finish_chunk<kMaster>(L, c, count, L.param_bf16 ? 2 : 4, old, t, false);
-}
-
-// Adds one thread's sums to chunk c's (the slow path: a warp whose groups span chunks).
-template <bool kMaster>
-__device__ __forceinline__ void add_sums(const AdamWLeaf& L, int64_t c, const Sums& s) {
-  uint64_t* w = work_sums(L, c);
-  atomicAdd(reinterpret_cast<unsigned long long*>(w + 0), s.old_p);
-  atomicAdd(reinterpret_cast<unsigned long long*>(w + 2), s.old_mu);
-  atomicAdd(reinterpret_cast<unsigned long long*>(w + 3), s.old_nu);
-  atomicAdd(reinterpret_cast<unsigned long long*>(table_sum(L.dn_p, c)), s.new_p);
-  atomicAdd(reinterpret_cast<unsigned long long*>(table_sum(L.dn_mu, c)), s.new_mu);
-  atomicAdd(reinterpret_cast<unsigned long long*>(table_sum(L.dn_nu, c)), s.new_nu);
-  if constexpr (kMaster) {
-    atomicAdd(reinterpret_cast<unsigned long long*>(w + 1), s.old_master);
-    atomicAdd(reinterpret_cast<unsigned long long*>(table_sum(L.dn_master, c)), s.new_master);
-  }
-  if (s.bad != 0) atomicAdd(L.grad_nonfinite + c, static_cast<int32_t>(s.bad));
-}
-
-// Adds the whole warp's sums (all of chunk c) to the chunk's: a reduce-scatter by shuffles --
-// at each of three steps a lane sends half of the values it holds and keeps the other half, so
-// 8 values cost 7 shuffles of 64 bits (not 40) -- then two full steps; lane 4k ends with value
-// k summed over the warp, and adds it with one atomic.
-template <bool kMaster>
-__device__ __forceinline__ void add_warp_sums(const AdamWLeaf& L, int64_t c, const Sums& s) {
-  const unsigned lane = threadIdx.x & 31u;
-  uint64_t v[8] = {s.old_p, s.old_master, s.old_mu, s.old_nu,
-                   s.new_p, s.new_master, s.new_mu, s.new_nu};
-#pragma unroll
-  for (int half = 4; half >= 1; half >>= 1) {  // offsets 16, 8, 4
-    const unsigned off = 4u * half;
-    const bool upper = (lane & off) != 0;
-#pragma unroll
-    for (int j = 0; j < half; ++j) {
-      const uint64_t send = upper ? v[j] : v[j + half];
-      const uint64_t keep = upper ? v[j + half] : v[j];
-      v[j] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, off);
-    }
-  }
-  uint64_t x = v[0];
-  x += __shfl_xor_sync(0xFFFFFFFFu, x, 2);
-  x += __shfl_xor_sync(0xFFFFFFFFu, x, 1);
-  const uint32_t bad = __reduce_add_sync(0xFFFFFFFFu, s.bad);
-  if ((lane & 3u) == 0) {
-    // Lane bits 4, 3, 2 chose the upper halves: value index 4*b4 + 2*b3 + b2.
-    const int k = static_cast<int>(lane >> 2);
-    const int index = ((k >> 2) & 1) * 4 + ((k >> 1) & 1) * 2 + (k & 1);
-    uint64_t* w = work_sums(L, c);
-    uint64_t* dst = nullptr;
-    switch (index) {
-      case 0:
-        dst = w + 0;
-        break;
-      case 1:
-        dst = kMaster ? w + 1 : nullptr;
-        break;
-      case 2:
-        dst = w + 2;
-        break;
-      case 3:
-        dst = w + 3;
-        break;
-      case 4:
-        dst = table_sum(L.dn_p, c);
-        break;
-      case 5:
-        dst = kMaster ? table_sum(L.dn_master, c) : nullptr;
-        break;
-      case 6:
-        dst = table_sum(L.dn_mu, c);
-        break;
-      default:
-        dst = table_sum(L.dn_nu, c);
-        break;
-    }
-    if (dst != nullptr) atomicAdd(reinterpret_cast<unsigned long long*>(dst), x);
-  }
-  if (lane == 0 && bad != 0) atomicAdd(L.grad_nonfinite + c, static_cast<int32_t>(bad));
-}
-
-// Block b of leaf i takes the leaf's groups (of four elements) base .. base + kThreads*kG - 1,
-// thread t the groups base + t + k*kThreads. Every group lies in one chunk (chunks are a whole
-// number of groups); a warp whose groups all lie in one chunk -- every warp, for chunks of a
-// multiple of 128 * kG elements -- sums its terms once.
-// One group per thread: at most 64 registers, 4 blocks (32 warps) per SM; more groups hold
-// their loads in registers at once (ptxas hoists them): 3 blocks.
-template <bool kBF16, bool kMaster, int kG>
-__global__ void __launch_bounds__(kThreads, kG == 1 ? 4 : 3)
-    adamw_flat_kernel(const __grid_constant__ LeafTable T, const AdamWHyper h,
-                      const float* __restrict__ step) {
-  int i = 0;
-  while (i + 1 < T.count && blockIdx.x >= T.first_block[i + 1]) ++i;  // block-uniform
-  const AdamWLeaf& L = T.leaf[i];
-  const int64_t per_chunk = L.chunk_elems >> 2;  // groups
-  const int64_t groups = (L.n + 3) >> 2;
-  const int64_t base = (blockIdx.x - T.first_block[i]) * static_cast<int64_t>(kThreads * kG);
-  const int64_t warp_first = base + (threadIdx.x & ~31u);
-  if (warp_first >= groups) return;  // warp-uniform
-  const int64_t warp_last = min(warp_first + 31 + (kG - 1) * kThreads, groups - 1);
-  // 32-bit division where it fits (one per warp in the common case).
-  auto chunk_of = [&](int64_t g) -> int64_t {
-    return groups <= 0xFFFFFFFFll ? static_cast<uint32_t>(g) / static_cast<uint32_t>(per_chunk)
-                                  : g / per_chunk;
-  };
-  const int64_t c0 = chunk_of(warp_first);
-  const bool one_chunk = c0 == chunk_of(warp_last);  // warp-uniform
-  const AdamWStep s = adamw_step(step);
-  Sums sum;
-#pragma unroll
-  for (int k = 0; k < kG; ++k) {
-    const int64_t g = base + threadIdx.x + k * kThreads;
-    if (g < groups) {
-      const int64_t c = one_chunk ? c0 : chunk_of(g);
-      const int64_t first = c * L.chunk_elems;
-      const int64_t rest = L.n - 4 * g;
-      const int64_t live = rest < 4 ? rest : 4;
-      const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
-      Group x;
-      if (live == 4) {
-        load_group<kBF16, kMaster, true>(L, 4 * g, 4, x);
-        process_group<kBF16, kMaster, true, true>(L, h, s, first, g - c * per_chunk, 4, key0, x,
-                                                  sum, false);
-      } else {
-        load_group<kBF16, kMaster, false>(L, 4 * g, static_cast<int>(live), x);
-        process_group<kBF16, kMaster, false, true>(L, h, s, first, g - c * per_chunk,
-                                                   static_cast<int>(live), key0, x, sum, false);
-      }
-      if (!one_chunk) {
-        add_sums<kMaster>(L, c, sum);
-        sum = Sums{};
-      }
-    }
-  }
-  if (one_chunk) add_warp_sums<kMaster>(L, c0, sum);
-}
-
-template <bool kBF16, bool kMaster>
-cudaError_t launch_flat(LeafTable& T, int groups_per_thread, const AdamWHyper& h, const float* step,
-                        cudaStream_t stream) {
-  const int64_t per_block = int64_t{kThreads} * groups_per_thread;
-  T.first_block[0] = 0;
-  for (int i = 0; i < T.count; ++i) {
-    const int64_t groups = (T.leaf[i].n + 3) / 4;
-    T.first_block[i + 1] = T.first_block[i] + (groups + per_block - 1) / per_block;
-  }
-  const int64_t chunk_blocks = (T.first_chunk[T.count] + kThreads - 1) / kThreads;
-  const int64_t blocks = T.first_block[T.count];
-  if (blocks > 0x7FFFFFFF || chunk_blocks > 0x7FFFFFFF) return cudaErrorInvalidValue;
-  adamw_flat_zero_kernel<kMaster><<<static_cast<int>(chunk_blocks), kThreads, 0, stream>>>(T);
-  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
-  switch (groups_per_thread) {
-    case 1:
-      adamw_flat_kernel<kBF16, kMaster, 1>
-          <<<static_cast<int>(blocks), kThreads, 0, stream>>>(T, h, step);
-      break;
-    case 2:
-      adamw_flat_kernel<kBF16, kMaster, 2>
-          <<<static_cast<int>(blocks), kThreads, 0, stream>>>(T, h, step);
-      break;
-    default:
-      adamw_flat_kernel<kBF16, kMaster, 4>
-          <<<static_cast<int>(blocks), kThreads, 0, stream>>>(T, h, step);
-  }
-  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
-  adamw_flat_finish_kernel<kMaster><<<static_cast<int>(chunk_blocks), kThreads, 0, stream>>>(T);
-  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
-  return cudaSuccess;
-}
-
 // One launch over the table; the kernel is picked by the kind of its leaves (all the same).
 struct Plan {
   bool bf16, master, mirror;
@@ -921,15 +706,13 @@ struct Plan {
   int prefetch;             // iterations prefetched ahead (no mirror, one group in flight)
   int stages;               // groups staged through shared memory (no mirror; 0 = off)
   int min_blocks;           // blocks per SM compiled for (no mirror, one group; 0 = 3)
-  int flat;                 // groups per thread of the flat kernel (no mirror; 0 = off)
   bool plain_loads;         // the default kernel with plain loads (no mirror, one group)
 };
 
 template <bool kBF16, bool kMaster>
-cudaError_t launch_kind(LeafTable& T, const Plan& p, const AdamWHyper& h, const float* step,
+cudaError_t launch_kind(const LeafTable& T, const Plan& p, const AdamWHyper& h, const float* step,
                         cudaStream_t stream) {
   const int blocks = static_cast<int>(std::min<int64_t>(T.first_chunk[T.count], 0x7FFFFFFF));
-  if (p.flat != 0) return launch_flat<kBF16, kMaster>(T, p.flat, h, step, stream);
   if (!p.mirror && p.stages != 0) {
     return launch_staged<kBF16, kMaster>(p.stages, T, blocks, h, step, stream);
   }
@@ -976,7 +759,7 @@ cudaError_t launch_kind(LeafTable& T, const Plan& p, const AdamWHyper& h, const 
   return cudaSuccess;
 }
 
-cudaError_t launch_table(LeafTable& T, const Plan& p, const AdamWHyper& h, const float* step,
+cudaError_t launch_table(const LeafTable& T, const Plan& p, const AdamWHyper& h, const float* step,
                          cudaStream_t stream) {
   if (T.count == 0 || T.first_chunk[T.count] == 0) return cudaSuccess;
   if (p.bf16 && p.master) return launch_kind<true, true>(T, p, h, step, stream);
@@ -994,14 +777,7 @@ Plan plan_for(const AdamWLeaf& leaf, AdamWLaunch options) {
          options.prefetch,
          options.stages,
          options.min_blocks,
-         0,
          options.plain_loads};
-  // The flat kernel: without the device copy, chunks of whole groups, a work space given; the
-  // chunk loop's own options (more groups in flight, prefetch, stages, 4 blocks) keep the loop.
-  if (options.flat != 0 && !p.mirror && leaf.chunk_elems % 4 == 0 && p.in_flight == 1 &&
-      p.prefetch == 0 && p.stages == 0 && p.min_blocks == 0) {
-    p.flat = options.flat;
-  }
   // Default (bench/NOTES.md, v3): registers where the chunk fits, except with master weights,
   // whose five tensors per group take 128 registers there and run faster read twice.
   if (p.pass == MirrorPass::kDefault) {
@@ -1015,8 +791,7 @@ Plan plan_for(const AdamWLeaf& leaf, AdamWLaunch options) {
 bool same_launch(const Plan& a, const Plan& b) {
   return a.bf16 == b.bf16 && a.master == b.master && a.mirror == b.mirror && a.pass == b.pass &&
          a.in_flight == b.in_flight && a.resident == b.resident && a.prefetch == b.prefetch &&
-         a.stages == b.stages && a.min_blocks == b.min_blocks && a.flat == b.flat &&
-         a.plain_loads == b.plain_loads;
+         a.stages == b.stages && a.min_blocks == b.min_blocks && a.plain_loads == b.plain_loads;
 }
 
 template <bool kBF16, bool kMaster>
@@ -1061,9 +836,6 @@ cudaError_t adamw_cuda(const AdamWLeaf* leaves, size_t count, const AdamWHyper& 
   if (options.min_blocks != 0 && options.min_blocks != 3 && options.min_blocks != 4) {
     return cudaErrorInvalidValue;
   }
-  if (options.flat != 0 && options.flat != 1 && options.flat != 2 && options.flat != 4) {
-    return cudaErrorInvalidValue;
-  }
   // Leaves of the same kind go in one launch (up to kMaxLeaves each), in the order given.
   std::vector<bool> done(count, false);
   for (size_t i = 0; i < count; ++i) {
@@ -1077,7 +849,6 @@ cudaError_t adamw_cuda(const AdamWLeaf* leaves, size_t count, const AdamWHyper& 
       const int64_t nchunks = leaf_chunks(leaves[j]);
       done[j] = true;
       if (nchunks == 0) continue;
-      if (p.flat != 0 && leaves[j].work == nullptr) return cudaErrorInvalidValue;  // no sums
       T.leaf[T.count] = leaves[j];
       T.first_chunk[T.count + 1] = T.first_chunk[T.count] + nchunks;
       if (++T.count == kMaxLeaves) {

@@ -1,7 +1,6 @@
 // CPU handlers of pimhbm_adamw / pimhbm_restore and the argument checks both platforms share.
 #include "update/update_ffi.h"
 
-#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -59,7 +58,6 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
       {"mirror nu", *b.nu_m, ffi::DataType::F32, nr},
       {"fault map", *b.faults, ffi::DataType::S32, nchunks},
       {"gradient non-finite map", *b.grad_nonfinite, ffi::DataType::S32, nchunks},
-      {"work space", *b.work, ffi::DataType::U32, nchunks * kWorkWords},
   };
   for (const Check& c : checks) {
     if (auto err = check_buffer(kAdamW, c.name, c.buf, c.dtype, c.count); err.failure()) {
@@ -119,7 +117,6 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
   L.dm_nu = static_cast<uint32_t*>(b.dm_nu->untyped_data());
   L.faults = static_cast<int32_t*>(b.faults->untyped_data());
   L.grad_nonfinite = static_cast<int32_t*>(b.grad_nonfinite->untyped_data());
-  L.work = static_cast<uint32_t*>(b.work->untyped_data());
   // The write side must not be the read side: the read side is what a skipped step keeps.
   if (n != 0 && (L.p_out == L.p || L.mu_out == L.mu || L.nu_out == L.nu ||
                  (has_master && L.master_out == L.master))) {
@@ -132,10 +129,9 @@ ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingA
                                const ffi::RemainingRets& rets, const AdamWAttrs& a,
                                std::vector<AdamWLeaf>* leaves,
                                std::vector<ffi_util::Unaliased>* copies) {
-  if (a.kernel < -2 || a.kernel == 3 || a.kernel > 4) {
+  if (a.kernel < -2 || a.kernel > 0) {
     return invalid(kAdamW,
-                   "kernel must be 0 (default), -1 (chunk loop), -2 (chunk loop, plain loads) or "
-                   "1, 2, 4 (flat), got " +
+                   "kernel must be 0 (default), -1 (evict-first loads) or -2 (plain loads), got " +
                        std::to_string(a.kernel));
   }
   if (args.size() % kArgsPerLeaf != 0 || rets.size() != args.size() / kArgsPerLeaf * kRetsPerLeaf) {
@@ -164,10 +160,10 @@ ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingA
     }
     // Arguments 9..24 are the write side and the mirror as they were (aliased with results
     // 0..15): the handler writes through the results.
-    const AdamWBuffers b{in[0],   in[1],   in[2],   in[3],   in[4],   in[5],   in[6],   in[7],
-                         in[8],   step,    out[0],  out[1],  out[2],  out[3],  out[4],  out[5],
-                         out[6],  out[7],  out[8],  out[9],  out[10], out[11], out[12], out[13],
-                         out[14], out[15], out[16], out[17], out[18]};
+    const AdamWBuffers b{in[0],   in[1],   in[2],   in[3],   in[4],   in[5],   in[6],
+                         in[7],   in[8],   step,    out[0],  out[1],  out[2],  out[3],
+                         out[4],  out[5],  out[6],  out[7],  out[8],  out[9],  out[10],
+                         out[11], out[12], out[13], out[14], out[15], out[16], out[17]};
     if (auto err = validate_adamw(b, a, &(*leaves)[i]); err.failure()) {
       return count == 1 ? err : ffi_util::in_context(kAdamW, where, err);
     }
@@ -214,7 +210,6 @@ ffi::Error validate_restore(const ffi::AnyBuffer& commit, const ffi::RemainingAr
 AdamWLaunch launch_for(int64_t kernel) {
   if (kernel == 0) return default_launch();
   AdamWLaunch launch;
-  launch.flat = kernel > 0 ? static_cast<int>(kernel) : 0;
   launch.plain_loads = kernel == -2;
   return launch;
 }
@@ -233,8 +228,6 @@ ffi::Error adamw_cpu_impl(ffi::AnyBuffer step, ffi::RemainingArgs args, ffi::Rem
   ffi_util::copy_unaliased_cpu(copies);
   for (const AdamWLeaf& leaf : leaves) {
     adamw_cpu(leaf, a.hyper, static_cast<const float*>(step.untyped_data()));
-    // The work space is the CUDA kernel's; the CPU leaves it defined.
-    std::fill_n(leaf.work, leaf_chunks(leaf) * kWorkWords, 0u);
   }
   return ffi::Error::Success();
 }

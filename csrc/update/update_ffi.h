@@ -19,21 +19,19 @@ struct AdamWBuffers {
   ffi::AnyBuffer p, master, mu, nu, g, d_p, d_master, d_mu, d_nu, step;
   ffi::Result<ffi::AnyBuffer> p_out, master_out, mu_out, nu_out, dn_p, dn_master, dn_mu, dn_nu;
   ffi::Result<ffi::AnyBuffer> p_m, master_m, mu_m, nu_m, dm_p, dm_master, dm_mu, dm_nu;
-  ffi::Result<ffi::AnyBuffer> faults, grad_nonfinite, work;
+  ffi::Result<ffi::AnyBuffer> faults, grad_nonfinite;
 };
 
 // pimhbm_adamw updates every leaf of a tree in one call (one kernel launch per kind of leaf):
 // the step scalars, then per leaf kArgsPerLeaf arguments -- read side (p, master, mu, nu), the
 // gradient, the read side's digest tables, the write side's tensors and tables, the mirror's
 // tensors and tables (0 elements: absent) -- and kRetsPerLeaf results (the write side's 8, the
-// mirror's 8, the fault map, the non-finite gradient map, and the kernel's work space: uint32
-// (chunks, kWorkWords), contents unspecified).
+// mirror's 8, the fault map, the non-finite gradient map).
 constexpr size_t kArgsPerLeaf = 25;
-constexpr size_t kRetsPerLeaf = 19;
+constexpr size_t kRetsPerLeaf = 18;
 
-// The attribute `kernel`: 0 the default launch, -1 the chunk loop, -2 the chunk loop with plain
-// loads, 1, 2 or 4 the flat kernel with that many groups per thread (adamw.h, AdamWLaunch) --
-// for benchmarks; the results are the same bit for bit.
+// The attribute `kernel` (for benchmarks; the results are the same bit for bit): 0 the default
+// launch (adamw.h, default_launch), -1 the chunk loop with evict-first loads, -2 with plain ones.
 struct AdamWAttrs {
   int64_t chunk_elems;
   AdamWHyper hyper;

@@ -110,8 +110,7 @@ class UpdateReport(NamedTuple):
     grad_nonfinite_maps: Any  # per leaf: int32 (nchunks,) NaN/Inf gradients per chunk
 
 
-_RETS_PER_LEAF = 19  # results of pimhbm_adamw per leaf (csrc/update/update_ffi.h)
-_WORK_WORDS = 8  # uint32 words of the kernel's work space per chunk (adamw.h, kWorkWords)
+_RETS_PER_LEAF = 18  # results of pimhbm_adamw per leaf (csrc/update/update_ffi.h)
 
 
 MIN_CALL_PARAMS = 1 << 24  # an update call of fewer parameters is not split further
@@ -193,9 +192,8 @@ class AdamW:
     # at least MIN_CALL_PARAMS each): a call can start as soon as its leaves' gradients are ready,
     # while the gradients of other leaves are still being reduced across devices.
     update_calls: int = 8
-    # Which CUDA kernel runs the update (for benchmarks): 0 the default, -1 the chunk loop, -2 the
-    # chunk loop with plain loads, 1, 2 or 4 the flat kernel with that many groups of four per
-    # thread. Results are identical bit for bit.
+    # Which CUDA kernel runs the update (for benchmarks): 0 the default, -1 the chunk loop with
+    # evict-first loads, -2 with plain loads. Results are identical bit for bit.
     kernel: int = 0
 
     def __post_init__(self):
@@ -203,9 +201,9 @@ class AdamW:
             raise ValueError(f"chunk_elems must be a positive multiple of 16, got {self.chunk_elems}")
         if self.update_calls < 1:
             raise ValueError(f"update_calls must be at least 1, got {self.update_calls}")
-        if self.kernel not in (0, -1, -2, 1, 2, 4):
-            raise ValueError(f"kernel must be 0 (default), -1 (chunk loop), -2 (chunk loop, plain "
-                             f"loads) or 1, 2, 4 (flat), got {self.kernel}")
+        if self.kernel not in (0, -1, -2):
+            raise ValueError(f"kernel must be 0 (default), -1 (evict-first loads) or -2 (plain "
+                             f"loads), got {self.kernel}")
 
     def chunk_bytes(self, dtype: Any) -> int:
         """Digest chunk of a state tensor of this dtype: chunk_elems elements."""
@@ -352,8 +350,7 @@ class AdamW:
             args += leaf_args
             out_types += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaf_args[9:25]] + [
                 jax.ShapeDtypeStruct((nchunks,), jnp.int32),
-                jax.ShapeDtypeStruct((nchunks,), jnp.int32),
-                jax.ShapeDtypeStruct((nchunks, _WORK_WORDS), jnp.uint32)]  # the kernel's sums
+                jax.ShapeDtypeStruct((nchunks,), jnp.int32)]
             layout.append(([k for k in order if present[k]], mirror is not None))
         if not args:
             return []
