@@ -52,7 +52,7 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                   inject_gradients: bool = False, devices: Any = None,
                   attention_impl: str | None = None, params: Any = None,
                   replica_transport: str = "collective", shard: int = 1,
-                  device_copy: bool = True, update_calls: int = 8) -> Trainer:
+                  device_copy: bool = True, update_calls: int = 1) -> Trainer:
     """A protected trainer of the Llama-3 ``cfg`` on byte-level ``data``: bf16 parameters with
     fp32 master weights and moments, a device copy for chunk repair (device_copy=False: repairs
     from the other replicas only), and (with ``shm_name``) host snapshots in shared memory."""

@@ -189,9 +189,10 @@ class AdamW:
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
     device_copy: bool = False
     # Update calls a step makes at most (consecutive leaves of the tree, ~equal parameter counts,
-    # at least MIN_CALL_PARAMS each): a call can start as soon as its leaves' gradients are ready,
-    # while the gradients of other leaves are still being reduced across devices.
-    update_calls: int = 8
+    # at least MIN_CALL_PARAMS each), so that a call could start as soon as its leaves' gradients
+    # are reduced across devices. Measured on two H200s (bench/NOTES.md, v11): no gain in
+    # the data-parallel step, and 8 calls cost 0.15 ms more than one at 268 M parameters: 1.
+    update_calls: int = 1
     # Which CUDA kernel runs the update (for benchmarks): 0 the default, -1 the chunk loop with
     # evict-first loads, -2 with plain loads. Results are identical bit for bit.
     kernel: int = 0
@@ -375,7 +376,7 @@ class AdamW:
 def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0.9,
           b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
           weight_decay: float = 1e-4, *, master_weights: bool = False,
-          chunk_elems: int | None = None, device_copy: bool = False, update_calls: int = 8,
+          chunk_elems: int | None = None, device_copy: bool = False, update_calls: int = 1,
           kernel: int = 0) -> AdamW:
     """Guarded fused AdamW; arguments as ``optax.adamw`` (``learning_rate`` may be a schedule
     of the step count). ``master_weights``: keep fp32 master weights for bf16 parameters.

@@ -56,9 +56,9 @@ def add_arguments(p) -> None:
                    help="how a chunk is pulled from a healthy replica (several devices): an XLA "
                         "collective, our kernel reading a peer GPU of this process (peer), or "
                         "of another process over CUDA IPC (ipc, with --processes)")
-    p.add_argument("--update-calls", type=int, default=8,
+    p.add_argument("--update-calls", type=int, default=1,
                    help="at most this many guarded-update calls a step, over consecutive leaves "
-                        "(default 8; 1: one call for the whole tree)")
+                        "(default 1: one call for the whole tree)")
     p.add_argument("--no-device-copy", action="store_true",
                    help="keep no device copy of the state: every damaged chunk is pulled from "
                         "another replica (needs more devices than --shard); the update writes "
