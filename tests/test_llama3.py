@@ -209,11 +209,15 @@ def test_llama3_tool_with_fsdp_on_four_cpu_devices(tmp_path, device_copy):
     cmd = [sys.executable, "-m", "pimhbm.cli", "llama3", "--tiny", "--layers", "1", "--tokens",
            "256", "--seq", "32", "--vocab", "256", "--steps", "2", "--devices", "4", "--shard",
            "2", "--campaign-steps", "10", "--faults", "1", "--json", str(out)]
-    cmd += [] if device_copy else ["--no-device-copy"]
+    # With the copy also --profile (a CPU trace has no device timeline: nothing to split).
+    cmd += ["--profile", str(tmp_path / "profile")] if device_copy else ["--no-device-copy"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["devices"] == 4 and r["shard"] == 2 and r["device_copy"] == device_copy
+    if device_copy:
+        assert set(r["profile_ms_per_step"]) == {"plain", "protected"}
+        assert "no device timeline" in run.stdout
     c = r["campaign"]
     if not device_copy:  # no double faults; every state fault from the other replica
         assert "double_fault" not in c["faults"]  # kinds with nothing injected are left out

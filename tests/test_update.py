@@ -434,34 +434,48 @@ def test_update_calls_split_the_tree_into_consecutive_groups():
     assert call_groups([10, 20, 30], 8) == [(0, 3)]  # small trees: one call
     assert call_groups([big] * 8, 8) == [(i, i + 1) for i in range(8)]
     assert call_groups([big] * 8, 1) == [(0, 8)]
-    assert call_groups([big] * 10, 4) == [(0, 3), (3, 6), (6, 9), (9, 10)]
-    # A leaf larger than the share of a call is a call of its own; groups cover every leaf once.
+    assert call_groups([big] * 10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]  # about equal
+    assert call_groups([big, 5], 2) == [(0, 2)]  # no call of a few elements
+    # Groups cover every leaf once, in order; none but a lone one is under MIN_CALL_PARAMS.
     rng = np.random.default_rng(3)
-    for _ in range(50):
+    for _ in range(200):
         sizes = [int(x) for x in rng.integers(1, 3 * big, int(rng.integers(1, 40)))]
         calls = int(rng.integers(1, 12))
         groups = call_groups(sizes, calls)
         assert 1 <= len(groups) <= calls
         assert [i for lo, hi in groups for i in range(lo, hi)] == list(range(len(sizes)))
+        assert len(groups) == 1 or all(sum(sizes[lo:hi]) >= big for lo, hi in groups)
 
 
-def test_an_update_split_into_calls_equals_one_call(rng):
-    """The same steps with one update call and with one call per leaf: bit-identical state."""
+@pytest.mark.parametrize("device_copy", [False, True])
+@pytest.mark.parametrize("master", [False, True])
+def test_an_update_split_into_calls_equals_one_call(rng, device_copy, master):
+    """The same steps -- one of them skipped (NaN gradient), so that the restore runs over the
+    results of every call -- with one update call and with several: bit-identical state,
+    device copy and reports."""
     import pimhbm.update as upd
-    params = random_params(rng)
+    params = random_params(rng, ml_dtypes.bfloat16 if master else np.float32)
     grads = [random_grads(np.random.default_rng(i), params) for i in range(3)]
+    grads[1] = dict(grads[1])
+    grads[1]["t3"] = np.asarray(grads[1]["t3"]).copy()
+    grads[1]["t3"][5] = np.nan
     results = []
     old = upd.MIN_CALL_PARAMS
     try:
         upd.MIN_CALL_PARAMS = 1  # split even this small tree
         for calls in (1, 8):
-            opt = pimhbm.adamw(LR, update_calls=calls)
+            groups = upd.call_groups([p.size for p in jax.tree.leaves(params)], calls)
+            assert (len(groups) == 1) == (calls == 1), groups
+            opt = pimhbm.adamw(LR, update_calls=calls, master_weights=master,
+                               device_copy=device_copy)
             state = opt.init(params)
             step = make_step(opt)
+            committed = []
             for g in grads:
                 state, report = step(g, state, jnp.float32(LR))
-            assert bool(report.committed)
-            results.append(bits(current_view(state)))
+                committed.append(bool(report.committed))
+            assert committed == [True, False, True]
+            results.append((bits(current_view(state)), bits(state.mirror), int(report.grad_nonfinite)))
     finally:
         upd.MIN_CALL_PARAMS = old
     assert results[0] == results[1]

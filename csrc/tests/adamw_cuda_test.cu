@@ -327,9 +327,10 @@ TEST(AdamWCudaTree, EveryLeafOfOneCallMatchesTheCpuReference) {
   PIMHBM_SEED_TRACE();
   auto rng = rng_for_test();
   const float step[3] = {3e-4f, 0.271f, 0.002997f};
-  // Without the device copy also through the shared-memory pipeline (3 stages).
+  // Without the device copy also through the shared-memory pipeline (3 stages), and with the
+  // FFI's default launch (plain loads; stages -1 here).
   for (const auto [mirror, stages] :
-       {std::pair{false, 0}, std::pair{false, 3}, std::pair{true, 0}}) {
+       {std::pair{false, 0}, std::pair{false, 3}, std::pair{false, -1}, std::pair{true, 0}}) {
     const int64_t chunk = mirror ? 1024 : 16 * (1 + static_cast<int64_t>(rng() % 300));
     const int count = 70 + static_cast<int>(rng() % 20);
     std::vector<HostLeaf> cpu, gpu;
@@ -349,8 +350,9 @@ TEST(AdamWCudaTree, EveryLeafOfOneCallMatchesTheCpuReference) {
     }
     DeviceBuffer<float> dstep(3);
     PIMHBM_ASSERT_CUDA(dstep.upload(std::vector<float>(step, step + 3)));
-    PIMHBM_ASSERT_CUDA(adamw_cuda(leaves.data(), leaves.size(), kHyper, dstep.get(), nullptr,
-                                  AdamWLaunch{0, MirrorPass::kDefault, 0, stages}));
+    PIMHBM_ASSERT_CUDA(adamw_cuda(
+        leaves.data(), leaves.size(), kHyper, dstep.get(), nullptr,
+        stages < 0 ? default_launch() : AdamWLaunch{0, MirrorPass::kDefault, 0, stages}));
     PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
     for (int i = 0; i < count; ++i) {
       MirrorOut out;

@@ -105,7 +105,8 @@ enum class MirrorPass { kDefault = 0, kRegisters, kTwoReads, kTwoReadsKeep };
 // the kernel is compiled to keep resident: 0 = the default, 3 (at most 85 registers); 4 (at
 // most 64 registers, a few spills: 32 warps per SM instead of 24; an experiment, v8).
 // plain_loads: without the device copy, one group in flight: plain loads instead of
-// evict-first ones (bench/NOTES.md, v10).
+// evict-first ones (bench/NOTES.md, v10); the options above (2 groups, prefetch, stages, 4
+// blocks) take precedence and keep their evict-first loads.
 struct AdamWLaunch {
   int groups_in_flight = 0;
   MirrorPass mirror_pass = MirrorPass::kDefault;

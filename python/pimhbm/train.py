@@ -55,7 +55,8 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                   device_copy: bool = True, update_calls: int = 1) -> Trainer:
     """A protected trainer of the Llama-3 ``cfg`` on byte-level ``data``: bf16 parameters with
     fp32 master weights and moments, a device copy for chunk repair (device_copy=False: repairs
-    from the other replicas only), and (with ``shm_name``) host snapshots in shared memory."""
+    from the other replicas only), and (with ``shm_name``) host snapshots in shared memory.
+    ``update_calls``: see pimhbm.AdamW.update_calls."""
     if params is None:
         params = llama3.init(jax.random.key(seed), cfg)
     opt = pimhbm.adamw(peak_lr, weight_decay=0.01, master_weights=cfg.dtype == "bfloat16",

@@ -118,16 +118,19 @@ MIN_CALL_PARAMS = 1 << 24  # an update call of fewer parameters is not split fur
 
 def call_groups(sizes: list[int], calls: int) -> list[tuple[int, int]]:
     """Consecutive ranges [lo, hi) of leaves (by their element counts) for at most ``calls``
-    update calls of about equal size, none smaller than MIN_CALL_PARAMS unless it is all."""
-    target = max(-(-sum(sizes) // calls), MIN_CALL_PARAMS)
-    groups, lo, acc = [], 0, 0
+    update calls of about equal size; a range of fewer than MIN_CALL_PARAMS elements is merged
+    into the one before it (a call's launch costs more than it could overlap)."""
+    groups, lo, acc, left = [], 0, 0, sum(sizes)
     for i, n in enumerate(sizes):
         acc += n
+        target = max(-(-left // (calls - len(groups))), MIN_CALL_PARAMS)
         if acc >= target and len(groups) < calls - 1:
             groups.append((lo, i + 1))
-            lo, acc = i + 1, 0
+            lo, left, acc = i + 1, left - acc, 0
     if lo < len(sizes):
         groups.append((lo, len(sizes)))
+    if len(groups) > 1 and sum(sizes[groups[-1][0]:]) < MIN_CALL_PARAMS:
+        groups[-2:] = [(groups[-2][0], len(sizes))]
     return groups
 
 
@@ -190,8 +193,9 @@ class AdamW:
     device_copy: bool = False
     # Update calls a step makes at most (consecutive leaves of the tree, ~equal parameter counts,
     # at least MIN_CALL_PARAMS each), so that a call could start as soon as its leaves' gradients
-    # are reduced across devices. Measured on two H200s (bench/NOTES.md, v11): no gain in
-    # the data-parallel step, and 8 calls cost 0.15 ms more than one at 268 M parameters: 1.
+    # are reduced across devices. Measured on two H200s (bench/NOTES.md, v11): no gain in the
+    # data-parallel step, and the update bench with 8 calls ran 0.13-0.16 ms slower than with
+    # one (two runs). Default: one call.
     update_calls: int = 1
     # Which CUDA kernel runs the update (for benchmarks): 0 the default, -1 the chunk loop with
     # evict-first loads, -2 with plain loads. Results are identical bit for bit.
@@ -321,7 +325,7 @@ class AdamW:
                                  f"it must match its parameter, {p.dtype}{tuple(p.shape)}")
 
     def _update_call(self, reads, grads, writes, mirrors, scalars):
-        """One pimhbm_adamw call for every leaf (the kernel runs over the chunks of all of
+        """One pimhbm_adamw call for the given leaves (the kernel runs over the chunks of all of
         them). reads/writes/mirrors: per leaf {name: (tensor, table)} (mirror None: absent).
         Returns per leaf {"write": {...}, "faults", "grad_nonfinite"[, "mirror": {...}]}."""
         order = ["p", "master", "mu", "nu"]

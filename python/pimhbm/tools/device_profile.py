@@ -26,9 +26,8 @@ def trace(log_dir: str, fn: Callable[[], None]) -> str:
     return found[-1]
 
 
-def device_events(path: str) -> list[tuple[str, str, float]]:
-    """(kernel name, XLA op or "", microseconds) of every event on the trace's device (GPU)
-    timelines. Empty when the trace holds no device timeline (a CPU run)."""
+def _kernel_events(path: str) -> list[dict]:
+    """The trace's kernel events on its device (GPU) timelines: each stream's "X" events."""
     with gzip.open(path, "rt") as f:
         events = json.load(f)
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
@@ -41,14 +40,49 @@ def device_events(path: str) -> list[tuple[str, str, float]]:
                if e.get("ph") == "M" and e.get("name") == "thread_name" and
                e.get("pid") in device_pids and
                "stream" in str(e.get("args", {}).get("name", "")).lower()}
-    out = []
-    for e in events:
-        if e.get("ph") != "X" or e.get("pid") not in device_pids:
+    return [e for e in events
+            if e.get("ph") == "X" and e.get("pid") in device_pids and
+            (not streams or (e["pid"], e.get("tid")) in streams)]
+
+
+def device_events(path: str) -> list[tuple[str, str, float]]:
+    """(kernel name, XLA op or "", microseconds) of every event on the trace's device (GPU)
+    timelines. Empty when the trace holds no device timeline (a CPU run)."""
+    return [(str(e.get("name", "?")), str((e.get("args", {}) or {}).get("hlo_op", "")),
+             float(e.get("dur", 0.0))) for e in _kernel_events(path)]
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
             continue
-        if streams and (e["pid"], e.get("tid")) not in streams:
-            continue
-        args = e.get("args", {}) or {}
-        out.append((str(e.get("name", "?")), str(args.get("hlo_op", "")), float(e.get("dur", 0.0))))
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def overlap(path: str, steps: int) -> dict[str, float]:
+    """Where each device's wall time goes, in ms per step averaged over the devices: "span"
+    (first kernel start to last kernel end), "busy" (some kernel running), "idle" (span - busy),
+    "collectives" (some collective running) and "collectives exposed" (a collective running and
+    no other kernel). Kernel time that runs concurrently counts once here, unlike summary()."""
+    per_device: dict[int, list[tuple[float, float, bool]]] = collections.defaultdict(list)
+    for e in _kernel_events(path):
+        start = float(e.get("ts", 0.0))
+        per_device[e["pid"]].append((start, start + float(e.get("dur", 0.0)),
+                                     category(str(e.get("name", ""))) == "collectives"))
+    out = dict.fromkeys(("span", "busy", "idle", "collectives", "collectives exposed"), 0.0)
+    for events in per_device.values():
+        span = max(b for _, b, _ in events) - min(a for a, _, _ in events)
+        busy = _union([(a, b) for a, b, _ in events])
+        compute = _union([(a, b) for a, b, coll in events if not coll])
+        values = {"span": span, "busy": busy, "idle": span - busy,
+                  "collectives": _union([(a, b) for a, b, coll in events if coll]),
+                  "collectives exposed": busy - compute}
+        for k, v in values.items():
+            out[k] += v / steps / 1e3 / len(per_device)
     return out
 
 

@@ -128,12 +128,14 @@ def _median_step(step, carry, batches, lrs):
     return statistics.median(times), carry
 
 
-def _print_profile(console, profiles, results) -> None:
-    """Device time per step by kind of kernel, plain against protected, and the largest
-    kernels of the protected step (matmuls left out: the same in both)."""
+def _print_profile(console, traces, results) -> None:
+    """Device time per step by kind of kernel, plain against protected; where each device's
+    wall time goes (busy, idle, collectives not hidden under compute); and the largest kernels
+    of both steps (matmuls left out: the same in both). ``traces``: kind -> trace path."""
     from rich.table import Table
 
     from pimhbm.tools import device_profile
+    profiles = {k: device_profile.device_events(p) for k, p in traces.items()}
     sums = {k: device_profile.summary(ev, 3) for k, ev in profiles.items()}
     results["profile_ms_per_step"] = sums
     t = Table(title="device time per step (ms), from the profiler")
@@ -146,6 +148,15 @@ def _print_profile(console, profiles, results) -> None:
     if not profiles["protected"]:
         console.print("(the trace holds no device timeline: nothing to split)")
         return
+    walls = {k: device_profile.overlap(p, 3) for k, p in traces.items()}
+    results["profile_wall_ms_per_step"] = walls
+    t = Table(title="a device's wall time per step (ms), from the profiler's timeline")
+    for col in ("", "plain", "protected", "difference"):
+        t.add_column(col, justify="left" if not col else "right")
+    for key in ("span", "busy", "idle", "collectives", "collectives exposed"):
+        a, b = walls["plain"][key], walls["protected"][key]
+        t.add_row(key, f"{a:.2f}", f"{b:.2f}", f"{b - a:+.2f}")
+    console.print(t)
     for kind in ("plain", "protected"):
         t = Table(title=f"largest kernels of the {kind} step, matmuls left out (ms per step)")
         for col in ("kernel", "XLA op", "ms", "launches"):
@@ -165,6 +176,9 @@ def run(args: Any) -> int:
             (args.replica_transport == "peer" and args.processes > 1)):
         print(f"--replica-transport {args.replica_transport}: 'ipc' pulls across processes "
               "(--processes 2 or more), 'peer' within one process", file=sys.stderr)
+        return 2
+    if args.update_calls < 1:
+        print(f"--update-calls must be at least 1, got {args.update_calls}", file=sys.stderr)
         return 2
     if args.no_device_copy and args.devices <= args.shard:
         print(f"--no-device-copy repairs from other replicas: it needs more devices than "
@@ -284,8 +298,7 @@ def run(args: Any) -> int:
             for b, lr in zip(batches[:3], lrs[:3]):
                 carry = plain_step(carry, b, lr)
             jax.block_until_ready(carry)
-        profiles["plain"] = device_profile.device_events(
-            device_profile.trace(os.path.join(args.profile, "plain"), three_plain))
+        profiles["plain"] = device_profile.trace(os.path.join(args.profile, "plain"), three_plain)
     del carry, master, params  # donated
     results["plain_ms"] = plain * 1e3
 
@@ -325,8 +338,8 @@ def run(args: Any) -> int:
                                                 copies_before) / (3 * args.steps)
         if args.profile:
             start = trainer.next_step
-            profiles["protected"] = device_profile.device_events(device_profile.trace(
-                os.path.join(args.profile, "protected"), lambda: trainer.run(start + 2)))
+            profiles["protected"] = device_profile.trace(
+                os.path.join(args.profile, "protected"), lambda: trainer.run(start + 2))
         results["compiles_after_prewarm"] = trainer.compiles
 
         table = Table(title=f"step time, {args.tokens} tokens, {len(devices)} x {dev.device_kind}")

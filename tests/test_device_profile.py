@@ -1,0 +1,59 @@
+"""The profiler summaries of `pimhbm llama3 --profile`, on a synthetic trace with known answers."""
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from pimhbm.tools import device_profile
+
+
+def write_trace(tmp_path, kernels):
+    """kernels: (device, stream, name, start_us, dur_us). Two device timelines with a derived
+    "XLA Ops" line that must not count, and a host timeline that must not either."""
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}}]
+    for d in (0, 1):
+        pid = 10 + d
+        events += [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"/device:GPU:{d}"}},
+                   {"ph": "M", "name": "thread_name", "pid": pid, "tid": 1, "args": {"name": "Stream #13"}},
+                   {"ph": "M", "name": "thread_name", "pid": pid, "tid": 2, "args": {"name": "Stream #14"}},
+                   {"ph": "M", "name": "thread_name", "pid": pid, "tid": 9, "args": {"name": "XLA Ops"}},
+                   {"ph": "X", "pid": pid, "tid": 9, "name": "fusion", "ts": 0, "dur": 10_000}]
+    events.append({"ph": "X", "pid": 1, "tid": 1, "name": "host work", "ts": 0, "dur": 99_000})
+    for device, stream, name, start, dur in kernels:
+        events.append({"ph": "X", "pid": 10 + device, "tid": stream, "name": name, "ts": start,
+                       "dur": dur, "args": {"hlo_op": name + "_op"}})
+    path = tmp_path / "t.perfetto_trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return str(path)
+
+
+def test_overlap_counts_concurrent_kernels_once_and_finds_exposed_collectives(tmp_path):
+    # Device 0: compute 0-1000 us, an all-reduce 500-1500 us on another stream (500 exposed),
+    # a gap 1500-2000, compute 2000-2500. Device 1: compute 0-3000, an all-reduce inside it.
+    path = write_trace(tmp_path, [
+        (0, 1, "fusion_1", 0, 1000), (0, 2, "ncclDevKernel_AllReduce_Sum_bf16", 500, 1000),
+        (0, 1, "pimhbm::adamw_kernel", 2000, 500),
+        (1, 1, "sm90_xmma_gemm", 0, 3000), (1, 2, "ncclDevKernel_AllReduce_Sum_bf16", 100, 200)])
+    w = device_profile.overlap(path, steps=1)
+    # Per device, averaged: span (2.5 + 3.0) / 2, busy (2.0 + 3.0) / 2, idle (0.5 + 0) / 2,
+    # collectives (1.0 + 0.2) / 2, exposed (0.5 + 0) / 2 -- in ms.
+    assert w == pytest.approx({"span": 2.75, "busy": 2.5, "idle": 0.25, "collectives": 0.6,
+                               "collectives exposed": 0.25})
+    assert device_profile.overlap(path, steps=2)["busy"] == pytest.approx(1.25)
+    # The plain sums count every kernel's own time (concurrent ones twice), derived lines never.
+    s = device_profile.summary(device_profile.device_events(path), steps=1)
+    assert s["collectives"] == pytest.approx(1.2) and s["pimhbm kernels"] == pytest.approx(0.5)
+    assert s["matmuls"] == pytest.approx(3.0) and s["total"] == pytest.approx(5.7)
+
+
+def test_union_of_random_intervals_equals_a_fine_grid(tmp_path):
+    rng = np.random.default_rng(11)
+    for _ in range(100):
+        starts = rng.integers(0, 500, int(rng.integers(1, 20)))
+        ends = starts + rng.integers(0, 100, starts.size)
+        grid = np.zeros(700, bool)
+        for a, b in zip(starts, ends):
+            grid[a:b] = True
+        assert device_profile._union(list(zip(starts.tolist(), ends.tolist()))) == grid.sum()
