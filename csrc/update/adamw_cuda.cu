@@ -598,6 +598,20 @@ __device__ __forceinline__ void resident_chunk(const AdamWLeaf& L, const AdamWHy
   if (threadIdx.x == 0) finish_chunk<kMaster>(L, c, count, psize, old, t, to_mirror);
 }
 
+// Every chunk of the table, block b taking chunks b, b + gridDim.x, ... (the body of the
+// chunk-loop kernels below, which differ in their launch bounds and loads).
+template <bool kBF16, bool kMaster, int kInFlight, bool kMirror, bool kKeepA, int kPrefetch,
+          bool kEvictFirst>
+__device__ __forceinline__ void every_chunk(const LeafTable& T, const AdamWHyper& h,
+                                            const float* step) {
+  const AdamWStep s = adamw_step(step);
+  for (int64_t gc = blockIdx.x; gc < T.first_chunk[T.count]; gc += gridDim.x) {
+    const int i = leaf_of(T, gc);
+    two_pass_chunk<kBF16, kMaster, kInFlight, kMirror, kKeepA, kPrefetch, kEvictFirst>(
+        T.leaf[i], h, s, gc - T.first_chunk[i]);
+  }
+}
+
 // One group in flight: at least 3 blocks per SM (at most 85 registers). Without the bound the
 // leaf table's dynamic indexing lets the compiler keep the leaf's pointers in registers: 100
 // with master weights, 2 blocks per SM, 8 % slower (bench/NOTES.md, v4).
@@ -605,12 +619,7 @@ template <bool kBF16, bool kMaster, int kInFlight, bool kMirror, bool kKeepA, in
 __global__ void __launch_bounds__(kThreads, kInFlight == 1 ? 3 : 1)
     adamw_kernel(const __grid_constant__ LeafTable T, const AdamWHyper h,
                  const float* __restrict__ step) {
-  const AdamWStep s = adamw_step(step);
-  for (int64_t gc = blockIdx.x; gc < T.first_chunk[T.count]; gc += gridDim.x) {
-    const int i = leaf_of(T, gc);
-    two_pass_chunk<kBF16, kMaster, kInFlight, kMirror, kKeepA, kPrefetch>(T.leaf[i], h, s,
-                                                                          gc - T.first_chunk[i]);
-  }
+  every_chunk<kBF16, kMaster, kInFlight, kMirror, kKeepA, kPrefetch, true>(T, h, step);
 }
 
 // The same with at least 4 blocks per SM (at most 64 registers; ptxas spills 36 bytes for
@@ -620,11 +629,7 @@ template <bool kBF16, bool kMaster>
 __global__ void __launch_bounds__(kThreads, 4)
     adamw_kernel_4_blocks(const __grid_constant__ LeafTable T, const AdamWHyper h,
                           const float* __restrict__ step) {
-  const AdamWStep s = adamw_step(step);
-  for (int64_t gc = blockIdx.x; gc < T.first_chunk[T.count]; gc += gridDim.x) {
-    const int i = leaf_of(T, gc);
-    two_pass_chunk<kBF16, kMaster, 1, false, false, 0>(T.leaf[i], h, s, gc - T.first_chunk[i]);
-  }
+  every_chunk<kBF16, kMaster, 1, false, false, 0, true>(T, h, step);
 }
 
 // The default kernel with plain loads instead of evict-first ones (AdamWLaunch::plain_loads):
@@ -633,12 +638,7 @@ template <bool kBF16, bool kMaster>
 __global__ void __launch_bounds__(kThreads, 3)
     adamw_kernel_plain_loads(const __grid_constant__ LeafTable T, const AdamWHyper h,
                              const float* __restrict__ step) {
-  const AdamWStep s = adamw_step(step);
-  for (int64_t gc = blockIdx.x; gc < T.first_chunk[T.count]; gc += gridDim.x) {
-    const int i = leaf_of(T, gc);
-    two_pass_chunk<kBF16, kMaster, 1, false, false, 0, false>(T.leaf[i], h, s,
-                                                              gc - T.first_chunk[i]);
-  }
+  every_chunk<kBF16, kMaster, 1, false, false, 0, false>(T, h, step);
 }
 
 // The staged pipeline: kStages stages of Stage<>::kBytes each in dynamic shared memory.
