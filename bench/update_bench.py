@@ -79,33 +79,27 @@ def bench_case(kind, n_params, leaves):
         out[name] = t
         del carry
 
+    def time_guarded(opt, what):
+        """One guarded step's time with `opt`; the state it leaves must verify (the next step
+        commits)."""
+        upd = jax.jit(lambda s, g, lr: opt.update(g, s, lr)[0], donate_argnums=0)
+        t, state = timed_loop(upd, opt.init(params), (grads, jnp.float32(LR)))
+        report = jax.jit(lambda s, g, lr: opt.update(g, s, lr)[1])(state, grads, jnp.float32(LR))
+        if not bool(report.committed):
+            raise RuntimeError(f"{what}: the state did not verify at the next step")
+        return t
+
     # pimhbm.adamw: digests checked and rewritten, NaN/Inf counted, commit-or-skip on the device.
     opt = pimhbm.adamw(LR, master_weights=bf16)
-    state = opt.init(params)
-    upd = jax.jit(lambda s, g, lr: opt.update(g, s, lr)[0], donate_argnums=0)
-    t, state = timed_loop(upd, state, (grads, jnp.float32(LR)))
-    out["pimhbm.adamw (guarded)"] = t
+    out["pimhbm.adamw (guarded)"] = time_guarded(opt, "pimhbm.adamw")
     # The same update with each kind of load (the default is one of them; bench/NOTES.md, v10).
     for kernel, name in ((-1, "evict-first loads"), (-2, "plain loads")):
-        del state
-        opt_k = pimhbm.adamw(LR, master_weights=bf16, kernel=kernel)
-        state = opt_k.init(params)
-        upd_k = jax.jit(lambda s, g, lr, opt_k=opt_k: opt_k.update(g, s, lr)[0], donate_argnums=0)
-        t_k, state = timed_loop(upd_k, state, (grads, jnp.float32(LR)))
-        # Every kernel must leave a state that verifies: the next step commits.
-        report = jax.jit(lambda s, g, lr, opt_k=opt_k: opt_k.update(g, s, lr)[1])(
-            state, grads, jnp.float32(LR))
-        if not bool(report.committed):
-            raise RuntimeError(f"kernel {name}: the state did not verify at the next step")
-        out[f"pimhbm.adamw, {name}"] = t_k
+        out[f"pimhbm.adamw, {name}"] = time_guarded(
+            pimhbm.adamw(LR, master_weights=bf16, kernel=kernel), name)
     # The same with the device copy kept current (written in the same pass, verified chunks).
-    del state
-    opt_copy = pimhbm.adamw(LR, master_weights=bf16, device_copy=True)
-    state_copy = opt_copy.init(params)
-    upd_copy = jax.jit(lambda s, g, lr: opt_copy.update(g, s, lr)[0], donate_argnums=0)
-    t_copy, state_copy = timed_loop(upd_copy, state_copy, (grads, jnp.float32(LR)))
-    out["pimhbm.adamw + device copy"] = t_copy
-    del state_copy
+    out["pimhbm.adamw + device copy"] = time_guarded(
+        pimhbm.adamw(LR, master_weights=bf16, device_copy=True), "device copy")
+    upd = jax.jit(lambda s, g, lr: opt.update(g, s, lr)[0], donate_argnums=0)
     state = opt.init(params)
     # A step that must skip (NaN in the gradient): the predicated restore copies the state back.
     bad = dict(grads)

@@ -6,6 +6,7 @@ Used by ``pimhbm llama3 --profile DIR`` to split the cost of protection into its
 from __future__ import annotations
 
 import collections
+import functools
 import glob
 import gzip
 import json
@@ -26,8 +27,10 @@ def trace(log_dir: str, fn: Callable[[], None]) -> str:
     return found[-1]
 
 
-def _kernel_events(path: str) -> list[dict]:
-    """The trace's kernel events on its device (GPU) timelines: each stream's "X" events."""
+@functools.lru_cache(maxsize=4)
+def _kernel_events(path: str) -> tuple[dict, ...]:
+    """The trace's kernel events on its device (GPU) timelines: each stream's "X" events (read
+    once per trace: device_events and overlap both use them)."""
     with gzip.open(path, "rt") as f:
         events = json.load(f)
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
@@ -40,9 +43,9 @@ def _kernel_events(path: str) -> list[dict]:
                if e.get("ph") == "M" and e.get("name") == "thread_name" and
                e.get("pid") in device_pids and
                "stream" in str(e.get("args", {}).get("name", "")).lower()}
-    return [e for e in events
-            if e.get("ph") == "X" and e.get("pid") in device_pids and
-            (not streams or (e["pid"], e.get("tid")) in streams)]
+    return tuple(e for e in events
+                 if e.get("ph") == "X" and e.get("pid") in device_pids and
+                 (not streams or (e["pid"], e.get("tid")) in streams))
 
 
 def device_events(path: str) -> list[tuple[str, str, float]]:
