@@ -3,9 +3,13 @@ optax.apply_if_finite(optax.adamw), for 268 M parameters:
   fp32 parameters (fp32 moments), and bf16 parameters with fp32 master weights and moments.
 
 usage: python bench/update_bench.py [--params 268435456] [--leaves 8] [--json out.json]
+                                   [--profile DIR]
 Reported: ms per step (median), effective TB/s over the minimal traffic of AdamW (28 bytes per
 parameter in both cases: fp32 p, mu, nu read and written + fp32 g read; or fp32 master, mu, nu
 read and written + bf16 g read + bf16 p written), and ratios to optax.adamw.
+With --profile, a few steps of optax.adamw and of the guarded update are also traced and every
+kernel of a step is listed with its device time, beside the step's span and idle time: where
+the guarded step's time goes besides its update kernel.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from common import write_json  # noqa: E402
 from scan_bench import read_ceiling  # noqa: E402
 
 import pimhbm  # noqa: E402
+from pimhbm.tools import device_profile  # noqa: E402
 
 LR = 1e-4
 BYTES_PER_PARAM = 28
@@ -47,6 +52,24 @@ def timed_loop(step, carry, args, iters=20, reps=7):
     return statistics.median(samples), carry
 
 
+PROFILE_STEPS = 10
+
+
+def profile_steps(step, carry, args, log_dir):
+    """Traces PROFILE_STEPS steps; returns (kernel rows, timeline per step, carry)."""
+    box = [carry]
+
+    def run():
+        for _ in range(PROFILE_STEPS):
+            box[0] = step(box[0], *args)
+        jax.block_until_ready(box[0])
+
+    path = device_profile.trace(log_dir, run)
+    rows = device_profile.top_kernels(device_profile.device_events(path), PROFILE_STEPS, n=40,
+                                      skip=())
+    return rows, device_profile.overlap(path, PROFILE_STEPS), box[0]
+
+
 def make_tree(n_params, leaves, dtype, seed):
     per = n_params // leaves
     keys = jax.random.split(jax.random.key(seed), leaves)
@@ -54,13 +77,13 @@ def make_tree(n_params, leaves, dtype, seed):
             for i, k in enumerate(keys)}
 
 
-def bench_case(kind, n_params, leaves):
+def bench_case(kind, n_params, leaves, profile_dir=None):
     bf16 = kind == "bf16+master"
     pdtype = jnp.bfloat16 if bf16 else jnp.float32
     params = make_tree(n_params, leaves, pdtype, 0)
     grads = jax.tree.map(lambda p: (p * 0.5 + 0.01).astype(pdtype), make_tree(n_params, leaves, pdtype, 1))
     n = sum(p.size for p in jax.tree.leaves(params))
-    out = {}
+    out, profiles = {}, {}
 
     # optax.adamw (on fp32 master weights for the bf16 case, casting the parameters after).
     for name, tx in (("optax.adamw", optax.adamw(LR)),
@@ -75,15 +98,23 @@ def bench_case(kind, n_params, leaves):
             m = optax.apply_updates(m, u)
             return (m, s, jax.tree.map(lambda x: x.astype(jnp.bfloat16), m)) if bf16 else (m, s)
 
-        t, carry = timed_loop(jax.jit(step, donate_argnums=0), carry, (grads,))
+        jitted = jax.jit(step, donate_argnums=0)
+        t, carry = timed_loop(jitted, carry, (grads,))
         out[name] = t
+        if profile_dir and name == "optax.adamw":
+            rows, wall, carry = profile_steps(jitted, carry, (grads,), f"{profile_dir}/{kind}-optax")
+            profiles[name] = {"kernels": rows, "timeline": wall}
         del carry
 
-    def time_guarded(opt, what):
+    def time_guarded(opt, what, profile=False):
         """One guarded step's time with `opt`; the state it leaves must verify (the next step
-        commits)."""
+        commits). With `profile` (and --profile), its kernels are traced too."""
         upd = jax.jit(lambda s, g, lr: opt.update(g, s, lr)[0], donate_argnums=0)
         t, state = timed_loop(upd, opt.init(params), (grads, jnp.float32(LR)))
+        if profile and profile_dir:
+            rows, wall, state = profile_steps(upd, state, (grads, jnp.float32(LR)),
+                                              f"{profile_dir}/{kind}-pimhbm")
+            profiles[what] = {"kernels": rows, "timeline": wall}
         report = jax.jit(lambda s, g, lr: opt.update(g, s, lr)[1])(state, grads, jnp.float32(LR))
         if not bool(report.committed):
             raise RuntimeError(f"{what}: the state did not verify at the next step")
@@ -91,7 +122,7 @@ def bench_case(kind, n_params, leaves):
 
     # pimhbm.adamw: digests checked and rewritten, NaN/Inf counted, commit-or-skip on the device.
     opt = pimhbm.adamw(LR, master_weights=bf16)
-    out["pimhbm.adamw (guarded)"] = time_guarded(opt, "pimhbm.adamw")
+    out["pimhbm.adamw (guarded)"] = time_guarded(opt, "pimhbm.adamw", profile=True)
     # The same update with each kind of load (the default is one of them; bench/NOTES.md, v10).
     for kernel, name in ((-1, "evict-first loads"), (-2, "plain loads")):
         out[f"pimhbm.adamw, {name}"] = time_guarded(
@@ -110,7 +141,24 @@ def bench_case(kind, n_params, leaves):
     seconds = read_ceiling(probe)
     ceiling = probe.nbytes / seconds / 1e12 if seconds else None
     del state
-    return n, out, ceiling
+    return n, out, ceiling, profiles
+
+
+def print_profiles(console, kind, profiles):
+    """Every kernel of a step (ms per step, launches) and the step's timeline, per variant."""
+    for what, prof in profiles.items():
+        if not prof["kernels"]:
+            console.print(f"{kind}, {what}: the trace holds no device timeline (no GPU)")
+            continue
+        wall = prof["timeline"]
+        t = Table(title=f"{kind}, {what}: kernels of one step (profiler, {PROFILE_STEPS} steps); "
+                        f"span {wall['span']:.3f} ms, busy {wall['busy']:.3f}, "
+                        f"idle {wall['idle']:.3f}")
+        for col in ("kernel", "XLA op", "ms", "launches"):
+            t.add_column(col, justify="left" if col in ("kernel", "XLA op") else "right")
+        for name, op, ms, count in prof["kernels"]:
+            t.add_row(name, op, f"{ms:.4f}", str(count))
+        console.print(t)
 
 
 def main() -> int:
@@ -118,6 +166,9 @@ def main() -> int:
     ap.add_argument("--params", type=int, default=268435456)
     ap.add_argument("--leaves", type=int, default=8)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="also trace optax.adamw and the guarded update into DIR and list the "
+                         "kernels of their steps")
     args = ap.parse_args()
     console = Console(width=120)
     dev = jax.devices()[0]
@@ -127,7 +178,10 @@ def main() -> int:
     for col in ("state", "update", "ms", "effective TB/s", "vs optax.adamw", "of read ceiling"):
         table.add_column(col, justify="left" if col in ("state", "update") else "right")
     for kind in ("fp32", "bf16+master"):
-        n, out, ceiling = bench_case(kind, args.params, args.leaves)
+        n, out, ceiling, profiles = bench_case(kind, args.params, args.leaves, args.profile)
+        if profiles:
+            payload.setdefault("profiles", {})[kind] = profiles
+            print_profiles(console, kind, profiles)
         base = out["optax.adamw"]
         payload["results"][kind] = {k: {"ms": v * 1e3, "TB/s": BYTES_PER_PARAM * n / v / 1e12}
                                     for k, v in out.items()}
