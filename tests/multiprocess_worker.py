@@ -59,9 +59,11 @@ def loss(params, batch):
 
 
 global_rows = mlp.batches(0)(0)["x"].shape[0]
+# A fault list of 16 chunks a device: w1 wiped at step 17 (18 chunks of a device's shard on
+# CPUs, 36 on a GPU) overflows it, so that device's whole state is rebuilt.
 tr = Trainer(loss, opt, mlp.init(0), mlp.batches(0), shm_name=shm, snapshot_every=5,
              scrub_every=5, inject_gradients=True, shard=shard, telemetry=None,
-             replica_transport=transport)
+             replica_transport=transport, fault_capacity=16)
 assert [d.process_index for d in tr.mesh.devices[:, 0]] == [0, 1], "a replica per process"
 n = len(tr.devices)
 DOUBLE = 1  # state and copy damaged: repaired from the same shard of the other replica
@@ -99,6 +101,11 @@ class Faults:
             for copy in COPIES:
                 trainer.inject("b1", "mu", faults.spec(faults.FLIP_BIT, offset=8, bit=1),
                                into_copy=copy)
+        if step == 17:  # a lost shard: more damaged chunks than the fault list holds
+            for tensor in trainer.names:
+                for copy in COPIES:
+                    trainer.inject("w1", tensor, faults.spec(faults.WIPE, seed=5),
+                                   into_copy=copy, device=DOUBLE)
         return None
 
     def before_scrub(self, trainer, step):
@@ -124,6 +131,9 @@ checks = {
                                  f"repaired from a healthy replica (device {SINGLE_SOURCE})"),
     "NaN gradient skipped": by_step[11][0].kind == "gradient",
     "everywhere: host snapshot": by_step[14][0].action.startswith("restored from host snapshot"),
+    "lost shard rebuilt from the other replica":
+        by_step[17][0].action == f"repaired: device {DOUBLE} rebuilt whole from a healthy "
+                                 f"replica (device {SOURCE})",
     "no compilation after prewarm": tr.compiles == 0,
     "bit-identical": sorted(state) == sorted(ref) and all(
         state[k].tobytes() == ref[k].tobytes() for k in state),
@@ -139,6 +149,8 @@ result = {
     "incidents": [(i.step, i.kind, [list(l) for l in i.locations], i.action)
                   for i in stats.incidents],
     "replica_repairs": stats.replica_repairs,
+    "replica_rebuilds": stats.replica_rebuilds,
+    "chunks_per_device": int(sum(tr.nchunks)) * len(tr.names),
     "ipc_pulls": stats.ipc_pulls,
     "host_restores": stats.host_restores,
     "compiles": tr.compiles,

@@ -31,7 +31,9 @@ def free_port() -> int:
 def test_two_processes_repair_across_processes_and_end_bit_identical(tmp_path, transport, copy):
     """The double fault is repaired from the other process's replica: by a collective, or by a
     CUDA IPC pull -- on GPUs; elsewhere IPC is unavailable, said once, and the collective
-    transport takes over. Without device copies the single flip comes from the replica too."""
+    transport takes over. Without device copies the single flip comes from the replica too.
+    A lost shard (more damage than the fault list holds) is rebuilt whole from the other
+    replica through the same transport."""
     shm = f"pimhbm_test_{uuid.uuid4().hex[:10]}"
     out = str(tmp_path / "result.json")
     port = str(free_port())
@@ -74,13 +76,15 @@ def test_two_processes_repair_across_processes_and_end_bit_identical(tmp_path, t
     assert [len(row) for row in r["devices"]] == ([2, 2] if PLATFORM == "cpu" else [1, 1])
     failed = [what for what, ok in r["checks"].items() if not ok]
     assert not failed, (failed, r["incidents"])
-    assert len(r["checks"]) == 9
+    assert len(r["checks"]) == 10
     replica_repairs = 1 if copy == "copy" else 2
     assert r["replica_repairs"] == replica_repairs and r["host_restores"] == 1
+    assert r["replica_rebuilds"] == 1
     assert r["compiles"] == 0
     notes = [i for i in r["incidents"] if i[1] == "replica transport"]
     if transport == "ipc" and PLATFORM == "gpu":
-        assert r["ipc_pulls"] == replica_repairs and not notes, r["incidents"]
+        assert r["ipc_pulls"] == replica_repairs + r["chunks_per_device"] and not notes, \
+            r["incidents"]
     elif transport == "ipc":
         assert r["ipc_pulls"] == 0 and len(notes) == 1 and "CUDA IPC unavailable" in notes[0][3]
     else:

@@ -333,12 +333,14 @@ def test_a_double_fault_on_some_devices_is_repaired_from_a_healthy_replica(shm_n
     assert same_state(tr.current_state(), ref_state)
 
 
+@pytest.mark.parametrize("transport", ["collective", "peer"])
 @pytest.mark.parametrize("fault_capacity", [64, 16])
-def test_a_lost_shard_is_rebuilt_from_a_replica(shm_name, fault_capacity, fault_free):
+def test_a_lost_shard_is_rebuilt_from_a_replica(shm_name, fault_capacity, fault_free, transport):
     """Device 2 loses w1's moments and master weights, in the state and in its device copy.
     With room to list every damaged chunk (64) they are pulled chunk by chunk from a healthy
     replica; with less (16: the list overflows) device 2's whole state is rebuilt from a
-    device that saw no damage. Either way no host snapshot, and a bit-identical end."""
+    device that saw no damage. Either way no host snapshot, and a bit-identical end. Both
+    transports of one process: XLA's psum, and pulls from the source device's memory."""
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 devices")
     lost = min(2, len(jax.devices()) - 1)
@@ -358,7 +360,7 @@ def test_a_lost_shard_is_rebuilt_from_a_replica(shm_name, fault_capacity, fault_
 
     opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
     tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=shm_name, snapshot_every=10,
-                 scrub_every=5, fault_capacity=fault_capacity)
+                 scrub_every=5, fault_capacity=fault_capacity, replica_transport=transport)
     tr.prewarm()
     stats = tr.run(20, campaign=LostShard())
     state = [i for i in stats.incidents if i.kind == "state"]

@@ -274,7 +274,8 @@ def test_the_handler_rejects_a_wrong_digest_table():
             f(0), f(0), f(0), f(0), t(0), t(0), t(0), t(0), f(3)]
     outs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[9:25]] + [
         jax.ShapeDtypeStruct((1,), jnp.int32)] * 2
-    call = jax.ffi.ffi_call("pimhbm_adamw", outs)
+    totals = jax.ShapeDtypeStruct((2, 2), jnp.uint32)
+    call = jax.ffi.ffi_call("pimhbm_adamw", outs + [totals])
     attrs = dict(chunk_elems=np.int64(16384), b1=np.float32(0.9), b2=np.float32(0.999),
                  one_minus_b1=np.float32(0.1), one_minus_b2=np.float32(0.001),
                  eps=np.float32(1e-8), eps_root=np.float32(0), weight_decay=np.float32(0),
@@ -284,14 +285,25 @@ def test_the_handler_rejects_a_wrong_digest_table():
     # Several leaves in one call: the faulty one is named.
     good = list(args[:-1])
     good[5] = t(1)
-    two = jax.ffi.ffi_call("pimhbm_adamw", outs + outs)
+    two = jax.ffi.ffi_call("pimhbm_adamw", outs + outs + [totals])
     with pytest.raises(Exception, match=r"pimhbm.adamw: leaf 1: digests of the parameters"):
         jax.block_until_ready(two(args[-1], *good, *args[:-1], **attrs))
     # A call whose buffers do not come in whole leaves.
     with pytest.raises(Exception, match=r"expected 25 arguments and 18 results per leaf"):
         jax.block_until_ready(call(args[-1], *good[:-1], **attrs))
+    # A call without the totals, or with totals of the wrong shape.
+    with pytest.raises(Exception, match=r"and the totals as the last result; got 25 arguments "
+                                        r"and 18 results"):
+        jax.block_until_ready(jax.ffi.ffi_call("pimhbm_adamw", outs)(args[-1], *good, **attrs))
+    with pytest.raises(Exception, match=r"totals must have 4 elements, got shape \(3,\)"):
+        jax.block_until_ready(jax.ffi.ffi_call(
+            "pimhbm_adamw", outs + [jax.ShapeDtypeStruct((3,), jnp.uint32)])(args[-1], *good, **attrs))
+    with pytest.raises(Exception, match=r"totals must be uint32, got int32"):
+        jax.block_until_ready(jax.ffi.ffi_call(
+            "pimhbm_adamw", outs + [jax.ShapeDtypeStruct((2, 2), jnp.int32)])(args[-1], *good, **attrs))
     # A kernel that does not exist.
-    with pytest.raises(Exception, match=r"kernel must be 0 \(default\), -1 \(evict-first loads\) or -2"):
+    with pytest.raises(Exception, match=r"kernel must be 0 \(default\), -1 \(evict-first loads\), -2 "
+                                        r"\(plain loads\) or -3 \(pipelined\)"):
         jax.block_until_ready(call(args[-1], *good, **dict(attrs, kernel=np.int64(3))))
     with pytest.raises(ValueError, match="kernel must be"):
         pimhbm.adamw(LR, kernel=8)
@@ -328,11 +340,11 @@ def test_guard_skips_nonfinite_and_damaged_state_bit_exactly(rng):
 
 
 @requires_gpu
-@pytest.mark.parametrize("kernel", [0, -1, -2])
+@pytest.mark.parametrize("kernel", [0, -1, -2, -3])
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "bf16_master"])
 def test_gpu_update_equals_cpu_update(rng, kind, kernel):
-    """Every load kind of the CUDA kernel (the default, evict-first, plain) against the CPU, bit
-    for bit."""
+    """Every kernel of the CUDA update (the default, evict-first loads, plain loads, the
+    pipeline) against the CPU, bit for bit."""
     dtype = np.float32 if kind == "fp32" else ml_dtypes.bfloat16
     params = random_params(rng, dtype)
     opt = pimhbm.adamw(LR, master_weights=kind == "bf16_master", chunk_elems=1024, kernel=kernel)

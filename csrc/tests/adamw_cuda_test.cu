@@ -49,6 +49,7 @@ struct DeviceLeaf {
   Mirror<float> w, mu, nu, w_out, mu_out, nu_out;
   Mirror<uint32_t> d_p, d_w, d_mu, d_nu, dn_p, dn_w, dn_mu, dn_nu;
   Mirror<int32_t> faults, bad;
+  Mirror<uint64_t> totals;
   std::vector<uint8_t> pm;
   std::vector<float> wm, mum, num;
   std::vector<uint32_t> tp, tw, tmu, tnu;
@@ -78,6 +79,7 @@ struct DeviceLeaf {
         dn_nu(h.dn_nu),
         faults(h.faults),
         bad(h.bad),
+        totals(h.totals),
         pm(h.p.size(), 0x5A),
         wm(h.w.size(), 7.0f),
         mum(h.n, 7.0f),
@@ -104,6 +106,7 @@ struct DeviceLeaf {
     L.dn_p = dn_p.dev.get(), L.dn_master = dn_w.dev.get(), L.dn_mu = dn_mu.dev.get();
     L.dn_nu = dn_nu.dev.get();
     L.faults = faults.dev.get(), L.grad_nonfinite = bad.dev.get();
+    L.totals = totals.dev.get();
     if (mirror) {
       L.has_mirror = true;
       L.p_mirror = m_p.dev.get(), L.master_mirror = m_w.dev.get(), L.mu_mirror = m_mu.dev.get();
@@ -115,18 +118,19 @@ struct DeviceLeaf {
 
   cudaError_t upload() {
     for (cudaError_t e :
-         {p.up(),      g.up(),      p_out.up(), w.up(),      mu.up(),    nu.up(),   w_out.up(),
-          mu_out.up(), nu_out.up(), d_p.up(),   d_w.up(),    d_mu.up(),  d_nu.up(), dn_p.up(),
-          dn_w.up(),   dn_mu.up(),  dn_nu.up(), faults.up(), bad.up(),   m_p.up(),  m_w.up(),
-          m_mu.up(),   m_nu.up(),   m_dp.up(),  m_dw.up(),   m_dmu.up(), m_dnu.up()}) {
+         {p.up(),      g.up(),      p_out.up(), w.up(),      mu.up(),    nu.up(),    w_out.up(),
+          mu_out.up(), nu_out.up(), d_p.up(),   d_w.up(),    d_mu.up(),  d_nu.up(),  dn_p.up(),
+          dn_w.up(),   dn_mu.up(),  dn_nu.up(), faults.up(), bad.up(),   m_p.up(),   m_w.up(),
+          m_mu.up(),   m_nu.up(),   m_dp.up(),  m_dw.up(),   m_dmu.up(), m_dnu.up(), totals.up()}) {
       if (e != cudaSuccess) return e;
     }
     return cudaSuccess;
   }
 
   cudaError_t finish(MirrorOut* mirror_out) {
-    for (cudaError_t e : {p_out.down(), w_out.down(), mu_out.down(), nu_out.down(), dn_p.down(),
-                          dn_w.down(), dn_mu.down(), dn_nu.down(), faults.down(), bad.down()}) {
+    for (cudaError_t e :
+         {p_out.down(), w_out.down(), mu_out.down(), nu_out.down(), dn_p.down(), dn_w.down(),
+          dn_mu.down(), dn_nu.down(), faults.down(), bad.down(), totals.down()}) {
       if (e != cudaSuccess) return e;
     }
     if (mirror_out) {
@@ -224,17 +228,20 @@ TEST_P(AdamWCuda, MatchesTheCpuReferenceBitForBit) {
               AdamWLaunch{1, MirrorPass::kDefault, 0, 3},
               AdamWLaunch{1, MirrorPass::kDefault, 0, 4},
               AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 4},
-              AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 0, true}}) {
+              AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 0, true},
+              AdamWLaunch{0, MirrorPass::kDefault, 0, 0, 0, false, true}}) {
           HostLeaf gpu = input;
           run_gpu(gpu, step, launch);
-          const std::string what = "n " + std::to_string(n) + " chunk " + std::to_string(chunk) +
-                                   " in flight " + std::to_string(launch.groups_in_flight) +
-                                   " prefetch " + std::to_string(launch.prefetch) + " stages " +
-                                   std::to_string(launch.stages) + " min blocks " +
-                                   std::to_string(launch.min_blocks) + " plain loads " +
-                                   std::to_string(launch.plain_loads);
+          const std::string what =
+              "n " + std::to_string(n) + " chunk " + std::to_string(chunk) + " in flight " +
+              std::to_string(launch.groups_in_flight) + " prefetch " +
+              std::to_string(launch.prefetch) + " stages " + std::to_string(launch.stages) +
+              " min blocks " + std::to_string(launch.min_blocks) + " plain loads " +
+              std::to_string(launch.plain_loads) + " pipelined " + std::to_string(launch.pipelined);
           ASSERT_EQ(gpu.faults, cpu.faults) << what;
           ASSERT_EQ(gpu.bad, cpu.bad) << what;
+          ASSERT_EQ(gpu.totals, cpu.totals) << what;
+          ASSERT_EQ(cpu.totals, cpu.totals_of_maps()) << what;
           if (damaged) {
             // NaN gradients make NaN state, whose bit patterns differ between CPU and GPU
             // arithmetic; such a step never commits. Compare the state with every NaN
@@ -296,6 +303,7 @@ TEST_P(AdamWCuda, DeviceCopyMatchesTheCpuReference) {
                                  " pass " + std::to_string(static_cast<int>(launch.mirror_pass)) +
                                  " in flight " + std::to_string(launch.groups_in_flight);
         ASSERT_EQ(g.faults, cpu.faults) << what;
+        ASSERT_EQ(g.totals, cpu.totals) << what;
         ASSERT_EQ(g.p_out, cpu.p_out) << what;
         ASSERT_EQ(out.p, pm) << what;
         ASSERT_EQ(out.w, wm) << what;
@@ -327,10 +335,11 @@ TEST(AdamWCudaTree, EveryLeafOfOneCallMatchesTheCpuReference) {
   PIMHBM_SEED_TRACE();
   auto rng = rng_for_test();
   const float step[3] = {3e-4f, 0.271f, 0.002997f};
-  // Without the device copy also through the shared-memory pipeline (3 stages), and with the
-  // FFI's default launch (plain loads; stages -1 here).
+  // Without the device copy also through the shared-memory pipeline (3 stages), with the
+  // FFI's default launch (plain loads; stages -1 here) and the register pipeline (-2).
   for (const auto [mirror, stages] :
-       {std::pair{false, 0}, std::pair{false, 3}, std::pair{false, -1}, std::pair{true, 0}}) {
+       {std::pair{false, 0}, std::pair{false, 3}, std::pair{false, -1}, std::pair{false, -2},
+        std::pair{true, 0}}) {
     const int64_t chunk = mirror ? 1024 : 16 * (1 + static_cast<int64_t>(rng() % 300));
     const int count = 70 + static_cast<int>(rng() % 20);
     std::vector<HostLeaf> cpu, gpu;
@@ -343,17 +352,23 @@ TEST(AdamWCudaTree, EveryLeafOfOneCallMatchesTheCpuReference) {
     gpu = cpu;
     std::vector<std::unique_ptr<DeviceLeaf>> dev;
     std::vector<AdamWLeaf> leaves;
+    DeviceBuffer<uint64_t> totals(2);  // the call's, shared by every leaf
+    PIMHBM_ASSERT_CUDA(totals.upload(std::vector<uint64_t>{0, 0}));
     for (HostLeaf& h : gpu) {
       dev.push_back(std::make_unique<DeviceLeaf>(h, mirror));
       PIMHBM_ASSERT_CUDA(dev.back()->upload());
       leaves.push_back(dev.back()->L);
+      leaves.back().totals = totals.get();
     }
     DeviceBuffer<float> dstep(3);
     PIMHBM_ASSERT_CUDA(dstep.upload(std::vector<float>(step, step + 3)));
-    PIMHBM_ASSERT_CUDA(adamw_cuda(
-        leaves.data(), leaves.size(), kHyper, dstep.get(), nullptr,
-        stages < 0 ? default_launch() : AdamWLaunch{0, MirrorPass::kDefault, 0, stages}));
+    PIMHBM_ASSERT_CUDA(adamw_cuda(leaves.data(), leaves.size(), kHyper, dstep.get(), nullptr,
+                                  stages == -1 ? default_launch()
+                                  : stages == -2
+                                      ? AdamWLaunch{0, MirrorPass::kDefault, 0, 0, 0, false, true}
+                                      : AdamWLaunch{0, MirrorPass::kDefault, 0, stages}));
     PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
+    std::vector<uint64_t> want_totals{0, 0};
     for (int i = 0; i < count; ++i) {
       MirrorOut out;
       PIMHBM_ASSERT_CUDA(dev[i]->finish(mirror ? &out : nullptr));
@@ -374,6 +389,7 @@ TEST(AdamWCudaTree, EveryLeafOfOneCallMatchesTheCpuReference) {
                                std::to_string(mirror) + ", stages " + std::to_string(stages);
       ASSERT_EQ(gpu[i].faults, cpu[i].faults) << what;
       ASSERT_EQ(gpu[i].bad, cpu[i].bad) << what;
+      want_totals[0] += cpu[i].totals[0], want_totals[1] += cpu[i].totals[1];
       expect_same_but_nan_patterns(gpu[i], cpu[i], what);
       if (mirror) {
         ASSERT_EQ(canonical(out.mu), canonical(mum)) << what;
@@ -388,6 +404,10 @@ TEST(AdamWCudaTree, EveryLeafOfOneCallMatchesTheCpuReference) {
         }
       }
     }
+    cudaError_t err;
+    EXPECT_EQ(totals.download(&err), want_totals) << "mirror " << mirror << ", stages " << stages;
+    PIMHBM_ASSERT_CUDA(err);
+    EXPECT_GT(want_totals[0], 0u);  // some leaves were damaged
   }
 }
 

@@ -22,6 +22,17 @@ struct HostLeaf {
   std::vector<float> w, mu, nu, w_out, mu_out, nu_out;
   std::vector<uint32_t> d_p, d_w, d_mu, d_nu, dn_p, dn_w, dn_mu, dn_nu;
   std::vector<int32_t> faults, bad;
+  std::vector<uint64_t> totals{0, 0};  // AdamWLeaf::totals of a call of this leaf alone
+
+  // The totals the reports imply: chunks with a fault, and NaN/Inf gradient values.
+  std::vector<uint64_t> totals_of_maps() const {
+    std::vector<uint64_t> t{0, 0};
+    for (int64_t c = 0; c < chunks(); ++c) {
+      t[0] += faults[c] != 0 ? 1 : 0;
+      t[1] += static_cast<uint64_t>(bad[c]);
+    }
+    return t;
+  }
 
   int psize() const { return bf16 ? 2 : 4; }
   int64_t chunks() const { return n == 0 ? 0 : (n + chunk - 1) / chunk; }
@@ -99,6 +110,7 @@ struct HostLeaf {
     L.dn_p = dn_p.data(), L.dn_master = dn_w.data(), L.dn_mu = dn_mu.data();
     L.dn_nu = dn_nu.data();
     L.faults = faults.data(), L.grad_nonfinite = bad.data();
+    L.totals = totals.data();
     return L;
   }
 };

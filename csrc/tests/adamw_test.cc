@@ -1,16 +1,17 @@
 // The CPU reference of the guarded AdamW update: the math (against a plain re-statement of
 // optax's formulas), the digest tables it reads and writes, and the fault reports.
+#include "update/adamw.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <vector>
 
+#include "adamw_host_leaf.h"
 #include "scan/scan.h"
 #include "test_util.h"
-#include "update/adamw.h"
 #include "update/restore.h"
-#include "adamw_host_leaf.h"
 
 namespace pimhbm::update {
 namespace {
@@ -39,8 +40,8 @@ TEST_P(AdamWCpu, MatchesOptaxFormulasAndWritesTheDigestsOfWhatItWrote) {
   auto rng = rng_for_test();
   const auto [bf16, master] = GetParam();
   const float step[3] = {1e-3f, 1.0f - std::pow(0.9f, 3.0f), 1.0f - std::pow(0.999f, 3.0f)};
-  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{17}, int64_t{1000},
-                    int64_t{16384}, int64_t{40001}}) {
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{17}, int64_t{1000}, int64_t{16384},
+                    int64_t{40001}}) {
     HostLeaf h(rng, n, 16 * (1 + static_cast<int64_t>(rng() % 100)), bf16, master);
     adamw_cpu(h.view(), kHyper, step);
     for (int64_t i = 0; i < n; ++i) {
@@ -59,6 +60,7 @@ TEST_P(AdamWCpu, MatchesOptaxFormulasAndWritesTheDigestsOfWhatItWrote) {
       EXPECT_EQ(h.faults[c], 0);
       EXPECT_EQ(h.bad[c], 0);
     }
+    EXPECT_EQ(h.totals, (std::vector<uint64_t>{0, 0}));
   }
 }
 
@@ -71,8 +73,10 @@ TEST_P(AdamWCpu, ReportsDamagedStateAndNonFiniteGradientsByChunk) {
   // One bit flipped in each state tensor, NaN/Inf in the gradient, at random places.
   const int64_t ip = rng() % h.n, imu = rng() % h.n, inu = rng() % h.n, iw = rng() % h.n;
   h.p[ip * h.psize() + rng() % h.psize()] ^= static_cast<uint8_t>(1u << (rng() % 8));
-  reinterpret_cast<uint8_t*>(h.mu.data())[imu * 4 + rng() % 4] ^= static_cast<uint8_t>(1u << (rng() % 8));
-  reinterpret_cast<uint8_t*>(h.nu.data())[inu * 4 + rng() % 4] ^= static_cast<uint8_t>(1u << (rng() % 8));
+  reinterpret_cast<uint8_t*>(h.mu.data())[imu * 4 + rng() % 4] ^=
+      static_cast<uint8_t>(1u << (rng() % 8));
+  reinterpret_cast<uint8_t*>(h.nu.data())[inu * 4 + rng() % 4] ^=
+      static_cast<uint8_t>(1u << (rng() % 8));
   if (master) reinterpret_cast<uint8_t*>(h.w.data())[iw * 4 + rng() % 4] ^= 0x10;
   std::vector<int32_t> want_bad(h.chunks(), 0);
   for (int k = 0; k < 7; ++k) {
@@ -89,6 +93,31 @@ TEST_P(AdamWCpu, ReportsDamagedStateAndNonFiniteGradientsByChunk) {
   if (master) want[iw / h.chunk] |= kFaultMaster;
   EXPECT_EQ(h.faults, want);
   EXPECT_EQ(h.bad, want_bad);
+  EXPECT_EQ(h.totals, h.totals_of_maps());
+  EXPECT_GT(h.totals[0], 0u);
+  EXPECT_GT(h.totals[1], 0u);
+}
+
+TEST(AdamWTotals, AddUpOverTheLeavesOfACall) {
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  const float step[3] = {1e-3f, 0.1f, 0.001f};
+  std::vector<uint64_t> shared{0, 0}, want{0, 0};
+  for (int i = 0; i < 5; ++i) {
+    HostLeaf h(rng, 1 + static_cast<int64_t>(rng() % 20000), 16 * (1 + rng() % 64), i % 2 == 1,
+               i == 3);
+    const int64_t k = rng() % h.n;
+    h.mu[k] = -h.mu[k] - 1.0f;  // damage
+    if (i % 2 == 0) h.set(h.g, rng() % h.n, NAN);
+    AdamWLeaf L = h.view();
+    L.totals = shared.data();
+    adamw_cpu(L, kHyper, step);
+    const auto t = h.totals_of_maps();
+    want[0] += t[0], want[1] += t[1];
+  }
+  EXPECT_EQ(shared, want);
+  EXPECT_EQ(want[0], 5u);
+  EXPECT_EQ(want[1], 3u);
 }
 
 INSTANTIATE_TEST_SUITE_P(ParamKinds, AdamWCpu,
@@ -103,7 +132,8 @@ INSTANTIATE_TEST_SUITE_P(ParamKinds, AdamWCpu,
 TEST(Restore, CopiesOnlyWhenTheStepDoesNotCommit) {
   PIMHBM_SEED_TRACE();
   auto rng = rng_for_test();
-  auto a = ::pimhbm::testing::random_bytes(rng, 1001), b = ::pimhbm::testing::random_bytes(rng, 1001);
+  auto a = ::pimhbm::testing::random_bytes(rng, 1001),
+       b = ::pimhbm::testing::random_bytes(rng, 1001);
   const auto b0 = b;
   const int32_t commit = 1, skip = 0;
   restore_cpu(&commit, {{a.data(), b.data(), 1001}});

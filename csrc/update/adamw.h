@@ -73,6 +73,13 @@ struct AdamWLeaf {
   // per-chunk reports
   int32_t* faults = nullptr;          // FaultBits
   int32_t* grad_nonfinite = nullptr;  // NaN/Inf gradient values
+
+  // Totals over every leaf of a call (all leaves point to the same two counters, or null):
+  // [0] chunks with a fault, [1] NaN/Inf gradient values. 64 bits, so that no count of a real
+  // model wraps (a count wrapped to 0 would let a faulty step commit). The caller zeroes them
+  // first. They spare the caller a reduction over every report map: only chunks with
+  // something to report add to them, so the common step adds nothing.
+  uint64_t* totals = nullptr;
 };
 
 int64_t leaf_chunks(const AdamWLeaf& leaf);
@@ -107,6 +114,10 @@ enum class MirrorPass { kDefault = 0, kRegisters, kTwoReads, kTwoReadsKeep };
 // plain_loads: without the device copy, one group in flight: plain loads instead of
 // evict-first ones (bench/NOTES.md, v10); the options above (2 groups, prefetch, stages, 4
 // blocks) take precedence and keep their evict-first loads.
+// pipelined: without the device copy, a software pipeline: each thread loads its next group
+// before it computes the current one (two groups' registers, 2 blocks per SM; plain loads;
+// bench/NOTES.md, v13). Takes precedence over plain_loads; stages, prefetch, 2 groups in
+// flight and 4 blocks take precedence over it.
 struct AdamWLaunch {
   int groups_in_flight = 0;
   MirrorPass mirror_pass = MirrorPass::kDefault;
@@ -114,6 +125,7 @@ struct AdamWLaunch {
   int stages = 0;
   int min_blocks = 0;
   bool plain_loads = false;
+  bool pipelined = false;
 };
 
 // The launch the FFI handler uses when the call does not choose one (kernel = 0): the chunk

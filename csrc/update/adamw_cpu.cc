@@ -99,6 +99,10 @@ void adamw_cpu(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step
     }
     leaf.faults[c] = faults;
     leaf.grad_nonfinite[c] = bad_grads;
+    if (leaf.totals != nullptr) {
+      leaf.totals[0] += faults != 0 ? 1 : 0;
+      leaf.totals[1] += static_cast<uint64_t>(bad_grads);
+    }
   }
 }
 

@@ -128,20 +128,29 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
 ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingArgs& args,
                                const ffi::RemainingRets& rets, const AdamWAttrs& a,
                                std::vector<AdamWLeaf>* leaves,
-                               std::vector<ffi_util::Unaliased>* copies) {
-  if (a.kernel < -2 || a.kernel > 0) {
+                               std::vector<ffi_util::Unaliased>* copies, uint64_t** totals_out) {
+  if (a.kernel < -3 || a.kernel > 0) {
     return invalid(kAdamW,
-                   "kernel must be 0 (default), -1 (evict-first loads) or -2 (plain loads), got " +
+                   "kernel must be 0 (default), -1 (evict-first loads), -2 (plain loads) or -3 "
+                   "(pipelined), got " +
                        std::to_string(a.kernel));
   }
-  if (args.size() % kArgsPerLeaf != 0 || rets.size() != args.size() / kArgsPerLeaf * kRetsPerLeaf) {
+  if (args.size() % kArgsPerLeaf != 0 ||
+      rets.size() != args.size() / kArgsPerLeaf * kRetsPerLeaf + 1) {
     return invalid(kAdamW, "expected " + std::to_string(kArgsPerLeaf) + " arguments and " +
                                std::to_string(kRetsPerLeaf) +
-                               " results per leaf after the step "
-                               "scalars, got " +
-                               std::to_string(args.size()) + " and " + std::to_string(rets.size()));
+                               " results per leaf after the step scalars, and the totals "
+                               "as the last result; got " +
+                               std::to_string(args.size()) + " arguments and " +
+                               std::to_string(rets.size()) + " results");
   }
   const size_t count = args.size() / kArgsPerLeaf;
+  auto totals = rets.get<ffi::AnyBuffer>(rets.size() - 1);
+  if (!totals) return invalid(kAdamW, "the totals (last result) are not a buffer");
+  if (auto err = check_buffer(kAdamW, "totals", **totals, ffi::DataType::U32, 4); err.failure()) {
+    return err;
+  }
+  *totals_out = static_cast<uint64_t*>((*totals)->untyped_data());
   leaves->assign(count, AdamWLeaf{});
   copies->clear();
   for (size_t i = 0; i < count; ++i) {
@@ -167,6 +176,7 @@ ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingA
     if (auto err = validate_adamw(b, a, &(*leaves)[i]); err.failure()) {
       return count == 1 ? err : ffi_util::in_context(kAdamW, where, err);
     }
+    (*leaves)[i].totals = *totals_out;
     for (size_t k = 0; k < 16; ++k) ffi_util::note_unaliased(copies, in[9 + k], *out[k]);
   }
   return ffi::Error::Success();
@@ -211,6 +221,7 @@ AdamWLaunch launch_for(int64_t kernel) {
   if (kernel == 0) return default_launch();
   AdamWLaunch launch;
   launch.plain_loads = kernel == -2;
+  launch.pipelined = kernel == -3;
   return launch;
 }
 
@@ -222,10 +233,13 @@ ffi::Error adamw_cpu_impl(ffi::AnyBuffer step, ffi::RemainingArgs args, ffi::Rem
   const AdamWAttrs a{chunk_elems, AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd}, kernel};
   std::vector<AdamWLeaf> leaves;
   std::vector<ffi_util::Unaliased> copies;
-  if (auto err = validate_adamw_call(step, args, rets, a, &leaves, &copies); err.failure()) {
+  uint64_t* totals = nullptr;
+  if (auto err = validate_adamw_call(step, args, rets, a, &leaves, &copies, &totals);
+      err.failure()) {
     return err;
   }
   ffi_util::copy_unaliased_cpu(copies);
+  totals[0] = totals[1] = 0;
   for (const AdamWLeaf& leaf : leaves) {
     adamw_cpu(leaf, a.hyper, static_cast<const float*>(step.untyped_data()));
   }

@@ -26,12 +26,14 @@ struct AdamWBuffers {
 // the step scalars, then per leaf kArgsPerLeaf arguments -- read side (p, master, mu, nu), the
 // gradient, the read side's digest tables, the write side's tensors and tables, the mirror's
 // tensors and tables (0 elements: absent) -- and kRetsPerLeaf results (the write side's 8, the
-// mirror's 8, the fault map, the non-finite gradient map).
+// mirror's 8, the fault map, the non-finite gradient map); after the leaves' results, one more:
+// the call's totals, uint32 (2, 2): two 64-bit counters as (low, high) words (AdamWLeaf::totals).
 constexpr size_t kArgsPerLeaf = 25;
 constexpr size_t kRetsPerLeaf = 18;
 
 // The attribute `kernel` (for benchmarks; the results are the same bit for bit): 0 the default
-// launch (adamw.h, default_launch), -1 the chunk loop with evict-first loads, -2 with plain ones.
+// launch (adamw.h, default_launch), -1 the chunk loop with evict-first loads, -2 with plain ones,
+// -3 the software pipeline (AdamWLaunch::pipelined).
 struct AdamWAttrs {
   int64_t chunk_elems;
   AdamWHyper hyper;
@@ -44,12 +46,13 @@ AdamWLaunch launch_for(int64_t kernel);
 // Checks every buffer of one leaf; on success fills *leaf (write side from the results).
 ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf* leaf);
 
-// Checks the whole call (the step scalars, every leaf) and lists the leaves, and the results
-// XLA did not alias with their operands (ffi_alias.h).
+// Checks the whole call (the step scalars, every leaf, the totals) and lists the leaves (their
+// totals pointing at the call's), the results XLA did not alias with their operands
+// (ffi_alias.h), and the totals (to be zeroed before the update).
 ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingArgs& args,
                                const ffi::RemainingRets& rets, const AdamWAttrs& a,
                                std::vector<AdamWLeaf>* leaves,
-                               std::vector<ffi_util::Unaliased>* copies);
+                               std::vector<ffi_util::Unaliased>* copies, uint64_t** totals_out);
 
 // Checks the (commit, sources..., destinations...) of pimhbm_restore and lists the copies to
 // make, and the results XLA did not alias with their destinations.
@@ -69,16 +72,16 @@ XLA_FFI_Error* PimhbmRestoreCuda(XLA_FFI_CallFrame* call_frame);
 }
 
 // The binding shared by both platforms' handlers (the CUDA one adds the stream in front).
-#define PIMHBM_ADAMW_BINDING(bind)                             \
-  bind.Arg<xla::ffi::AnyBuffer>() /* lr, 1 - b1^t, 1 - b2^t */ \
-      .RemainingArgs()            /* kArgsPerLeaf per leaf */  \
-      .RemainingRets()            /* kRetsPerLeaf per leaf */  \
-      .Attr<int64_t>("chunk_elems")                            \
-      .Attr<float>("b1")                                       \
-      .Attr<float>("b2")                                       \
-      .Attr<float>("one_minus_b1")                             \
-      .Attr<float>("one_minus_b2")                             \
-      .Attr<float>("eps")                                      \
-      .Attr<float>("eps_root")                                 \
-      .Attr<float>("weight_decay")                             \
+#define PIMHBM_ADAMW_BINDING(bind)                                    \
+  bind.Arg<xla::ffi::AnyBuffer>() /* lr, 1 - b1^t, 1 - b2^t */        \
+      .RemainingArgs()            /* kArgsPerLeaf per leaf */         \
+      .RemainingRets()            /* kRetsPerLeaf per leaf, totals */ \
+      .Attr<int64_t>("chunk_elems")                                   \
+      .Attr<float>("b1")                                              \
+      .Attr<float>("b2")                                              \
+      .Attr<float>("one_minus_b1")                                    \
+      .Attr<float>("one_minus_b2")                                    \
+      .Attr<float>("eps")                                             \
+      .Attr<float>("eps_root")                                        \
+      .Attr<float>("weight_decay")                                    \
       .Attr<int64_t>("kernel")

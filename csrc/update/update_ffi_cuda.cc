@@ -20,10 +20,13 @@ ffi::Error adamw_cuda_impl(cudaStream_t stream, ffi::AnyBuffer step, ffi::Remain
   const AdamWAttrs a{chunk_elems, AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd}, kernel};
   std::vector<AdamWLeaf> leaves;
   std::vector<ffi_util::Unaliased> copies;
-  if (auto err = validate_adamw_call(step, args, rets, a, &leaves, &copies); err.failure()) {
+  uint64_t* totals = nullptr;
+  if (auto err = validate_adamw_call(step, args, rets, a, &leaves, &copies, &totals);
+      err.failure()) {
     return err;
   }
   cudaError_t err = ffi_util::copy_unaliased_cuda(copies, stream);
+  if (err == cudaSuccess) err = cudaMemsetAsync(totals, 0, 2 * sizeof(uint64_t), stream);
   if (err == cudaSuccess) {
     err = adamw_cuda(leaves.data(), leaves.size(), a.hyper,
                      static_cast<const float*>(step.untyped_data()), stream, launch_for(a.kernel));

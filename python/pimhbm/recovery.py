@@ -41,7 +41,7 @@ from pimhbm._ffi import ensure_registered
 from pimhbm.backup import HostBackup, TensorSpec, specs_of
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pimhbm.update import AdamW, AdamWState, slot_from_tensors, slot_tensors
+from pimhbm.update import AdamW, AdamWState, Slot, slot_from_tensors, slot_tensors
 
 TENSORS = ("p", "master", "mu", "nu")
 TENSOR_BIT = {"p": 1, "master": 2, "mu": 4, "nu": 8}
@@ -51,6 +51,14 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 class TrainState(NamedTuple):
     opt: AdamWState
     halted: jax.Array  # int32: a step was skipped and not yet replayed; later steps skip too
+
+
+def _after(x: jax.Array, previous: jax.Array | None) -> jax.Array:
+    """``x``, available only once ``previous`` is: the peer ops of a program must run in the
+    same order on every device (each meets its peers on the host), and XLA's CPU runtime may
+    otherwise run independent ops in a different order on each device -- every device then
+    waits at a different meeting until the timeout."""
+    return x if previous is None else jax.lax.optimization_barrier((x, previous))[0]
 
 
 def first_nonzero(flat: jax.Array, k: int) -> jax.Array:
@@ -307,7 +315,6 @@ class Trainer:
         ps = self.param_specs
         tables = jax.tree.map(lambda spec: {k: spec for k in self.names}, ps,
                               is_leaf=lambda x: isinstance(x, P))
-        from pimhbm.update import Slot
         return Slot(ps, ps if self.opt.master_weights else None, ps, ps, tables)
 
     def _opt_specs(self, current: int = 0) -> AdamWState:
@@ -403,8 +410,7 @@ class Trainer:
         grad_maps = self.treedef.flatten_up_to(report.grad_nonfinite_maps)
         f_idx, f_bits = self._fault_list(fault_maps)
         g_idx, g_cnt = self._fault_list(grad_maps)
-        local_faults = sum((jnp.count_nonzero(m).astype(jnp.int32) for m in fault_maps), jnp.int32(0))
-        local_bad = sum((jnp.sum(m, dtype=jnp.int32) for m in grad_maps), jnp.int32(0))
+        local_faults, local_bad = report.local_counts[0], report.local_counts[1]
         head = jnp.stack([report.committed.astype(jnp.int32), local_bad, local_faults])
         return jnp.concatenate([head, f_idx, f_bits, g_idx, g_cnt])
 
@@ -451,8 +457,9 @@ class Trainer:
                 t, table = leaf[k]
                 cb = self.opt.chunk_bytes(t.dtype)
                 if self.replica_transport == "peer":
-                    out[k], status = pimhbm.peer.pull(lists[i, j], src[i, j], (t, table), cb,
-                                                      "dp", self.mesh)
+                    out[k], status = pimhbm.peer.pull(
+                        _after(lists[i, j], statuses[-1] if statuses else None), src[i, j],
+                        (t, table), cb, "dp", self.mesh)
                 else:
                     out[k], status = replica.pull_collective(lists[i, j], src[i, j], (t, table),
                                                              cb, "dp")
@@ -465,31 +472,53 @@ class Trainer:
     def _rebuild_fn(self, state: TrainState, source: jax.Array, targets: jax.Array):
         """A whole state (current slot and device copy) rebuilt on the ``targets`` devices
         (int32 (dp, shard), 1 = rebuild) from replica ``source`` (int32 per shard column: an
-        index along 'dp'): one psum of the raw bits of every tensor and digest table. Returns
-        the state and, per device, the number of chunks of its current slot that do not
-        verify afterwards [1]."""
+        index along 'dp'). Transport "peer": every chunk of every tensor pulled from the
+        source's memory (pimhbm.peer.pull: each checked against the source's digest and its
+        own after the copy); otherwise ("collective"; "ipc" when IPC is unavailable) one psum
+        of the raw bits of every tensor and digest table, checked after. Returns the state
+        and, per device, the number of chunks of its current slot that are not good
+        afterwards [1]."""
         opt = state.opt
         source = source[0]
         take = targets[0, 0] != 0
         cur = slot_tensors(opt.slots[opt.current], self.treedef)
-        new, bad = [], jnp.int32(0)
+        new, bad, after = [], jnp.int32(0), None
         for leaf in cur:
             out = {}
             for k in self.names:
-                parts = []
-                for x in leaf[k]:
-                    parts.append(replica.copy_whole(x, source, take, "dp"))
-                t, table = parts
-                bad += jnp.sum(pimhbm.verify(t, table, self.opt.chunk_bytes(t.dtype)), dtype=jnp.int32)
+                t, table = leaf[k]
+                cb = self.opt.chunk_bytes(t.dtype)
+                if self.replica_transport == "peer":
+                    n = table.shape[0]
+                    chunks = _after(jnp.where(take, jnp.arange(n, dtype=jnp.int32), -1), after)
+                    (t, table), after = pimhbm.peer.pull(
+                        chunks, jnp.full((n,), source, jnp.int32), (t, table), cb, "dp", self.mesh)
+                    bad += jnp.sum(take & (after != pimhbm.REPAIRED), dtype=jnp.int32)
+                else:
+                    t, table = (replica.copy_whole(x, source, take, "dp") for x in (t, table))
+                    bad += jnp.sum(pimhbm.verify(t, table, cb), dtype=jnp.int32)
                 out[k] = (t, table)
             new.append(out)
         slot = slot_from_tensors(new, self.treedef)
-        # The device copy of a rebuilt device: the same as its new current slot (after a
-        # commit the copy equals the state; nothing committed since).
-        mirror = (None if opt.mirror is None else
-                  jax.tree.map(lambda n, m: jnp.where(take, n, m), slot, opt.mirror))
-        opt = AdamWState(opt.slots, opt.current, opt.step, mirror).replace_current(slot)
+        opt = AdamWState(opt.slots, opt.current, opt.step,
+                         self._copy_of_rebuilt(slot, opt.mirror, take)).replace_current(slot)
         return TrainState(opt, state.halted), self._per_device(bad[None])
+
+    @staticmethod
+    def _copy_of_rebuilt(slot: Slot, mirror: Slot | None, take: jax.Array) -> Slot | None:
+        """The device copy of a rebuilt device: the same as its new current slot (after a
+        commit the copy equals the state; nothing committed since); elsewhere unchanged."""
+        if mirror is None:
+            return None
+        return jax.tree.map(lambda n, m: jnp.where(take, n, m), slot, mirror)
+
+    def _recopy_fn(self, state: TrainState, targets: jax.Array):
+        """The device copy of the ``targets`` devices (int32 (dp, shard), 1 = yes) made anew
+        from their current slot (after a whole state was pulled into it over CUDA IPC)."""
+        opt = state.opt
+        take = targets[0, 0] != 0
+        mirror = self._copy_of_rebuilt(opt.slots[opt.current], opt.mirror, take)
+        return TrainState(AdamWState(opt.slots, opt.current, opt.step, mirror), state.halted)
 
     def _scrub_fn(self, state: TrainState) -> jax.Array:
         """A full digest sweep of the current slot and the device copy: per chunk, the bits of
@@ -597,6 +626,10 @@ class Trainer:
                 self._programs["rebuild", current] = jax.jit(fn, donate_argnums=0).lower(
                     st, sds((self.shard,), jnp.int32, self.by_column),
                     sds(self.mesh.devices.shape, jnp.int32, self.grid)).compile()
+                if self.replica_transport == "ipc" and self.device_copy:
+                    fn = self._manual(self._recopy_fn, (ss, P("dp", "shard")), ss)
+                    self._programs["recopy", current] = jax.jit(fn, donate_argnums=0).lower(
+                        st, sds(self.mesh.devices.shape, jnp.int32, self.grid)).compile()
             self._scrub_program(current)
             if self.backup is not None:
                 for part, device in self._writers.items():
@@ -996,9 +1029,10 @@ class Trainer:
             yield lists, batch
             work = rest
 
-    def _pull_by_ipc(self, work: list, damaged: dict) -> set[int]:
+    def _pull_by_ipc(self, work: list, damaged: dict, *, repairs: bool = True) -> set[int]:
         """The chunks of ``work`` pulled into every damaged replica over CUDA IPC (pimhbm.ipc),
-        straight into the current slot's buffers; returns the source devices."""
+        straight into the current slot's buffers; returns the source devices. ``repairs``:
+        count the chunks as repairs (not for a whole state rebuilt)."""
         # Nothing of the state is still written (its last writers) or read (the steps' and
         # scrubs' results were waited for before the fault was handled; snapshots too).
         jax.block_until_ready(self.state)
@@ -1016,7 +1050,7 @@ class Trainer:
                                   self.opt.chunk_bytes(t[0].dtype)))
         pulled = ipc.run_round(self._ipc_run, self._ipc_round, pulls,
                                int(self.replica_timeout_s * 1000))
-        self.stats.repairs += pulled
+        self.stats.repairs += pulled if repairs else 0
         self.stats.ipc_pulls += pulled
         return {row * self.shard + col for row, _, col, _, _ in by_pair}
 
@@ -1035,22 +1069,65 @@ class Trainer:
             if clean.size == 0:
                 return None
             sources[col] = clean[0]
-        program = self._programs["rebuild", self.state.opt.current]
         try:
-            self.state, bad = program(self.state,
-                                      self._put(sources, self.by_column),
-                                      self._put(grid, self.grid))
-            bad = self._fetch(bad)
-        except jax.errors.JaxRuntimeError as err:
+            by_ipc = self._rebuild_by_ipc(grid, sources)
+        except DeviceFailure:
+            raise
+        except RuntimeError as err:  # a pulled chunk did not verify: host snapshot
             return self._replica_failed(err)
-        if bad.any():
-            return None
+        if not by_ipc:
+            program = self._programs["rebuild", self.state.opt.current]
+            try:
+                self.state, bad = program(self.state,
+                                          self._put(sources, self.by_column),
+                                          self._put(grid, self.grid))
+                bad = self._fetch(bad)
+            except jax.errors.JaxRuntimeError as err:
+                return self._replica_failed(err)
+            if bad.any():
+                return None
         self.stats.replica_rebuilds += int(damaged.sum())
         devices = ", ".join(map(str, np.flatnonzero(damaged)))
         used = sorted({int(sources[d % self.shard]) * self.shard + d % self.shard
                        for d in np.flatnonzero(damaged)})
         return (f"repaired: device {devices} rebuilt whole from a healthy replica (device "
                 f"{', '.join(map(str, used))})")
+
+    def _rebuild_by_ipc(self, grid: np.ndarray, sources: np.ndarray) -> bool:
+        """With the IPC transport, every chunk of every tensor of each damaged device (``grid``
+        (replica, shard column), 1 = damaged) pulled over CUDA IPC from replica
+        ``sources[column]``, then its device copy made anew from it. False when the transport
+        is not IPC or IPC cannot serve this run (the caller then rebuilds through the
+        collective program); a pull that does not verify or does not finish raises as in a
+        repair."""
+        if self.replica_transport != "ipc" or self._ipc_off is not None:
+            return False
+        work, damaged = [], {}
+        for row, col in zip(*np.nonzero(grid)):
+            for li, path in enumerate(self.paths):
+                for k in self.names:
+                    for chunk in range(int(self.nchunks[li])):
+                        key = (int(col), path, k, chunk)
+                        if key not in damaged:
+                            damaged[key] = set()
+                            work.append((*key, int(sources[col])))
+                        damaged[key].add(int(row))
+        try:
+            self._pull_by_ipc(work, damaged, repairs=False)
+        except ipc.Unavailable as err:
+            self._ipc_off = str(err)
+            self.stats.incidents.append(Incident(
+                self.next_step, "replica transport", [],
+                f"CUDA IPC unavailable ({err}); the collective transport from now on"))
+            return False
+        except ipc.Fatal as err:
+            raise DeviceFailure(self._failure_message(f"rebuild from a replica over CUDA IPC: "
+                                                      f"{err}"), None,
+                                self._newest_snapshot()) from err
+        if self.device_copy:
+            self.state = self._programs["recopy", self.state.opt.current](
+                self.state, self._put(grid.astype(np.int32), self.grid))
+        return True
 
     def _replica_failed(self, err: Exception) -> None:
         """A replica transfer failed (a peer that did not answer within the peer ops' bounded

@@ -108,9 +108,23 @@ class UpdateReport(NamedTuple):
     digest_faults: jax.Array  # int32: state chunks whose digest mismatched
     fault_maps: Any  # per leaf: int32 (nchunks,) bitmask of FAULT_* per chunk
     grad_nonfinite_maps: Any  # per leaf: int32 (nchunks,) NaN/Inf gradients per chunk
+    local_counts: jax.Array  # int32 (2,): this device's faulty chunks, NaN/Inf gradient values
 
 
 _RETS_PER_LEAF = 18  # results of pimhbm_adamw per leaf (csrc/update/update_ffi.h)
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def _counts_of(totals: jax.Array) -> jax.Array:
+    """int32 (2,) from a call's totals (uint32 (2, 2): two 64-bit counters as low and high
+    words), each saturating at INT32_MAX."""
+    lo, hi = totals[:, 0], totals[:, 1]
+    return jnp.where((hi != 0) | (lo > _INT32_MAX), _INT32_MAX, lo.astype(jnp.int32))
+
+
+def _add_saturating(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a + b for non-negative int32 counts, saturating at INT32_MAX."""
+    return jnp.where(a > _INT32_MAX - b, _INT32_MAX, a + b)
 
 
 MIN_CALL_PARAMS = 1 << 24  # an update call of fewer parameters is not split further
@@ -198,7 +212,8 @@ class AdamW:
     # one (two runs). Default: one call.
     update_calls: int = 1
     # Which CUDA kernel runs the update (for benchmarks): 0 the default, -1 the chunk loop with
-    # evict-first loads, -2 with plain loads. Results are identical bit for bit.
+    # evict-first loads, -2 with plain loads, -3 the software pipeline (each thread loads its
+    # next group while it computes one). Results are identical bit for bit.
     kernel: int = 0
 
     def __post_init__(self):
@@ -206,9 +221,9 @@ class AdamW:
             raise ValueError(f"chunk_elems must be a positive multiple of 16, got {self.chunk_elems}")
         if self.update_calls < 1:
             raise ValueError(f"update_calls must be at least 1, got {self.update_calls}")
-        if self.kernel not in (0, -1, -2):
-            raise ValueError(f"kernel must be 0 (default), -1 (evict-first loads) or -2 (plain "
-                             f"loads), got {self.kernel}")
+        if self.kernel not in (0, -1, -2, -3):
+            raise ValueError(f"kernel must be 0 (default), -1 (evict-first loads), -2 (plain "
+                             f"loads) or -3 (pipelined), got {self.kernel}")
 
     def chunk_bytes(self, dtype: Any) -> int:
         """Digest chunk of a state tensor of this dtype: chunk_elems elements."""
@@ -277,19 +292,24 @@ class AdamW:
         writes = slot_tensors(write, treedef)
         mirrors = slot_tensors(state.mirror, treedef) if state.mirror is not None else [None] * len(reads)
         flat_grads = treedef.flatten_up_to(grads)
-        outs = []
+        outs, local = [], jnp.zeros((2,), jnp.int32)
         for lo, hi in call_groups([r["p"][0].size for r in reads], self.update_calls):
-            outs += self._update_call(reads[lo:hi], flat_grads[lo:hi], writes[lo:hi],
-                                      mirrors[lo:hi], scalars)
+            call_outs, totals = self._update_call(reads[lo:hi], flat_grads[lo:hi], writes[lo:hi],
+                                                  mirrors[lo:hi], scalars)
+            outs += call_outs
+            counts = _counts_of(totals)
+            local = counts if lo == 0 else _add_saturating(local, counts)
 
         faults = [o["faults"] for o in outs]
         bad = [o["grad_nonfinite"] for o in outs]
-        n_faults = sum((jnp.count_nonzero(f).astype(jnp.int32) for f in faults), jnp.int32(0))
-        n_bad = sum((jnp.sum(b, dtype=jnp.int32) for b in bad), jnp.int32(0))
+        # The kernels counted this device's faulty chunks and NaN/Inf gradients as they went
+        # (no reduction over the maps here). Across devices, the verdict sums a flag per device
+        # (a sum of counts could wrap); the counts are summed for the report.
+        counts = jnp.concatenate([local, (local != 0).any().astype(jnp.int32)[None]])
         if axis_name is not None:
-            n_faults = jax.lax.psum(n_faults, axis_name)
-            n_bad = jax.lax.psum(n_bad, axis_name)
-        commit = (n_faults == 0) & (n_bad == 0)
+            counts = jax.lax.psum(counts, axis_name)
+        n_faults, n_bad = counts[0], counts[1]
+        commit = counts[2] == 0
         if gate is not None:
             commit &= jnp.asarray(gate, jnp.bool_)
         commit = commit.astype(jnp.int32)
@@ -312,7 +332,8 @@ class AdamW:
         slots = (read, new_slot) if cur == 0 else (new_slot, read)
         new_state = AdamWState(slots, nxt, state.step + commit, new_mirror)
         unflat = lambda xs: jax.tree.unflatten(treedef, xs)
-        report = UpdateReport(commit.astype(bool), n_bad, n_faults, unflat(faults), unflat(bad))
+        report = UpdateReport(commit.astype(bool), n_bad, n_faults, unflat(faults), unflat(bad),
+                              local)
         return new_state, report
 
     def _check_grads(self, grads: Any, params: Any) -> None:
@@ -327,7 +348,9 @@ class AdamW:
     def _update_call(self, reads, grads, writes, mirrors, scalars):
         """One pimhbm_adamw call for the given leaves (the kernel runs over the chunks of all of
         them). reads/writes/mirrors: per leaf {name: (tensor, table)} (mirror None: absent).
-        Returns per leaf {"write": {...}, "faults", "grad_nonfinite"[, "mirror": {...}]}."""
+        Returns, per leaf, {"write": {...}, "faults", "grad_nonfinite"[, "mirror": {...}]}, and
+        the call's totals: faulty chunks and NaN/Inf gradient values as uint32 (2, 2), each a
+        64-bit count's low and high words."""
         order = ["p", "master", "mu", "nu"]
         args, out_types, aliases, layout = [], [], {}, []
         # Absent tensors (no master weights, no mirror) are empty placeholders in the call.
@@ -358,7 +381,8 @@ class AdamW:
                 jax.ShapeDtypeStruct((nchunks,), jnp.int32)]
             layout.append(([k for k in order if present[k]], mirror is not None))
         if not args:
-            return []
+            return [], jnp.zeros((2, 2), jnp.uint32)
+        out_types.append(jax.ShapeDtypeStruct((2, 2), jnp.uint32))  # the totals
         outs = jax.ffi.ffi_call("pimhbm_adamw", out_types, input_output_aliases=aliases)(
             scalars, *args, chunk_elems=np.int64(self.chunk_elems), b1=np.float32(self.b1),
             b2=np.float32(self.b2), one_minus_b1=np.float32(1 - self.b1),
@@ -374,7 +398,7 @@ class AdamW:
                 result["mirror"] = {k: (o[8 + order.index(k)], o[12 + order.index(k)])
                                     for k in names}
             results.append(result)
-        return results
+        return results, outs[-1]
 
 
 def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0.9,
