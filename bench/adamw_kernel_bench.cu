@@ -328,13 +328,6 @@ int main(int argc, char** argv) {
       plain.plain_loads = true;
       if (!time_update(kind, "guarded adamw, plain loads", c, false, plain, 28.0)) return 1;
     }
-    {  // v13: the software pipeline (the next group's loads in flight while one is computed)
-      AdamWLaunch pipelined;
-      pipelined.pipelined = true;
-      if (!time_update(kind, "guarded adamw, pipelined (2 blocks/SM)", c, false, pipelined, 28.0)) {
-        return 1;
-      }
-    }
     {
       int blocks = 0;
       CHECK(update::adamw_blocks_per_sm(bf16, bf16, 0, &blocks, 4));

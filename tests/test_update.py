@@ -302,8 +302,7 @@ def test_the_handler_rejects_a_wrong_digest_table():
         jax.block_until_ready(jax.ffi.ffi_call(
             "pimhbm_adamw", outs + [jax.ShapeDtypeStruct((2, 2), jnp.int32)])(args[-1], *good, **attrs))
     # A kernel that does not exist.
-    with pytest.raises(Exception, match=r"kernel must be 0 \(default\), -1 \(evict-first loads\), -2 "
-                                        r"\(plain loads\) or -3 \(pipelined\)"):
+    with pytest.raises(Exception, match=r"kernel must be 0 \(default\), -1 \(evict-first loads\) or -2"):
         jax.block_until_ready(call(args[-1], *good, **dict(attrs, kernel=np.int64(3))))
     with pytest.raises(ValueError, match="kernel must be"):
         pimhbm.adamw(LR, kernel=8)
@@ -340,11 +339,11 @@ def test_guard_skips_nonfinite_and_damaged_state_bit_exactly(rng):
 
 
 @requires_gpu
-@pytest.mark.parametrize("kernel", [0, -1, -2, -3])
+@pytest.mark.parametrize("kernel", [0, -1, -2])
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "bf16_master"])
 def test_gpu_update_equals_cpu_update(rng, kind, kernel):
-    """Every kernel of the CUDA update (the default, evict-first loads, plain loads, the
-    pipeline) against the CPU, bit for bit."""
+    """Every load kind of the CUDA kernel (the default, evict-first, plain) against the CPU, bit
+    for bit."""
     dtype = np.float32 if kind == "fp32" else ml_dtypes.bfloat16
     params = random_params(rng, dtype)
     opt = pimhbm.adamw(LR, master_weights=kind == "bf16_master", chunk_elems=1024, kernel=kernel)

@@ -114,10 +114,6 @@ enum class MirrorPass { kDefault = 0, kRegisters, kTwoReads, kTwoReadsKeep };
 // plain_loads: without the device copy, one group in flight: plain loads instead of
 // evict-first ones (bench/NOTES.md, v10); the options above (2 groups, prefetch, stages, 4
 // blocks) take precedence and keep their evict-first loads.
-// pipelined: without the device copy, a software pipeline: each thread loads its next group
-// before it computes the current one (two groups' registers, 2 blocks per SM; plain loads;
-// bench/NOTES.md, v13). Takes precedence over plain_loads; stages, prefetch, 2 groups in
-// flight and 4 blocks take precedence over it.
 struct AdamWLaunch {
   int groups_in_flight = 0;
   MirrorPass mirror_pass = MirrorPass::kDefault;
@@ -125,7 +121,6 @@ struct AdamWLaunch {
   int stages = 0;
   int min_blocks = 0;
   bool plain_loads = false;
-  bool pipelined = false;
 };
 
 // The launch the FFI handler uses when the call does not choose one (kernel = 0): the chunk

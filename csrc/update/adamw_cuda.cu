@@ -553,42 +553,6 @@ __device__ __forceinline__ void two_pass_chunk(const AdamWLeaf& L, const AdamWHy
   if (threadIdx.x == 0) finish_chunk<kMaster>(L, c, count, psize, kMirror ? old : t, t, to_mirror);
 }
 
-// Without the device copy, a software pipeline of distance one: each thread issues the loads
-// of its next group before it computes the current one, so that its loads are in flight while
-// it computes -- two groups' registers per thread instead of more warps per SM
-// (AdamWLaunch::pipelined; bench/NOTES.md, v13). Plain loads. Unrolled by two so that the two
-// register sets swap roles without copies.
-template <bool kBF16, bool kMaster>
-__device__ __forceinline__ void pipelined_chunk(const AdamWLeaf& L, const AdamWHyper& h,
-                                                const AdamWStep& s, int64_t c) {
-  constexpr int psize = kBF16 ? 2 : 4;
-  const int64_t bd = blockDim.x;
-  const auto [first, count, full_groups, rem, key0] = chunk_span(L, c);
-  Sums sum;
-  Group a, b;
-  int64_t gi = threadIdx.x;
-  if (gi < full_groups) load_group<kBF16, kMaster, true, false>(L, first + 4 * gi, 4, a);
-  for (; gi < full_groups; gi += 2 * bd) {  // a holds group gi
-    const bool has_b = gi + bd < full_groups;
-    if (has_b) load_group<kBF16, kMaster, true, false>(L, first + 4 * (gi + bd), 4, b);
-    process_group<kBF16, kMaster, true, true>(L, h, s, first, gi, 4, key0, a, sum, false);
-    if (!has_b) break;
-    if (gi + 2 * bd < full_groups) {
-      load_group<kBF16, kMaster, true, false>(L, first + 4 * (gi + 2 * bd), 4, a);
-    }
-    process_group<kBF16, kMaster, true, true>(L, h, s, first, gi + bd, 4, key0, b, sum, false);
-  }
-  if (rem != 0) {  // block-uniform: only a tensor's last chunk can be ragged
-    const int tail_live = threadIdx.x == 0 ? rem : 0;
-    Group x;
-    load_group<kBF16, kMaster, false>(L, first + 4 * full_groups, tail_live, x);
-    process_group<kBF16, kMaster, false, true>(L, h, s, first, full_groups, tail_live, key0, x, sum,
-                                               false);
-  }
-  const Sums t = block_sum(sum);
-  if (threadIdx.x == 0) finish_chunk<kMaster>(L, c, count, psize, t, t, false);
-}
-
 // The device copy written from registers: every thread loads all of its groups of the chunk
 // (at most kG, so a chunk has at most 4 * kG * kThreads elements), the block decides the
 // chunk's verdict from the old digests, then the same registers are updated and stored -- one
@@ -684,19 +648,6 @@ __global__ void __launch_bounds__(kThreads, 3)
   every_chunk<kBF16, kMaster, 1, false, false, 0, false>(T, h, step);
 }
 
-// The software pipeline of distance one (pipelined_chunk): two groups' registers per thread,
-// at least 2 blocks per SM (at most 128 registers).
-template <bool kBF16, bool kMaster>
-__global__ void __launch_bounds__(kThreads, 2)
-    adamw_kernel_pipelined(const __grid_constant__ LeafTable T, const AdamWHyper h,
-                           const float* __restrict__ step) {
-  const AdamWStep s = adamw_step(step);
-  for (int64_t gc = blockIdx.x; gc < T.first_chunk[T.count]; gc += gridDim.x) {
-    const int i = leaf_of(T, gc);
-    pipelined_chunk<kBF16, kMaster>(T.leaf[i], h, s, gc - T.first_chunk[i]);
-  }
-}
-
 // The staged pipeline: kStages stages of Stage<>::kBytes each in dynamic shared memory.
 template <bool kBF16, bool kMaster, int kStages>
 __global__ void __launch_bounds__(kThreads, 3)
@@ -763,7 +714,6 @@ struct Plan {
   int stages;               // groups staged through shared memory (no mirror; 0 = off)
   int min_blocks;           // blocks per SM compiled for (no mirror, one group; 0 = 3)
   bool plain_loads;         // the default kernel with plain loads (no mirror, one group)
-  bool pipelined;           // the software pipeline (no mirror; takes precedence)
 };
 
 template <bool kBF16, bool kMaster>
@@ -782,8 +732,6 @@ cudaError_t launch_kind(const LeafTable& T, const Plan& p, const AdamWHyper& h, 
       adamw_kernel<kBF16, kMaster, 1, false, false, 4><<<blocks, kThreads, 0, stream>>>(T, h, step);
     } else if (p.min_blocks == 4) {
       adamw_kernel_4_blocks<kBF16, kMaster><<<blocks, kThreads, 0, stream>>>(T, h, step);
-    } else if (p.pipelined) {
-      adamw_kernel_pipelined<kBF16, kMaster><<<blocks, kThreads, 0, stream>>>(T, h, step);
     } else if (p.plain_loads) {
       adamw_kernel_plain_loads<kBF16, kMaster><<<blocks, kThreads, 0, stream>>>(T, h, step);
     } else {
@@ -836,8 +784,7 @@ Plan plan_for(const AdamWLeaf& leaf, AdamWLaunch options) {
          options.prefetch,
          options.stages,
          options.min_blocks,
-         options.plain_loads,
-         options.pipelined};
+         options.plain_loads};
   // Default (bench/NOTES.md, v3): registers where the chunk fits, except with master weights,
   // whose five tensors per group take 128 registers there and run faster read twice.
   if (p.pass == MirrorPass::kDefault) {
@@ -851,8 +798,7 @@ Plan plan_for(const AdamWLeaf& leaf, AdamWLaunch options) {
 bool same_launch(const Plan& a, const Plan& b) {
   return a.bf16 == b.bf16 && a.master == b.master && a.mirror == b.mirror && a.pass == b.pass &&
          a.in_flight == b.in_flight && a.resident == b.resident && a.prefetch == b.prefetch &&
-         a.stages == b.stages && a.min_blocks == b.min_blocks && a.plain_loads == b.plain_loads &&
-         a.pipelined == b.pipelined;
+         a.stages == b.stages && a.min_blocks == b.min_blocks && a.plain_loads == b.plain_loads;
 }
 
 template <bool kBF16, bool kMaster>

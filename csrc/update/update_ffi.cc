@@ -129,10 +129,9 @@ ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingA
                                const ffi::RemainingRets& rets, const AdamWAttrs& a,
                                std::vector<AdamWLeaf>* leaves,
                                std::vector<ffi_util::Unaliased>* copies, uint64_t** totals_out) {
-  if (a.kernel < -3 || a.kernel > 0) {
+  if (a.kernel < -2 || a.kernel > 0) {
     return invalid(kAdamW,
-                   "kernel must be 0 (default), -1 (evict-first loads), -2 (plain loads) or -3 "
-                   "(pipelined), got " +
+                   "kernel must be 0 (default), -1 (evict-first loads) or -2 (plain loads), got " +
                        std::to_string(a.kernel));
   }
   if (args.size() % kArgsPerLeaf != 0 ||
@@ -221,7 +220,6 @@ AdamWLaunch launch_for(int64_t kernel) {
   if (kernel == 0) return default_launch();
   AdamWLaunch launch;
   launch.plain_loads = kernel == -2;
-  launch.pipelined = kernel == -3;
   return launch;
 }
 

@@ -32,8 +32,7 @@ constexpr size_t kArgsPerLeaf = 25;
 constexpr size_t kRetsPerLeaf = 18;
 
 // The attribute `kernel` (for benchmarks; the results are the same bit for bit): 0 the default
-// launch (adamw.h, default_launch), -1 the chunk loop with evict-first loads, -2 with plain ones,
-// -3 the software pipeline (AdamWLaunch::pipelined).
+// launch (adamw.h, default_launch), -1 the chunk loop with evict-first loads, -2 with plain ones.
 struct AdamWAttrs {
   int64_t chunk_elems;
   AdamWHyper hyper;

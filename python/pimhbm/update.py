@@ -212,8 +212,7 @@ class AdamW:
     # one (two runs). Default: one call.
     update_calls: int = 1
     # Which CUDA kernel runs the update (for benchmarks): 0 the default, -1 the chunk loop with
-    # evict-first loads, -2 with plain loads, -3 the software pipeline (each thread loads its
-    # next group while it computes one). Results are identical bit for bit.
+    # evict-first loads, -2 with plain loads. Results are identical bit for bit.
     kernel: int = 0
 
     def __post_init__(self):
@@ -221,9 +220,9 @@ class AdamW:
             raise ValueError(f"chunk_elems must be a positive multiple of 16, got {self.chunk_elems}")
         if self.update_calls < 1:
             raise ValueError(f"update_calls must be at least 1, got {self.update_calls}")
-        if self.kernel not in (0, -1, -2, -3):
-            raise ValueError(f"kernel must be 0 (default), -1 (evict-first loads), -2 (plain "
-                             f"loads) or -3 (pipelined), got {self.kernel}")
+        if self.kernel not in (0, -1, -2):
+            raise ValueError(f"kernel must be 0 (default), -1 (evict-first loads) or -2 (plain "
+                             f"loads), got {self.kernel}")
 
     def chunk_bytes(self, dtype: Any) -> int:
         """Digest chunk of a state tensor of this dtype: chunk_elems elements."""
