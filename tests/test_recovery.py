@@ -191,6 +191,30 @@ def test_fault_free_run_reports_nothing_and_compiles_nothing(shm_name):
                       r"xla_ffi_python_cpu_callback)\b", hlo) == []
 
 
+@pytest.mark.parametrize("ndev", [1, 4])
+def test_steps_are_waited_for_only_where_programs_could_hang(shm_name, monkeypatch, ndev):
+    """The host waits for each step before queuing the next only on several virtual CPU
+    devices (their programs share one thread pool); elsewhere -- one CPU device here, GPUs --
+    steps stay queued ahead of the device, so it never idles for the host between steps."""
+    import pimhbm.recovery as recovery
+    waits = []
+    real = recovery.jax.block_until_ready
+
+    def counting(x):
+        waits.append(sys._getframe(1).f_code.co_name)
+        return real(x)
+
+    tr = make_trainer(shm_name, devices=jax.devices()[:ndev])
+    tr.run(2)
+    monkeypatch.setattr(recovery.jax, "block_until_ready", counting)
+    tr.run(8)
+    settled = waits.count("_settle")
+    if ndev == 1:
+        assert settled == 0, waits
+    else:  # each of the 6 steps (and the scrub at step 5)
+        assert settled >= 6, waits
+
+
 def test_fault_campaign_ends_bit_identical_to_the_fault_free_run(shm_name):
     steps = 200
     reference = make_trainer(shm_name + "_ref", inject=True)
