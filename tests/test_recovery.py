@@ -197,6 +197,8 @@ def test_steps_are_waited_for_only_where_programs_could_hang(shm_name, monkeypat
     devices (their programs share one thread pool); elsewhere -- one CPU device here, GPUs --
     steps stay queued ahead of the device, so it never idles for the host between steps."""
     import pimhbm.recovery as recovery
+    if len(jax.devices()) < ndev:
+        pytest.skip(f"needs {ndev} devices")
     waits = []
     real = recovery.jax.block_until_ready
 
@@ -209,7 +211,7 @@ def test_steps_are_waited_for_only_where_programs_could_hang(shm_name, monkeypat
     monkeypatch.setattr(recovery.jax, "block_until_ready", counting)
     tr.run(8)
     settled = waits.count("_settle")
-    if ndev == 1:
+    if ndev == 1 or jax.devices()[0].platform != "cpu":
         assert settled == 0, waits
     else:  # each of the 6 steps (and the scrub at step 5)
         assert settled >= 6, waits
@@ -231,13 +233,20 @@ def test_fault_campaign_ends_bit_identical_to_the_fault_free_run(shm_name):
         assert row["injected"] >= 50, kind
         assert row["detected"] == row["injected"], (kind, row)
         assert row["repaired"] == row["injected"], (kind, row)
-    # A double fault damages one device's state and device copy: its replicas are healthy.
-    assert len(tr.devices) > tr.shard and stats.host_restores == 0 and stats.replica_repairs >= 1
     actions = {(i.step, i.action) for i in stats.incidents if i.kind == "state"}
-    for f in (f for f in campaign.plan if f.kind == "double_fault"):
-        assert f.device is not None
-        assert any(step == f.step and a.startswith("repaired from a healthy replica")
-                   for step, a in actions), f
+    doubles = [f for f in campaign.plan if f.kind == "double_fault"]
+    if len(tr.devices) > tr.shard:
+        # A double fault damages one device's state and device copy: its replicas are healthy.
+        assert stats.host_restores == 0 and stats.replica_repairs >= 1
+        for f in doubles:
+            assert f.device is not None
+            assert any(step == f.step and a.startswith("repaired from a healthy replica")
+                       for step, a in actions), f
+    else:  # one device (a single GPU): no replica, so a double fault needs the host snapshot
+        assert stats.host_restores >= 1 and stats.replica_repairs == 0
+        for f in doubles:
+            assert any(step == f.step and a.startswith("restored from host snapshot")
+                       for step, a in actions), f
     assert stats.compiles_after_prewarm == 0
     assert same_state(tr.current_state(), ref_state), "the run did not end bit-identical"
 
@@ -697,6 +706,8 @@ def test_without_device_copies_every_fault_is_repaired_from_a_replica(shm_name, 
     the update writes no copy; each damaged chunk -- flips, bursts, on one device each -- is
     pulled from another replica, and the run ends bit-identical to the fault-free run *with*
     device copies (the copy never enters the mathematics)."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices (4 replicas)")
     tr = make_trainer(shm_name, inject=True, device_copy=False)
     assert tr.state.opt.mirror is None and len(tr.devices) // tr.shard == 4
     with pytest.raises(ValueError, match="keeps no device copy"):
@@ -720,6 +731,8 @@ def test_without_device_copies_every_fault_is_repaired_from_a_replica(shm_name, 
 
 
 def test_without_device_copies_a_replica_axis_is_required():
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
     opt = pimhbm.adamw(3e-3, device_copy=False, chunk_elems=256)
     with pytest.raises(ValueError, match="needs more devices than shard=2"):
         Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), devices=jax.devices()[:2], shard=2)
