@@ -48,6 +48,26 @@ def test_overlap_counts_concurrent_kernels_once_and_finds_exposed_collectives(tm
     assert s["matmuls"] == pytest.approx(3.0) and s["total"] == pytest.approx(5.7)
 
 
+def test_copies_at_the_edges_of_a_trace_do_not_count_as_a_step(tmp_path):
+    """A short trace of a training loop starts with the host's copies for its first step and
+    ends with its results' copies back; the waits around them are not the steps' time. A copy
+    between kernels still counts as busy, the gaps around it as idle."""
+    path = write_trace(tmp_path, [
+        (0, 2, "MemcpyH2D", 0, 100), (0, 1, "fusion_1", 3000, 1000),
+        (0, 2, "MemcpyD2D", 4500, 200), (0, 1, "fusion_2", 5000, 1000),
+        (0, 2, "MemcpyD2H", 7000, 50),
+        (1, 1, "fusion_1", 0, 1000)])
+    w = device_profile.overlap(path, steps=1)
+    # Device 0: span 3000-6000, busy 1000 + 200 + 1000, idle 800; device 1: 1000 busy.
+    assert w["span"] == pytest.approx((3.0 + 1.0) / 2)
+    assert w["busy"] == pytest.approx((2.2 + 1.0) / 2)
+    assert w["idle"] == pytest.approx(0.8 / 2)
+    # A trace of copies only still has a span (nothing else to measure it by).
+    (tmp_path / "only").mkdir()  # another path: traces are read once per path
+    only = write_trace(tmp_path / "only", [(0, 2, "MemcpyH2D", 0, 100), (1, 2, "MemcpyH2D", 0, 300)])
+    assert device_profile.overlap(only, steps=1)["busy"] == pytest.approx(0.2)
+
+
 def test_union_of_random_intervals_equals_a_fine_grid(tmp_path):
     rng = np.random.default_rng(11)
     for _ in range(100):

@@ -68,16 +68,26 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 def overlap(path: str, steps: int) -> dict[str, float]:
     """Where each device's wall time goes, in ms per step averaged over the devices: "span"
-    (first kernel start to last kernel end), "busy" (some kernel running), "idle" (span - busy),
-    "collectives" (some collective running) and "collectives exposed" (a collective running and
-    no other kernel). Kernel time that runs concurrently counts once here, unlike summary()."""
-    per_device: dict[int, list[tuple[float, float, bool]]] = collections.defaultdict(list)
+    (first compute kernel's start to last compute kernel's end), "busy" (some kernel running),
+    "idle" (span - busy), "collectives" (some collective running) and "collectives exposed" (a
+    collective running and no other kernel). Kernel time that runs concurrently counts once
+    here, unlike summary(). Copies and memsets do not stretch the span: a short trace begins
+    with the host's transfers for its first step and ends with its results' copies back, and
+    the waits around them are the trace's edges, not a step's cost."""
+    per_device: dict[int, list[tuple[float, float, str]]] = collections.defaultdict(list)
     for e in _kernel_events(path):
         start = float(e.get("ts", 0.0))
         per_device[e["pid"]].append((start, start + float(e.get("dur", 0.0)),
-                                     category(str(e.get("name", ""))) == "collectives"))
+                                     category(str(e.get("name", "")))))
     out = dict.fromkeys(("span", "busy", "idle", "collectives", "collectives exposed"), 0.0)
-    for events in per_device.values():
+    for kinds in per_device.values():
+        bounds = ([(a, b) for a, b, c in kinds if c != "copies / memsets"] or
+                  [(a, b) for a, b, _ in kinds])
+        lo, hi = min(a for a, _ in bounds), max(b for _, b in bounds)
+        events = [(max(a, lo), min(b, hi), c == "collectives") for a, b, c in kinds
+                  if b > lo and a < hi]
+        if not events:
+            continue
         span = max(b for _, b, _ in events) - min(a for a, _, _ in events)
         busy = _union([(a, b) for a, b, _ in events])
         compute = _union([(a, b) for a, b, coll in events if not coll])

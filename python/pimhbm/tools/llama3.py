@@ -68,7 +68,7 @@ def add_arguments(p) -> None:
                         "split evenly between them (default 1: one process sees them all)")
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help="also trace 3 steps of each kind with jax.profiler into DIR and print "
+                   help="also trace 6 steps of each kind with jax.profiler into DIR and print "
                         "where the device time goes (kernels by kind, the largest ones)")
     # Set by the launcher for each process of a --processes run.
     p.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
@@ -128,7 +128,10 @@ def _median_step(step, carry, batches, lrs):
     return statistics.median(times), carry
 
 
-def _print_profile(console, traces, results) -> None:
+PROFILE_STEPS = 6  # steps traced of each kind (fewer when --steps is smaller)
+
+
+def _print_profile(console, traces, results, steps: int) -> None:
     """Device time per step by kind of kernel, plain against protected; where each device's
     wall time goes (busy, idle, collectives not hidden under compute); and the largest kernels
     of both steps (matmuls left out: the same in both). ``traces``: kind -> trace path."""
@@ -136,7 +139,7 @@ def _print_profile(console, traces, results) -> None:
 
     from pimhbm.tools import device_profile
     profiles = {k: device_profile.device_events(p) for k, p in traces.items()}
-    sums = {k: device_profile.summary(ev, 3) for k, ev in profiles.items()}
+    sums = {k: device_profile.summary(ev, steps) for k, ev in profiles.items()}
     results["profile_ms_per_step"] = sums
     t = Table(title="device time per step (ms), from the profiler")
     for col in ("kernels", "plain", "protected", "difference"):
@@ -148,7 +151,7 @@ def _print_profile(console, traces, results) -> None:
     if not profiles["protected"]:
         console.print("(the trace holds no device timeline: nothing to split)")
         return
-    walls = {k: device_profile.overlap(p, 3) for k, p in traces.items()}
+    walls = {k: device_profile.overlap(p, steps) for k, p in traces.items()}
     results["profile_wall_ms_per_step"] = walls
     t = Table(title="a device's wall time per step (ms), from the profiler's timeline")
     for col in ("", "plain", "protected", "difference"):
@@ -161,7 +164,8 @@ def _print_profile(console, traces, results) -> None:
         t = Table(title=f"largest kernels of the {kind} step, matmuls left out (ms per step)")
         for col in ("kernel", "XLA op", "ms", "launches"):
             t.add_column(col, justify="left" if col in ("kernel", "XLA op") else "right")
-        rows = device_profile.top_kernels(profiles[kind], 3, n=15 if kind == "protected" else 10)
+        rows = device_profile.top_kernels(profiles[kind], steps,
+                                          n=15 if kind == "protected" else 10)
         results[f"profile_top_{kind}"] = rows
         for name, op, ms, n in rows:
             t.add_row(name, op, f"{ms:.3f}", str(n))
@@ -292,13 +296,14 @@ def run(args: Any) -> int:
     opt0 = jax.jit(tx.init)(master)  # moments follow the master weights' sharding
     plain, carry = _median_step(plain_step, (master, opt0, params), batches, lrs)
     profiles = {}
+    profile_steps = min(PROFILE_STEPS, len(batches))
     if args.profile:
-        def three_plain():
+        def traced_plain():
             nonlocal carry
-            for b, lr in zip(batches[:3], lrs[:3]):
+            for b, lr in zip(batches[:profile_steps], lrs[:profile_steps]):
                 carry = plain_step(carry, b, lr)
             jax.block_until_ready(carry)
-        profiles["plain"] = device_profile.trace(os.path.join(args.profile, "plain"), three_plain)
+        profiles["plain"] = device_profile.trace(os.path.join(args.profile, "plain"), traced_plain)
     del carry, master, params  # donated
     results["plain_ms"] = plain * 1e3
 
@@ -339,7 +344,8 @@ def run(args: Any) -> int:
         if args.profile:
             start = trainer.next_step
             profiles["protected"] = device_profile.trace(
-                os.path.join(args.profile, "protected"), lambda: trainer.run(start + 2))
+                os.path.join(args.profile, "protected"),
+                lambda: trainer.run(start + profile_steps - 1))
         results["compiles_after_prewarm"] = trainer.compiles
 
         table = Table(title=f"step time, {args.tokens} tokens, {len(devices)} x {dev.device_kind}")
@@ -354,7 +360,7 @@ def run(args: Any) -> int:
             console.print(f"  ({results['unaliased_copies_per_step']:.1f} in-place results a step "
                           "were not aliased by XLA and were copied first)")
         if profiles:
-            _print_profile(console, profiles, results)
+            _print_profile(console, profiles, results, profile_steps)
 
         if not args.no_campaign:
             steps = args.campaign_steps
