@@ -395,6 +395,9 @@ def test_a_lost_shard_is_rebuilt_from_a_replica(shm_name, fault_capacity, fault_
     tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=shm_name, snapshot_every=10,
                  scrub_every=5, fault_capacity=fault_capacity, replica_transport=transport)
     tr.prewarm()
+    rebuild = tr._programs["rebuild", 0].as_text()
+    # The transport's own program: pulls from peer memory, or a psum (no pull).
+    assert ("pimhbm_peer_pull" in rebuild) == (transport == "peer")
     stats = tr.run(20, campaign=LostShard())
     state = [i for i in stats.incidents if i.kind == "state"]
     assert state and state[0].step == 8

@@ -263,6 +263,18 @@ def test_bad_inputs_raise_clear_errors(rng):
         pimhbm.restore_unless(jnp.int32(0), [jnp.zeros(3)], [jnp.zeros(4)])
 
 
+def test_the_kernels_64_bit_counts_become_int32_counts_that_saturate():
+    from pimhbm.update import _add_saturating, _counts_of
+    words = lambda *counts: jnp.asarray([[c & 0xFFFFFFFF, c >> 32] for c in counts], jnp.uint32)
+    imax = np.iinfo(np.int32).max
+    assert _counts_of(words(5, 7)).tolist() == [5, 7]
+    assert _counts_of(words(imax, imax + 1)).tolist() == [imax, imax]
+    assert _counts_of(words(2**32 + 3, 2**32)).tolist() == [imax, imax]  # never wraps to 3 or 0
+    assert _counts_of(words(0, 2**63)).tolist() == [0, imax]
+    a, b = jnp.asarray([3, imax - 1, imax], jnp.int32), jnp.asarray([4, 2, imax], jnp.int32)
+    assert _add_saturating(a, b).tolist() == [7, imax, imax]
+
+
 def test_the_handler_rejects_a_wrong_digest_table():
     """Called around the Python checks: a clear error from the handler, no crash."""
     pimhbm.scan(np.zeros(1, np.float32))
@@ -302,8 +314,9 @@ def test_the_handler_rejects_a_wrong_digest_table():
         jax.block_until_ready(jax.ffi.ffi_call(
             "pimhbm_adamw", outs + [jax.ShapeDtypeStruct((2, 2), jnp.int32)])(args[-1], *good, **attrs))
     # A kernel that does not exist.
-    with pytest.raises(Exception, match=r"kernel must be 0 \(default\), -1 \(evict-first loads\) or -2"):
-        jax.block_until_ready(call(args[-1], *good, **dict(attrs, kernel=np.int64(3))))
+    for kernel in (3, -3):
+        with pytest.raises(Exception, match=r"kernel must be 0 \(default\), -1 \(evict-first loads\) or -2"):
+            jax.block_until_ready(call(args[-1], *good, **dict(attrs, kernel=np.int64(kernel))))
     with pytest.raises(ValueError, match="kernel must be"):
         pimhbm.adamw(LR, kernel=8)
 

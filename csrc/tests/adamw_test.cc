@@ -107,7 +107,7 @@ TEST(AdamWTotals, AddUpOverTheLeavesOfACall) {
     HostLeaf h(rng, 1 + static_cast<int64_t>(rng() % 20000), 16 * (1 + rng() % 64), i % 2 == 1,
                i == 3);
     const int64_t k = rng() % h.n;
-    h.mu[k] = -h.mu[k] - 1.0f;  // damage
+    reinterpret_cast<uint8_t*>(h.mu.data())[4 * k + rng() % 4] ^= 0x10;  // damage: one bit
     if (i % 2 == 0) h.set(h.g, rng() % h.n, NAN);
     AdamWLeaf L = h.view();
     L.totals = shared.data();

@@ -97,7 +97,7 @@ class RunStats:
     repairs: int = 0
     host_restores: int = 0
     replica_repairs: int = 0  # chunks pulled from another device's copy of the state
-    ipc_pulls: int = 0  # of those, chunks pulled from another process's GPU over CUDA IPC
+    ipc_pulls: int = 0  # chunks pulled from another process's GPU over CUDA IPC (repairs, rebuilds)
     replica_rebuilds: int = 0  # devices whose whole state was rebuilt from another's
     snapshots: int = 0
     scrubs: int = 0
@@ -1073,8 +1073,8 @@ class Trainer:
             by_ipc = self._rebuild_by_ipc(grid, sources)
         except DeviceFailure:
             raise
-        except RuntimeError as err:  # a pulled chunk did not verify: host snapshot
-            return self._replica_failed(err)
+        except RuntimeError as err:  # a pulled chunk did not verify, or a program failed (a
+            return self._replica_failed(err)  # JaxRuntimeError): the host snapshot, as below
         if not by_ipc:
             program = self._programs["rebuild", self.state.opt.current]
             try:
@@ -1102,6 +1102,8 @@ class Trainer:
         repair."""
         if self.replica_transport != "ipc" or self._ipc_off is not None:
             return False
+        if self.device_copy and ("recopy", self.state.opt.current) not in self._programs:
+            return False  # (prewarm compiles it wherever a rebuild can happen)
         work, damaged = [], {}
         for row, col in zip(*np.nonzero(grid)):
             for li, path in enumerate(self.paths):

@@ -104,6 +104,8 @@ class UpdateReport(NamedTuple):
     """What an update saw, as device values (fetch them asynchronously; never in the step)."""
 
     committed: jax.Array  # bool: the step was applied
+    # Summed over devices (each device's count saturates at INT32_MAX; their sum could wrap --
+    # the commit decision never reads it: it sums a flag per device).
     grad_nonfinite: jax.Array  # int32: NaN/Inf gradient values (all leaves, all devices)
     digest_faults: jax.Array  # int32: state chunks whose digest mismatched
     fault_maps: Any  # per leaf: int32 (nchunks,) bitmask of FAULT_* per chunk

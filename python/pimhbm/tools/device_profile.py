@@ -68,7 +68,8 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 def overlap(path: str, steps: int) -> dict[str, float]:
     """Where each device's wall time goes, in ms per step averaged over the devices: "span"
-    (first compute kernel's start to last compute kernel's end), "busy" (some kernel running),
+    (first kernel's start to last kernel's end, copies and memsets left out of those bounds:
+    category() "copies / memsets"), "busy" (some kernel running),
     "idle" (span - busy), "collectives" (some collective running) and "collectives exposed" (a
     collective running and no other kernel). Kernel time that runs concurrently counts once
     here, unlike summary(). Copies and memsets do not stretch the span: a short trace begins

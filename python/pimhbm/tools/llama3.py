@@ -395,8 +395,9 @@ def run(args: Any) -> int:
             console.print(t)
             if note := unlocated_note(found):
                 console.print(note)
-            replicas = (f"from a replica {stats.replica_repairs} (over CUDA IPC "
-                        f"{stats.ipc_pulls}), " if len(trainer.devices) > trainer.shard else "")
+            replicas = (f"from a replica {stats.replica_repairs}, whole devices rebuilt "
+                        f"{stats.replica_rebuilds}, chunks pulled over CUDA IPC "
+                        f"{stats.ipc_pulls}, " if len(trainer.devices) > trainer.shard else "")
             console.print(f"chunks repaired {stats.repairs}, {replicas}host restores "
                           f"{stats.host_restores}, compilations after prewarm {trainer.compiles}; "
                           "final state " + ("[green]bit-identical[/] to the run without faults"
