@@ -1093,6 +1093,23 @@ class Trainer:
         return (f"repaired: device {devices} rebuilt whole from a healthy replica (device "
                 f"{', '.join(map(str, used))})")
 
+    def _over_ipc(self, what: str, pull: Callable[[], Any]) -> Any:
+        """``pull()`` (a round of CUDA IPC pulls) and its result; None when IPC cannot serve
+        this run (said once; the collective transport from then on). A round that did not
+        finish raises DeviceFailure (a pull may still be writing the state: stop here); one
+        whose chunk did not verify raises RuntimeError (the caller's host snapshot)."""
+        try:
+            return pull()
+        except ipc.Unavailable as err:
+            self._ipc_off = str(err)
+            self.stats.incidents.append(Incident(
+                self.next_step, "replica transport", [],
+                f"CUDA IPC unavailable ({err}); the collective transport from now on"))
+            return None
+        except ipc.Fatal as err:
+            raise DeviceFailure(self._failure_message(f"{what} over CUDA IPC: {err}"), None,
+                                self._newest_snapshot()) from err
+
     def _rebuild_by_ipc(self, grid: np.ndarray, sources: np.ndarray) -> bool:
         """With the IPC transport, every chunk of every tensor of each damaged device (``grid``
         (replica, shard column), 1 = damaged) pulled over CUDA IPC from replica
@@ -1114,18 +1131,9 @@ class Trainer:
                             damaged[key] = set()
                             work.append((*key, int(sources[col])))
                         damaged[key].add(int(row))
-        try:
-            self._pull_by_ipc(work, damaged, repairs=False)
-        except ipc.Unavailable as err:
-            self._ipc_off = str(err)
-            self.stats.incidents.append(Incident(
-                self.next_step, "replica transport", [],
-                f"CUDA IPC unavailable ({err}); the collective transport from now on"))
+        if self._over_ipc("rebuild from a replica",
+                          lambda: self._pull_by_ipc(work, damaged, repairs=False)) is None:
             return False
-        except ipc.Fatal as err:
-            raise DeviceFailure(self._failure_message(f"rebuild from a replica over CUDA IPC: "
-                                                      f"{err}"), None,
-                                self._newest_snapshot()) from err
         if self.device_copy:
             self.state = self._programs["recopy", self.state.opt.current](
                 self.state, self._put(grid.astype(np.int32), self.grid))
@@ -1162,19 +1170,14 @@ class Trainer:
         sources = set()
         if self.replica_transport == "ipc" and self._ipc_off is None:
             try:
-                sources = self._pull_by_ipc(work, damaged)
-                work = []  # every chunk pulled and verified
-            except ipc.Unavailable as err:
-                self._ipc_off = str(err)
-                self.stats.incidents.append(Incident(
-                    self.next_step, "replica transport", [],
-                    f"CUDA IPC unavailable ({err}); the collective transport from now on"))
-            except ipc.Fatal as err:  # a pull may still be writing this state: stop here
-                raise DeviceFailure(self._failure_message(f"repair from a replica over CUDA "
-                                                          f"IPC: {err}"), None,
-                                    self._newest_snapshot()) from err
+                pulled = self._over_ipc("repair from a replica",
+                                        lambda: self._pull_by_ipc(work, damaged))
+            except DeviceFailure:
+                raise
             except RuntimeError as err:  # a pulled chunk did not verify: host snapshot
                 return self._replica_failed(err)
+            if pulled is not None:
+                sources, work = pulled, []  # every chunk pulled and verified
         while work:
             lists = np.full((self.shard, len(self.paths), len(self.names), self.repair_capacity),
                             -1, np.int32)

@@ -298,8 +298,7 @@ class AdamW:
             call_outs, totals = self._update_call(reads[lo:hi], flat_grads[lo:hi], writes[lo:hi],
                                                   mirrors[lo:hi], scalars)
             outs += call_outs
-            counts = _counts_of(totals)
-            local = counts if lo == 0 else _add_saturating(local, counts)
+            local = _add_saturating(local, _counts_of(totals))
 
         faults = [o["faults"] for o in outs]
         bad = [o["grad_nonfinite"] for o in outs]

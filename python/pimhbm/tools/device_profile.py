@@ -89,7 +89,7 @@ def overlap(path: str, steps: int) -> dict[str, float]:
                   if b > lo and a < hi]
         if not events:
             continue
-        span = max(b for _, b, _ in events) - min(a for a, _, _ in events)
+        span = hi - lo  # events are clipped to [lo, hi]; the bounds' own events reach both ends
         busy = _union([(a, b) for a, b, _ in events])
         compute = _union([(a, b) for a, b, coll in events if not coll])
         values = {"span": span, "busy": busy, "idle": span - busy,
