@@ -77,3 +77,36 @@ def test_union_of_random_intervals_equals_a_fine_grid(tmp_path):
         for a, b in zip(starts, ends):
             grid[a:b] = True
         assert device_profile._union(list(zip(starts.tolist(), ends.tolist()))) == grid.sum()
+
+
+def test_collectives_are_listed_by_their_exposed_time(tmp_path):
+    # Device 0: compute 0-1000 and 2000-2500; all-reduce A 500-1500 (500 exposed), B 1600-1800
+    # (all exposed). Device 1: compute 0-3000; A 100-300 and B 2600-2700 (both hidden).
+    path = write_trace(tmp_path, [
+        (0, 1, "fusion_1", 0, 1000), (0, 2, "ncclAllReduceA", 500, 1000),
+        (0, 2, "ncclAllReduceB", 1600, 200), (0, 1, "fusion_2", 2000, 500),
+        (1, 1, "sm90_xmma_gemm", 0, 3000), (1, 2, "ncclAllReduceA", 100, 200),
+        (1, 2, "ncclAllReduceB", 2600, 100)])
+    rows = device_profile.collectives(path, steps=1)
+    assert [r[0] for r in rows] == ["ncclAllReduceA_op", "ncclAllReduceB_op"]
+    (op_a, n_a, ms_a, exp_a, at_a), (op_b, n_b, ms_b, exp_b, at_b) = rows
+    assert n_a == n_b == 1
+    # Per device, averaged over the two: A (1.0 + 0.2) / 2 ms, 0.5 / 2 exposed; B (0.2 + 0.1)
+    # / 2 ms, 0.2 / 2 exposed.
+    assert (ms_a, exp_a) == pytest.approx((0.6, 0.25))
+    assert (ms_b, exp_b) == pytest.approx((0.15, 0.1))
+    # Starts as a fraction of each device's compute span: A (500 / 2500 + 100 / 3000) / 2.
+    assert at_a == pytest.approx((0.2 + 100 / 3000) / 2)
+    assert at_b == pytest.approx((1600 / 2500 + 2600 / 3000) / 2)
+
+
+def test_the_timeline_holds_every_device_kernel_in_order(tmp_path):
+    kernels = [(1, 2, "ncclAllReduceB", 2600, 100), (0, 1, "fusion_2", 2000, 500),
+               (0, 1, "fusion_1", 0, 1000), (1, 1, "sm90_xmma_gemm", 0, 3000)]
+    path = write_trace(tmp_path, kernels)
+    out = tmp_path / "timeline.json.gz"
+    assert device_profile.write_timeline(path, str(out)) == 4  # not the derived or host lines
+    with gzip.open(out, "rt") as f:
+        rows = json.load(f)
+    assert [(r[0] - 10, r[1], r[2], r[3], r[4], r[5]) for r in rows] == [
+        (d, s, n, n + "_op", t, u) for d, s, n, t, u in sorted(kernels, key=lambda k: (k[0], k[3]))]

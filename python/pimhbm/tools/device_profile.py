@@ -55,6 +55,18 @@ def device_events(path: str) -> list[tuple[str, str, float]]:
              float(e.get("dur", 0.0))) for e in _kernel_events(path)]
 
 
+def write_timeline(path: str, out: str) -> int:
+    """Every device kernel of the trace as compact rows (device, stream, kernel, XLA op, start
+    us, us), sorted by device and start, into ``out`` (gzipped JSON): a step's schedule to read
+    or compare offline without the profiler's whole trace. Returns the number of rows."""
+    rows = sorted([e["pid"], e.get("tid"), str(e.get("name", "?")),
+                   str((e.get("args", {}) or {}).get("hlo_op", "")), float(e.get("ts", 0.0)),
+                   float(e.get("dur", 0.0))] for e in _kernel_events(path))
+    with gzip.open(out, "wt") as f:
+        json.dump(rows, f)
+    return len(rows)
+
+
 def _union(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals."""
     total, end = 0.0, float("-inf")
@@ -98,6 +110,49 @@ def overlap(path: str, steps: int) -> dict[str, float]:
         for k, v in values.items():
             out[k] += v / steps / 1e3 / len(per_device)
     return out
+
+
+def collectives(path: str, steps: int, n: int = 12) -> list[tuple[str, int, float, float, float]]:
+    """Each collective XLA op of the trace: (op, launches per step, ms per step, ms per step
+    exposed -- running while no compute kernel runs on its device --, mean start in the step
+    as a fraction of the span). Sorted by exposed time, the n largest: which of the step's
+    collectives the schedule leaves uncovered, and where in the step they sit."""
+    per_device: dict[int, list[dict]] = collections.defaultdict(list)
+    for e in _kernel_events(path):
+        per_device[e["pid"]].append(e)
+    time: dict[str, float] = collections.defaultdict(float)
+    exposed: dict[str, float] = collections.defaultdict(float)
+    where: dict[str, float] = collections.defaultdict(float)
+    count: collections.Counter = collections.Counter()
+    for events in per_device.values():
+        compute = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+                         for e in events
+                         if category(str(e.get("name", ""))) not in ("collectives", "copies / memsets"))
+        if not compute:
+            continue
+        lo, hi = compute[0][0], max(b for _, b in compute)
+        step_us = (hi - lo) / steps
+        merged: list[list[float]] = []  # the compute kernels' union, as disjoint intervals
+        for a, b in compute:
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        for e in events:
+            if category(str(e.get("name", ""))) != "collectives":
+                continue
+            a = float(e["ts"])
+            b = a + float(e.get("dur", 0.0))
+            op = str((e.get("args", {}) or {}).get("hlo_op", "")) or str(e.get("name", "?"))[:40]
+            covered = sum(max(0.0, min(b, y) - max(a, x)) for x, y in merged if x < b and y > a)
+            time[op] += b - a
+            exposed[op] += (b - a) - covered
+            where[op] += ((a - lo) % step_us) / step_us if step_us > 0 else 0.0
+            count[op] += 1
+    devices = max(len(per_device), 1)
+    rows = sorted(time, key=lambda op: -exposed[op])[:n]
+    return [(op, count[op] // (steps * devices), time[op] / steps / devices / 1e3,
+             exposed[op] / steps / devices / 1e3, where[op] / count[op]) for op in rows]
 
 
 CATEGORIES = (  # first match wins; names are CUDA kernel names, lower-cased

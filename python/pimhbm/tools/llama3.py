@@ -131,10 +131,11 @@ def _median_step(step, carry, batches, lrs):
 PROFILE_STEPS = 6  # steps traced of each kind (fewer when --steps is smaller)
 
 
-def _print_profile(console, traces, results, steps: int) -> None:
+def _print_profile(console, traces, results, steps: int, out_dir: str) -> None:
     """Device time per step by kind of kernel, plain against protected; where each device's
     wall time goes (busy, idle, collectives not hidden under compute); and the largest kernels
-    of both steps (matmuls left out: the same in both). ``traces``: kind -> trace path."""
+    of both steps (matmuls left out: the same in both); each step's kernels in order into
+    ``out_dir``/KIND_timeline.json.gz. ``traces``: kind -> trace path."""
     from rich.table import Table
 
     from pimhbm.tools import device_profile
@@ -151,6 +152,10 @@ def _print_profile(console, traces, results, steps: int) -> None:
     if not profiles["protected"]:
         console.print("(the trace holds no device timeline: nothing to split)")
         return
+    for kind, path in traces.items():
+        out = os.path.join(out_dir, f"{kind}_timeline.json.gz")
+        n = device_profile.write_timeline(path, out)
+        console.print(f"{kind} step: {n} device kernels of {steps} steps -> {out}")
     walls = {k: device_profile.overlap(p, steps) for k, p in traces.items()}
     results["profile_wall_ms_per_step"] = walls
     t = Table(title="a device's wall time per step (ms), from the profiler's timeline")
@@ -169,6 +174,16 @@ def _print_profile(console, traces, results, steps: int) -> None:
         results[f"profile_top_{kind}"] = rows
         for name, op, ms, n in rows:
             t.add_row(name, op, f"{ms:.3f}", str(n))
+        console.print(t)
+    for kind in ("plain", "protected"):
+        t = Table(title=f"collectives of the {kind} step, most exposed first (ms per step; "
+                        "'at': mean start as a fraction of the step)")
+        for col in ("XLA op", "launches", "ms", "exposed", "at"):
+            t.add_column(col, justify="left" if col == "XLA op" else "right")
+        rows = device_profile.collectives(traces[kind], steps)
+        results[f"profile_collectives_{kind}"] = rows
+        for op, n, ms, exp, at in rows:
+            t.add_row(op, str(n), f"{ms:.3f}", f"{exp:.3f}", f"{at:.2f}")
         console.print(t)
 
 
@@ -360,7 +375,7 @@ def run(args: Any) -> int:
             console.print(f"  ({results['unaliased_copies_per_step']:.1f} in-place results a step "
                           "were not aliased by XLA and were copied first)")
         if profiles:
-            _print_profile(console, profiles, results, profile_steps)
+            _print_profile(console, profiles, results, profile_steps, args.profile)
 
         if not args.no_campaign:
             steps = args.campaign_steps
