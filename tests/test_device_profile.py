@@ -101,11 +101,13 @@ def test_collectives_are_listed_by_their_exposed_time(tmp_path):
 
 
 def test_the_timeline_holds_every_device_kernel_in_order(tmp_path):
-    kernels = [(1, 2, "ncclAllReduceB", 2600, 100), (0, 1, "fusion_2", 2000, 500),
-               (0, 1, "fusion_1", 0, 1000), (1, 1, "sm90_xmma_gemm", 0, 3000)]
+    # Names, streams and starts in different orders: the rows follow the starts.
+    kernels = [(1, 2, "ncclAllReduceB", 200, 100), (0, 1, "fusion_2", 2000, 500),
+               (0, 1, "fusion_1", 0, 1000), (1, 1, "sm90_xmma_gemm", 1000, 3000),
+               (0, 2, "a_first_by_name", 1500, 10), (0, 1, "fusion_3", 1200, 10)]
     path = write_trace(tmp_path, kernels)
     out = tmp_path / "timeline.json.gz"
-    assert device_profile.write_timeline(path, str(out)) == 4  # not the derived or host lines
+    assert device_profile.write_timeline(path, str(out)) == 6  # not the derived or host lines
     with gzip.open(out, "rt") as f:
         rows = json.load(f)
     assert [(r[0] - 10, r[1], r[2], r[3], r[4], r[5]) for r in rows] == [

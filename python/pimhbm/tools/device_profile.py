@@ -59,9 +59,10 @@ def write_timeline(path: str, out: str) -> int:
     """Every device kernel of the trace as compact rows (device, stream, kernel, XLA op, start
     us, us), sorted by device and start, into ``out`` (gzipped JSON): a step's schedule to read
     or compare offline without the profiler's whole trace. Returns the number of rows."""
-    rows = sorted([e["pid"], e.get("tid"), str(e.get("name", "?")),
-                   str((e.get("args", {}) or {}).get("hlo_op", "")), float(e.get("ts", 0.0)),
-                   float(e.get("dur", 0.0))] for e in _kernel_events(path))
+    rows = sorted(([e["pid"], e.get("tid"), str(e.get("name", "?")),
+                    str((e.get("args", {}) or {}).get("hlo_op", "")), float(e.get("ts", 0.0)),
+                    float(e.get("dur", 0.0))] for e in _kernel_events(path)),
+                  key=lambda r: (r[0], r[4]))
     with gzip.open(out, "wt") as f:
         json.dump(rows, f)
     return len(rows)
