@@ -368,20 +368,24 @@ class Trainer:
         of the batch, their mean over devices, the guarded update with a global verdict. With a
         sharding axis (FSDP) the sharded parameters are gathered for the forward pass and their
         gradients reduce-scattered back to the shards."""
+        # The mean over devices is taken on the loss, before differentiation: its 1/n then
+        # scales the backward pass's seed, and the summed gradients need no pass of their own
+        # (a division after the psum is an elementwise pass over every gradient that XLA cannot
+        # fuse into the update's custom call: 0.7 ms a step for 0.5 B bf16 gradients).
+        n = len(self.devices)
+        scaled = lambda params: self.loss_fn(params, batch) / n
         if self.shard == 1:
-            loss, grads = jax.value_and_grad(self.loss_fn)(state.opt.params, batch)
-            loss = jax.lax.pmean(loss, "dp")
-            grads = jax.lax.pmean(grads, "dp")
+            loss, grads = jax.value_and_grad(scaled)(state.opt.params)
+            loss = jax.lax.psum(loss, "dp")
+            grads = jax.lax.psum(grads, "dp")
         else:
             local = self.treedef.flatten_up_to(state.opt.params)
             full = [jax.lax.all_gather(p, "shard", axis=0, tiled=True) if sh else p
                     for p, sh in zip(local, self.sharded)]
-            loss, grads = jax.value_and_grad(self.loss_fn)(
-                jax.tree.unflatten(self.treedef, full), batch)
-            n = len(self.devices)
-            loss = jax.lax.psum(loss, ("dp", "shard")) / n
+            loss, grads = jax.value_and_grad(scaled)(jax.tree.unflatten(self.treedef, full))
+            loss = jax.lax.psum(loss, ("dp", "shard"))
             grads = [jax.lax.psum(jax.lax.psum_scatter(g, "shard", scatter_dimension=0, tiled=True)
-                                  if sh else jax.lax.psum(g, "shard"), "dp") / n
+                                  if sh else jax.lax.psum(g, "shard"), "dp")
                      for g, sh in zip(self.treedef.flatten_up_to(grads), self.sharded)]
             grads = jax.tree.unflatten(self.treedef, grads)
         if self.inject_gradients:
