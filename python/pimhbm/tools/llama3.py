@@ -114,18 +114,14 @@ def _launch(args: Any) -> int:
     return max(codes, key=abs)
 
 
-def _median_step(step, carry, batches, lrs):
-    import jax
-    carry = step(carry, batches[0], lrs[0])
-    jax.block_until_ready(carry)
-    times = []
-    for rep in range(3):
-        t0 = time.perf_counter()
-        for b, lr in zip(batches, lrs):
-            carry = step(carry, b, lr)
-        jax.block_until_ready(carry)
-        times.append((time.perf_counter() - t0) / len(batches))
-    return statistics.median(times), carry
+ROUNDS = 5  # timed rounds of each step, alternating plain and protected
+
+
+def _timed_round(fn) -> float:
+    """Seconds ``fn`` takes (it runs a round of steps and waits for them)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 PROFILE_STEPS = 6  # steps traced of each kind (fewer when --steps is smaller)
@@ -307,20 +303,20 @@ def run(args: Any) -> int:
     batch_fn = text_batches(data, batch, args.seq, 0)
     batches = [jax.tree.map(lambda x: put(x, split), batch_fn(s + 1)) for s in range(args.steps)]
     lrs = [put(np.float32(lr_of(s + 1)), replicated) for s in range(args.steps)]
-    console.print("timing the unprotected step (optax.adamw) ...")
+    console.print("compiling the unprotected step (optax.adamw) ...")
     opt0 = jax.jit(tx.init)(master)  # moments follow the master weights' sharding
-    plain, carry = _median_step(plain_step, (master, opt0, params), batches, lrs)
+    carry = plain_step((master, opt0, params), batches[0], lrs[0])
+    jax.block_until_ready(carry)
+    del master, opt0, params  # donated
+
+    def plain_round(steps: int) -> None:
+        nonlocal carry
+        for b, lr in zip(batches[:steps], lrs[:steps]):
+            carry = plain_step(carry, b, lr)
+        jax.block_until_ready(carry)
+
     profiles = {}
     profile_steps = min(PROFILE_STEPS, len(batches))
-    if args.profile:
-        def traced_plain():
-            nonlocal carry
-            for b, lr in zip(batches[:profile_steps], lrs[:profile_steps]):
-                carry = plain_step(carry, b, lr)
-            jax.block_until_ready(carry)
-        profiles["plain"] = device_profile.trace(os.path.join(args.profile, "plain"), traced_plain)
-    del carry, master, params  # donated
-    results["plain_ms"] = plain * 1e3
 
     # Protected: the recovery engine's step (fault hooks compiled in, as in the campaign).
     name = f"pimhbm_llama3_{uuid.uuid4().hex[:8]}"
@@ -341,21 +337,31 @@ def run(args: Any) -> int:
                                            if before else None)
         console.print(f"  {pre['programs']} programs in {pre['seconds']:.1f} s; device memory used "
                       f"by compiling: {results['prewarm_device_bytes']} bytes")
-        console.print("timing the protected step ...")
         trainer.run(3)  # warm
+        plain_round(2)
+        # Side by side: rounds of each step in turn, so that a drift of the machine (clocks,
+        # temperature, the other processes) falls on both alike; the median round of each.
+        console.print(f"timing both steps: {ROUNDS} rounds of {args.steps} steps each, in turn ...")
         copies_before = pimhbm._core.unaliased_copies()
-        times = []
-        for rep in range(3):
+        plain_times, protected_times = [], []
+        for rep in range(ROUNDS):
+            plain_times.append(_timed_round(lambda: plain_round(args.steps)) / args.steps)
             start = trainer.next_step
-            t0 = time.perf_counter()
-            trainer.run(start + args.steps - 1)
-            times.append((time.perf_counter() - t0) / args.steps)
-        protected = statistics.median(times)
+            protected_times.append(
+                _timed_round(lambda: trainer.run(start + args.steps - 1)) / args.steps)
+        plain, protected = statistics.median(plain_times), statistics.median(protected_times)
+        results["plain_ms"] = plain * 1e3
         results["protected_ms"] = protected * 1e3
+        results["rounds_ms"] = {"plain": [t * 1e3 for t in plain_times],
+                                "protected": [t * 1e3 for t in protected_times]}
         results["overhead"] = protected / plain - 1
         # In-place results XLA did not alias (each a copy the timing above paid for).
         results["unaliased_copies_per_step"] = (pimhbm._core.unaliased_copies() -
-                                                copies_before) / (3 * args.steps)
+                                                copies_before) / (ROUNDS * args.steps)
+        if args.profile:
+            profiles["plain"] = device_profile.trace(os.path.join(args.profile, "plain"),
+                                                     lambda: plain_round(profile_steps))
+        del carry  # the plain step's state: not needed any more
         if args.profile:
             start = trainer.next_step
             profiles["protected"] = device_profile.trace(
