@@ -47,7 +47,7 @@ def timed_loop(step, carry, args, short=5, long=25, reps=7):
       batch -- t_long / long, which also carries, once a batch, the host's dispatch of the
         first step and the final wait (a latency a training loop pays once, not every step;
         larger for a program of more buffers and calls).
-    Returns (steady, batch, carry)."""
+    Returns (steady, batch, long, carry)."""
     def run(n):
         nonlocal carry
         t0 = time.perf_counter()
@@ -62,7 +62,7 @@ def timed_loop(step, carry, args, short=5, long=25, reps=7):
         t_short, t_long = run(short), run(long)
         slopes.append((t_long - t_short) / (long - short))
         batches.append(t_long / long)
-    return statistics.median(slopes), statistics.median(batches), carry
+    return statistics.median(slopes), statistics.median(batches), long, carry
 
 
 PROFILE_STEPS = 10
@@ -112,8 +112,8 @@ def bench_case(kind, n_params, leaves, profile_dir=None):
             return (m, s, jax.tree.map(lambda x: x.astype(jnp.bfloat16), m)) if bf16 else (m, s)
 
         jitted = jax.jit(step, donate_argnums=0)
-        steady, batch, carry = timed_loop(jitted, carry, (grads,))
-        out[name] = (steady, batch)
+        steady, batch, long, carry = timed_loop(jitted, carry, (grads,))
+        out[name] = (steady, batch, long)
         if profile_dir and name == "optax.adamw":
             rows, wall, carry = profile_steps(jitted, carry, (grads,), f"{profile_dir}/{kind}-optax")
             profiles[name] = {"kernels": rows, "timeline": wall}
@@ -123,7 +123,7 @@ def bench_case(kind, n_params, leaves, profile_dir=None):
         """One guarded step's time with `opt`; the state it leaves must verify (the next step
         commits). With `profile` (and --profile), its kernels are traced too."""
         upd = jax.jit(lambda s, g, lr: opt.update(g, s, lr)[0], donate_argnums=0)
-        steady, batch, state = timed_loop(upd, opt.init(params), (grads, jnp.float32(LR)))
+        steady, batch, long, state = timed_loop(upd, opt.init(params), (grads, jnp.float32(LR)))
         if profile and profile_dir:
             rows, wall, state = profile_steps(upd, state, (grads, jnp.float32(LR)),
                                               f"{profile_dir}/{kind}-pimhbm")
@@ -131,7 +131,7 @@ def bench_case(kind, n_params, leaves, profile_dir=None):
         report = jax.jit(lambda s, g, lr: opt.update(g, s, lr)[1])(state, grads, jnp.float32(LR))
         if not bool(report.committed):
             raise RuntimeError(f"{what}: the state did not verify at the next step")
-        return steady, batch
+        return steady, batch, long
 
     # pimhbm.adamw: digests checked and rewritten, NaN/Inf counted, commit-or-skip on the device.
     opt = pimhbm.adamw(LR, master_weights=bf16)
@@ -148,8 +148,9 @@ def bench_case(kind, n_params, leaves, profile_dir=None):
     # A step that must skip (NaN in the gradient): the predicated restore copies the state back.
     bad = dict(grads)
     bad["w0"] = bad["w0"].at[12345].set(jnp.nan)
-    steady, batch, state = timed_loop(upd, state, (bad, jnp.float32(LR)), short=2, long=7, reps=3)
-    out["pimhbm.adamw, skipped step"] = (steady, batch)
+    steady, batch, long, state = timed_loop(upd, state, (bad, jnp.float32(LR)), short=2, long=7,
+                                            reps=3)
+    out["pimhbm.adamw, skipped step"] = (steady, batch, long)
     probe = jax.tree.leaves(state.mu)[0]
     seconds = read_ceiling(probe)
     ceiling = probe.nbytes / seconds / 1e12 if seconds else None
@@ -188,25 +189,25 @@ def main() -> int:
     payload = {"device": dev.device_kind, "params": args.params, "results": {}}
     table = Table(title=f"AdamW step, {args.params / 1e6:.0f} M parameters in {args.leaves} "
                         f"tensors, {dev.device_kind} (steady: the slope between batches of 5 "
-                        "and 25 steps, median of 7)")
+                        "and 25 steps, median of 7; the skipped step: 2 and 7, median of 3)")
     for col in ("state", "update", "ms", "effective TB/s", "vs optax.adamw", "of read ceiling",
-                "ms, batches of 25", "vs optax.adamw "):
+                "ms a step of a batch (steps)", "batch vs optax.adamw"):
         table.add_column(col, justify="left" if col in ("state", "update") else "right")
     for kind in ("fp32", "bf16+master"):
         n, out, ceiling, profiles = bench_case(kind, args.params, args.leaves, args.profile)
         if profiles:
             payload.setdefault("profiles", {})[kind] = profiles
             print_profiles(console, kind, profiles)
-        base, base_batch = out["optax.adamw"]
+        base, base_batch, base_long = out["optax.adamw"]
         payload["results"][kind] = {k: {"ms": v * 1e3, "TB/s": BYTES_PER_PARAM * n / v / 1e12,
-                                        "ms, batches of 25": b * 1e3}
-                                    for k, (v, b) in out.items()}
+                                        "ms a step of a batch": b * 1e3, "batch steps": steps}
+                                    for k, (v, b, steps) in out.items()}
         payload["results"][kind]["read ceiling TB/s"] = ceiling
-        for k, (v, b) in out.items():
+        for k, (v, b, steps) in out.items():
             tbs = BYTES_PER_PARAM * n / v / 1e12
             table.add_row(kind, k, f"{v * 1e3:.3f}", f"{tbs:.2f}", f"{v / base:.3f}x",
-                          f"{tbs / ceiling:.2f}" if ceiling else "-", f"{b * 1e3:.3f}",
-                          f"{b / base_batch:.3f}x")
+                          f"{tbs / ceiling:.2f}" if ceiling else "-", f"{b * 1e3:.3f} ({steps})",
+                          f"{b / base_batch:.3f}x" if steps == base_long else "-")
     console.print(table)
     for kind, res in payload["results"].items():
         ratio = res["pimhbm.adamw (guarded)"]["ms"] / res["optax.adamw"]["ms"]

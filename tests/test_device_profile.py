@@ -112,3 +112,44 @@ def test_the_timeline_holds_every_device_kernel_in_order(tmp_path):
         rows = json.load(f)
     assert [(r[0] - 10, r[1], r[2], r[3], r[4], r[5]) for r in rows] == [
         (d, s, n, n + "_op", t, u) for d, s, n, t, u in sorted(kernels, key=lambda k: (k[0], k[3]))]
+
+
+def test_collectives_sit_in_their_own_step_and_copies_cover_them(tmp_path):
+    """Two steps of 1000 us (the "XLA Modules" line says where each runs), with an all-gather
+    at the very start of each step (before any compute), an all-reduce at its end (after the
+    last compute) and a copy running under one all-reduce."""
+    kernels = []
+    for s in (0, 1):
+        t = 1000 * s
+        kernels += [(0, 2, "ncclAllGather", t, 50), (0, 1, "fusion_1", t + 100, 700),
+                    (0, 2, "ncclAllReduce", t + 850, 100)]
+    kernels.append((0, 1, "MemcpyD2D", 1850, 100))  # covers step 1's all-reduce entirely
+    path = write_trace(tmp_path, kernels)
+    with gzip.open(path, "rt") as f:
+        trace = json.load(f)
+    trace["traceEvents"] += [
+        {"ph": "M", "name": "thread_name", "pid": 10, "tid": 8, "args": {"name": "XLA Modules"}},
+        {"ph": "X", "pid": 10, "tid": 8, "name": "jit_step", "ts": 0, "dur": 1000},
+        {"ph": "X", "pid": 10, "tid": 8, "name": "jit_small", "ts": 990, "dur": 5},  # not a step
+        {"ph": "X", "pid": 10, "tid": 8, "name": "jit_step", "ts": 1000, "dur": 1000}]
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    rows = {r[0]: r[1:] for r in device_profile.collectives(path, steps=2)}
+    # One device: per step, the all-gather 50 us, all exposed; the all-reduce 100 us, exposed
+    # in step 0 only (the copy covers it in step 1).
+    assert rows["ncclAllGather_op"] == pytest.approx((1, 0.05, 0.05, 0.0))
+    assert rows["ncclAllReduce_op"] == pytest.approx((1, 0.1, 0.05, 0.85))
+    assert list(rows) == ["ncclAllGather_op", "ncclAllReduce_op"]  # most exposed first
+
+
+def test_collectives_without_a_module_line_use_equal_steps(tmp_path):
+    # Two steps over 0-2000 us: all-reduces at 0 (start of step 0), 1900 (near the end of step
+    # 1) and a last one ending exactly at the span's end.
+    path = write_trace(tmp_path, [
+        (0, 2, "ncclA", 0, 100), (0, 1, "fusion_1", 100, 1700),
+        (0, 2, "ncclB", 1900, 50), (0, 2, "ncclC", 1950, 50)])
+    rows = {r[0]: r[1:] for r in device_profile.collectives(path, steps=2)}
+    assert rows["ncclA_op"][3] == pytest.approx(0.0)
+    assert rows["ncclB_op"][3] == pytest.approx(0.9)
+    assert rows["ncclC_op"][3] == pytest.approx(0.95)
+    assert rows["ncclA_op"][:3] == pytest.approx((0, 0.05, 0.05))  # one launch in two steps

@@ -739,3 +739,32 @@ def test_without_device_copies_a_replica_axis_is_required():
     opt = pimhbm.adamw(3e-3, device_copy=False, chunk_elems=256)
     with pytest.raises(ValueError, match="needs more devices than shard=2"):
         Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), devices=jax.devices()[:2], shard=2)
+
+
+@pytest.mark.parametrize("ndev,shard", [(4, 1), (4, 2)])
+def test_the_step_takes_the_mean_over_the_whole_batch(rng, ndev, shard):
+    """Each device differentiates its slice's loss divided by the device count, and the sums go
+    over every device: the step's loss and gradients are the whole batch's mean, in data
+    parallelism and with FSDP. After one step mu = (1 - b1) g, so a wrong scale (a missing or
+    double division) shows in mu; AdamW's update itself would hide it."""
+    if len(jax.devices()) < ndev:
+        pytest.skip(f"needs {ndev} devices")
+    params = mlp.init(int(rng.integers(1 << 30)))
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    batch = {"x": x, "y": rng.integers(0, 10, 64).astype(np.int32)}
+    b1 = 0.9
+    opt = pimhbm.adamw(1e-3, b1=b1, master_weights=True, chunk_elems=256)
+    tr = Trainer(mlp.loss, opt, params, lambda step: batch, snapshot_every=0, scrub_every=0,
+                 devices=jax.devices()[:ndev], shard=shard, telemetry=None)
+    tr.prewarm()
+    stats = tr.run(1)
+    loss, grads = jax.value_and_grad(mlp.loss)(params, {k: jnp.asarray(v) for k, v in batch.items()})
+    np.testing.assert_allclose(stats.losses[1], float(loss), rtol=1e-5)
+    state = tr.current_state()
+    for path, g in grads.items():
+        g = np.asarray(g, np.float32)
+        mu = state[f"{path}/mu"].reshape(g.shape)
+        # The devices' bf16 gradients are summed in bf16: equal to the whole batch's to bf16
+        # rounding, never off by a factor.
+        np.testing.assert_allclose(mu / (1 - b1), g, rtol=2e-2, atol=2e-2 * np.abs(g).max())
+        assert np.linalg.norm(mu / (1 - b1)) == pytest.approx(np.linalg.norm(g), rel=1e-2)

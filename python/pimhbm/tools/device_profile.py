@@ -5,6 +5,7 @@ Used by ``pimhbm llama3 --profile DIR`` to split the cost of protection into its
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
 import glob
@@ -28,24 +29,49 @@ def trace(log_dir: str, fn: Callable[[], None]) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def _kernel_events(path: str) -> tuple[dict, ...]:
-    """The trace's kernel events on its device (GPU) timelines: each stream's "X" events (read
-    once per trace: device_events and overlap both use them)."""
+def _trace_events(path: str) -> tuple[tuple[dict, ...], frozenset, dict]:
+    """The trace's events, its device (GPU) timelines' pids, and each device line's name by
+    (pid, tid) (read once per trace)."""
     with gzip.open(path, "rt") as f:
         events = json.load(f)
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
-    device_pids = {e["pid"] for e in events
-                   if e.get("ph") == "M" and e.get("name") == "process_name" and
-                   "gpu" in str(e.get("args", {}).get("name", "")).lower()}
+    device_pids = frozenset(e["pid"] for e in events
+                            if e.get("ph") == "M" and e.get("name") == "process_name" and
+                            "gpu" in str(e.get("args", {}).get("name", "")).lower())
+    lines = {(e["pid"], e.get("tid")): str(e.get("args", {}).get("name", ""))
+             for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in device_pids}
+    return tuple(events), device_pids, lines
+
+
+@functools.lru_cache(maxsize=4)
+def _kernel_events(path: str) -> tuple[dict, ...]:
+    """The trace's kernel events on its device (GPU) timelines: each stream's "X" events."""
+    events, device_pids, lines = _trace_events(path)
     # A device's timeline also holds derived lines ("XLA Ops", "XLA Modules") over the same
     # time: only its streams' kernels count (all of its lines where none is named a stream).
-    streams = {(e["pid"], e.get("tid")) for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name" and
-               e.get("pid") in device_pids and
-               "stream" in str(e.get("args", {}).get("name", "")).lower()}
+    streams = {key for key, name in lines.items() if "stream" in name.lower()}
     return tuple(e for e in events
                  if e.get("ph") == "X" and e.get("pid") in device_pids and
                  (not streams or (e["pid"], e.get("tid")) in streams))
+
+
+def _step_windows(path: str) -> dict[int, list[tuple[float, float]]]:
+    """Per device pid, the [start, end) of each run of the traced program, from the device's
+    "XLA Modules" line: the modules at least half as long as its longest (the step; not the
+    small programs around it). Empty for a device without that line."""
+    events, _, lines = _trace_events(path)
+    modules = {key for key, name in lines.items() if name.lower() == "xla modules"}
+    runs: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in modules:
+            a = float(e.get("ts", 0.0))
+            runs[e["pid"]].append((a, a + float(e.get("dur", 0.0))))
+    out = {}
+    for pid, spans in runs.items():
+        longest = max(b - a for a, b in spans)
+        out[pid] = sorted((a, b) for a, b in spans if b - a >= longest / 2)
+    return out
 
 
 def device_events(path: str) -> list[tuple[str, str, float]]:
@@ -56,8 +82,8 @@ def device_events(path: str) -> list[tuple[str, str, float]]:
 
 
 def write_timeline(path: str, out: str) -> int:
-    """Every device kernel of the trace as compact rows (device, stream, kernel, XLA op, start
-    us, us), sorted by device and start, into ``out`` (gzipped JSON): a step's schedule to read
+    """Every device kernel of the trace as compact rows (device -- the trace's process id of
+    the device's timeline --, stream, kernel, XLA op, start us, us), sorted by device and start, into ``out`` (gzipped JSON): a step's schedule to read
     or compare offline without the profiler's whole trace. Returns the number of rows."""
     rows = sorted(([e["pid"], e.get("tid"), str(e.get("name", "?")),
                     str((e.get("args", {}) or {}).get("hlo_op", "")), float(e.get("ts", 0.0)),
@@ -115,30 +141,40 @@ def overlap(path: str, steps: int) -> dict[str, float]:
 
 def collectives(path: str, steps: int, n: int = 12) -> list[tuple[str, int, float, float, float]]:
     """Each collective XLA op of the trace: (op, launches per step, ms per step, ms per step
-    exposed -- running while no compute kernel runs on its device --, mean start in the step
-    as a fraction of the span). Sorted by exposed time, the n largest: which of the step's
-    collectives the schedule leaves uncovered, and where in the step they sit."""
+    exposed, mean start as a fraction of its step). Sorted by exposed time, the n largest:
+    which of the step's collectives the schedule leaves uncovered, and where in the step they
+    sit. Per device, averaged over the devices.
+    - exposed: the part of the op's own time during which no other kernel (collectives aside;
+      copies and memsets count as cover, as in overlap()) runs on its device; two collectives
+      running together each count theirs, so the ops' sum can exceed overlap()'s figure.
+    - its step: the run of the program (the "XLA Modules" line of the device) that holds the
+      op's start; where the trace has no such line, the device's kernels' span cut into
+      ``steps`` equal parts. Clamped to [0, 1].
+    - launches per step: over every device of the trace, rounded down."""
     per_device: dict[int, list[dict]] = collections.defaultdict(list)
     for e in _kernel_events(path):
         per_device[e["pid"]].append(e)
+    windows = _step_windows(path)
     time: dict[str, float] = collections.defaultdict(float)
     exposed: dict[str, float] = collections.defaultdict(float)
     where: dict[str, float] = collections.defaultdict(float)
     count: collections.Counter = collections.Counter()
-    for events in per_device.values():
-        compute = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
-                         for e in events
-                         if category(str(e.get("name", ""))) not in ("collectives", "copies / memsets"))
-        if not compute:
-            continue
-        lo, hi = compute[0][0], max(b for _, b in compute)
-        step_us = (hi - lo) / steps
-        merged: list[list[float]] = []  # the compute kernels' union, as disjoint intervals
-        for a, b in compute:
+    for pid, events in per_device.items():
+        cover = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+                       for e in events if category(str(e.get("name", ""))) != "collectives")
+        merged: list[list[float]] = []  # the other kernels' union, as disjoint intervals
+        for a, b in cover:
             if merged and a <= merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], b)
             else:
                 merged.append([a, b])
+        steps_of = windows.get(pid)
+        if not steps_of:  # equal parts of the device's span
+            lo = min(float(e["ts"]) for e in events)
+            hi = max(float(e["ts"]) + float(e.get("dur", 0.0)) for e in events)
+            part = (hi - lo) / steps
+            steps_of = [(lo + i * part, lo + (i + 1) * part) for i in range(steps)]
+        starts = [a for a, _ in steps_of]
         for e in events:
             if category(str(e.get("name", ""))) != "collectives":
                 continue
@@ -148,7 +184,8 @@ def collectives(path: str, steps: int, n: int = 12) -> list[tuple[str, int, floa
             covered = sum(max(0.0, min(b, y) - max(a, x)) for x, y in merged if x < b and y > a)
             time[op] += b - a
             exposed[op] += (b - a) - covered
-            where[op] += ((a - lo) % step_us) / step_us if step_us > 0 else 0.0
+            w0, w1 = steps_of[max(0, bisect.bisect_right(starts, a) - 1)]
+            where[op] += min(max((a - w0) / (w1 - w0), 0.0), 1.0) if w1 > w0 else 0.0
             count[op] += 1
     devices = max(len(per_device), 1)
     rows = sorted(time, key=lambda op: -exposed[op])[:n]
