@@ -77,32 +77,42 @@ def _step_windows(path: str) -> dict[int, list[tuple[float, float]]]:
 def device_events(path: str) -> list[tuple[str, str, float]]:
     """(kernel name, XLA op or "", microseconds) of every event on the trace's device (GPU)
     timelines. Empty when the trace holds no device timeline (a CPU run)."""
-    return [(str(e.get("name", "?")), str((e.get("args", {}) or {}).get("hlo_op", "")),
-             float(e.get("dur", 0.0))) for e in _kernel_events(path)]
+    return [(str(e.get("name", "?")), _op(e), float(e.get("dur", 0.0)))
+            for e in _kernel_events(path)]
 
 
 def write_timeline(path: str, out: str) -> int:
     """Every device kernel of the trace as compact rows (device -- the trace's process id of
-    the device's timeline --, stream, kernel, XLA op, start us, us), sorted by device and start, into ``out`` (gzipped JSON): a step's schedule to read
-    or compare offline without the profiler's whole trace. Returns the number of rows."""
-    rows = sorted(([e["pid"], e.get("tid"), str(e.get("name", "?")),
-                    str((e.get("args", {}) or {}).get("hlo_op", "")), float(e.get("ts", 0.0)),
-                    float(e.get("dur", 0.0))] for e in _kernel_events(path)),
-                  key=lambda r: (r[0], r[4]))
+    the device's timeline --, stream, kernel, XLA op, start us, us), sorted by device and start,
+    into ``out`` (gzipped JSON): a step's schedule to read or compare offline without the
+    profiler's whole trace. Returns the number of rows."""
+    rows = sorted(([e["pid"], e.get("tid"), str(e.get("name", "?")), _op(e),
+                    float(e.get("ts", 0.0)), float(e.get("dur", 0.0))]
+                   for e in _kernel_events(path)), key=lambda r: (r[0], r[4]))
     with gzip.open(out, "wt") as f:
         json.dump(rows, f)
     return len(rows)
 
 
+def _merged(intervals: list[tuple[float, float]]) -> list[list[float]]:
+    """The union of [start, end) intervals as disjoint intervals, in order."""
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
 def _union(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of [start, end) intervals."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
+    return sum(b - a for a, b in _merged(intervals))
+
+
+def _op(e: dict) -> str:
+    """The XLA op a kernel event ran for ("" where the trace does not say)."""
+    return str((e.get("args", {}) or {}).get("hlo_op", ""))
 
 
 def overlap(path: str, steps: int) -> dict[str, float]:
@@ -160,14 +170,8 @@ def collectives(path: str, steps: int, n: int = 12) -> list[tuple[str, int, floa
     where: dict[str, float] = collections.defaultdict(float)
     count: collections.Counter = collections.Counter()
     for pid, events in per_device.items():
-        cover = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
-                       for e in events if category(str(e.get("name", ""))) != "collectives")
-        merged: list[list[float]] = []  # the other kernels' union, as disjoint intervals
-        for a, b in cover:
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
+        merged = _merged([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+                          for e in events if category(str(e.get("name", ""))) != "collectives"])
         steps_of = windows.get(pid)
         if not steps_of:  # equal parts of the device's span
             lo = min(float(e["ts"]) for e in events)
@@ -180,7 +184,7 @@ def collectives(path: str, steps: int, n: int = 12) -> list[tuple[str, int, floa
                 continue
             a = float(e["ts"])
             b = a + float(e.get("dur", 0.0))
-            op = str((e.get("args", {}) or {}).get("hlo_op", "")) or str(e.get("name", "?"))[:40]
+            op = _op(e) or str(e.get("name", "?"))[:40]
             covered = sum(max(0.0, min(b, y) - max(a, x)) for x, y in merged if x < b and y > a)
             time[op] += b - a
             exposed[op] += (b - a) - covered

@@ -348,15 +348,13 @@ def run(args: Any) -> int:
         # temperature, the other processes) falls on both alike; the median round of each.
         console.print(f"timing both steps: {ROUNDS} rounds of {args.steps} steps each, in turn ...")
         copies_before = pimhbm._core.unaliased_copies()
-        plain_times, protected_times = [], []
+        rounds = {"plain": lambda: plain_round(args.steps),
+                  "protected": lambda: trainer.run(trainer.next_step + args.steps - 1)}
+        times: dict[str, list[float]] = {"plain": [], "protected": []}
         for rep in range(ROUNDS):  # ABBA: each step goes first in every other round
             for kind in (("plain", "protected") if rep % 2 == 0 else ("protected", "plain")):
-                if kind == "plain":
-                    plain_times.append(_timed_round(lambda: plain_round(args.steps)) / args.steps)
-                else:
-                    start = trainer.next_step
-                    protected_times.append(
-                        _timed_round(lambda: trainer.run(start + args.steps - 1)) / args.steps)
+                times[kind].append(_timed_round(rounds[kind]) / args.steps)
+        plain_times, protected_times = times["plain"], times["protected"]
         plain, protected = statistics.median(plain_times), statistics.median(protected_times)
         results["plain_ms"] = plain * 1e3
         results["protected_ms"] = protected * 1e3
