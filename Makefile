@@ -36,8 +36,16 @@ build-cpp: $(VENV)/.ready
 test-cpp: build-cpp
 	ctest --test-dir $(CPP_BUILD) --output-on-failure -j $$(nproc)
 
+# pytest runs on every core (at most 4) where pytest-xdist is installed and no GPU is visible;
+# on a GPU each JAX process takes most of the GPU's memory, so there the tests run one by one.
+PYTEST_WORKERS := $(shell n=$$(nproc); [ $$n -gt 4 ] && n=4; echo $$n)
 test-py: install
-	$(PY) -m pytest tests
+	@if $(PY) -c 'import xdist' 2>/dev/null && ! nvidia-smi -L >/dev/null 2>&1; then \
+	  echo "pytest on $(PYTEST_WORKERS) workers (pytest-xdist)"; \
+	  $(PY) -m pytest tests -n $(PYTEST_WORKERS) --dist worksteal; \
+	else \
+	  $(PY) -m pytest tests; \
+	fi
 
 bench: install
 	$(PY) bench/scan_bench.py

@@ -20,6 +20,9 @@ def pytest_report_header(config):
 
 
 _SEED = int(os.environ.get("PIMHBM_SEED", random.SystemRandom().randrange(2**32)))
+# Parallel workers (pytest-xdist, started after this file is loaded) inherit the environment:
+# every worker then draws from the seed in the report header.
+os.environ["PIMHBM_SEED"] = str(_SEED)
 
 
 @pytest.fixture
