@@ -6,9 +6,10 @@
 // evict-first or plain loads.
 //
 // usage: adamw_kernel_bench [parameters, default 268435456]
-// Prints ms per step (median of 7 x 20, CUDA events) and effective TB/s over 28 bytes per
-// parameter (fp32: p, mu, nu read + written, g read; bf16 + master: master, mu, nu read +
-// written, bf16 g read, bf16 p written), plus 12 or 14 bytes with the device copy.
+// Prints ms per step (median of 7 x 20, CUDA events) and effective TB/s over the bytes a
+// parameter moves: fp32 28 (p, mu, nu read + written, g read); bf16 + master 26 (the master
+// stored as the bf16 p and a 16-bit remainder: p, remainder, mu, nu read + written, bf16 g
+// read); plus 12 with the device copy.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -46,6 +47,15 @@ __global__ void fill(float* x, int64_t n, uint32_t seed, float scale, bool posit
     h ^= h >> 13;
     const float u = (h >> 8) * (1.0f / 16777216.0f) - 0.5f;
     x[i] = positive ? scale * u * u : scale * u;
+  }
+}
+
+// fp32 master weights into their stored form: the bf16 parameter and the remainder.
+__global__ void to_split(const float* w, uint16_t* p, uint16_t* r, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const SplitMaster s = split_master(w[i]);
+    p[i] = s.p, r[i] = s.r;
   }
 }
 
@@ -106,18 +116,20 @@ __global__ void flat_fp32(const float4* __restrict__ p, const float4* __restrict
   }
 }
 
-// bf16 + master: master, mu, nu (fp32) and g (bf16) in; master, mu, nu, p (bf16) out.
-__global__ void stream_master(const float4* w, const float4* mu, const float4* nu, const uint2* g,
-                              float4* wo, float4* muo, float4* nuo, uint2* po, int64_t n4) {
+// bf16 + master: p and the master's remainder (bf16 / uint16), mu, nu (fp32) and g (bf16) in;
+// p, remainder, mu, nu out.
+__global__ void stream_master(const uint2* p, const uint2* r, const float4* mu, const float4* nu,
+                              const uint2* g, uint2* po, uint2* ro, float4* muo, float4* nuo,
+                              int64_t n4) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n4;
        i += int64_t{gridDim.x} * blockDim.x) {
-    const float4 a = __ldcs(w + i), m = __ldcs(mu + i), v = __ldcs(nu + i);
-    const uint2 d = __ldcs(g + i);
+    const float4 m = __ldcs(mu + i), v = __ldcs(nu + i);
+    const uint2 a = __ldcs(p + i), b = __ldcs(r + i), d = __ldcs(g + i);
     const float s = __uint_as_float(d.x << 16);
-    wo[i] = make_float4(a.x + s, a.y + s, a.z + s, a.w + s);
     muo[i] = make_float4(m.x + s, m.y, m.z, m.w);
     nuo[i] = make_float4(v.x + s, v.y, v.z, v.w);
-    po[i] = make_uint2(d.x ^ d.y, d.y);
+    po[i] = make_uint2(a.x ^ d.x, a.y);
+    ro[i] = make_uint2(b.x ^ d.y, b.y);
   }
 }
 
@@ -130,7 +142,8 @@ T* alloc(int64_t count) {
 
 struct Side {  // one copy of the state
   void* p;
-  float *master, *mu, *nu;
+  uint16_t* master;  // the master weights' remainders
+  float *mu, *nu;
   uint32_t *d_p, *d_master, *d_mu, *d_nu;
 };
 
@@ -159,7 +172,7 @@ Case make_case(bool bf16, int64_t n, int64_t chunk) {
   for (Side& s : c.side) {
     s.mu = alloc<float>(n);
     s.nu = alloc<float>(n);
-    s.master = bf16 ? alloc<float>(n) : nullptr;
+    s.master = bf16 ? alloc<uint16_t>(n) : nullptr;
     s.p = bf16 ? static_cast<void*>(alloc<uint16_t>(n)) : static_cast<void*>(alloc<float>(n));
     s.d_p = alloc<uint32_t>(2 * c.nchunks);
     s.d_mu = alloc<uint32_t>(2 * c.nchunks);
@@ -170,8 +183,8 @@ Case make_case(bool bf16, int64_t n, int64_t chunk) {
   fill<<<1024, 256>>>(a.mu, n, 1, 1e-3f, false);
   fill<<<1024, 256>>>(a.nu, n, 2, 1e-6f, true);
   if (bf16) {
-    fill<<<1024, 256>>>(a.master, n, 3, 0.04f, false);
-    to_bf16<<<1024, 256>>>(a.master, static_cast<uint16_t*>(a.p), n);
+    fill<<<1024, 256>>>(tmp, n, 3, 0.04f, false);
+    to_split<<<1024, 256>>>(tmp, static_cast<uint16_t*>(a.p), a.master, n);
     fill<<<1024, 256>>>(tmp, n, 4, 1e-2f, false);
     c.g = alloc<uint16_t>(n);
     to_bf16<<<1024, 256>>>(tmp, static_cast<uint16_t*>(c.g), n);
@@ -185,7 +198,7 @@ Case make_case(bool bf16, int64_t n, int64_t chunk) {
   table(a.p, n, bf16 ? 2 : 4, chunk, a.d_p);
   table(a.mu, n, 4, chunk, a.d_mu);
   table(a.nu, n, 4, chunk, a.d_nu);
-  if (bf16) table(a.master, n, 4, chunk, a.d_master);
+  if (bf16) table(a.master, n, 2, chunk, a.d_master);
   c.faults = alloc<int32_t>(c.nchunks);
   c.bad = alloc<int32_t>(c.nchunks);
   c.step = alloc<float>(3);
@@ -309,7 +322,8 @@ int main(int argc, char** argv) {
   std::printf("%-12s %-46s %9s %9s\n", "state", "kernel", "ms", "eff. TB/s");
   for (bool bf16 : {false, true}) {
     const char* kind = bf16 ? "bf16+master" : "fp32";
-    const double copy_bytes = bf16 ? 14.0 : 12.0;  // the device copy's writes per parameter
+    const double bytes = bf16 ? 26.0 : 28.0;  // what the update moves per parameter
+    const double copy_bytes = 12.0;           // the device copy's writes per parameter
     Case c = make_case(bf16, n, kChunk);
     int base_blocks = 0;
     CHECK(update::adamw_blocks_per_sm(bf16, bf16, 0, &base_blocks));
@@ -319,14 +333,14 @@ int main(int argc, char** argv) {
       if (!time_update(
               kind,
               "guarded adamw, " + std::to_string(in_flight) + " group(s) in flight" + occupancy, c,
-              false, AdamWLaunch{in_flight}, 28.0)) {
+              false, AdamWLaunch{in_flight}, bytes)) {
         return 1;
       }
     }
     {  // v10: the default kernel with plain loads instead of evict-first ones
       AdamWLaunch plain;
       plain.plain_loads = true;
-      if (!time_update(kind, "guarded adamw, plain loads", c, false, plain, 28.0)) return 1;
+      if (!time_update(kind, "guarded adamw, plain loads", c, false, plain, bytes)) return 1;
     }
     {
       int blocks = 0;
@@ -334,13 +348,13 @@ int main(int argc, char** argv) {
       if (!time_update(
               kind,
               "guarded adamw, compiled for 4 blocks/SM (" + std::to_string(blocks) + " resident)",
-              c, false, AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 4}, 28.0)) {
+              c, false, AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 4}, bytes)) {
         return 1;
       }
     }
     for (int ahead : {2, 4}) {
       if (!time_update(kind, "guarded adamw, L2 prefetch " + std::to_string(ahead) + " ahead", c,
-                       false, AdamWLaunch{1, MirrorPass::kDefault, ahead}, 28.0)) {
+                       false, AdamWLaunch{1, MirrorPass::kDefault, ahead}, bytes)) {
         return 1;
       }
     }
@@ -350,7 +364,7 @@ int main(int argc, char** argv) {
       if (!time_update(kind,
                        "guarded adamw, " + std::to_string(stages) + " stages in smem (" +
                            std::to_string(blocks) + " blocks/SM)",
-                       c, false, AdamWLaunch{1, MirrorPass::kDefault, 0, stages}, 28.0)) {
+                       c, false, AdamWLaunch{1, MirrorPass::kDefault, 0, stages}, bytes)) {
         return 1;
       }
     }
@@ -358,13 +372,14 @@ int main(int argc, char** argv) {
       const float ms = median_ms([&](int i) {
         const Side &r = c.side[i % 2], &w = c.side[1 - i % 2];
         stream_master<<<132 * 8, 256>>>(
-            reinterpret_cast<const float4*>(r.master), reinterpret_cast<const float4*>(r.mu),
-            reinterpret_cast<const float4*>(r.nu), static_cast<const uint2*>(c.g),
-            reinterpret_cast<float4*>(w.master), reinterpret_cast<float4*>(w.mu),
-            reinterpret_cast<float4*>(w.nu), static_cast<uint2*>(w.p), n / 4);
+            static_cast<const uint2*>(r.p), reinterpret_cast<const uint2*>(r.master),
+            reinterpret_cast<const float4*>(r.mu), reinterpret_cast<const float4*>(r.nu),
+            static_cast<const uint2*>(c.g), static_cast<uint2*>(w.p),
+            reinterpret_cast<uint2*>(w.master), reinterpret_cast<float4*>(w.mu),
+            reinterpret_cast<float4*>(w.nu), n / 4);
         CHECK(cudaGetLastError());
       });
-      row(kind, "plain stream, same bytes (ceiling)", ms, 28.0, n);
+      row(kind, "plain stream, same bytes (ceiling)", ms, bytes, n);
     } else {
       for (bool in_place : {false, true}) {
         for (bool evict_first : {true, false}) {
@@ -389,11 +404,11 @@ int main(int argc, char** argv) {
     // without the copy in the same chunks for the difference.
     c = make_case(bf16, n, kCopyChunk);
     bool ok = time_update(kind, "guarded adamw, 4096-element chunks, no copy", c, false,
-                          AdamWLaunch{1}, 28.0);
+                          AdamWLaunch{1}, bytes);
     AdamWLaunch plain;
     plain.plain_loads = true;
     ok = ok && time_update(kind, "guarded adamw, 4096-element chunks, plain loads", c, false, plain,
-                           28.0);
+                           bytes);
     const struct {
       MirrorPass pass;
       const char* name;
@@ -402,12 +417,12 @@ int main(int argc, char** argv) {
                   {MirrorPass::kTwoReadsKeep, "two reads, first kept in L2"}};
     for (const auto& p : passes) {
       ok = ok && time_update(kind, std::string("+ device copy: ") + p.name, c, true,
-                             AdamWLaunch{1, p.pass}, 28.0 + copy_bytes);
+                             AdamWLaunch{1, p.pass}, bytes + copy_bytes);
     }
     if (!ok) return 1;
     if (!bf16) {
       row(kind, "plain stream + copy, same bytes (ceiling)", time_stream(c, false, true, true),
-          28.0 + copy_bytes, n);
+          bytes + copy_bytes, n);
     }
     free_case(c);
 
@@ -415,10 +430,10 @@ int main(int argc, char** argv) {
     // fastest plain stream (flat, above).
     c = make_case(bf16, n, 1024);
     ok = time_update(kind, "guarded adamw, 1024-element chunks, no copy", c, false, AdamWLaunch{1},
-                     28.0);
+                     bytes);
     for (const auto& p : passes) {
       ok = ok && time_update(kind, std::string("+ device copy, 1024: ") + p.name, c, true,
-                             AdamWLaunch{1, p.pass}, 28.0 + copy_bytes);
+                             AdamWLaunch{1, p.pass}, bytes + copy_bytes);
     }
     if (!ok) return 1;
     free_case(c);

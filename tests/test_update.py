@@ -107,9 +107,42 @@ def test_bf16_with_master_weights_is_the_optax_formula_on_the_master(rng):
         ref = {k: numpy_adamw(np.asarray(g[k], np.float32), *ref[k], count=i + 1) for k in ref}
         assert bool(report.committed)
     for k, (w, m, v) in ref.items():
-        assert np.asarray(state.master[k]).tobytes() == w.tobytes(), k
-        assert np.asarray(state.params[k]).tobytes() == w.astype(ml_dtypes.bfloat16).tobytes(), k
+        assert state.master[k].dtype == jnp.uint16  # stored as the remainder beside p
+        assert np.asarray(state.master_weights[k]).tobytes() == w.tobytes(), k
+        assert np.asarray(state.params[k]).tobytes() == bf16_ties_away(w).tobytes(), k
         assert np.asarray(state.mu[k]).tobytes() == m.tobytes(), k
+        assert np.asarray(state.nu[k]).tobytes() == v.tobytes(), k
+
+
+def bf16_ties_away(w):
+    """float32 -> bfloat16, to nearest with ties away from zero (finite values)."""
+    up = w.view(np.uint32) + np.uint32(0x8000)
+    return (up >> 16).astype(np.uint16).view(ml_dtypes.bfloat16)
+
+
+def test_split_master_is_exact_and_rounds_p_to_nearest_ties_away(rng):
+    bits_ = rng.integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    # exact ties (lower half 0x8000) with even and odd upper halves, and the edges
+    hi = rng.integers(0, 2**16, 4096, dtype=np.uint32)
+    edges = np.array([0, 0x80000000, 0x7F7F8000, 0x7F7FFFFF, 0x7F800000, 0xFF800000, 0x00008000,
+                      0x3F808000, 0x3F818000], np.uint32)
+    bits_ = np.concatenate([bits_, (hi << 16) | 0x8000, edges])
+    w = bits_.view(np.float32)
+    p, r = jax.jit(pimhbm.split_master)(jnp.asarray(w))
+    assert p.dtype == jnp.bfloat16 and r.dtype == jnp.uint16
+    back = np.asarray(jax.jit(pimhbm.join_master)(p, r))
+    nan = np.isnan(w)
+    assert np.isnan(back[nan]).all()
+    assert (np.asarray(p)[nan].view(np.uint16) == 0x7FC0).all()
+    assert (back[~nan].view(np.uint32) == bits_[~nan]).all()
+    # p: round to nearest; it differs from ties-to-even exactly on ties with an even upper half
+    pv = np.asarray(p)[~nan].view(np.uint16)
+    even = w[~nan].astype(ml_dtypes.bfloat16).view(np.uint16)
+    lo, up = bits_[~nan] & 0xFFFF, bits_[~nan] >> 16
+    differ = (lo == 0x8000) & (up % 2 == 0)
+    assert differ.sum() > 1000
+    assert (pv[differ] == (up[differ] + 1).astype(np.uint16)).all()
+    assert (pv[~differ] == even[~differ]).all()
 
 
 def test_digests_of_the_new_state_are_the_scan_digests(rng):
@@ -281,9 +314,10 @@ def test_the_handler_rejects_a_wrong_digest_table():
     n = 100
     f = lambda k: jnp.zeros((k,), jnp.float32)
     t = lambda k: jnp.zeros((k, 2), jnp.uint32)
-    args = [f(n), f(0), f(n), f(n), f(n), t(7), t(0), t(1), t(1),
-            f(n), f(0), f(n), f(n), t(1), t(0), t(1), t(1),
-            f(0), f(0), f(0), f(0), t(0), t(0), t(0), t(0), f(3)]
+    r = lambda k: jnp.zeros((k,), jnp.uint16)  # master weights' remainders
+    args = [f(n), r(0), f(n), f(n), f(n), t(7), t(0), t(1), t(1),
+            f(n), r(0), f(n), f(n), t(1), t(0), t(1), t(1),
+            f(0), r(0), f(0), f(0), t(0), t(0), t(0), t(0), f(3)]
     outs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args[9:25]] + [
         jax.ShapeDtypeStruct((1,), jnp.int32)] * 2
     totals = jax.ShapeDtypeStruct((2, 2), jnp.uint32)
@@ -300,6 +334,15 @@ def test_the_handler_rejects_a_wrong_digest_table():
     two = jax.ffi.ffi_call("pimhbm_adamw", outs + outs + [totals])
     with pytest.raises(Exception, match=r"pimhbm.adamw: leaf 1: digests of the parameters"):
         jax.block_until_ready(two(args[-1], *good, *args[:-1], **attrs))
+    # Master weights in the old form (a float32 tensor) instead of their uint16 remainders.
+    b16 = lambda k: jnp.zeros((k,), jnp.bfloat16)
+    old = list(good)
+    old[0], old[1], old[4], old[9], old[10] = b16(n), f(n), b16(n), b16(n), f(n)
+    old[6] = old[14] = t(1)
+    outs16 = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in old[9:25]] + outs[16:]
+    with pytest.raises(Exception, match=r"pimhbm.adamw: master must be uint16, got float32"):
+        jax.block_until_ready(jax.ffi.ffi_call("pimhbm_adamw", outs16 + [totals])(
+            args[-1], *old, **attrs))
     # A call whose buffers do not come in whole leaves.
     with pytest.raises(Exception, match=r"expected 25 arguments and 18 results per leaf"):
         jax.block_until_ready(call(args[-1], *good[:-1], **attrs))

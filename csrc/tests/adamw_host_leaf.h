@@ -19,7 +19,8 @@ struct HostLeaf {
   int64_t n, chunk;
   bool bf16, master;
   std::vector<uint8_t> p, g, p_out;
-  std::vector<float> w, mu, nu, w_out, mu_out, nu_out;
+  std::vector<float> mu, nu, mu_out, nu_out;
+  std::vector<uint16_t> w, w_out;  // the master weights' remainders (split_master), if any
   std::vector<uint32_t> d_p, d_w, d_mu, d_nu, dn_p, dn_w, dn_mu, dn_nu;
   std::vector<int32_t> faults, bad;
   std::vector<uint64_t> totals{0, 0};  // AdamWLeaf::totals of a call of this leaf alone
@@ -56,18 +57,23 @@ struct HostLeaf {
     nu.resize(n);
     for (int64_t i = 0; i < n; ++i) {
       const float pv = normal(rng), gv = normal(rng);
-      set(p, i, pv);
       set(g, i, gv);
-      if (master) w[i] = pv + 1e-3f * normal(rng);
+      if (master) {  // a master near p; p is its upper half
+        const SplitMaster split = split_master(pv + 1e-3f * normal(rng));
+        std::memcpy(p.data() + 2 * i, &split.p, 2);
+        w[i] = split.r;
+      } else {
+        set(p, i, pv);
+      }
       mu[i] = 0.1f * normal(rng);
       nu[i] = std::fabs(0.01f * normal(rng));
     }
     d_p = table_of(p.data(), n, psize(), chunk);
-    d_w = table_of(w.data(), master ? n : 0, 4, chunk);
+    d_w = table_of(w.data(), master ? n : 0, 2, chunk);
     d_mu = table_of(mu.data(), n, 4, chunk);
     d_nu = table_of(nu.data(), n, 4, chunk);
     p_out.assign(p.size(), 0xAB);  // poisoned: every byte must be written
-    w_out.assign(w.size(), NAN);
+    w_out.assign(w.size(), 0xABAB);
     mu_out.assign(n, NAN);
     nu_out.assign(n, NAN);
     dn_p.assign(d_p.size(), 0xDEAD);
@@ -76,6 +82,14 @@ struct HostLeaf {
     dn_nu.assign(d_nu.size(), 0xDEAD);
     faults.assign(chunks(), -1);
     bad.assign(chunks(), -1);
+  }
+
+  // The fp32 master weight of element i: from p (or p_out) and w (or w_out).
+  float master_of(const std::vector<uint8_t>& pv, const std::vector<uint16_t>& wv,
+                  int64_t i) const {
+    uint16_t b;
+    std::memcpy(&b, pv.data() + 2 * i, 2);
+    return join_master(b, wv[i]);
   }
 
   float get(const std::vector<uint8_t>& v, int64_t i) const {

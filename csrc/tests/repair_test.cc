@@ -165,7 +165,8 @@ TEST(AdamWMirror, TakesOnlyChunksThatVerified) {
   HostLeaf h(rng, 5000, 512, true, true);
   h.mu[1234] += 1.0f;  // chunk 2 of mu damaged: the mirror must keep its old chunk 2
   std::vector<uint8_t> pm(h.p.size(), 0x55);
-  std::vector<float> wm(h.n, 3.0f), mum(h.n, 3.0f), num(h.n, 3.0f);
+  std::vector<uint16_t> wm(h.n, 3);
+  std::vector<float> mum(h.n, 3.0f), num(h.n, 3.0f);
   std::vector<uint32_t> dmp(h.d_p.size(), 9), dmw(h.d_w.size(), 9), dmmu(h.d_mu.size(), 9),
       dmnu(h.d_nu.size(), 9);
   auto L = h.view();
@@ -178,7 +179,7 @@ TEST(AdamWMirror, TakesOnlyChunksThatVerified) {
   for (int64_t i = 0; i < h.n; ++i) {
     const bool damaged_chunk = i / 512 == 2;
     EXPECT_EQ(mum[i], damaged_chunk ? 3.0f : h.mu_out[i]) << i;
-    EXPECT_EQ(wm[i], damaged_chunk ? 3.0f : h.w_out[i]) << i;
+    EXPECT_EQ(wm[i], damaged_chunk ? 3 : h.w_out[i]) << i;
   }
   for (int64_t c = 0; c < h.chunks(); ++c) {
     EXPECT_EQ(dmmu[2 * c], c == 2 ? 9u : h.dn_mu[2 * c]) << c;

@@ -1,11 +1,12 @@
 // The guarded AdamW update of one parameter tensor, in one pass over memory.
 //
-// It reads the current state (parameter, optional fp32 master weight, fp32 moments) and the
-// gradient, checks every chunk of the state against the digest table written by the previous
-// update, counts non-finite gradient values, and writes the updated state -- with its new
-// digest tables -- into the other copy of the state (the write side). Nothing is written to
-// the read side, so a step that must not commit leaves it bit-identical: the caller decides
-// commit or skip after every tensor is done (restore.h), on the device.
+// It reads the current state (parameter, optional fp32 master weight stored as the parameter
+// and a 16-bit remainder, fp32 moments) and the gradient, checks every chunk of the state
+// against the digest table written by the previous update, counts non-finite gradient
+// values, and writes the updated state -- with its new digest tables -- into the other copy of
+// the state (the write side). Nothing is written to the read side, so a step that must not
+// commit leaves it bit-identical: the caller decides commit or skip after every tensor is
+// done (restore.h), on the device.
 //
 // Optionally it also writes the new state into a device copy (the mirror, a backup for
 // chunk-level repair) -- but only for chunks whose read side verified, so that a damaged
@@ -35,11 +36,13 @@ struct AdamWLeaf {
   int64_t n = 0;            // elements
   int64_t chunk_elems = 0;  // elements per chunk (the same chunks for every tensor of the leaf)
   bool param_bf16 = false;  // parameter and gradient dtype: bf16 (else fp32)
-  bool has_master = false;  // fp32 master weights (only with bf16 parameters)
+  // fp32 master weights (only with bf16 parameters), stored split: p and a uint16 remainder
+  // (split_master in adamw_math.h), so `master` below points to the remainders.
+  bool has_master = false;
 
   // read side: the state as committed by the previous update, and the gradient
   const void* p = nullptr;
-  const float* master = nullptr;
+  const uint16_t* master = nullptr;
   const float* mu = nullptr;
   const float* nu = nullptr;
   const void* g = nullptr;
@@ -50,7 +53,7 @@ struct AdamWLeaf {
 
   // write side
   void* p_out = nullptr;
-  float* master_out = nullptr;
+  uint16_t* master_out = nullptr;
   float* mu_out = nullptr;
   float* nu_out = nullptr;
   uint32_t* dn_p = nullptr;
@@ -62,7 +65,7 @@ struct AdamWLeaf {
   // where every tensor of the chunk verified
   bool has_mirror = false;
   void* p_mirror = nullptr;
-  float* master_mirror = nullptr;
+  uint16_t* master_mirror = nullptr;
   float* mu_mirror = nullptr;
   float* nu_mirror = nullptr;
   uint32_t* dm_p = nullptr;

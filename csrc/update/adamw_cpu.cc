@@ -62,7 +62,7 @@ void adamw_cpu(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step
     int32_t faults = 0;
     faults |= matches(leaf.p, first, count, psize, c, leaf.d_p) ? 0 : kFaultParam;
     if (leaf.has_master) {
-      faults |= matches(leaf.master, first, count, 4, c, leaf.d_master) ? 0 : kFaultMaster;
+      faults |= matches(leaf.master, first, count, 2, c, leaf.d_master) ? 0 : kFaultMaster;
     }
     faults |= matches(leaf.mu, first, count, 4, c, leaf.d_mu) ? 0 : kFaultMu;
     faults |= matches(leaf.nu, first, count, 4, c, leaf.d_nu) ? 0 : kFaultNu;
@@ -71,16 +71,25 @@ void adamw_cpu(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step
     for (int64_t i = first; i < first + count; ++i) {
       const float g = load_param(leaf, leaf.g, i);
       bad_grads += std::isfinite(g) ? 0 : 1;
-      float w = leaf.has_master ? leaf.master[i] : load_param(leaf, leaf.p, i);
       float m = leaf.mu[i], v = leaf.nu[i];
-      adamw_element(g, w, m, v, hyper, s);
-      if (leaf.has_master) leaf.master_out[i] = w;
-      store_param(leaf, leaf.p_out, i, w);
+      if (leaf.has_master) {  // the master is stored as p and a remainder
+        uint16_t p;
+        std::memcpy(&p, static_cast<const uint8_t*>(leaf.p) + 2 * i, 2);
+        float w = join_master(p, leaf.master[i]);
+        adamw_element(g, w, m, v, hyper, s);
+        const SplitMaster out = split_master(w);
+        std::memcpy(static_cast<uint8_t*>(leaf.p_out) + 2 * i, &out.p, 2);
+        leaf.master_out[i] = out.r;
+      } else {
+        float w = load_param(leaf, leaf.p, i);
+        adamw_element(g, w, m, v, hyper, s);
+        store_param(leaf, leaf.p_out, i, w);
+      }
       leaf.mu_out[i] = m;
       leaf.nu_out[i] = v;
     }
     write_digest(leaf.p_out, first, count, psize, c, leaf.dn_p);
-    if (leaf.has_master) write_digest(leaf.master_out, first, count, 4, c, leaf.dn_master);
+    if (leaf.has_master) write_digest(leaf.master_out, first, count, 2, c, leaf.dn_master);
     write_digest(leaf.mu_out, first, count, 4, c, leaf.dn_mu);
     write_digest(leaf.nu_out, first, count, 4, c, leaf.dn_nu);
     if (leaf.has_mirror && faults == 0) {  // the device copy takes only verified chunks
@@ -93,7 +102,7 @@ void adamw_cpu(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step
       };
       copy(leaf.p_out, leaf.p_mirror, psize, leaf.dn_p, leaf.dm_p);
       if (leaf.has_master)
-        copy(leaf.master_out, leaf.master_mirror, 4, leaf.dn_master, leaf.dm_master);
+        copy(leaf.master_out, leaf.master_mirror, 2, leaf.dn_master, leaf.dm_master);
       copy(leaf.mu_out, leaf.mu_mirror, 4, leaf.dn_mu, leaf.dm_mu);
       copy(leaf.nu_out, leaf.nu_mirror, 4, leaf.dn_nu, leaf.dm_nu);
     }

@@ -24,7 +24,8 @@ constexpr int kThreads = 256;
 struct Group {    // four elements of every tensor, as raw words
   uint32_t p[4];  // fp32 bits, or bf16 bits in the low half
   uint32_t g[4];
-  float master[4], mu[4], nu[4];
+  uint32_t master[4];  // the master weights' 16-bit remainders (adamw_math.h), in the low half
+  float mu[4], nu[4];
 };
 
 __device__ __forceinline__ float param_value(uint32_t bits, bool bf16) {
@@ -95,8 +96,9 @@ __device__ __forceinline__ void load_group(const AdamWLeaf& L, int64_t e, int li
     x.mu[0] = mu.x, x.mu[1] = mu.y, x.mu[2] = mu.z, x.mu[3] = mu.w;
     x.nu[0] = nu.x, x.nu[1] = nu.y, x.nu[2] = nu.z, x.nu[3] = nu.w;
     if constexpr (kMaster) {
-      const float4 m = ldg4f<kEvictFirst>(L.master + e);
-      x.master[0] = m.x, x.master[1] = m.y, x.master[2] = m.z, x.master[3] = m.w;
+      const uint2 r = ldg2<kEvictFirst>(L.master + e);
+      x.master[0] = r.x & 0xFFFFu, x.master[1] = r.x >> 16;
+      x.master[2] = r.y & 0xFFFFu, x.master[3] = r.y >> 16;
     }
   } else {
 #pragma unroll
@@ -111,7 +113,7 @@ __device__ __forceinline__ void load_group(const AdamWLeaf& L, int64_t e, int li
       }
       x.mu[k] = on ? L.mu[e + k] : 0.0f;
       x.nu[k] = on ? L.nu[e + k] : 0.0f;
-      if constexpr (kMaster) x.master[k] = on ? L.master[e + k] : 0.0f;
+      if constexpr (kMaster) x.master[k] = on ? L.master[e + k] : 0u;
     }
   }
 }
@@ -132,16 +134,12 @@ __device__ __forceinline__ void old_terms(const Group& x, int64_t gi, int live, 
 #pragma unroll
   for (int k = 0; k < 4; ++k) w[k] = __float_as_uint(x.nu[k]);
   sum.old_nu += terms_f32(w, key32, units32);
-  if constexpr (kMaster) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) w[k] = __float_as_uint(x.master[k]);
-    sum.old_master += terms_f32(w, key32, units32);
-  }
+  if constexpr (kMaster) sum.old_master += terms_bf16(x.master, key16, units16);
 }
 
 // Stores four new values of every tensor (all of them, or the first `live`).
 template <bool kBF16, bool kMaster, bool kFull>
-__device__ __forceinline__ void store_group(void* p_dst, float* master_dst, float* mu_dst,
+__device__ __forceinline__ void store_group(void* p_dst, uint16_t* master_dst, float* mu_dst,
                                             float* nu_dst, int64_t e, int live,
                                             const uint32_t (&p_new)[4], const Group& x) {
   if constexpr (kFull) {
@@ -155,8 +153,8 @@ __device__ __forceinline__ void store_group(void* p_dst, float* master_dst, floa
     *reinterpret_cast<float4*>(mu_dst + e) = make_float4(x.mu[0], x.mu[1], x.mu[2], x.mu[3]);
     *reinterpret_cast<float4*>(nu_dst + e) = make_float4(x.nu[0], x.nu[1], x.nu[2], x.nu[3]);
     if constexpr (kMaster) {
-      *reinterpret_cast<float4*>(master_dst + e) =
-          make_float4(x.master[0], x.master[1], x.master[2], x.master[3]);
+      *reinterpret_cast<uint2*>(master_dst + e) =
+          make_uint2(x.master[0] | x.master[1] << 16, x.master[2] | x.master[3] << 16);
     }
   } else {
 #pragma unroll
@@ -169,7 +167,7 @@ __device__ __forceinline__ void store_group(void* p_dst, float* master_dst, floa
         }
         mu_dst[e + k] = x.mu[k];
         nu_dst[e + k] = x.nu[k];
-        if constexpr (kMaster) master_dst[e + k] = x.master[k];
+        if constexpr (kMaster) master_dst[e + k] = static_cast<uint16_t>(x.master[k]);
       }
     }
   }
@@ -193,12 +191,19 @@ __device__ __forceinline__ void process_group(const AdamWLeaf& L, const AdamWHyp
     const bool on = kFull || k < live;
     const float g = param_value(x.g[k], kBF16);
     sum.bad += (on && !finite_param(x.g[k], kBF16)) ? 1u : 0u;
-    float wt = kMaster ? x.master[k] : param_value(x.p[k], kBF16);
+    float wt = kMaster
+                   ? join_master(static_cast<uint16_t>(x.p[k]), static_cast<uint16_t>(x.master[k]))
+                   : param_value(x.p[k], kBF16);
     adamw_element(g, wt, x.mu[k], x.nu[k], h, s);
-    x.master[k] = on ? wt : 0.0f;
     x.mu[k] = on ? x.mu[k] : 0.0f;
     x.nu[k] = on ? x.nu[k] : 0.0f;
-    p_new[k] = on ? (kBF16 ? float_to_bf16(wt) : __float_as_uint(wt)) : 0u;
+    if constexpr (kMaster) {
+      const SplitMaster split = split_master(wt);
+      x.master[k] = on ? split.r : 0u;
+      p_new[k] = on ? split.p : 0u;
+    } else {
+      p_new[k] = on ? (kBF16 ? float_to_bf16(wt) : __float_as_uint(wt)) : 0u;
+    }
   }
   store_group<kBF16, kMaster, kFull>(L.p_out, L.master_out, L.mu_out, L.nu_out, e, live, p_new, x);
   if (to_mirror) {
@@ -219,11 +224,7 @@ __device__ __forceinline__ void process_group(const AdamWLeaf& L, const AdamWHyp
 #pragma unroll
   for (int k = 0; k < 4; ++k) w[k] = __float_as_uint(x.nu[k]);
   sum.new_nu += terms_f32(w, key32, units32);
-  if constexpr (kMaster) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) w[k] = __float_as_uint(x.master[k]);
-    sum.new_master += terms_f32(w, key32, units32);
-  }
+  if constexpr (kMaster) sum.new_master += terms_bf16(x.master, key16, units16);
 }
 
 __device__ __forceinline__ void warp_sum(Sums& s) {
@@ -273,7 +274,7 @@ __device__ __forceinline__ int32_t chunk_faults(const AdamWLeaf& L, int64_t c, i
   faults |= table_matches(L.d_mu, c, finalize(t.old_mu, len(4), cc)) ? 0 : kFaultMu;
   faults |= table_matches(L.d_nu, c, finalize(t.old_nu, len(4), cc)) ? 0 : kFaultNu;
   if constexpr (kMaster) {
-    faults |= table_matches(L.d_master, c, finalize(t.old_master, len(4), cc)) ? 0 : kFaultMaster;
+    faults |= table_matches(L.d_master, c, finalize(t.old_master, len(2), cc)) ? 0 : kFaultMaster;
   }
   return faults;
 }
@@ -299,7 +300,7 @@ __device__ __forceinline__ void finish_chunk(const AdamWLeaf& L, int64_t c, int6
     table_write(L.dm_nu, c, dnu);
   }
   if constexpr (kMaster) {
-    const uint64_t dw = finalize(t.new_master, len(4), cc);
+    const uint64_t dw = finalize(t.new_master, len(2), cc);
     table_write(L.dn_master, c, dw);
     if (to_mirror) table_write(L.dm_master, c, dw);
   }
@@ -374,7 +375,7 @@ struct Stage {
   static constexpr int kMu = 2 * kG;
   static constexpr int kNu = kMu + 16 * kThreads;
   static constexpr int kMaster_ = kNu + 16 * kThreads;
-  static constexpr int kBytes = kMaster_ + (kMaster ? 16 * kThreads : 0);
+  static constexpr int kBytes = kMaster_ + (kMaster ? 8 * kThreads : 0);
 };
 
 template <bool kBF16, bool kMaster>
@@ -386,7 +387,7 @@ __device__ __forceinline__ void stage_issue(char* st, const AdamWLeaf& L, int64_
   cp_async<S::kPBytes>(st + S::kG + t * S::kPBytes, static_cast<const char*>(L.g) + e * psize);
   cp_async<16>(st + S::kMu + 16 * t, L.mu + e);
   cp_async<16>(st + S::kNu + 16 * t, L.nu + e);
-  if constexpr (kMaster) cp_async<16>(st + S::kMaster_ + 16 * t, L.master + e);
+  if constexpr (kMaster) cp_async<8>(st + S::kMaster_ + 8 * t, L.master + e);
 }
 
 template <bool kBF16, bool kMaster>
@@ -409,8 +410,9 @@ __device__ __forceinline__ void stage_read(const char* st, Group& x) {
   x.mu[0] = mu.x, x.mu[1] = mu.y, x.mu[2] = mu.z, x.mu[3] = mu.w;
   x.nu[0] = nu.x, x.nu[1] = nu.y, x.nu[2] = nu.z, x.nu[3] = nu.w;
   if constexpr (kMaster) {
-    const float4 m = *reinterpret_cast<const float4*>(st + S::kMaster_ + 16 * t);
-    x.master[0] = m.x, x.master[1] = m.y, x.master[2] = m.z, x.master[3] = m.w;
+    const uint2 r = *reinterpret_cast<const uint2*>(st + S::kMaster_ + 8 * t);
+    x.master[0] = r.x & 0xFFFFu, x.master[1] = r.x >> 16;
+    x.master[2] = r.y & 0xFFFFu, x.master[3] = r.y >> 16;
   }
 }
 

@@ -44,16 +44,17 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
   const int64_t nchunks_r = has_mirror ? nchunks : 0, nchunks_rm = has_mirror ? nchunks_m : 0;
   const Check checks[] = {
       {"gradient", b.g, pt, n},
-      {"master", b.master, ffi::DataType::F32, nm},
+      // Master weights are stored split (adamw_math.h): this is the 16-bit remainder.
+      {"master", b.master, ffi::DataType::U16, nm},
       {"mu", b.mu, ffi::DataType::F32, n},
       {"nu", b.nu, ffi::DataType::F32, n},
       {"step scalars", b.step, ffi::DataType::F32, 3},
       {"new parameters", *b.p_out, pt, n},
-      {"new master", *b.master_out, ffi::DataType::F32, nm},
+      {"new master", *b.master_out, ffi::DataType::U16, nm},
       {"new mu", *b.mu_out, ffi::DataType::F32, n},
       {"new nu", *b.nu_out, ffi::DataType::F32, n},
       {"mirror parameters", *b.p_m, pt, nr},
-      {"mirror master", *b.master_m, ffi::DataType::F32, nrm},
+      {"mirror master", *b.master_m, ffi::DataType::U16, nrm},
       {"mirror mu", *b.mu_m, ffi::DataType::F32, nr},
       {"mirror nu", *b.nu_m, ffi::DataType::F32, nr},
       {"fault map", *b.faults, ffi::DataType::S32, nchunks},
@@ -90,7 +91,7 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
   L.param_bf16 = pt == ffi::DataType::BF16;
   L.has_master = has_master;
   L.p = b.p.untyped_data();
-  L.master = static_cast<const float*>(b.master.untyped_data());
+  L.master = static_cast<const uint16_t*>(b.master.untyped_data());
   L.mu = static_cast<const float*>(b.mu.untyped_data());
   L.nu = static_cast<const float*>(b.nu.untyped_data());
   L.g = b.g.untyped_data();
@@ -99,7 +100,7 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
   L.d_mu = static_cast<const uint32_t*>(b.d_mu.untyped_data());
   L.d_nu = static_cast<const uint32_t*>(b.d_nu.untyped_data());
   L.p_out = b.p_out->untyped_data();
-  L.master_out = static_cast<float*>(b.master_out->untyped_data());
+  L.master_out = static_cast<uint16_t*>(b.master_out->untyped_data());
   L.mu_out = static_cast<float*>(b.mu_out->untyped_data());
   L.nu_out = static_cast<float*>(b.nu_out->untyped_data());
   L.dn_p = static_cast<uint32_t*>(b.dn_p->untyped_data());
@@ -108,7 +109,7 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
   L.dn_nu = static_cast<uint32_t*>(b.dn_nu->untyped_data());
   L.has_mirror = has_mirror;
   L.p_mirror = b.p_m->untyped_data();
-  L.master_mirror = static_cast<float*>(b.master_m->untyped_data());
+  L.master_mirror = static_cast<uint16_t*>(b.master_m->untyped_data());
   L.mu_mirror = static_cast<float*>(b.mu_m->untyped_data());
   L.nu_mirror = static_cast<float*>(b.nu_m->untyped_data());
   L.dm_p = static_cast<uint32_t*>(b.dm_p->untyped_data());

@@ -35,11 +35,13 @@ from pimhbm.update import (  # noqa: E402
     UpdateReport,
     adamw,
     guard,
+    join_master,
     restore_unless,
+    split_master,
 )
 
 __all__ += ["AdamW", "AdamWState", "GuardState", "Slot", "UpdateReport", "adamw", "guard",
-            "restore_unless"]
+            "join_master", "restore_unless", "split_master"]
 
 from pimhbm import faults  # noqa: E402,F401
 

@@ -146,9 +146,8 @@ class Campaign:
                     faults.OVERWRITE, offset=f.byte_offset, length=f.length,
                     seed=int(self.rng.integers(2**31))), device=f.device)
             else:
-                size = 2 if (f.tensor == "p" and trainer.opt.master_weights) else 4
-                if f.tensor == "p" and not trainer.opt.master_weights:
-                    size = next(s for p, t, _, s in trainer.tensor_info() if p == f.path and t == "p")
+                size = next(s for p, t, _, s in trainer.tensor_info()
+                            if p == f.path and t == f.tensor)
                 fault = faults.spec(faults.FLIP_BIT, offset=f.element * size + f.bit // 8,
                                     bit=f.bit % 8)
                 trainer.inject(f.path, f.tensor, fault, device=f.device)

@@ -41,7 +41,7 @@ from pimhbm._ffi import ensure_registered
 from pimhbm.backup import HostBackup, TensorSpec, specs_of
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from pimhbm.update import AdamW, AdamWState, Slot, slot_from_tensors, slot_tensors
+from pimhbm.update import AdamW, AdamWState, Slot, slot_from_tensors, slot_tensors, tensor_dtype
 
 TENSORS = ("p", "master", "mu", "nu")
 TENSOR_BIT = {"p": 1, "master": 2, "mu": 4, "nu": 8}
@@ -184,7 +184,8 @@ class Trainer:
         self.replica_transport = replica_transport
         # Without the device copy (pimhbm.adamw(device_copy=False)) every damaged chunk is
         # pulled from another replica, current to the same committed step: the update writes
-        # 14 bytes a parameter less (bf16 p, fp32 master, mu, nu) where replicas hold the state.
+        # 12 bytes a parameter less (bf16 p, the master's remainder, mu, nu) where replicas hold
+        # the state.
         self.device_copy = opt.device_copy
         self.loss_fn, self.opt, self.batch_fn = loss_fn, opt, batch_fn
         # The learning rate of a step: a host function of the step, or the optimizer's own
@@ -566,7 +567,7 @@ class Trainer:
         for path, p, n, sharded in zip(self.paths, jax.tree.leaves(params), self.sizes, self.sharded):
             chunks = -(-n // self.opt.chunk_elems) * (self.shard if sharded else 1)
             for k in self.names:
-                dtype = p.dtype if k == "p" else jnp.float32
+                dtype = tensor_dtype(k, p.dtype)
                 named.append((f"{path}/{k}", jax.ShapeDtypeStruct(p.shape, dtype)))
                 named.append((f"{path}/{k}#digests", jax.ShapeDtypeStruct((chunks, 2), jnp.uint32)))
         return specs_of(named)
@@ -1330,7 +1331,7 @@ class Trainer:
         out = []
         for path, p, n in zip(self.paths, jax.tree.leaves(self.state.opt.params), self.sizes):
             for k in self.names:
-                out.append((path, k, n, p.dtype.itemsize if k == "p" else 4))
+                out.append((path, k, n, jnp.dtype(tensor_dtype(k, p.dtype)).itemsize))
         return out
 
     # -- results -------------------------------------------------------------------------------

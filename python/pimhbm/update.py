@@ -2,7 +2,9 @@
 
 ``pimhbm.adamw`` is AdamW (the mathematics of ``optax.adamw``) fused with integrity checks. The
 state it manages -- parameters (bf16 or fp32), optional fp32 master weights, fp32 moments, and a
-digest table per tensor -- is held twice (two *slots*). An update reads the current slot and the
+digest table per tensor -- is held twice (two *slots*). Master weights are stored split: the bf16
+parameter is their upper half (rounded) and a uint16 tensor holds the rest (``join_master``), so
+they cost 2 bytes a parameter beside it, not 4, and the parameters' check is part of theirs. An update reads the current slot and the
 gradients in one pass over memory and, in that same pass,
 
 * checks every chunk of the current slot against the digests written by the previous update,
@@ -18,7 +20,8 @@ step (one for each slot parity).
 
 Why two slots: the verdict is known only after every chunk has been read, and in-place writes
 could not be undone. Writing aside costs no extra memory traffic (the same 28 bytes per fp32
-parameter as optax.adamw) and one extra copy of the optimizer state in memory.
+parameter as optax.adamw; 26 with bf16 parameters and master weights, against optax's 28) and one
+extra copy of the optimizer state in memory.
 
 ``pimhbm.guard(tx)`` gives the same commit-or-skip semantics to any optax transformation
 (unfused, with selects).
@@ -43,11 +46,36 @@ FAULT_PARAM, FAULT_MASTER, FAULT_MU, FAULT_NU = 1, 2, 4, 8
 FAULT_NAMES = {FAULT_PARAM: "param", FAULT_MASTER: "master", FAULT_MU: "mu", FAULT_NU: "nu"}
 
 
+def split_master(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """fp32 master weights -> their stored form: (bf16 parameters, uint16 remainders), with
+    ``bits(w) + 0x8000 == p << 16 | r`` (mod 2^32). Exact for every value but NaN (stored as the
+    canonical NaN). p is w rounded to nearest with ties away from zero: it differs from
+    ``w.astype(bfloat16)`` (ties to even) only on exact ties whose upper half is even, by one bf16
+    step. The update kernels do the same (csrc/include/pimhbm/adamw_math.h)."""
+    w = jnp.asarray(w, jnp.float32)
+    bits = jax.lax.bitcast_convert_type(w, jnp.uint32)
+    up = jnp.where(jnp.isnan(w), jnp.uint32(0x7FC00000), bits + jnp.uint32(0x8000))
+    p = jax.lax.bitcast_convert_type((up >> 16).astype(jnp.uint16), jnp.bfloat16)
+    return p, (up & 0xFFFF).astype(jnp.uint16)
+
+
+def join_master(p: jax.Array, r: jax.Array) -> jax.Array:
+    """The fp32 master weights from their stored form (see ``split_master``)."""
+    hi = jax.lax.bitcast_convert_type(p, jnp.uint16).astype(jnp.uint32)
+    bits = ((hi << 16) | r.astype(jnp.uint32)) - jnp.uint32(0x8000)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def tensor_dtype(name: str, param_dtype: Any) -> Any:
+    """The dtype of a state tensor ("p", "master", "mu", "nu") of a parameter of this dtype."""
+    return {"p": param_dtype, "master": jnp.uint16}.get(name, jnp.float32)
+
+
 class Slot(NamedTuple):
     """One copy of the protected state. Pytrees of the parameters' structure."""
 
     params: Any  # bf16 or fp32
-    master: Any  # fp32 master weights, or None
+    master: Any  # the fp32 master weights' uint16 remainders (join_master(params, master)), or None
     mu: Any  # fp32
     nu: Any  # fp32
     digests: Any  # per leaf: dict of uint32 (nchunks, 2) tables: p, mu, nu (and master)
@@ -73,7 +101,17 @@ class AdamWState:
 
     @property
     def master(self) -> Any:
+        """The stored remainders of the master weights (uint16; see ``master_weights``)."""
         return self.slots[self.current].master
+
+    @property
+    def master_weights(self) -> Any:
+        """The fp32 master weights, joined from the parameters and their remainders (None
+        without master weights)."""
+        slot = self.slots[self.current]
+        if slot.master is None:
+            return None
+        return jax.tree.map(join_master, slot.params, slot.master)
 
     @property
     def mu(self) -> Any:
@@ -159,7 +197,7 @@ def _leaf_digests(p, master, mu, nu, chunk_elems) -> dict[str, jax.Array]:
               "mu": scan(mu, chunk_elems * 4).digests,
               "nu": scan(nu, chunk_elems * 4).digests}
     if master is not None:
-        tables["master"] = scan(master, chunk_elems * 4).digests
+        tables["master"] = scan(master, chunk_elems * master.dtype.itemsize).digests
     return tables
 
 
@@ -249,7 +287,8 @@ class AdamW:
             # A copy: every slot needs its own buffers (they are donated and written in place),
             # and none may be the caller's.
             params = jax.tree.map(lambda p: jnp.copy(jnp.asarray(p)), p_tree)
-            master = (jax.tree.map(lambda p: p.astype(jnp.float32), params)
+            # A bf16 parameter taken as its fp32 master: p itself, remainder 0x8000.
+            master = (jax.tree.map(lambda p: jnp.full(p.shape, 0x8000, jnp.uint16), params)
                       if self.master_weights else None)
             mu = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             nu = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -354,17 +393,17 @@ class AdamW:
         order = ["p", "master", "mu", "nu"]
         args, out_types, aliases, layout = [], [], {}, []
         # Absent tensors (no master weights, no mirror) are empty placeholders in the call.
-        empty = (jnp.zeros((0,), jnp.float32), jnp.zeros((0, 2), jnp.uint32))
+        no_table = jnp.zeros((0, 2), jnp.uint32)
         for read, g, write, mirror in zip(reads, grads, writes, mirrors):
             p = read["p"][0]
             nchunks = _num_chunks(p.size, self.chunk_elems)
             present = {"p": True, "master": "master" in read, "mu": True, "nu": True}
-            empty_p = (jnp.zeros((0,), p.dtype), empty[1])
+            empty = {k: (jnp.zeros((0,), tensor_dtype(k, p.dtype)), no_table) for k in order}
 
             def side(tensors):
                 if tensors is None:
-                    return [empty_p, empty, empty, empty]
-                return [tensors.get(k, empty) for k in order]
+                    return [empty[k] for k in order]
+                return [tensors.get(k, empty[k]) for k in order]
 
             r, w, m = side(read), side(write), side(mirror)
             leaf_args = ([t[0] for t in r] + [g] + [t[1] for t in r] + [t[0] for t in w] +
@@ -407,7 +446,8 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
           chunk_elems: int | None = None, device_copy: bool = False, update_calls: int = 1,
           kernel: int = 0) -> AdamW:
     """Guarded fused AdamW; arguments as ``optax.adamw`` (``learning_rate`` may be a schedule
-    of the step count). ``master_weights``: keep fp32 master weights for bf16 parameters.
+    of the step count). ``master_weights``: keep fp32 master weights for bf16 parameters (stored
+    as the parameters and a uint16 remainder each: ``AdamWState.master_weights`` joins them).
     ``device_copy``: keep a current copy of the state on the device, written in the same pass,
     for chunk-level repair. ``chunk_elems``: elements per digest chunk (default 16384, or 4096
     with a device copy: the update then reads each chunk twice and the second read must come

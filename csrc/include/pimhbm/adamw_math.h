@@ -99,4 +99,43 @@ PIMHBM_HD uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// Master weights are stored split: the bf16 parameter p and a 16-bit remainder r, with
+//   bits(master) + 0x8000 == p << 16 | r   (mod 2^32).
+// That is a bijection, so the fp32 master is kept exactly in 4 bytes that include the
+// parameter itself: the update reads and writes 2 bytes fewer a parameter than with a
+// separate fp32 master, and p's digest check covers half of the master. p is the master
+// rounded to nearest with ties away from zero (adding half a bf16 step to the magnitude's
+// bits); round to nearest even could not be inverted (an even p has one preimage too many).
+// A NaN master is stored as the canonical NaN (p = 0x7FC0, r = 0; it joins back to a NaN):
+// sign and payload, which the CPU and the GPU produce differently, are not kept.
+struct SplitMaster {
+  uint16_t p, r;
+};
+PIMHBM_HD uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return bits;
+#endif
+}
+PIMHBM_HD float bits_float(uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+PIMHBM_HD SplitMaster split_master(float w) {
+  const uint32_t bits = float_bits(w);
+  const uint32_t up = (bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : bits + 0x8000u;
+  return SplitMaster{static_cast<uint16_t>(up >> 16), static_cast<uint16_t>(up & 0xFFFFu)};
+}
+PIMHBM_HD float join_master(uint16_t p, uint16_t r) {
+  return bits_float(((static_cast<uint32_t>(p) << 16) | r) - 0x8000u);
+}
+
 }  // namespace pimhbm

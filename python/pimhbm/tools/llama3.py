@@ -62,7 +62,7 @@ def add_arguments(p) -> None:
     p.add_argument("--no-device-copy", action="store_true",
                    help="keep no device copy of the state: every damaged chunk is pulled from "
                         "another replica (needs more devices than --shard); the update writes "
-                        "14 bytes a parameter less with bf16 parameters and fp32 master weights")
+                        "12 bytes a parameter less with bf16 parameters and fp32 master weights")
     p.add_argument("--processes", type=int, default=1,
                    help="run as this many processes (jax.distributed on localhost), the devices "
                         "split evenly between them (default 1: one process sees them all)")
