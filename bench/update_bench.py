@@ -6,9 +6,10 @@ usage: python bench/update_bench.py [--params 268435456] [--leaves 8] [--json ou
                                    [--profile DIR]
 Reported: ms per step in a steady loop (the slope between batches of 5 and 25 steps, median of
 7; and, beside it, per step of a batch of 25, which also carries the first step's dispatch),
-effective TB/s over the minimal traffic of AdamW (28 bytes per
-parameter in both cases: fp32 p, mu, nu read and written + fp32 g read; or fp32 master, mu, nu
-read and written + bf16 g read + bf16 p written), and ratios to optax.adamw.
+effective TB/s over optax.adamw's traffic (28 bytes per parameter in both cases: fp32 p, mu, nu
+read and written + fp32 g read; or fp32 master, mu, nu read and written + bf16 g read + bf16 p
+written -- the guarded update moves 26 there: its master weights are the bf16 p and a 16-bit
+remainder), and ratios to optax.adamw.
 With --profile, a few steps of optax.adamw and of the guarded update are also traced and every
 kernel of a step is listed with its device time, beside the step's span and idle time: where
 the guarded step's time goes besides its update kernel.
