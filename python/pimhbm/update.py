@@ -4,8 +4,8 @@
 state it manages -- parameters (bf16 or fp32), optional fp32 master weights, fp32 moments, and a
 digest table per tensor -- is held twice (two *slots*). Master weights are stored split: the bf16
 parameter is their upper half (rounded) and a uint16 tensor holds the rest (``join_master``), so
-they cost 2 bytes a parameter beside it, not 4, and the parameters' check is part of theirs. An update reads the current slot and the
-gradients in one pass over memory and, in that same pass,
+they cost 2 bytes a parameter beside it, not 4, and the parameters' check is part of theirs. An
+update reads the current slot and the gradients in one pass over memory and, in that same pass,
 
 * checks every chunk of the current slot against the digests written by the previous update,
 * counts NaN/Inf gradient values,
