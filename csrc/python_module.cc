@@ -246,6 +246,21 @@ NB_MODULE(_core, m) {
       "unaliased_copies", [] { return pimhbm::ffi_util::unaliased_count.load(); },
       "How many results of in-place ops XLA did not alias with their operands in this process "
       "(each cost a copy); zero is the expected figure.");
+  m.def(
+      "unaliased_copies_by_op",
+      [] {
+        nb::dict out;
+        for (const auto& [op, t] : pimhbm::ffi_util::unaliased_tally()) {
+          nb::dict d;
+          d["results"] = t.results;
+          d["bytes"] = t.bytes;
+          d["in_command_buffer"] = t.in_command_buffer;
+          out[op.c_str()] = d;
+        }
+        return out;
+      },
+      "The same by op: {op: {results, bytes, in_command_buffer}}. in_command_buffer counts the "
+      "copies recorded into a CUDA graph: they repeat on every replay, counted once.");
   nb::exception<pimhbm::peer::ipc::Unavailable>(m, "IpcUnavailable", PyExc_RuntimeError);
   m.def(
       "ipc_export",

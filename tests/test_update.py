@@ -255,6 +255,30 @@ def test_xla_aliases_the_update_in_place_no_hidden_copies(rng, master):
     assert pimhbm._core.unaliased_copies() == before
 
 
+def test_an_unaliased_result_is_copied_in_first_and_counted_under_its_op(rng):
+    """An in-place op whose result XLA gives a buffer of its own (here: no aliasing asked for)
+    means the same: the handler copies the operand in first, and counts the copy under the op's
+    name with its bytes."""
+    from pimhbm._ffi import ensure_registered
+    ensure_registered()
+    n = int(rng.integers(1, 5000))
+    src = jnp.asarray(rng.standard_normal(n, np.float32))
+    dst = jnp.asarray(rng.standard_normal(n, np.float32))
+    restore = jax.jit(lambda commit, s, d: jax.ffi.ffi_call(
+        "pimhbm_restore", jax.ShapeDtypeStruct(d.shape, d.dtype))(commit, s, d))
+    tally = lambda: pimhbm._core.unaliased_copies_by_op().get(
+        "pimhbm.restore", {"results": 0, "bytes": 0, "in_command_buffer": 0})
+    before, total_before = tally(), pimhbm._core.unaliased_copies()
+    kept = restore(jnp.ones(1, jnp.int32), src, dst)  # committed: the destination as it was
+    undone = restore(jnp.zeros(1, jnp.int32), src, dst)  # not committed: the source
+    assert np.asarray(kept).tobytes() == np.asarray(dst).tobytes()
+    assert np.asarray(undone).tobytes() == np.asarray(src).tobytes()
+    after = tally()
+    assert after["results"] - before["results"] == 2
+    assert after["bytes"] - before["bytes"] == 2 * 4 * n
+    assert pimhbm._core.unaliased_copies() - total_before == 2
+
+
 def test_the_compiled_step_has_no_conditional_and_no_host_transfer(rng):
     params = random_params(rng, ml_dtypes.bfloat16)
     opt = pimhbm.adamw(LR, master_weights=True)

@@ -35,7 +35,7 @@ ffi::Error inject_cpu_impl(ffi::AnyBuffer x_in, ffi::AnyBuffer spec,
                            ffi::Result<ffi::AnyBuffer> x) {
   Format format;
   if (auto err = validate_inject(*x, spec, &format); err.failure()) return err;
-  ffi_util::copy_unaliased_cpu(ffi_util::unaliased({{x_in, *x}}));
+  ffi_util::copy_unaliased_cpu(ffi_util::unaliased("pimhbm.inject", {{x_in, *x}}));
   inject_cpu(static_cast<uint8_t*>(x->untyped_data()), static_cast<int64_t>(x->size_bytes()),
              format, static_cast<const int32_t*>(spec.untyped_data()));
   return ffi::Error::Success();

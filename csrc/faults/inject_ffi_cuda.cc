@@ -10,7 +10,8 @@ ffi::Error inject_cuda_impl(cudaStream_t stream, ffi::AnyBuffer x_in, ffi::AnyBu
                             ffi::Result<ffi::AnyBuffer> x) {
   Format format;
   if (auto err = validate_inject(*x, spec, &format); err.failure()) return err;
-  cudaError_t err = ffi_util::copy_unaliased_cuda(ffi_util::unaliased({{x_in, *x}}), stream);
+  cudaError_t err =
+      ffi_util::copy_unaliased_cuda(ffi_util::unaliased("pimhbm.inject", {{x_in, *x}}), stream);
   if (err == cudaSuccess)
     err =
         inject_cuda(static_cast<uint8_t*>(x->untyped_data()), static_cast<int64_t>(x->size_bytes()),

@@ -171,7 +171,7 @@ ffi::Error pull_cpu(int32_t ordinal, ffi::AnyBuffer chunks, ffi::AnyBuffer which
   }
   // The target starts as the operand where XLA did not alias them (ffi_alias.h), before the
   // peers meet: what they read of this device is its current state.
-  ffi_util::copy_unaliased_cpu(ffi_util::unaliased({{x_in, *x}, {table_in, *table}}));
+  ffi_util::copy_unaliased_cpu(ffi_util::unaliased(kOp, {{x_in, *x}, {table_in, *table}}));
   Payload mine{x->untyped_data(), table->untyped_data()};
   return meet_and_run(kOp, *m, mine, [&](const std::vector<Payload>& all) {
     repair::repair_from_cpu(

@@ -170,7 +170,7 @@ ffi::Error pull_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer chunks
   // The target starts as the operand where XLA did not alias them (ffi_alias.h), before the
   // peers meet: what they read of this device is its current state.
   if (cudaError_t err = ffi_util::copy_unaliased_cuda(
-          ffi_util::unaliased({{x_in, *x}, {table_in, *table}}), stream);
+          ffi_util::unaliased(kOp, {{x_in, *x}, {table_in, *table}}), stream);
       err != cudaSuccess) {
     return ffi::Error::Internal(std::string(kOp) + ": CUDA error: " + cudaGetErrorString(err));
   }

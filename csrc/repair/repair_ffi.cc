@@ -114,8 +114,8 @@ ffi::Error validate_restore_clean(const ffi::AnyBuffer& commit, const ffi::Remai
     pairs->push_back({static_cast<const int32_t*>(faults->untyped_data()),
                       chunked(*src, *src_table, chunk_bytes[i]),
                       mutable_chunked(**dst, **dst_table, chunk_bytes[i])});
-    ffi_util::note_unaliased(copies, *dst_in, **dst);
-    ffi_util::note_unaliased(copies, *dst_table_in, **dst_table);
+    ffi_util::note_unaliased(kOp, copies, *dst_in, **dst);
+    ffi_util::note_unaliased(kOp, copies, *dst_table_in, **dst_table);
   }
   return ffi::Error::Success();
 }
@@ -130,7 +130,8 @@ ffi::Error repair_cpu_impl(ffi::AnyBuffer chunks, ffi::AnyBuffer src, ffi::AnyBu
       err.failure()) {
     return err;
   }
-  ffi_util::copy_unaliased_cpu(ffi_util::unaliased({{dst_in, *dst}, {dst_table_in, *dst_table}}));
+  ffi_util::copy_unaliased_cpu(
+      ffi_util::unaliased("pimhbm.repair", {{dst_in, *dst}, {dst_table_in, *dst_table}}));
   repair_cpu(static_cast<const int32_t*>(chunks.untyped_data()),
              static_cast<int64_t>(chunks.element_count()), chunked(src, src_table, chunk_bytes),
              mutable_chunked(*dst, *dst_table, chunk_bytes),
@@ -163,7 +164,8 @@ ffi::Error repair_packed_cpu_impl(ffi::AnyBuffer chunks, ffi::AnyBuffer rows,
       err.failure()) {
     return err;
   }
-  ffi_util::copy_unaliased_cpu(ffi_util::unaliased({{dst_in, *dst}, {dst_table_in, *dst_table}}));
+  ffi_util::copy_unaliased_cpu(
+      ffi_util::unaliased("pimhbm.repair_packed", {{dst_in, *dst}, {dst_table_in, *dst_table}}));
   repair_from_cpu(static_cast<const int32_t*>(chunks.untyped_data()),
                   static_cast<int64_t>(chunks.element_count()),
                   packed_sources(rows, row_table, chunk_bytes),

@@ -21,7 +21,7 @@ ffi::Error repair_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, ffi::Any
     return err;
   }
   cudaError_t err = ffi_util::copy_unaliased_cuda(
-      ffi_util::unaliased({{dst_in, *dst}, {dst_table_in, *dst_table}}), stream);
+      ffi_util::unaliased("pimhbm.repair", {{dst_in, *dst}, {dst_table_in, *dst_table}}), stream);
   if (err == cudaSuccess)
     err = repair_cuda(static_cast<const int32_t*>(chunks.untyped_data()),
                       static_cast<int64_t>(chunks.element_count()),
@@ -58,7 +58,8 @@ ffi::Error repair_packed_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, f
     return err;
   }
   cudaError_t err = ffi_util::copy_unaliased_cuda(
-      ffi_util::unaliased({{dst_in, *dst}, {dst_table_in, *dst_table}}), stream);
+      ffi_util::unaliased("pimhbm.repair_packed", {{dst_in, *dst}, {dst_table_in, *dst_table}}),
+      stream);
   if (err == cudaSuccess)
     err = repair_from_cuda(static_cast<const int32_t*>(chunks.untyped_data()),
                            static_cast<int64_t>(chunks.element_count()),

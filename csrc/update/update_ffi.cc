@@ -177,7 +177,7 @@ ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingA
       return count == 1 ? err : ffi_util::in_context(kAdamW, where, err);
     }
     (*leaves)[i].totals = *totals_out;
-    for (size_t k = 0; k < 16; ++k) ffi_util::note_unaliased(copies, in[9 + k], *out[k]);
+    for (size_t k = 0; k < 16; ++k) ffi_util::note_unaliased(kAdamW, copies, in[9 + k], *out[k]);
   }
   return ffi::Error::Success();
 }
@@ -212,7 +212,7 @@ ffi::Error validate_restore(const ffi::AnyBuffer& commit, const ffi::RemainingAr
     }
     pairs->push_back(
         {src->untyped_data(), (*dst)->untyped_data(), static_cast<int64_t>(src->size_bytes())});
-    ffi_util::note_unaliased(copies, *dst_in, **dst);
+    ffi_util::note_unaliased(kRestore, copies, *dst_in, **dst);
   }
   return ffi::Error::Success();
 }

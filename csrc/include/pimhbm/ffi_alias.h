@@ -11,6 +11,9 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <map>
+#include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -24,27 +27,52 @@ namespace ffi = xla::ffi;
 // aliasing would have saved): zero is the expected figure; pimhbm._core.unaliased_copies().
 inline std::atomic<uint64_t> unaliased_count{0};
 
+// The same by op, with the bytes copied, and how many of the copies were recorded into a CUDA
+// graph (an XLA command buffer): the handler then runs once, when the graph is recorded, and
+// the copy repeats on every replay without being counted again.
+// pimhbm._core.unaliased_copies_by_op().
+struct UnaliasedTally {
+  uint64_t results = 0;
+  uint64_t bytes = 0;
+  uint64_t in_command_buffer = 0;
+};
+
+inline std::mutex unaliased_mutex;
+inline std::map<std::string, UnaliasedTally> unaliased_by_op;
+
+inline std::map<std::string, UnaliasedTally> unaliased_tally() {
+  std::lock_guard<std::mutex> lock(unaliased_mutex);
+  return unaliased_by_op;
+}
+
 struct Unaliased {
+  const char* op;  // the op's name, "pimhbm.adamw" (a string literal)
   const void* from;
   void* to;
   size_t bytes;
 };
 
-// Adds (operand, result) when they are different buffers.
-inline void note_unaliased(std::vector<Unaliased>* out, const ffi::AnyBuffer& operand,
-                           const ffi::AnyBuffer& result) {
+// Adds (operand, result) when they are different buffers. Rare (zero is expected), so the
+// tally's lock is taken only then.
+inline void note_unaliased(const char* op, std::vector<Unaliased>* out,
+                           const ffi::AnyBuffer& operand, const ffi::AnyBuffer& result) {
   if (operand.untyped_data() != result.untyped_data() && result.size_bytes() > 0) {
-    out->push_back({operand.untyped_data(), result.untyped_data(),
-                    std::min(operand.size_bytes(), result.size_bytes())});
+    const size_t bytes = std::min(operand.size_bytes(), result.size_bytes());
+    out->push_back({op, operand.untyped_data(), result.untyped_data(), bytes});
     unaliased_count.fetch_add(1, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(unaliased_mutex);
+    UnaliasedTally& t = unaliased_by_op[op];
+    t.results += 1;
+    t.bytes += bytes;
   }
 }
 
 // The (operand, result) pairs of an op that are different buffers.
 inline std::vector<Unaliased> unaliased(
+    const char* op,
     std::initializer_list<std::pair<const ffi::AnyBuffer&, const ffi::AnyBuffer&>> pairs) {
   std::vector<Unaliased> out;
-  for (const auto& [operand, result] : pairs) note_unaliased(&out, operand, result);
+  for (const auto& [operand, result] : pairs) note_unaliased(op, &out, operand, result);
   return out;
 }
 

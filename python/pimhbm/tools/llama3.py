@@ -117,6 +117,16 @@ def _launch(args: Any) -> int:
 ROUNDS = 5  # timed rounds of each step, alternating plain and protected
 
 
+def _tally_since(before: dict, after: dict) -> dict:
+    """What ``pimhbm._core.unaliased_copies_by_op()`` counted between two readings, by op."""
+    out = {}
+    for op, t in after.items():
+        d = {k: v - before.get(op, {}).get(k, 0) for k, v in t.items()}
+        if d["results"]:
+            out[op] = d
+    return out
+
+
 def _timed_round(fn) -> float:
     """Seconds ``fn`` takes (it runs a round of steps and waits for them)."""
     t0 = time.perf_counter()
@@ -348,6 +358,7 @@ def run(args: Any) -> int:
         # temperature, the other processes) falls on both alike; the median round of each.
         console.print(f"timing both steps: {ROUNDS} rounds of {args.steps} steps each, in turn ...")
         copies_before = pimhbm._core.unaliased_copies()
+        by_op_before = pimhbm._core.unaliased_copies_by_op()
         rounds = {"plain": lambda: plain_round(args.steps),
                   "protected": lambda: trainer.run(trainer.next_step + args.steps - 1)}
         times: dict[str, list[float]] = {"plain": [], "protected": []}
@@ -367,6 +378,8 @@ def run(args: Any) -> int:
         # In-place results XLA did not alias (each a copy the timing above paid for).
         results["unaliased_copies_per_step"] = (pimhbm._core.unaliased_copies() -
                                                 copies_before) / (ROUNDS * args.steps)
+        results["unaliased_by_op"] = _tally_since(by_op_before,
+                                                  pimhbm._core.unaliased_copies_by_op())
         if args.profile:
             profiles["plain"] = device_profile.trace(os.path.join(args.profile, "plain"),
                                                      lambda: plain_round(profile_steps))
@@ -389,8 +402,12 @@ def run(args: Any) -> int:
                       f" (median of the {ROUNDS} rounds' own ratios: "
                       f"{results['overhead_of_paired_rounds'] * 100:+.2f} %)")
         if results["unaliased_copies_per_step"]:
-            console.print(f"  ({results['unaliased_copies_per_step']:.1f} in-place results a step "
+            console.print(f"  ({results['unaliased_copies_per_step']:.2f} in-place results a step "
                           "were not aliased by XLA and were copied first)")
+            for op, t in results["unaliased_by_op"].items():
+                console.print(f"    {op}: {t['results']} results, {t['bytes'] / 2**20:.1f} MiB"
+                              + (f", {t['in_command_buffer']} recorded into a command buffer "
+                                 "(repeated on each replay)" if t["in_command_buffer"] else ""))
         if profiles:
             _print_profile(console, profiles, results, profile_steps, args.profile)
 
