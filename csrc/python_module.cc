@@ -242,10 +242,9 @@ NB_MODULE(_core, m) {
           "drain", [](Telemetry& t) { return events_list(t.drain()); },
           "The events since the last drain: {device, kind, xid, detail, seconds}.");
   m.def("telemetry_fields", &pimhbm::telemetry::field_names, "The fields of a reading, in order.");
-  m.def(
-      "unaliased_copies", [] { return pimhbm::ffi_util::unaliased_count.load(); },
-      "How many results of in-place ops XLA did not alias with their operands in this process "
-      "(each cost a copy); zero is the expected figure.");
+  m.def("unaliased_copies", &pimhbm::ffi_util::unaliased_total,
+        "How many results of in-place ops XLA did not alias with their operands in this process "
+        "(each cost a copy); zero is the expected figure.");
   m.def(
       "unaliased_copies_by_op",
       [] {

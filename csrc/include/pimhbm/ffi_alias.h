@@ -7,7 +7,6 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
@@ -23,14 +22,11 @@ namespace pimhbm::ffi_util {
 
 namespace ffi = xla::ffi;
 
-// How many results this process's in-place ops found unaliased (each one a copy that XLA's
-// aliasing would have saved): zero is the expected figure; pimhbm._core.unaliased_copies().
-inline std::atomic<uint64_t> unaliased_count{0};
-
-// The same by op, with the bytes copied, and how many of the copies were recorded into a CUDA
-// graph (an XLA command buffer): the handler then runs once, when the graph is recorded, and
-// the copy repeats on every replay without being counted again.
-// pimhbm._core.unaliased_copies_by_op().
+// The results this process's in-place ops found unaliased (each one a copy that XLA's aliasing
+// would have saved; zero is the expected figure), by op: how many, the bytes copied, and how
+// many of the copies were recorded into a CUDA graph (an XLA command buffer): the handler then
+// runs once, when the graph is recorded, and the copy repeats on every replay without being
+// counted again. pimhbm._core.unaliased_copies() (all ops) and unaliased_copies_by_op().
 struct UnaliasedTally {
   uint64_t results = 0;
   uint64_t bytes = 0;
@@ -43,6 +39,12 @@ inline std::map<std::string, UnaliasedTally> unaliased_by_op;
 inline std::map<std::string, UnaliasedTally> unaliased_tally() {
   std::lock_guard<std::mutex> lock(unaliased_mutex);
   return unaliased_by_op;
+}
+
+inline uint64_t unaliased_total() {
+  uint64_t n = 0;
+  for (const auto& entry : unaliased_tally()) n += entry.second.results;
+  return n;
 }
 
 struct Unaliased {
@@ -59,7 +61,6 @@ inline void note_unaliased(const char* op, std::vector<Unaliased>* out,
   if (operand.untyped_data() != result.untyped_data() && result.size_bytes() > 0) {
     const size_t bytes = std::min(operand.size_bytes(), result.size_bytes());
     out->push_back({op, operand.untyped_data(), result.untyped_data(), bytes});
-    unaliased_count.fetch_add(1, std::memory_order_relaxed);
     std::lock_guard<std::mutex> lock(unaliased_mutex);
     UnaliasedTally& t = unaliased_by_op[op];
     t.results += 1;
