@@ -712,7 +712,7 @@ def test_without_device_copies_every_fault_is_repaired_from_a_replica(shm_name, 
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices (4 replicas)")
     tr = make_trainer(shm_name, inject=True, device_copy=False)
-    assert tr.state.opt.mirror is None and len(tr.devices) // tr.shard == 4
+    assert tr.state.opt.device_copy is None and len(tr.devices) // tr.shard == 4
     with pytest.raises(ValueError, match="keeps no device copy"):
         tr.inject("w0", "p", faults.spec(faults.FLIP_BIT, offset=0, bit=1), into_copy=True)
     counts = {k: 3 for k in KINDS}

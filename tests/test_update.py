@@ -481,7 +481,7 @@ def test_the_verdict_is_global_across_devices(rng):
 
 
 def test_restore_clean_puts_back_only_clean_chunks_of_every_tensor_when_not_committed(rng):
-    """The mirror's commit-or-skip for several tensors in one call: with commit 0, each tensor's
+    """The device copy's commit-or-skip for several tensors in one call: with commit 0, each tensor's
     chunks whose fault entry is 0 become the source's (data and digest row), the others stay;
     with commit 1 nothing changes."""
     from pimhbm.update import restore_clean
@@ -566,7 +566,7 @@ def test_an_update_split_into_calls_equals_one_call(rng, device_copy, master):
                 state, report = step(g, state, jnp.float32(LR))
                 committed.append(bool(report.committed))
             assert committed == [True, False, True]
-            results.append((bits(current_view(state)), bits(state.mirror), int(report.grad_nonfinite)))
+            results.append((bits(current_view(state)), bits(state.device_copy), int(report.grad_nonfinite)))
     finally:
         upd.MIN_CALL_PARAMS = old
     assert results[0] == results[1]

@@ -424,7 +424,7 @@ class Trainer:
         device copy from the current slot). lists: int32 (leaves, tensors, capacity)."""
         opt = state.opt
         cur = slot_tensors(opt.slots[opt.current], self.treedef)
-        copy = slot_tensors(opt.mirror, self.treedef)
+        copy = slot_tensors(opt.device_copy, self.treedef)
         src, dst = (cur, copy) if into_copy else (copy, cur)
         statuses, new = [], []
         for i, (s_leaf, d_leaf) in enumerate(zip(src, dst)):
@@ -506,7 +506,7 @@ class Trainer:
             new.append(out)
         slot = slot_from_tensors(new, self.treedef)
         opt = AdamWState(opt.slots, opt.current, opt.step,
-                         self._copy_of_rebuilt(slot, opt.mirror, take)).replace_current(slot)
+                         self._copy_of_rebuilt(slot, opt.device_copy, take)).replace_current(slot)
         return TrainState(opt, state.halted), self._per_device(bad[None])
 
     @staticmethod
@@ -522,7 +522,7 @@ class Trainer:
         from their current slot (after a whole state was pulled into it over CUDA IPC)."""
         opt = state.opt
         take = targets[0, 0] != 0
-        mirror = self._copy_of_rebuilt(opt.slots[opt.current], opt.mirror, take)
+        mirror = self._copy_of_rebuilt(opt.slots[opt.current], opt.device_copy, take)
         return TrainState(AdamWState(opt.slots, opt.current, opt.step, mirror), state.halted)
 
     def _scrub_fn(self, state: TrainState) -> jax.Array:
@@ -531,8 +531,8 @@ class Trainer:
         opt = state.opt
         maps = []
         cur_leaves = slot_tensors(opt.slots[opt.current], self.treedef)
-        copies = ([None] * len(cur_leaves) if opt.mirror is None
-                  else slot_tensors(opt.mirror, self.treedef))
+        copies = ([None] * len(cur_leaves) if opt.device_copy is None
+                  else slot_tensors(opt.device_copy, self.treedef))
         for cur, copy in zip(cur_leaves, copies):
             acc = jnp.zeros((cur["p"][1].shape[0],), jnp.int32)
             for k in self.names:
@@ -577,7 +577,7 @@ class Trainer:
         params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype),
                               self.state.opt.params if self.state is not None else self._params_sds)
         shapes = jax.eval_shape(self._init, params)
-        opt = AdamWState(shapes.slots, current, shapes.step, shapes.mirror)
+        opt = AdamWState(shapes.slots, current, shapes.step, shapes.device_copy)
         put = lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                    sharding=NamedSharding(self.mesh, spec))
         state = TrainState(opt, jax.ShapeDtypeStruct((), jnp.int32))
@@ -1308,9 +1308,9 @@ class Trainer:
         of the device copy), on one device's copy or shard (``device``: its position in the
         mesh, row-major) or on every device's; offsets are within a device's shard."""
         opt = self.state.opt
-        if into_copy and opt.mirror is None:
+        if into_copy and opt.device_copy is None:
             raise ValueError("this run keeps no device copy (pimhbm.adamw(device_copy=False))")
-        slot = opt.mirror if into_copy else opt.slots[opt.current]
+        slot = opt.device_copy if into_copy else opt.slots[opt.current]
         leaves = slot_tensors(slot, self.treedef)
         i = self.paths.index(path)
         t, table = leaves[i][tensor]

@@ -84,15 +84,15 @@ class Slot(NamedTuple):
 @jax.tree_util.register_pytree_node_class
 class AdamWState:
     """Both slots, which one is current (static: part of the tree structure), the number of
-    committed steps (a device scalar), and the device copy (``mirror``: a third slot that holds
-    the current state, or None)."""
+    committed steps (a device scalar), and the device copy (``device_copy``: a third slot that
+    holds the current state, or None)."""
 
     def __init__(self, slots: tuple[Slot, Slot], current: int, step: jax.Array,
-                 mirror: Slot | None = None):
+                 device_copy: Slot | None = None):
         self.slots = slots
         self.current = current
         self.step = step
-        self.mirror = mirror
+        self.device_copy = device_copy
 
     @property
     def params(self) -> Any:
@@ -127,15 +127,15 @@ class AdamWState:
 
     def replace_current(self, slot: Slot) -> "AdamWState":
         slots = (slot, self.slots[1]) if self.current == 0 else (self.slots[0], slot)
-        return AdamWState(slots, self.current, self.step, self.mirror)
+        return AdamWState(slots, self.current, self.step, self.device_copy)
 
     def tree_flatten(self):
-        return (self.slots, self.step, self.mirror), self.current
+        return (self.slots, self.step, self.device_copy), self.current
 
     @classmethod
     def tree_unflatten(cls, current, children):
-        slots, step, mirror = children
-        return cls(tuple(slots), current, step, mirror)
+        slots, step, device_copy = children
+        return cls(tuple(slots), current, step, device_copy)
 
 
 class UpdateReport(NamedTuple):
@@ -314,9 +314,9 @@ class AdamW:
         ``gate`` (a device bool): when false the step does not commit either (the recovery
         engine holds steps back this way until a skipped one has been replayed)."""
         ensure_registered()
-        if (state.mirror is not None) != self.device_copy:
+        if (state.device_copy is not None) != self.device_copy:
             raise ValueError("the state was made with device_copy="
-                             f"{state.mirror is not None}, this optimizer has {self.device_copy}")
+                             f"{state.device_copy is not None}, this optimizer has {self.device_copy}")
         cur, nxt = state.current, 1 - state.current
         read, write = state.slots[cur], state.slots[nxt]
         self._check_grads(grads, read.params)
@@ -330,12 +330,12 @@ class AdamW:
 
         reads = slot_tensors(read, treedef)
         writes = slot_tensors(write, treedef)
-        mirrors = slot_tensors(state.mirror, treedef) if state.mirror is not None else [None] * len(reads)
+        copies = slot_tensors(state.device_copy, treedef) if state.device_copy is not None else [None] * len(reads)
         flat_grads = treedef.flatten_up_to(grads)
         outs, local = [], jnp.zeros((2,), jnp.int32)
         for lo, hi in call_groups([r["p"][0].size for r in reads], self.update_calls):
             call_outs, totals = self._update_call(reads[lo:hi], flat_grads[lo:hi], writes[lo:hi],
-                                                  mirrors[lo:hi], scalars)
+                                                  copies[lo:hi], scalars)
             outs += call_outs
             local = _add_saturating(local, _counts_of(totals))
 
@@ -354,22 +354,22 @@ class AdamW:
         commit = commit.astype(jnp.int32)
 
         # Commit or skip: when skipping, the read slot goes back into the written slot, and
-        # into the mirror where the read side verified (elsewhere the mirror was not written).
+        # into the device copy where the read side verified (elsewhere the copy was not written).
         names = list(reads[0]) if reads else []
         sources = [r[k][i] for r in reads for k in names for i in (0, 1)]
         dests = [o["write"][k][i] for o in outs for k in names for i in (0, 1)]
         restored = iter(restore_unless(commit, sources, dests))
         new_write = [{k: (next(restored), next(restored)) for k in names} for _ in outs]
         new_slot = slot_from_tensors(new_write, treedef)
-        new_mirror = None
-        if state.mirror is not None:
+        new_copy = None
+        if state.device_copy is not None:
             cleaned = iter(restore_clean(
-                commit, [(o["faults"], r[k], o["mirror"][k], self.chunk_bytes(r[k][0].dtype))
+                commit, [(o["faults"], r[k], o["device_copy"][k], self.chunk_bytes(r[k][0].dtype))
                          for r, o in zip(reads, outs) for k in names]))
-            new_mirror = slot_from_tensors([{k: next(cleaned) for k in names} for _ in outs],
+            new_copy = slot_from_tensors([{k: next(cleaned) for k in names} for _ in outs],
                                            treedef)
         slots = (read, new_slot) if cur == 0 else (new_slot, read)
-        new_state = AdamWState(slots, nxt, state.step + commit, new_mirror)
+        new_state = AdamWState(slots, nxt, state.step + commit, new_copy)
         unflat = lambda xs: jax.tree.unflatten(treedef, xs)
         report = UpdateReport(commit.astype(bool), n_bad, n_faults, unflat(faults), unflat(bad),
                               local)
@@ -384,17 +384,17 @@ class AdamW:
                 raise ValueError(f"gradient {jax.tree_util.keystr(path)} is {g.dtype}{tuple(g.shape)}; "
                                  f"it must match its parameter, {p.dtype}{tuple(p.shape)}")
 
-    def _update_call(self, reads, grads, writes, mirrors, scalars):
+    def _update_call(self, reads, grads, writes, copies, scalars):
         """One pimhbm_adamw call for the given leaves (the kernel runs over the chunks of all of
-        them). reads/writes/mirrors: per leaf {name: (tensor, table)} (mirror None: absent).
-        Returns, per leaf, {"write": {...}, "faults", "grad_nonfinite"[, "mirror": {...}]}, and
+        them). reads/writes/copies: per leaf {name: (tensor, table)} (device copy None: absent).
+        Returns, per leaf, {"write": {...}, "faults", "grad_nonfinite"[, "device_copy": {...}]}, and
         the call's totals: faulty chunks and NaN/Inf gradient values as uint32 (2, 2), each a
         64-bit count's low and high words."""
         order = ["p", "master", "mu", "nu"]
         args, out_types, aliases, layout = [], [], {}, []
-        # Absent tensors (no master weights, no mirror) are empty placeholders in the call.
+        # Absent tensors (no master weights, no device copy) are empty placeholders in the call.
         no_table = jnp.zeros((0, 2), jnp.uint32)
-        for read, g, write, mirror in zip(reads, grads, writes, mirrors):
+        for read, g, write, copy in zip(reads, grads, writes, copies):
             p = read["p"][0]
             nchunks = _num_chunks(p.size, self.chunk_elems)
             present = {"p": True, "master": "master" in read, "mu": True, "nu": True}
@@ -405,11 +405,11 @@ class AdamW:
                     return [empty[k] for k in order]
                 return [tensors.get(k, empty[k]) for k in order]
 
-            r, w, m = side(read), side(write), side(mirror)
+            r, w, m = side(read), side(write), side(copy)
             leaf_args = ([t[0] for t in r] + [g] + [t[1] for t in r] + [t[0] for t in w] +
                          [t[1] for t in w] + [t[0] for t in m] + [t[1] for t in m])
             arg0, ret0 = 1 + len(args), len(out_types)  # the step scalars come first
-            for side_at, side_present in ((9, True), (17, mirror is not None)):
+            for side_at, side_present in ((9, True), (17, copy is not None)):
                 for j, k in enumerate(order):
                     if side_present and present[k]:
                         aliases[arg0 + side_at + j] = ret0 + side_at - 9 + j          # tensor
@@ -418,7 +418,7 @@ class AdamW:
             out_types += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaf_args[9:25]] + [
                 jax.ShapeDtypeStruct((nchunks,), jnp.int32),
                 jax.ShapeDtypeStruct((nchunks,), jnp.int32)]
-            layout.append(([k for k in order if present[k]], mirror is not None))
+            layout.append(([k for k in order if present[k]], copy is not None))
         if not args:
             return [], jnp.zeros((2, 2), jnp.uint32)
         out_types.append(jax.ShapeDtypeStruct((2, 2), jnp.uint32))  # the totals
@@ -429,12 +429,12 @@ class AdamW:
             eps_root=np.float32(self.eps_root), weight_decay=np.float32(self.weight_decay),
             kernel=np.int64(self.kernel))
         results = []
-        for i, (names, has_mirror) in enumerate(layout):
+        for i, (names, has_copy) in enumerate(layout):
             o = outs[_RETS_PER_LEAF * i:_RETS_PER_LEAF * (i + 1)]
             result = {"write": {k: (o[order.index(k)], o[4 + order.index(k)]) for k in names},
                       "faults": o[16], "grad_nonfinite": o[17]}
-            if has_mirror:
-                result["mirror"] = {k: (o[8 + order.index(k)], o[12 + order.index(k)])
+            if has_copy:
+                result["device_copy"] = {k: (o[8 + order.index(k)], o[12 + order.index(k)])
                                     for k in names}
             results.append(result)
         return results, outs[-1]
