@@ -34,7 +34,7 @@ from common import write_json  # noqa: E402
 from scan_bench import read_ceiling  # noqa: E402
 
 import pimhbm  # noqa: E402
-from pimhbm.tools import device_profile  # noqa: E402
+from pimhbm_cli import device_profile  # noqa: E402
 
 LR = 1e-4
 BYTES_PER_PARAM = 28

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pimhbm import faults
-from pimhbm.data import corpus_bytes
+from pimhbm_cli.data import corpus_bytes
 from pimhbm.models import llama3
 from pimhbm.train import text_batches
 

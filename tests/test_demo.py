@@ -10,7 +10,7 @@ def test_short_demo_run_ends_bit_identical(tmp_path):
     out = tmp_path / "demo"
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # one device, as `make demo` runs
-    r = subprocess.run([sys.executable, "-m", "pimhbm.cli", "demo", "--steps", "40", "--faults",
+    r = subprocess.run([sys.executable, "-m", "pimhbm_cli", "demo", "--steps", "40", "--faults",
                         "3", "--layers", "1", "--hidden", "32", "--batch", "8", "--seq", "32",
                         "--out", str(out)], capture_output=True, text=True, env=env, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -26,7 +26,8 @@ def test_short_demo_run_ends_bit_identical(tmp_path):
 def test_a_run_that_cannot_go_on_ends_with_its_reason_not_a_traceback(monkeypatch, capsys):
     """PersistentFault / DeviceFailure from the main job: exit code 3 and the engine's message
     (what happened, what to do) on stderr."""
-    from pimhbm import cli, demo
+    import pimhbm_cli as cli
+    from pimhbm_cli import demo
     from pimhbm.recovery import PersistentFault
 
     def fails(args):

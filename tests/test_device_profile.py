@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from pimhbm.tools import device_profile
+from pimhbm_cli import device_profile
 
 
 def write_trace(tmp_path, kernels):

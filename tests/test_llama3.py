@@ -206,7 +206,7 @@ def test_llama3_tool_with_fsdp_on_four_cpu_devices(tmp_path, device_copy):
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices")
     out = tmp_path / "llama3.json"
-    cmd = [sys.executable, "-m", "pimhbm.cli", "llama3", "--tiny", "--layers", "1", "--tokens",
+    cmd = [sys.executable, "-m", "pimhbm_cli", "llama3", "--tiny", "--layers", "1", "--tokens",
            "256", "--seq", "32", "--vocab", "256", "--steps", "2", "--devices", "4", "--shard",
            "2", "--campaign-steps", "10", "--faults", "1", "--json", str(out)]
     # With the copy also --profile (a CPU trace has no device timeline: nothing to split).
@@ -241,7 +241,7 @@ def test_llama3_tool_as_two_processes_with_fsdp(tmp_path):
     if jax.default_backend() != "cpu" and len(jax.devices()) < 4:
         pytest.skip("needs 4 GPUs here (elsewhere each process makes 2 CPU devices)")
     out = tmp_path / "llama3.json"
-    cmd = [sys.executable, "-m", "pimhbm.cli", "llama3", "--tiny", "--layers", "1", "--tokens",
+    cmd = [sys.executable, "-m", "pimhbm_cli", "llama3", "--tiny", "--layers", "1", "--tokens",
            "256", "--seq", "32", "--vocab", "256", "--steps", "2", "--devices", "4", "--shard",
            "2", "--processes", "2", "--campaign-steps", "10", "--faults", "1", "--json", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

@@ -20,7 +20,7 @@ from pimhbm import faults
 from pimhbm.backup import HostBackup, specs_of
 from pimhbm.campaign import KINDS, Campaign
 from pimhbm.models import mlp
-from pimhbm.recovery import Trainer
+from pimhbm.recovery import Action, IncidentKind, Trainer
 
 HERE = os.path.dirname(__file__)
 
@@ -196,11 +196,10 @@ def test_steps_are_waited_for_only_where_programs_could_hang(shm_name, monkeypat
     """The host waits for each step before queuing the next only on several virtual CPU
     devices (their programs share one thread pool); elsewhere -- one CPU device here, GPUs --
     steps stay queued ahead of the device, so it never idles for the host between steps."""
-    import pimhbm.recovery as recovery
     if len(jax.devices()) < ndev:
         pytest.skip(f"needs {ndev} devices")
     waits = []
-    real = recovery.jax.block_until_ready
+    real = jax.block_until_ready
 
     def counting(x):
         waits.append(sys._getframe(1).f_code.co_name)
@@ -208,9 +207,9 @@ def test_steps_are_waited_for_only_where_programs_could_hang(shm_name, monkeypat
 
     tr = make_trainer(shm_name, devices=jax.devices()[:ndev])
     tr.run(2)
-    monkeypatch.setattr(recovery.jax, "block_until_ready", counting)
+    monkeypatch.setattr(jax, "block_until_ready", counting)
     tr.run(8)
-    settled = waits.count("_settle")
+    settled = waits.count("settle")
     if ndev == 1 or jax.devices()[0].platform != "cpu":
         assert settled == 0, waits
     else:  # each of the 6 steps (and the scrub at step 5)
@@ -233,20 +232,18 @@ def test_fault_campaign_ends_bit_identical_to_the_fault_free_run(shm_name):
         assert row["injected"] >= 50, kind
         assert row["detected"] == row["injected"], (kind, row)
         assert row["repaired"] == row["injected"], (kind, row)
-    actions = {(i.step, i.action) for i in stats.incidents if i.kind == "state"}
+    actions = {(i.step, i.action) for i in stats.incidents if i.kind is IncidentKind.STATE}
     doubles = [f for f in campaign.plan if f.kind == "double_fault"]
     if len(tr.devices) > tr.shard:
         # A double fault damages one device's state and device copy: its replicas are healthy.
         assert stats.host_restores == 0 and stats.replica_repairs >= 1
         for f in doubles:
             assert f.device is not None
-            assert any(step == f.step and a.startswith("repaired from a healthy replica")
-                       for step, a in actions), f
+            assert (f.step, Action.REPAIRED_FROM_REPLICA) in actions, f
     else:  # one device (a single GPU): no replica, so a double fault needs the host snapshot
         assert stats.host_restores >= 1 and stats.replica_repairs == 0
         for f in doubles:
-            assert any(step == f.step and a.startswith("restored from host snapshot")
-                       for step, a in actions), f
+            assert (f.step, Action.RESTORED_FROM_SNAPSHOT) in actions, f
     assert stats.compiles_after_prewarm == 0
     assert same_state(tr.current_state(), ref_state), "the run did not end bit-identical"
 
@@ -299,10 +296,10 @@ def test_a_fault_on_one_device_is_located_to_that_device(shm_name, fault_free):
 
     tr = make_trainer(shm_name)
     stats = tr.run(30, campaign=OneDevice())
-    state_incidents = [i for i in stats.incidents if i.kind == "state"]
+    state_incidents = [i for i in stats.incidents if i.kind is IncidentKind.STATE]
     assert state_incidents and state_incidents[0].step == 12
-    assert state_incidents[0].locations == [(2, "w1", "mu", 700 // 256)]
-    assert state_incidents[0].action == "repaired from the device copy"
+    assert state_incidents[0].locations == ((2, "w1", "mu", 700 // 256),)
+    assert state_incidents[0].action is Action.REPAIRED_FROM_DEVICE_COPY
     assert same_state(tr.current_state(), ref_state)
 
 
@@ -348,20 +345,21 @@ def test_a_double_fault_on_some_devices_is_repaired_from_a_healthy_replica(shm_n
     tr = make_trainer(shm_name, replica_transport=transport)
     stats = tr.run(30, campaign=Doubles())
     # Each fault is seen by its step and by the one in flight behind it (halted, same damage).
-    seen = [i for i in stats.incidents if i.kind == "state"]
+    seen = [i for i in stats.incidents if i.kind is IncidentKind.STATE]
     assert [i.step for i in seen] == [9, 10, 17, 18, 24, 25]
-    assert [i.action for i in seen[0::2]] == [i.action for i in seen[1::2]]
+    assert [(i.action, i.sources, i.snapshot_step) for i in seen[0::2]] == \
+        [(i.action, i.sources, i.snapshot_step) for i in seen[1::2]]
     state = seen[0::2]
     chunk = offset // 4 // 256
-    assert state[0].locations == [(d, "w1", "nu", chunk) for d in doubles]
-    assert state[0].action == "repaired from a healthy replica (device 0)"
-    assert {l[0] for l in state[1].locations} == {0}
-    assert state[1].action == "repaired from a healthy replica (device 1)"
-    assert state[2].action.startswith("restored from host snapshot @")
+    assert state[0].locations == tuple((d, "w1", "nu", chunk) for d in doubles)
+    assert state[0].action is Action.REPAIRED_FROM_REPLICA and state[0].sources == (0,)
+    assert {l.device for l in state[1].locations} == {0}
+    assert state[1].action is Action.REPAIRED_FROM_REPLICA and state[1].sources == (1,)
+    assert state[2].action is Action.RESTORED_FROM_SNAPSHOT and state[2].snapshot_step is not None
     assert stats.replica_repairs == 1 + len(state[1].locations)
     assert stats.host_restores == 1
     assert tr.compiles == 0
-    assert not [i for i in stats.incidents if i.kind == "device copy"], \
+    assert not [i for i in stats.incidents if i.kind is IncidentKind.DEVICE_COPY], \
         "the damaged device copies were rewritten with the repair, not found later by a scrub"
     assert same_state(tr.current_state(), ref_state)
 
@@ -395,20 +393,22 @@ def test_a_lost_shard_is_rebuilt_from_a_replica(shm_name, fault_capacity, fault_
     tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=shm_name, snapshot_every=10,
                  scrub_every=5, fault_capacity=fault_capacity, replica_transport=transport)
     tr.prewarm()
-    rebuild = tr._programs["rebuild", 0].as_text()
+    rebuild = tr.programs.rebuild[0].as_text()
     # The transport's own program: pulls from peer memory, or a psum (no pull).
     assert ("pimhbm_peer_pull" in rebuild) == (transport == "peer")
     stats = tr.run(20, campaign=LostShard())
-    state = [i for i in stats.incidents if i.kind == "state"]
+    state = [i for i in stats.incidents if i.kind is IncidentKind.STATE]
     assert state and state[0].step == 8
     assert {loc[0] for loc in state[0].locations} == {lost}
     assert stats.host_restores == 0
     if fault_capacity == 64:
         assert len(state[0].locations) == 2 * 36  # w1 is 96 x 96 = 36 chunks of 256
-        assert state[0].action == "repaired from a healthy replica (device 0)"
+        assert state[0].action is Action.REPAIRED_FROM_REPLICA and state[0].sources == (0,)
         assert stats.replica_repairs == 72 and stats.replica_rebuilds == 0
     else:
-        assert state[0].action == f"repaired: device {lost} rebuilt whole from a healthy replica (device 0)"
+        assert state[0].action is Action.REBUILT_FROM_REPLICA and state[0].sources == (0,)
+        assert state[0].describe() == (f"device {lost} rebuilt whole from a healthy replica "
+                                       "(device 0)")
         assert stats.replica_rebuilds == 1
     assert tr.compiles == 0
     assert same_state(tr.current_state(), ref_state)
@@ -474,19 +474,20 @@ def test_sharded_campaign_on_a_replica_by_shard_mesh(shm_name):
     assert all(r["missed"] == 0 and r["repaired"] == r["injected"] for r in found.values()), found
 
     def incident(step):
-        return next(i for i in stats.incidents if i.kind == "state" and i.step == step)
+        return next(i for i in stats.incidents if i.kind is IncidentKind.STATE and i.step == step)
 
     one = incident(6)
     assert (1, "w1", "mu", 3000 // 256) in one.locations
     assert {l[0] for l in one.locations if l[1:3] == ("w1", "mu")} == {1}
-    assert "from a healthy replica (device 3)" in one.action  # device 1's shard lives on 3 too
+    # device 1's shard lives on 3 too
+    assert one.action is Action.REPAIRED_FROM_REPLICA and 3 in one.sources
     burst = incident(13)
     assert {l for l in burst.locations if l[1:3] == ("w0", "p")} == {(2, "w0", "p", c)
                                                                    for c in range(1, 5)}
-    assert "from a healthy replica (device 0)" in burst.action
+    assert burst.action is Action.REPAIRED_FROM_REPLICA and 0 in burst.sources
     wiped = incident(11)
     assert {l[3] for l in wiped.locations if l[:3] == (3, "w1", "master")} == set(range(18))
-    assert "from a healthy replica (device 1)" in wiped.action
+    assert wiped.action is Action.REPAIRED_FROM_REPLICA and 1 in wiped.sources
     doubles = [f for f in campaign.plan if f.kind == "double_fault"]  # one device each
     assert doubles and all(f.device is not None for f in doubles)
     assert stats.replica_repairs == 1 + 4 + 18 + sum(len(f.chunks) for f in doubles)
@@ -523,14 +524,15 @@ def test_a_replica_transfer_that_fails_falls_back_to_the_host_snapshot(shm_name,
                                          "of 2 to publish their buffers")
 
     for current in (0, 1):
-        tr._programs["replica", current] = unanswered
+        tr.programs.replica[current] = unanswered
     stats = tr.run(20, campaign=Double())
     assert calls == [1]
-    failed = [i for i in stats.incidents if i.kind == "replica transport"]
-    assert len(failed) == 1 and "did not answer" not in failed[0].action
-    assert "waited 20000 ms" in failed[0].action and "host snapshot" in failed[0].action
-    state = [i for i in stats.incidents if i.kind == "state"]
-    assert state[0].action.startswith("restored from host snapshot @10")
+    failed = [i for i in stats.incidents if i.kind is IncidentKind.TRANSPORT]
+    assert len(failed) == 1 and "did not answer" not in failed[0].detail
+    assert failed[0].action is Action.HOST_SNAPSHOT_INSTEAD and "waited 20000 ms" in failed[0].detail
+    assert "host snapshot" in failed[0].describe()
+    state = [i for i in stats.incidents if i.kind is IncidentKind.STATE]
+    assert state[0].action is Action.RESTORED_FROM_SNAPSHOT and state[0].snapshot_step == 10
     assert stats.host_restores == 1 and stats.replica_repairs == 0
     assert tr.compiles == 0
     assert same_state(tr.current_state(), ref_state)
@@ -561,8 +563,9 @@ def test_a_damaged_snapshot_is_passed_over_for_the_older_one(shm_name, fault_fre
 
     tr = make_trainer(shm_name)
     stats = tr.run(30, campaign=Everywhere())
-    state = [i for i in stats.incidents if i.kind == "state"]
-    assert state[0].step == 23 and state[0].action == "restored from host snapshot @10"
+    state = [i for i in stats.incidents if i.kind is IncidentKind.STATE]
+    assert state[0].step == 23 and state[0].action is Action.RESTORED_FROM_SNAPSHOT
+    assert state[0].snapshot_step == 10 and state[0].describe() == "restored from host snapshot @10"
     assert stats.host_restores == 1 and tr.compiles == 0
     assert same_state(tr.current_state(), ref_state)
 
@@ -588,12 +591,11 @@ def test_a_snapshot_is_trusted_only_once_the_next_step_verified_its_slot(shm_nam
 
     tr = make_trainer(shm_name)
     stats = tr.run(30, campaign=AtTheSnapshot())
-    state = [i for i in stats.incidents if i.kind == "state"]
+    state = [i for i in stats.incidents if i.kind is IncidentKind.STATE]
     # (the step dispatched behind a skipped one reports the same damage: 11-12, 14-15)
-    assert state[0].step == 11 and state[0].action == "repaired from the device copy"
-    restores = [i for i in state if i.action.startswith("restored from host snapshot")]
-    assert {(i.step, i.action) for i in restores} == {(14, "restored from host snapshot @11"),
-                                                      (15, "restored from host snapshot @11")}
+    assert state[0].step == 11 and state[0].action is Action.REPAIRED_FROM_DEVICE_COPY
+    restores = [i for i in state if i.action is Action.RESTORED_FROM_SNAPSHOT]
+    assert {(i.step, i.snapshot_step) for i in restores} == {(14, 11), (15, 11)}
     assert stats.host_restores == 1 and tr.compiles == 0
     assert same_state(tr.current_state(), ref_state)
     for step, slot in tr.backup.newest():  # every snapshot marked complete verifies
@@ -622,9 +624,9 @@ def test_a_gradient_fault_hidden_in_a_poisoned_gradient_is_detected_not_located(
             pass
 
     stats = tr.run(12, campaign=Poisoned())
-    grads = [i for i in stats.incidents if i.kind == "gradient" and i.step == 8]
+    grads = [i for i in stats.incidents if i.kind is IncidentKind.GRADIENT and i.step == 8]
     assert grads and grads[0].unlisted
-    assert ("w1", "gradient", 20) not in {loc[1:] for loc in grads[0].locations}
+    assert ("w1", "gradient", 20) not in {(l.leaf, l.tensor, l.chunk) for l in grads[0].locations}
     row = campaign.check(stats)["grad_nonfinite"]
     assert row == {"injected": 1, "detected": 1, "repaired": 1, "missed": 0, "unlocated": 1}
 
@@ -669,7 +671,7 @@ def test_a_step_that_fails_on_every_replay_stops_the_run_with_a_clear_error(shm_
         tr.run(12)
     assert err.value.step == 7 and err.value.skips == 3
     assert tr.stats.steps_committed == 6 and tr.next_step == 7
-    assert all(i.kind == "gradient" for i in err.value.incidents)
+    assert all(i.kind is IncidentKind.GRADIENT for i in err.value.incidents)
     with pytest.raises(ValueError, match="max_skips=1"):
         Trainer(mlp.loss, opt, mlp.init(0), batch_fn, max_skips=1)
 
@@ -680,7 +682,7 @@ def test_the_gradient_fault_hook_leaves_every_gradient_alone_when_told_to():
     the GPU this model's gradients came out of the hook as uninitialised memory (NaN/Inf
     among it, so every step of the demo was skipped). The handlers now copy where XLA did not
     alias."""
-    from pimhbm.data import corpus_bytes
+    from pimhbm_cli.data import corpus_bytes
     from pimhbm.models import llama3
     from pimhbm.train import text_batches
 
@@ -726,8 +728,8 @@ def test_without_device_copies_every_fault_is_repaired_from_a_replica(shm_name, 
     for kind, row in table.items():
         assert row["injected"] == 3 and row["repaired"] == 3, (kind, row)
     assert stats.host_restores == 0 and stats.replica_repairs >= len(state_faults)
-    assert all(i.action.startswith("repaired from a healthy replica")
-               for i in stats.incidents if i.kind == "state")
+    assert all(i.action is Action.REPAIRED_FROM_REPLICA
+               for i in stats.incidents if i.kind is IncidentKind.STATE)
     assert tr.compiles == 0
     assert same_state(tr.current_state(), fault_free[30])
     tr.close()
@@ -768,3 +770,37 @@ def test_the_step_takes_the_mean_over_the_whole_batch(rng, ndev, shard):
         # rounding, never off by a factor.
         np.testing.assert_allclose(mu / (1 - b1), g, rtol=2e-2, atol=2e-2 * np.abs(g).max())
         assert np.linalg.norm(mu / (1 - b1)) == pytest.approx(np.linalg.norm(g), rel=1e-2)
+
+
+def test_a_closed_trainer_is_freed(shm_name):
+    """Nothing outside a Trainer keeps it (and its device state) alive once it is closed: the
+    compile counter listens to jax.monitoring only while a run goes on. The positive control: a
+    listener that holds a trainer, left registered (as a listener bound to the trainer once was),
+    keeps that trainer alive."""
+    import gc
+    import weakref
+
+    def closed_trainer(name):
+        tr = make_trainer(name)
+        tr.run(3)
+        assert tr.stats.steps_committed == 3
+        tr.close()
+        return tr
+
+    tr = closed_trainer(shm_name)
+    ref = weakref.ref(tr)
+    del tr
+    gc.collect()
+    assert ref() is None, gc.get_referrers(ref())
+
+    kept = closed_trainer(shm_name + "k")
+    listener = lambda event, duration, trainer=kept, **kwargs: None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    ref = weakref.ref(kept)
+    del kept
+    gc.collect()
+    try:
+        assert ref() is not None  # the leak the test above would catch
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        HostBackup.unlink(shm_name + "k")

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 import pimhbm
-from pimhbm import cli
+import pimhbm_cli as cli
 from pimhbm.backup import HostBackup
 from pimhbm.models import mlp
-from pimhbm.recovery import DeviceFailure, Trainer
+from pimhbm.recovery import Action, DeviceFailure, IncidentKind, Trainer
 from pimhbm.telemetry import FIELDS, FLAGS, Monitor, health
 
 HERE = os.path.dirname(__file__)
@@ -202,10 +202,11 @@ def test_a_suspect_device_is_scrubbed_at_once(standin, shm_name):
         assert tr.stats.suspect_devices == {2}
         tr.run(12)
         assert tr.stats.scrubs == 1  # scrub_every=1000: this one came from the telemetry
-        inc = [i for i in tr.stats.incidents if i.kind == "telemetry"]
-        assert len(inc) == 1 and inc[0].action.startswith(
-            "device 2: remapped_rows_correctable 0 -> 1; full scrub at step")
-        assert [i.kind for i in tr.stats.incidents] == ["telemetry"]  # nothing else happened
+        inc = [i for i in tr.stats.incidents if i.kind is IncidentKind.TELEMETRY]
+        assert len(inc) == 1 and inc[0].action is Action.SCRUBBED
+        assert inc[0].detail == "device 2: remapped_rows_correctable 0 -> 1"
+        # nothing else happened
+        assert [i.kind for i in tr.stats.incidents] == [IncidentKind.TELEMETRY]
         assert tr.compiles == 0
         state = tr.current_state()
         assert state.keys() == ref_state.keys() and all(
@@ -249,7 +250,7 @@ def test_a_device_error_becomes_device_failure_not_a_hang(shm_name):
         raise jax.errors.JaxRuntimeError("INTERNAL: CUDA error: uncorrectable ECC error encountered")
 
     for parity in (0, 1):
-        tr._programs["step", parity] = poisoned
+        tr.programs.step[parity] = poisoned
     with pytest.raises(DeviceFailure) as err:
         tr.run(8)
     assert "uncorrectable ECC error" in str(err.value)

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from pimhbm import faults
+from pimhbm.recovery.events import Action, IncidentKind
 
 KINDS = ("param_flip", "master_flip", "moment_flip", "row_burst", "grad_nonfinite", "double_fault")
 
@@ -163,12 +164,12 @@ class Campaign:
     def check(self, stats: Any) -> dict[str, dict[str, int]]:
         """Marks each planned fault detected (an incident at its step names every chunk it
         damaged) and repaired (that incident's action succeeded); counts by kind."""
-        found: dict[tuple[int, str, str, int], str] = {}
+        found: dict[tuple[int, str, str, int], Action] = {}
         unlisted: set[int] = set()  # steps whose non-finite gradients overflowed the list
         for inc in stats.incidents:
-            for _device, path, tensor, chunk in inc.locations:
-                found[(inc.step, path, tensor, chunk)] = inc.action
-            if inc.kind == "gradient" and inc.unlisted:
+            for loc in inc.locations:
+                found[(inc.step, loc.leaf, loc.tensor, loc.chunk)] = inc.action
+            if inc.kind is IncidentKind.GRADIENT and inc.unlisted:
                 unlisted.add(inc.step)
         table = {k: {"injected": 0, "detected": 0, "repaired": 0, "missed": 0, "unlocated": 0}
                  for k in KINDS}
@@ -180,9 +181,8 @@ class Campaign:
                 # Its step was skipped for non-finite gradients in more chunks than the summary
                 # lists (damaged state upstream poisoned the whole gradient): detected and kept
                 # out of the update, but not told apart from the rest.
-                f.detected, actions = True, ["step skipped, replayed"]
-            f.repaired = f.detected and all(
-                a.startswith(("repaired", "restored", "step skipped")) for a in actions)
+                f.detected, actions = True, [Action.SKIPPED_AND_REPLAYED]
+            f.repaired = f.detected and all(a.repaired for a in actions)
             row = table[f.kind]
             row["injected"] += 1
             row["detected"] += f.detected

@@ -16,7 +16,7 @@ import json
 import os
 import time
 import uuid
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +29,24 @@ from rich.table import Table
 import pimhbm
 from pimhbm.backup import HostBackup
 from pimhbm.campaign import KINDS, Campaign, unlocated_note
-from pimhbm.data import corpus_bytes
 from pimhbm.models import llama3
 from pimhbm.train import llama_trainer, text_batches, warmup_cosine
+from pimhbm_cli.data import corpus_bytes
 
+
+def add_arguments(p) -> None:
+    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
+    p.add_argument("--faults", type=int, default=12, help="faults of each kind (default 12)")
+    p.add_argument("--kinds", nargs="*", default=None,
+                   help="fault kinds (default: all of param_flip master_flip moment_flip "
+                        "row_burst grad_nonfinite double_fault)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    p.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
+    p.add_argument("--seq", type=int, default=64, help="bytes per sequence (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--out", default="demo-out", help="folder for metrics.json and loss.png")
+    p.add_argument("--device", default=None, help="cpu or gpu (default: JAX's default)")
 
 def _run(console, title, trainer, steps, campaign=None):
     """Runs with a live progress bar (a line every tenth of the run when the output is not a
@@ -129,14 +143,174 @@ def _plot(path, ref_losses, losses, campaign, kinds, identical):
     plt.close(fig)
 
 
+class Runs(NamedTuple):
+    """The two runs of the demo: without faults, and under the campaign."""
+
+    clean: Any  # Trainer
+    faulty: Any
+    ref_stats: Any  # RunStats
+    stats: Any
+    ref_seconds: float
+    campaign: Campaign
+    ref_state: dict
+    state: dict
+
+    @property
+    def compiles(self) -> int:
+        return self.clean.compiles + self.faulty.compiles
+
+
+class Verdict(NamedTuple):
+    table: dict  # Campaign.check: by kind of fault
+    differing: list[str]  # tensors whose final bytes differ between the runs
+    missed: int
+    unrepaired: int
+    compiles: int
+
+    @property
+    def identical(self) -> bool:
+        return not self.differing
+
+    @property
+    def ok(self) -> bool:
+        return self.identical and not (self.missed or self.unrepaired or self.compiles)
+
+
+def _both_runs(console, cfg, data, args, device, kinds) -> Runs:
+    """Run 1 without faults, run 2 the same under the campaign: the same compiled programs
+    (fault hooks included), host snapshots in shared memory (removed at the end)."""
+    names = [f"pimhbm_demo_{uuid.uuid4().hex[:10]}_{k}" for k in ("clean", "faulty")]
+    common = dict(steps=args.steps, batch=args.batch, seq=args.seq, seed=args.seed,
+                  inject_gradients=True, devices=[device], attention_impl=_attention())
+    try:
+        clean = llama_trainer(cfg, data, **common, shm_name=names[0])
+        pre = clean.prewarm()
+        console.print(f"prewarm: {pre['programs']} programs compiled from shapes in "
+                      f"{pre['seconds']:.1f} s")
+        ref_stats, ref_seconds = _run(console, "without faults", clean, args.steps)
+        ref_state = clean.current_state()
+        faulty = llama_trainer(cfg, data, **common, shm_name=names[1])
+        faulty.prewarm()
+        campaign = Campaign(faulty, {k: args.faults for k in kinds}, last_step=args.steps,
+                            seed=args.seed + 1)
+        stats, _ = _run(console, "under faults", faulty, args.steps, campaign)
+        return Runs(clean, faulty, ref_stats, stats, ref_seconds, campaign, ref_state,
+                    faulty.current_state())
+    finally:
+        for n in names:
+            HostBackup.unlink(n)
+
+
+def _verdict(runs: Runs) -> Verdict:
+    table = runs.campaign.check(runs.stats)
+    a, b = runs.state, runs.ref_state
+    differing = sorted(set(a) ^ set(b)) + [k for k in a if k in b and a[k].tobytes() != b[k].tobytes()]
+    return Verdict(table, differing, sum(r["missed"] for r in table.values()),
+                   sum(r["detected"] - r["repaired"] for r in table.values()), runs.compiles)
+
+
+def _print_tables(console, runs: Runs, verdict: Verdict, plain: float, cfg, device, args) -> None:
+    out = Table(title="Faults by kind")
+    for col in ("kind", "injected", "detected", "repaired", "missed"):
+        out.add_column(col, justify="left" if col == "kind" else "right")
+    for kind, row in verdict.table.items():
+        out.add_row(kind, str(row["injected"]), str(row["detected"]), str(row["repaired"]),
+                    f"[red]{row['missed']}[/]" if row["missed"] else "0")
+    console.print(out)
+    if note := unlocated_note(verdict.table):
+        console.print(note)
+    stats, protected = runs.stats, runs.ref_seconds / args.steps
+    facts = Table(show_header=False, title="The run under faults")
+    facts.add_column(justify="left")
+    facts.add_column(justify="right")
+    rows = [("steps committed (replays included)", stats.steps_committed),
+            ("steps skipped (then replayed)", stats.steps_skipped),
+            ("steps replayed", stats.steps_replayed),
+            ("chunks repaired from the device copy", stats.repairs),
+            ("restores from the host snapshot (double faults)", stats.host_restores),
+            ("host snapshots taken", stats.snapshots), ("scrubs", stats.scrubs),
+            ("compilations after prewarm (both runs)", runs.compiles),
+            ("time per protected step, no faults", f"{protected * 1e3:.1f} ms"),
+            ("time per unprotected step (optax.adamw)", f"{plain * 1e3:.1f} ms"),
+            ("cost of protection on this device", f"{(protected / plain - 1) * 100:+.0f} %"),
+            ("final loss, both runs", f"{runs.ref_stats.losses[args.steps]:.4f} / "
+                                      f"{stats.losses[args.steps]:.4f}"),
+            ("hardware telemetry (NVML)", stats.telemetry),
+            ("GPU-reported events (both runs); suspect devices",
+             f"{len(runs.ref_stats.telemetry_events) + len(stats.telemetry_events)}; "
+             f"{sorted(runs.ref_stats.suspect_devices | stats.suspect_devices) or 'none'}")]
+    for k, v in rows:
+        facts.add_row(k, str(v))
+    console.print(facts)
+    _print_what_the_cost_means(console, cfg, device)
+
+
+def _print_what_the_cost_means(console, cfg, device) -> None:
+    if device.platform == "cpu":
+        console.print("[dim]On a CPU the guarded update runs the plain reference loops (digests "
+                      "computed chunk by chunk); the cost of protection is measured on the GPU by "
+                      "`pimhbm llama3` and bench/.[/]")
+    elif cfg.num_params() < 1e8:
+        console.print(f"[dim]A model of {cfg.num_params() / 1e6:.2f} M parameters: each step's "
+                      "fixed work (kernel launches of the checks, the host's per-step bookkeeping) "
+                      "outweighs its arithmetic, so the cost above says little about a real model; "
+                      "`pimhbm llama3` measures it at Llama-3-8B-layer scale.[/]")
+
+
+def _metrics(args, cfg, device, runs: Runs, verdict: Verdict, plain: float) -> dict:
+    stats, ref = runs.stats, runs.ref_stats
+    return {
+        "model": cfg.__dict__, "steps": args.steps, "batch": args.batch, "seq": args.seq,
+        "seed": args.seed, "device": f"{device.platform} ({device.device_kind})",
+        "faults": verdict.table, "steps_committed": stats.steps_committed,
+        "steps_skipped": stats.steps_skipped, "steps_replayed": stats.steps_replayed,
+        "repairs": stats.repairs, "host_restores": stats.host_restores,
+        "snapshots": stats.snapshots, "scrubs": stats.scrubs,
+        "compilations_after_prewarm": runs.compiles,
+        "seconds_per_protected_step": runs.ref_seconds / args.steps,
+        "seconds_per_plain_step": plain,
+        "bit_identical": verdict.identical, "differing_tensors": verdict.differing,
+        "telemetry": stats.telemetry,
+        "telemetry_events": [e.__dict__ | {"run": run} for run, st in
+                             (("without faults", ref), ("under faults", stats))
+                             for e in st.telemetry_events],
+        "suspect_devices": sorted(ref.suspect_devices | stats.suspect_devices),
+        "losses_without_faults": ref.losses, "losses_under_faults": stats.losses,
+        "incidents": [{"step": i.step, "kind": str(i.kind), "action": i.describe(),
+                       "locations": [list(l) for l in i.locations]} for i in stats.incidents],
+        "faults_planned": [{"step": f.step, "kind": f.kind, "tensor": f"{f.path}/{f.tensor}",
+                            "chunks": list(f.chunks), "detected": f.detected,
+                            "repaired": f.repaired} for f in runs.campaign.plan],
+    }
+
+
+def _print_verdict(console, verdict: Verdict) -> None:
+    if verdict.ok:
+        injected = sum(r["injected"] for r in verdict.table.values())
+        console.print(f"[bold green]verdict: bit-identical[/] -- all {injected} faults found in "
+                      "their chunk and repaired; the run under faults ended with exactly the "
+                      "state of the run without.")
+        return
+    why = []
+    if not verdict.identical:
+        why.append(f"the final states differ in {len(verdict.differing)} tensors "
+                   f"({', '.join(verdict.differing[:3])})")
+    if verdict.missed:
+        why.append(f"{verdict.missed} faults were missed")
+    if verdict.unrepaired:
+        why.append(f"{verdict.unrepaired} faults were found but not repaired")
+    if verdict.compiles:
+        why.append(f"{verdict.compiles} compilations after prewarm")
+    console.print("[bold red]verdict: FAILED[/] -- " + "; ".join(why))
+
+
 def run(args: Any) -> int:
     console = Console()
     if args.device:
         jax.config.update("jax_default_device", jax.devices(args.device)[0])
     device = jax.devices(args.device)[0] if args.device else jax.devices()[0]
     kinds = args.kinds or list(KINDS)
-    unknown = set(kinds) - set(KINDS)
-    if unknown:
+    if unknown := set(kinds) - set(KINDS):
         console.print(f"[red]unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}[/]")
         return 2
     os.makedirs(args.out, exist_ok=True)
@@ -149,124 +323,15 @@ def run(args: Any) -> int:
                   "exact-replay mode (XLA deterministic ops): " +
                   ("on" if "xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
                    else "off"))
-    names = [f"pimhbm_demo_{uuid.uuid4().hex[:10]}_{k}" for k in ("clean", "faults")]
-    common = dict(steps=args.steps, batch=args.batch, seq=args.seq, seed=args.seed,
-                  shm_name=None, inject_gradients=True, devices=[device],
-                  attention_impl=_attention())
-    # The unprotected step first: its time, for the table.
     console.print("timing the unprotected step (optax.adamw) ...")
     plain = _plain_step_seconds(cfg, data, args, device)
-    try:
-        # Run 1: without faults. The same compiled programs as run 2 (fault hooks included).
-        clean = llama_trainer(cfg, data, **{**common, "shm_name": names[0]})
-        pre = clean.prewarm()
-        console.print(f"prewarm: {pre['programs']} programs compiled from shapes in "
-                      f"{pre['seconds']:.1f} s")
-        ref_stats, ref_seconds = _run(console, "without faults", clean, args.steps)
-        ref_state = clean.current_state()
-
-        # Run 2: the same, under the campaign.
-        faulty = llama_trainer(cfg, data, **{**common, "shm_name": names[1]})
-        faulty.prewarm()
-        counts = {k: args.faults for k in kinds}
-        campaign = Campaign(faulty, counts, last_step=args.steps, seed=args.seed + 1)
-        stats, seconds = _run(console, "under faults", faulty, args.steps, campaign)
-        state = faulty.current_state()
-    finally:
-        for n in names:
-            HostBackup.unlink(n)
-
-    table = campaign.check(stats)
-    identical = state.keys() == ref_state.keys() and all(
-        state[k].tobytes() == ref_state[k].tobytes() for k in state)
-    differing = [k for k in state if state[k].tobytes() != ref_state[k].tobytes()]
-    missed = sum(r["missed"] for r in table.values())
-    unrepaired = sum(r["detected"] - r["repaired"] for r in table.values())
-    protected = ref_seconds / args.steps
-
-    out = Table(title="Faults by kind")
-    for col in ("kind", "injected", "detected", "repaired", "missed"):
-        out.add_column(col, justify="left" if col == "kind" else "right")
-    for kind, row in table.items():
-        out.add_row(kind, str(row["injected"]), str(row["detected"]), str(row["repaired"]),
-                    f"[red]{row['missed']}[/]" if row["missed"] else "0")
-    console.print(out)
-    if note := unlocated_note(table):
-        console.print(note)
-    facts = Table(show_header=False, title="The run under faults")
-    facts.add_column(justify="left")
-    facts.add_column(justify="right")
-    rows = [("steps committed (replays included)", stats.steps_committed),
-            ("steps skipped (then replayed)", stats.steps_skipped),
-            ("steps replayed", stats.steps_replayed),
-            ("chunks repaired from the device copy", stats.repairs),
-            ("restores from the host snapshot (double faults)", stats.host_restores),
-            ("host snapshots taken", stats.snapshots), ("scrubs", stats.scrubs),
-            ("compilations after prewarm (both runs)", clean.compiles + faulty.compiles),
-            ("time per protected step, no faults", f"{protected * 1e3:.1f} ms"),
-            ("time per unprotected step (optax.adamw)", f"{plain * 1e3:.1f} ms"),
-            ("cost of protection on this device", f"{(protected / plain - 1) * 100:+.0f} %"),
-            ("final loss, both runs", f"{ref_stats.losses[args.steps]:.4f} / "
-                                      f"{stats.losses[args.steps]:.4f}"),
-            ("hardware telemetry (NVML)", stats.telemetry),
-            ("GPU-reported events (both runs); suspect devices",
-             f"{len(ref_stats.telemetry_events) + len(stats.telemetry_events)}; "
-             f"{sorted(ref_stats.suspect_devices | stats.suspect_devices) or 'none'}")]
-    for k, v in rows:
-        facts.add_row(k, str(v))
-    console.print(facts)
-    if device.platform == "cpu":
-        console.print("[dim]On a CPU the guarded update runs the plain reference loops (digests "
-                      "computed chunk by chunk); the cost of protection is measured on the GPU by "
-                      "`pimhbm llama3` and bench/.[/]")
-    elif cfg.num_params() < 1e8:
-        console.print(f"[dim]A model of {cfg.num_params() / 1e6:.2f} M parameters: each step's "
-                      "fixed work (kernel launches of the checks, the host's per-step bookkeeping) "
-                      "outweighs its arithmetic, so the cost above says little about a real model; "
-                      "`pimhbm llama3` measures it at Llama-3-8B-layer scale.[/]")
-
-    metrics = {
-        "model": cfg.__dict__, "steps": args.steps, "batch": args.batch, "seq": args.seq,
-        "seed": args.seed, "device": f"{device.platform} ({device.device_kind})",
-        "faults": table, "steps_committed": stats.steps_committed,
-        "steps_skipped": stats.steps_skipped, "steps_replayed": stats.steps_replayed,
-        "repairs": stats.repairs, "host_restores": stats.host_restores,
-        "snapshots": stats.snapshots, "scrubs": stats.scrubs,
-        "compilations_after_prewarm": clean.compiles + faulty.compiles,
-        "seconds_per_protected_step": protected, "seconds_per_plain_step": plain,
-        "bit_identical": identical, "differing_tensors": differing,
-        "telemetry": stats.telemetry,
-        "telemetry_events": [e.__dict__ | {"run": run} for run, st in
-                             (("without faults", ref_stats), ("under faults", stats))
-                             for e in st.telemetry_events],
-        "suspect_devices": sorted(ref_stats.suspect_devices | stats.suspect_devices),
-        "losses_without_faults": ref_stats.losses, "losses_under_faults": stats.losses,
-        "incidents": [{"step": i.step, "kind": i.kind, "action": i.action,
-                       "locations": [list(l) for l in i.locations]} for i in stats.incidents],
-        "faults_planned": [{"step": f.step, "kind": f.kind, "tensor": f"{f.path}/{f.tensor}",
-                            "chunks": list(f.chunks), "detected": f.detected,
-                            "repaired": f.repaired} for f in campaign.plan],
-    }
+    runs = _both_runs(console, cfg, data, args, device, kinds)
+    verdict = _verdict(runs)
+    _print_tables(console, runs, verdict, plain, cfg, device, args)
     with open(os.path.join(args.out, "metrics.json"), "w") as f:
-        json.dump(metrics, f, indent=1)
+        json.dump(_metrics(args, cfg, device, runs, verdict, plain), f, indent=1)
     plot = os.path.join(args.out, "loss.png")
-    _plot(plot, ref_stats.losses, stats.losses, campaign, kinds, identical)
+    _plot(plot, runs.ref_stats.losses, runs.stats.losses, runs.campaign, kinds, verdict.identical)
     console.print(f"metrics: {os.path.join(args.out, 'metrics.json')}; plot: {plot}")
-
-    ok = identical and missed == 0 and unrepaired == 0 and clean.compiles + faulty.compiles == 0
-    if ok:
-        console.print(f"[bold green]verdict: bit-identical[/] -- all {sum(r['injected'] for r in table.values())} "
-                      "faults found in their chunk and repaired; the run under faults ended with "
-                      "exactly the state of the run without.")
-    else:
-        why = []
-        if not identical:
-            why.append(f"the final states differ in {len(differing)} tensors ({', '.join(differing[:3])})")
-        if missed:
-            why.append(f"{missed} faults were missed")
-        if unrepaired:
-            why.append(f"{unrepaired} faults were found but not repaired")
-        if clean.compiles + faulty.compiles:
-            why.append(f"{clean.compiles + faulty.compiles} compilations after prewarm")
-        console.print("[bold red]verdict: FAILED[/] -- " + "; ".join(why))
-    return 0 if ok else 1
+    _print_verdict(console, verdict)
+    return 0 if verdict.ok else 1

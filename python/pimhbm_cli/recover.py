@@ -20,15 +20,54 @@ def add_arguments(p) -> None:
                    help="how a chunk travels from a healthy replica")
 
 
+def _per_device_campaign(trainer: Any, counts: dict, steps: int, seed: int, devices: int):
+    """The campaign of every kind, each state fault on one device's copy or shard (a double
+    fault's state and device-copy halves on the same device)."""
+    import numpy as np
+
+    from pimhbm.campaign import Campaign
+
+    class PerDevice(Campaign):
+        def before_step(self, trainer, step, attempt):
+            if attempt != 1:
+                return None
+            inject, chosen = trainer.inject, {}
+
+            def one_device(path, tensor, fault, **k):
+                key = (path, tensor, tuple(np.asarray(fault).tolist()))
+                if key not in chosen:
+                    chosen[key] = int(self.rng.integers(devices))
+                return inject(path, tensor, fault, **k, device=chosen[key])
+
+            trainer.inject = one_device
+            try:
+                return super().before_step(trainer, step, attempt)
+            finally:
+                trainer.inject = inject
+
+    return PerDevice(trainer, counts, last_step=steps, seed=seed)
+
+
+def _print_fault_map(console, stats: Any) -> None:
+    from rich.table import Table
+
+    table = Table(title="the collective fault map: (device, tensor, chunk) -> what was done")
+    for col in ("step", "kind", "(device, tensor, chunk)", "action"):
+        table.add_column(col)
+    for inc in stats.incidents:
+        triples = ", ".join(f"({d}, {p}/{t}, {c})" for d, p, t, c in inc.locations[:4])
+        more = f" +{len(inc.locations) - 4}" if len(inc.locations) > 4 else ""
+        table.add_row(str(inc.step), str(inc.kind), triples + more, inc.describe())
+    console.print(table)
+
+
 def run(args: Any) -> int:
     import jax
-    import numpy as np
     from rich.console import Console
-    from rich.table import Table
 
     import pimhbm
     from pimhbm.backup import HostBackup
-    from pimhbm.campaign import KINDS, Campaign
+    from pimhbm.campaign import KINDS
     from pimhbm.models import mlp
     from pimhbm.recovery import Trainer
 
@@ -52,29 +91,9 @@ def run(args: Any) -> int:
         ref.run(args.steps)
         ref_state = ref.current_state()
         ref.close(unlink=True)
-
         tr = trainer()
-
-        class PerDevice(Campaign):  # each state fault lands on one device's copy
-            def before_step(self, trainer, step, attempt):
-                if attempt != 1:
-                    return None
-                inject, self_ = trainer.inject, self
-                chosen = {}  # a double fault: its state and device-copy halves on one device
-
-                def one_device(path, tensor, fault, **k):
-                    key = (path, tensor, tuple(np.asarray(fault).tolist()))
-                    if key not in chosen:
-                        chosen[key] = int(self_.rng.integers(len(devices)))
-                    return inject(path, tensor, fault, **k, device=chosen[key])
-
-                trainer.inject = one_device
-                try:
-                    return super().before_step(trainer, step, attempt)
-                finally:
-                    trainer.inject = inject
-
-        campaign = PerDevice(tr, {k: args.faults for k in KINDS}, last_step=args.steps, seed=args.seed + 1)
+        campaign = _per_device_campaign(tr, {k: args.faults for k in KINDS}, args.steps,
+                                        args.seed + 1, len(devices))
         stats = tr.run(args.steps, campaign=campaign)
         state = tr.current_state()
     finally:
@@ -83,14 +102,7 @@ def run(args: Any) -> int:
     console.print(f"{len(devices)} device(s) as {len(devices) // args.shard} replica(s) x "
                   f"{args.shard} shard(s); {len(campaign.plan)} faults over {args.steps} steps "
                   "(chunk indices are local to the device's shard)")
-    table = Table(title="the collective fault map: (device, tensor, chunk) -> what was done")
-    for col in ("step", "kind", "(device, tensor, chunk)", "action"):
-        table.add_column(col)
-    for inc in stats.incidents:
-        triples = ", ".join(f"({d}, {p}/{t}, {c})" for d, p, t, c in inc.locations[:4])
-        more = f" +{len(inc.locations) - 4}" if len(inc.locations) > 4 else ""
-        table.add_row(str(inc.step), inc.kind, triples + more, inc.action)
-    console.print(table)
+    _print_fault_map(console, stats)
     found = campaign.check(stats)
     identical = all(state[k].tobytes() == ref_state[k].tobytes() for k in state)
     console.print(f"detected {sum(r['detected'] for r in found.values())}/"

@@ -1,0 +1,142 @@
+"""What a run reports: incidents (each written once, with what was done about it), the run's
+statistics, and the two errors that end a run."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from pimhbm.recovery.layout import ChunkRef
+
+
+class IncidentKind(enum.StrEnum):
+    STATE = "state"  # state chunks whose digest did not match
+    GRADIENT = "gradient"  # NaN/Inf gradient values
+    DEVICE_COPY = "device copy"  # device-copy chunks a scrub found damaged
+    TELEMETRY = "telemetry"  # news from the GPU's own signals (NVML)
+    TRANSPORT = "replica transport"  # a replica transport that failed or is unavailable
+
+
+class Action(enum.Enum):
+    """What the engine did about an incident."""
+
+    REPAIRED_FROM_DEVICE_COPY = "repaired from the device copy"
+    REPAIRED_FROM_REPLICA = "repaired from a healthy replica"
+    REBUILT_FROM_REPLICA = "rebuilt whole from a healthy replica"
+    RESTORED_FROM_SNAPSHOT = "restored from host snapshot"
+    SKIPPED_AND_REPLAYED = "step skipped, replayed"
+    DEVICE_COPY_REPAIRED = "device copy repaired from the current state"
+    DEVICE_COPY_NOT_REPAIRED = "device copy repair failed"
+    SCRUBBED = "full scrub"  # a suspect device's state checked at once
+    COLLECTIVE_FROM_NOW_ON = "the collective transport from now on"
+    HOST_SNAPSHOT_INSTEAD = "falling back to the host snapshot"
+
+    @property
+    def repaired(self) -> bool:
+        """Whether the damage is gone (state as it was before the fault)."""
+        return self in _REPAIRED
+
+
+_REPAIRED = {Action.REPAIRED_FROM_DEVICE_COPY, Action.REPAIRED_FROM_REPLICA,
+             Action.REBUILT_FROM_REPLICA, Action.RESTORED_FROM_SNAPSHOT,
+             Action.SKIPPED_AND_REPLAYED, Action.DEVICE_COPY_REPAIRED}
+
+
+@dataclasses.dataclass(frozen=True)
+class Incident:
+    """One fault the engine handled: where, and what it did about it."""
+
+    step: int
+    kind: IncidentKind
+    locations: tuple[ChunkRef, ...]
+    action: Action
+    sources: tuple[int, ...] = ()  # devices the repaired chunks came from (replica repairs)
+    snapshot_step: int | None = None  # RESTORED_FROM_SNAPSHOT: the snapshot's step
+    detail: str = ""  # what the device or transport said (telemetry, transport incidents)
+    # GRADIENT: more chunks held NaN/Inf than the summary lists (typically a damaged parameter
+    # upstream made the whole gradient non-finite); the locations are then a prefix
+    unlisted: bool = False
+
+    def describe(self) -> str:
+        """The action in words, with its specifics (for logs and tables)."""
+        text = self.action.value
+        if self.action is Action.REBUILT_FROM_REPLICA:
+            devices = ", ".join(map(str, sorted({loc.device for loc in self.locations})))
+            text = f"device {devices} {text}"
+        if self.sources:
+            text += f" (device {', '.join(map(str, self.sources))})"
+        if self.snapshot_step is not None:
+            text += f" @{self.snapshot_step}"
+        return f"{self.detail}; {text}" if self.detail else text
+
+
+@dataclasses.dataclass
+class RunStats:
+    steps_committed: int = 0
+    steps_skipped: int = 0
+    steps_replayed: int = 0
+    repairs: int = 0
+    host_restores: int = 0
+    replica_repairs: int = 0  # chunks pulled from another device's copy of the state
+    ipc_pulls: int = 0  # chunks pulled from another process's GPU over CUDA IPC (repairs, rebuilds)
+    replica_rebuilds: int = 0  # devices whose whole state was rebuilt from another's
+    snapshots: int = 0
+    scrubs: int = 0
+    compiles_after_prewarm: int = 0
+    losses: dict[int, float] = dataclasses.field(default_factory=dict)
+    incidents: list[Incident] = dataclasses.field(default_factory=list)
+    telemetry: str = "off"  # what the hardware telemetry watches, or why it does not
+    telemetry_events: list[Any] = dataclasses.field(default_factory=list)  # TelemetryEvent
+    suspect_devices: set[int] = dataclasses.field(default_factory=set)  # positions in devices
+
+
+class DeviceFailure(RuntimeError):
+    """A device failed in a way this process cannot go on from (a poisoned CUDA context, a GPU
+    lost): restart the process and resume from the host snapshot in shared memory
+    (``Trainer(..., shm_name=<same>, resume=True)``, or ``pimhbm recover --resume``)."""
+
+    def __init__(self, message: str, device: int | None, snapshot_step: int | None):
+        super().__init__(message)
+        self.device = device
+        self.snapshot_step = snapshot_step
+
+
+class PersistentFault(RuntimeError):
+    """The same step was skipped on every replay: the damage comes back each time, so it is not
+    a transient fault the engine can repair (a gradient that is non-finite on its own -- the
+    loss diverged, bad data -- or a device that computes wrongly). ``step``, ``skips``, and the
+    last skip's ``incidents``."""
+
+    def __init__(self, message: str, step: int, skips: int, incidents: list[Incident]):
+        super().__init__(message)
+        self.step = step
+        self.skips = skips
+        self.incidents = incidents
+
+
+def persistent_fault(step: int, skips: int, nonfinite: int, damaged: int,
+                     incidents: list[Incident]) -> PersistentFault:
+    """What to tell a user whose step never commits: ``nonfinite`` gradient values and
+    ``damaged`` state chunks came back on the last replay."""
+    what = []
+    if nonfinite:
+        grads = [loc for inc in incidents if inc.kind is IncidentKind.GRADIENT
+                 for loc in inc.locations]
+        where = ", ".join(f"{loc.leaf} chunk {loc.chunk}" for loc in grads[:3])
+        what.append(f"{nonfinite} non-finite gradient values" + (f" (in {where}, ...)" if where else ""))
+    if damaged:
+        locs = [loc for inc in incidents if inc.kind is IncidentKind.STATE for loc in inc.locations]
+        where = ", ".join(f"{loc.leaf}/{loc.tensor} chunk {loc.chunk} on device {loc.device}"
+                          for loc in locs[:3])
+        what.append(f"{damaged} state chunks whose digest did not match" +
+                    (f" ({where}, ...)" if where else ""))
+    hint = ("A gradient that is non-finite on its own is no fault: the loss diverged or the "
+            "batch holds bad values (check the learning rate, the data and the loss)"
+            if nonfinite and not damaged else
+            "State that fails its digest again after each repair points at a device that "
+            "computes or stores wrongly (see `pimhbm health`)")
+    return PersistentFault(
+        f"step {step} was skipped {skips} times in a row, every replay reporting "
+        f"{' and '.join(what) or 'a fault'}. Faults are transient; this comes back on every "
+        f"replay. {hint}.", step, skips, incidents)

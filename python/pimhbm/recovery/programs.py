@@ -1,0 +1,211 @@
+"""Every program a run can need, compiled ahead of time from shapes (no device memory is
+touched), and the count of compilations after that (there should be none)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import pimhbm
+from pimhbm.recovery.placement import AXES
+from pimhbm.recovery.traced import Traced, TrainState
+from pimhbm.update import AdamWState
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileCounter:
+    """Counts XLA backend compilations while entered (a context manager, re-entrant by
+    counting), listening to jax.monitoring only for as long as it is in use."""
+
+    def __init__(self):
+        self.count = 0
+        self._depth = 0
+
+    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            self.count += 1
+
+    def __enter__(self) -> "CompileCounter":
+        if self._depth == 0:
+            jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            jax.monitoring.unregister_event_duration_listener(self._on_event)
+
+
+@dataclasses.dataclass
+class Programs:
+    """Compiled programs by what they are for; ``current`` (0 or 1) is the parity of the slot a
+    program's input state reads (the step's output is the other parity's)."""
+
+    step: dict[int, Any] = dataclasses.field(default_factory=dict)
+    repair: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)  # into_copy
+    replica: dict[int, Any] = dataclasses.field(default_factory=dict)
+    rebuild: dict[int, Any] = dataclasses.field(default_factory=dict)
+    recopy: dict[int, Any] = dataclasses.field(default_factory=dict)
+    scrub: dict[int, Any] = dataclasses.field(default_factory=dict)
+    snapshot: dict[tuple[int, int, int], Any] = dataclasses.field(default_factory=dict)  # slot, part
+    inject: dict[tuple, Any] = dataclasses.field(default_factory=dict)
+    clone: Any = None
+
+    def __len__(self) -> int:
+        tables = (self.step, self.repair, self.replica, self.rebuild, self.recopy, self.scrub,
+                  self.snapshot, self.inject)
+        return sum(map(len, tables)) + (self.clone is not None)
+
+
+class Compiler:
+    """Lowers and compiles the traced functions for the shapes of one run."""
+
+    def __init__(self, traced: Traced, init: Callable, params_sds: Any, batch_specs: list,
+                 repair_capacity: int):
+        self.t, self.init, self.params_sds = traced, init, params_sds
+        self.batch_specs, self.repair_capacity = batch_specs, repair_capacity
+        self.programs = Programs()
+
+    @property
+    def placement(self):
+        return self.t.placement
+
+    def _sds(self, shape, dtype, sharding=None) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding or self.placement.replicated)
+
+    def abstract_state(self, current: int) -> TrainState:
+        """The state's global shapes with their shardings."""
+        shapes = jax.eval_shape(self.init, self.params_sds)
+        opt = AdamWState(shapes.slots, current, shapes.step, shapes.device_copy)
+        put = lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                   sharding=self.placement.sharding(spec))
+        state = TrainState(opt, jax.ShapeDtypeStruct((), jnp.int32))
+        return jax.tree.map(put, state, self.t.state_specs(current))
+
+    def local_state(self, current: int, device: Any) -> TrainState:
+        """One device's part of the state (its shards), placed on ``device``."""
+        where = jax.sharding.SingleDeviceSharding(device)
+        shard = self.t.layout.shard
+        put = lambda x, spec: jax.ShapeDtypeStruct(
+            (x.shape[0] // shard, *x.shape[1:]) if "shard" in tuple(spec) else x.shape,
+            x.dtype, sharding=where)
+        return jax.tree.map(put, self.abstract_state(current), self.t.state_specs(current))
+
+    def _compile(self, fn: Callable, in_specs: Any, out_specs: Any, *args: Any,
+                 donate: bool = True) -> Any:
+        program = self.placement.manual(fn, in_specs, out_specs)
+        return jax.jit(program, donate_argnums=0 if donate else ()).lower(*args).compile()
+
+    def compile_all(self, backup: Any) -> Programs:
+        for current in (0, 1):
+            self._step(current)
+            self._repairs(current)
+            if len(self.placement.devices) > self.t.layout.shard:
+                self._replicas(current)
+            self.scrub(current)
+            if backup is not None:
+                self._snapshots(current, backup)
+        # Fault injection on every state tensor shape (campaigns).
+        slot_specs = self.t.slot_specs()
+        for leaf, spec in zip(jax.tree.leaves(self.abstract_state(0).opt.slots[0]),
+                              jax.tree.leaves(slot_specs, is_leaf=lambda x: isinstance(x, P))):
+            self.inject(leaf.shape, leaf.dtype, spec)
+        if backup is not None:
+            self.clone()
+        return self.programs
+
+    def _step(self, current: int) -> None:
+        p, each = self.placement, self.placement.report_spec
+        batch = {s.name: self._sds(s.shape, s.dtype, p.by_device) for s in self.batch_specs}
+        # The step hands over to the other slot: its output is the other parity's state. The
+        # batch is split over every device in every process layout; only the reports are
+        # gathered whole where processes must all read them (report_spec).
+        self.programs.step[current] = self._compile(
+            self.t.step, (self.t.state_specs(current), p.by_device.spec, P(), P()),
+            (self.t.state_specs(1 - current), P(), each), self.abstract_state(current), batch,
+            self._sds((), jnp.float32), self._sds((9,), jnp.int32))
+
+    def _repairs(self, current: int) -> None:
+        ss, st = self.t.state_specs(current), self.abstract_state(current)
+        lists = self._sds((len(self.t.layout.paths), len(self.t.layout.names),
+                           self.repair_capacity), jnp.int32)
+        for into_copy in ((False, True) if self.t.opt.device_copy else ()):
+            fn = lambda s, l, c=into_copy: self.t.repair(s, l, into_copy=c)
+            self.programs.repair[current, into_copy] = self._compile(
+                fn, (ss, P()), (ss, self.placement.report_spec), st, lists)
+
+    def _replicas(self, current: int) -> None:
+        """Repairs from another replica, whole devices rebuilt from one, and (CUDA IPC) the
+        device copy made anew after a rebuild."""
+        p, each, shard = self.placement, self.placement.report_spec, self.t.layout.shard
+        ss, st = self.t.state_specs(current), self.abstract_state(current)
+        lists = self._sds((shard, len(self.t.layout.paths), len(self.t.layout.names),
+                           self.repair_capacity), jnp.int32, p.by_column)
+        grid = self._sds(p.mesh.devices.shape, jnp.int32, p.grid)
+        self.programs.replica[current] = self._compile(
+            self.t.replica, (ss, P("shard"), P("shard")), (ss, each), st, lists, lists)
+        self.programs.rebuild[current] = self._compile(
+            self.t.rebuild, (ss, P("shard"), P("dp", "shard")), (ss, each), st,
+            self._sds((shard,), jnp.int32, p.by_column), grid)
+        if self.t.transport == "ipc" and self.t.opt.device_copy:
+            self.programs.recopy[current] = self._compile(
+                self.t.recopy, (ss, P("dp", "shard")), ss, st, grid)
+
+    def scrub(self, current: int) -> Any:
+        if current not in self.programs.scrub:
+            self.programs.scrub[current] = self._compile(
+                self.t.scrub, (self.t.state_specs(current),), self.placement.report_spec,
+                self.abstract_state(current), donate=False)
+        return self.programs.scrub[current]
+
+    def _snapshots(self, current: int, backup: Any) -> None:
+        for part, device in self.placement.writers.items():
+            one = self.local_state(current, device)
+            for slot in (0, 1):
+                fn = lambda s, slot=slot, part=part: self.t.snapshot(s, backup=backup, slot=slot,
+                                                                     part=part)
+                self.programs.snapshot[current, slot, part] = jax.jit(fn).lower(one).compile()
+
+    def inject(self, shape, dtype, spec=P()) -> Any:
+        """Fault injection into some devices' copies (or shards) of a tensor, in place: one
+        program for all devices, a spec row per device."""
+        key = (tuple(shape), jnp.dtype(dtype), tuple(spec))
+        if key not in self.programs.inject:
+            p = self.placement
+            self.programs.inject[key] = self._compile(
+                Traced.inject, (spec, P(AXES)), spec,
+                jax.ShapeDtypeStruct(shape, dtype, sharding=p.sharding(spec)),
+                jax.ShapeDtypeStruct((len(p.devices), 8), jnp.int32, sharding=p.by_device))
+        return self.programs.inject[key]
+
+    def clone(self) -> Any:
+        """Two more copies of a slot, on the devices (a restore puts the snapshot on the
+        devices once and makes the other slot and the device copy from it there)."""
+        if self.programs.clone is None:
+            slot = self.abstract_state(0).opt.slots[0]
+            self.programs.clone = jax.jit(self.t.clone).lower(slot).compile()
+        return self.programs.clone
+
+
+def use_compilation_cache(cache_dir: str) -> None:
+    """A persistent compilation cache, keyed by this library's version (a sub-folder each)."""
+    jax.config.update("jax_compilation_cache_dir",
+                      os.path.join(cache_dir, f"pimhbm-{pimhbm.__version__}"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def prewarm(compiler: Compiler, backup: Any, cache_dir: str | None) -> tuple[Programs, float]:
+    """Every program, and the seconds it took."""
+    if cache_dir is not None:
+        use_compilation_cache(cache_dir)
+    t0 = time.perf_counter()
+    programs = compiler.compile_all(backup)
+    return programs, time.perf_counter() - t0

@@ -1,0 +1,144 @@
+"""Damaged chunks rewritten in place, from the nearest intact copy the devices hold.
+
+The sources, in order: each device's own device copy (chunk by chunk); a healthy replica of the
+chunk on another device (without device copies: the first source); a device's whole state
+rebuilt from a replica that saw no damage at all (when the damage was too much to list, or some
+chunk had no intact copy). What none of them can repair goes to the host snapshot (the
+Trainer's), as does everything after a replica transfer that failed.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+import pimhbm
+from pimhbm.recovery.events import Action, Incident, IncidentKind, RunStats
+from pimhbm.recovery.layout import ChunkDamage, ChunkRef, Damage, StateLayout
+from pimhbm.recovery.placement import Placement
+from pimhbm.recovery.planner import (local_batches, local_work, plan_rebuild, plan_replica_pulls,
+                                     pull_sources)
+from pimhbm.recovery.programs import Programs
+from pimhbm.recovery.summary import FaultReport
+from pimhbm.recovery.traced import TrainState
+from pimhbm.recovery.transports import Pulled, ReplicaTransport, TransportFailed
+
+
+class RepairOutcome(NamedTuple):
+    action: Action | None  # None: some chunk has no intact copy on the devices
+    sources: tuple[int, ...] = ()  # devices the chunks came from (replica repairs)
+    snapshot_step: int | None = None  # RESTORED_FROM_SNAPSHOT: the snapshot's step
+    notes: tuple[Incident, ...] = ()  # transport incidents met on the way
+
+    @property
+    def repaired(self) -> bool:
+        return self.action is not None
+
+
+_UNREPAIRED = RepairOutcome(None)
+
+
+class Repairer:
+    """Runs the repair programs over the state (each donates it and returns the new one)."""
+
+    def __init__(self, programs: Programs, placement: Placement, layout: StateLayout,
+                 transport: ReplicaTransport, capacity: int, device_copy: bool):
+        self.programs, self.placement, self.layout = programs, placement, layout
+        self.transport, self.capacity, self.device_copy = transport, capacity, device_copy
+
+    def recover(self, state: TrainState, report: FaultReport,
+                stats: RunStats) -> tuple[TrainState | None, RepairOutcome]:
+        """The state with every damaged chunk of ``report`` repaired, and how; the state is
+        None when a replica transfer failed and took it (it was donated)."""
+        notices: list[str] = []  # transports that changed on the way
+        note = lambda action, detail: Incident(report.first_step, IncidentKind.TRANSPORT, (),
+                                               action, detail=detail)
+        try:
+            state, outcome = self._from_devices(state, report, stats, notices)
+        except TransportFailed as err:
+            state, outcome = None, _UNREPAIRED
+            failed = [note(Action.HOST_SNAPSHOT_INSTEAD, str(err))]
+        else:
+            failed = []
+        notes = [note(Action.COLLECTIVE_FROM_NOW_ON, n) for n in notices] + failed
+        return state, outcome._replace(notes=tuple(notes))
+
+    def _from_devices(self, state, report, stats, notes) -> tuple[TrainState, RepairOutcome]:
+        outcome = _UNREPAIRED
+        if not report.overflow and not self.device_copy:  # every chunk from another replica
+            state, outcome = self._from_replicas(state, report.chunks, stats, notes)
+        elif not report.overflow:
+            entries = [ChunkDamage(0, i, d) for i, d in report.damage.items()]
+            state, failures = self.rewrite(state, entries, stats, into_copy=False)
+            # The device copy is damaged too (a double fault): another device's copy of the
+            # state, current to the same step, before the host snapshot and a replay.
+            if failures:
+                state, outcome = self._from_replicas(state, failures, stats, notes)
+            else:
+                outcome = RepairOutcome(Action.REPAIRED_FROM_DEVICE_COPY)
+        if not outcome.repaired:
+            # Too much damage to list (a lost shard) or no intact copy of some chunk: the
+            # whole state from a device that saw no damage at all.
+            state, outcome = self._rebuild(state, report, stats, notes)
+        return state, outcome
+
+    def rewrite(self, state: TrainState, entries: list[ChunkDamage], stats: RunStats, *,
+                into_copy: bool) -> tuple[TrainState, list[ChunkRef]]:
+        """The chunks of ``entries`` rewritten from the device copy (``into_copy``: in the
+        device copy, from the current slot) on every device; the chunks that did not verify
+        afterwards."""
+        p, failures = self.placement, []
+        work = local_work(entries, self.layout, in_copy=into_copy)
+        for lists, _ in local_batches(work, self.layout, self.capacity):
+            program = self.programs.repair[state.opt.current, into_copy]
+            state, status = program(state, p.put(lists))
+            status = p.fetch(status)  # [devices, leaves, tensors, capacity]
+            stats.repairs += int(np.sum(status[0] == pimhbm.REPAIRED))
+            bad = (lists[None] >= 0) & (status != pimhbm.REPAIRED)
+            for d, li, ti, r in zip(*np.nonzero(bad)):
+                failures.append(ChunkRef(int(d), self.layout.paths[li], self.layout.names[ti],
+                                         int(lists[li, ti, r])))
+        return state, failures
+
+    def _from_replicas(self, state, damaged: list[ChunkRef], stats,
+                       notes) -> tuple[TrainState, RepairOutcome]:
+        """Chunks pulled from a device whose copy of them is healthy; then that device copy (if
+        any) rewritten from the repaired state."""
+        if not self.programs.replica:
+            return state, _UNREPAIRED
+        pulls = plan_replica_pulls(damaged, self.layout, self.placement.replicas)
+        if pulls is None:
+            return state, _UNREPAIRED
+        state, verified = self._count(self.transport.pull(state, pulls), stats, notes)
+        if not verified:
+            return state, _UNREPAIRED
+        if self.device_copy:
+            base = self.layout.chunk_base
+            entries = [ChunkDamage(0, int(base[self.layout.leaf_index(p.leaf)]) + p.chunk,
+                                   Damage.of(p.tensor, in_copy=True)) for p in pulls]
+            state, failures = self.rewrite(state, entries, stats, into_copy=True)
+            if failures:
+                return state, _UNREPAIRED
+        stats.replica_repairs += len(pulls)
+        return state, RepairOutcome(Action.REPAIRED_FROM_REPLICA, pull_sources(pulls, self.layout))
+
+    def _rebuild(self, state, report: FaultReport, stats, notes) -> tuple[TrainState, RepairOutcome]:
+        if not self.programs.rebuild:
+            return state, _UNREPAIRED
+        plan = plan_rebuild(report.damaged_devices, self.layout, self.placement.replicas)
+        if plan is None:
+            return state, _UNREPAIRED
+        state, verified = self._count(self.transport.rebuild(state, plan), stats, notes)
+        if not verified:
+            return state, _UNREPAIRED
+        stats.replica_rebuilds += int(plan.targets.sum())
+        return state, RepairOutcome(Action.REBUILT_FROM_REPLICA, plan.source_devices(self.layout))
+
+    @staticmethod
+    def _count(pulled: Pulled, stats: RunStats, notes: list[str]) -> tuple[TrainState, bool]:
+        stats.repairs += pulled.repairs
+        stats.ipc_pulls += pulled.ipc_pulls
+        if pulled.notice:
+            notes.append(pulled.notice)
+        return pulled.state, pulled.verified

@@ -1,0 +1,194 @@
+"""Host snapshots of the protected state in shared memory, and the log of batches beside them.
+
+:class:`SnapshotManager` speaks orbax's verbs: ``should_save``, ``save_async``, ``wait``,
+``latest_step``, ``restore`` -- and ``confirm``: a snapshot's copy runs beside the next step,
+and damage to the state it reads may land before or during the copy; the next step reads the
+same slot and checks every chunk's digest, so a snapshot is marked complete only once that
+step has committed (else it is taken again at the next step).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import numpy as np
+
+import pimhbm
+from pimhbm.backup import HostBackup, TensorSpec, specs_of
+from pimhbm.recovery.events import RunStats
+from pimhbm.recovery.layout import StateLayout
+from pimhbm.recovery.placement import Placement
+from pimhbm.recovery.programs import Compiler
+from pimhbm.recovery.summary import decode_scrub
+from pimhbm.recovery.traced import TrainState
+from pimhbm.update import AdamWState, slot_from_tensors, tensor_dtype
+
+
+def snapshot_specs(params: Any, layout: StateLayout) -> list[TensorSpec]:
+    """What a snapshot holds, in the order the snapshot op writes it: whole tensors and their
+    digest tables (a sharded tensor's table holds its shards' tables in order)."""
+    named = []
+    for path, p, n, sharded in zip(layout.paths, jax.tree.leaves(params), layout.sizes,
+                                   layout.sharded):
+        chunks = -(-n // layout.chunk_elems) * (layout.shard if sharded else 1)
+        for k in layout.names:
+            named.append((f"{path}/{k}", jax.ShapeDtypeStruct(p.shape, tensor_dtype(k, p.dtype))))
+            named.append((f"{path}/{k}#digests", jax.ShapeDtypeStruct((chunks, 2), np.uint32)))
+    return specs_of(named)
+
+
+class InFlight(NamedTuple):
+    slot: int
+    step: int
+    tickets: list[jax.Array]  # one per writer: ready once its copies were issued
+
+
+class SnapshotManager:
+    """Snapshots every ``every`` steps (0: never) into ``backup`` (None: no snapshots)."""
+
+    def __init__(self, backup: HostBackup | None, every: int, compiler: Compiler):
+        self.backup, self.every, self.compiler = backup, every, compiler
+        self._in_flight: InFlight | None = None
+        self._unverified: tuple[int, int] | None = None  # (slot, step): copied, not yet trusted
+        self._due = False  # a snapshot was dropped: take one at the next step
+
+    @property
+    def enabled(self) -> bool:
+        return self.backup is not None
+
+    def latest_step(self) -> int | None:
+        """The step of the newest complete snapshot."""
+        newest = self.backup.newest() if self.backup is not None else []
+        return newest[0][0] if newest else None
+
+    def should_save(self, step: int) -> bool:
+        return (self.backup is not None and self._in_flight is None and
+                self._unverified is None and bool(self.every) and
+                (step % self.every == 0 or self._due))
+
+    def save_async(self, state: TrainState, step: int) -> None:
+        """Starts copying the state (after ``step``) into the older slot; this process's
+        writers write their shards (one program each)."""
+        self._due = False
+        self.backup.wait_pinned()  # a reopened region is pinned in the background
+        slot = self.backup.slot_for_next()
+        self.backup.begin(slot, step)
+        placement, tickets = self.compiler.placement, []
+        for part, device in placement.writers.items():
+            program = self.compiler.programs.snapshot[state.opt.current, slot, part]
+            tickets.append(program(placement.on_device(state, device)))
+            placement.settle(tickets[-1])
+        self._in_flight = InFlight(slot, step, tickets)
+
+    def save_now(self, state: TrainState, step: int, stats: RunStats) -> None:
+        """A snapshot of a state nothing runs beside (the starting state), complete at once."""
+        self.save_async(state, step)
+        flight = self._wait()
+        self._complete(flight.slot, stats)
+
+    def wait(self) -> None:
+        """Returns once the copies to the host in flight are done."""
+        self._wait()
+
+    def _wait(self) -> InFlight | None:
+        flight, self._in_flight = self._in_flight, None
+        if flight is not None:
+            jax.block_until_ready(flight.tickets)
+            pimhbm._core.snapshot_wait()
+        return flight
+
+    def _complete(self, slot: int, stats: RunStats) -> None:
+        self.backup.complete(slot)
+        stats.snapshots += 1
+
+    def confirm(self, step: int, committed: bool, stats: RunStats) -> None:
+        """The verdict of ``step`` is known: a snapshot of it becomes trusted once the step
+        after it commits; one whose step or successor did not commit is taken again."""
+        if self._in_flight is not None and self._in_flight.step == step:
+            flight = self._wait()  # the copy is done before the slot is rewritten
+            self._unverified = (flight.slot, flight.step) if committed else None
+            self._due = not committed
+        elif self._unverified is not None and self._unverified[1] + 1 == step:
+            if committed:
+                self._complete(self._unverified[0], stats)
+            self._due, self._unverified = not committed, None
+
+    def dropped(self) -> None:
+        """A step was skipped: a snapshot in flight (of a later step) is not kept; the next
+        step takes one."""
+        if self._wait() is not None:
+            self._due = True
+
+    def finish(self, current_verifies: Callable[[], bool], stats: RunStats) -> None:
+        """The end of a run: the last snapshot, checked by a scrub (no step after it)."""
+        flight = self._wait()
+        if flight is not None:
+            self._unverified = (flight.slot, flight.step)
+        if self._unverified is not None and current_verifies():
+            self._complete(self._unverified[0], stats)
+        self._unverified, self._due = None, False  # each run starts afresh
+
+    def reset(self) -> None:
+        """A new run: every snapshot and logged batch forgotten."""
+        self._in_flight, self._unverified, self._due = None, None, False
+        if self.backup is not None:
+            for slot in (0, 1):
+                self.backup._slot_header(slot)[:] = 0
+            for r in range(self.backup.ring):
+                self.backup._record_header(r)[:] = 0
+
+    def restore(self, treedef: Any) -> tuple[TrainState, int]:
+        """The newest snapshot that verifies, put into every copy of the state on the devices,
+        and its step. Raises if there is none."""
+        for step, slot in self.backup.newest():
+            state = self._load(slot, step, treedef)
+            scrub = self.compiler.placement.fetch(self.compiler.scrub(0)(state))
+            self.backup.pin_rest_in_background()  # the puts are done (the scrub read them)
+            if not decode_scrub(scrub):
+                return state, step
+            # this snapshot does not verify: an older one
+        raise RuntimeError("no host snapshot verifies: cannot restore")
+
+    def _load(self, slot: int, step: int, treedef: Any) -> TrainState:
+        """Each process puts the parts its devices hold, once; the other slot and the device
+        copy are made from it on the devices."""
+        placement, layout = self.compiler.placement, self.compiler.t.layout
+        views = iter(self.backup.snapshot_arrays(slot))
+        leaves = []
+        for spec in self.compiler.t.leaf_specs:
+            where = placement.sharding(spec)
+            leaves.append({k: tuple(placement.put(next(views), where, copy=True) for _ in (0, 1))
+                           for k in layout.names})
+        first = slot_from_tensors(leaves, treedef)
+        other, copy = self.compiler.clone()(first)
+        opt = AdamWState((first, other), 0, placement.put(np.int32(step)), copy)
+        return TrainState(opt, placement.put(np.int32(0)))
+
+
+class BatchLog:
+    """Each step's batch, logged in the region so that replays (also after a crash) use exactly
+    the same data; made by ``batch_fn(step)`` when the log does not hold it."""
+
+    def __init__(self, backup: HostBackup | None, batch_fn: Callable[[int], dict], keys: list[str]):
+        self.backup, self.batch_fn, self.keys = backup, batch_fn, keys
+
+    def batch(self, step: int) -> list[np.ndarray]:
+        logged = self.backup.logged_batch(step) if self.backup is not None else None
+        if logged is None:
+            arrays = self.batch_fn(step)
+            logged = [np.asarray(arrays[k]) for k in self.keys]
+            if self.backup is not None:
+                self.backup.log_batch(step, logged)
+        return logged
+
+
+def sample_batch(batch_fn: Callable[[int], dict], devices: int) -> tuple[list[str], list[TensorSpec]]:
+    """The batch's keys and shapes (from step 1's), checked to split over the devices."""
+    sample = {k: np.asarray(v) for k, v in batch_fn(1).items()}
+    for k, v in sample.items():
+        if v.ndim == 0 or v.shape[0] % devices:
+            raise ValueError(f"batch array {k!r} of shape {v.shape}: its first dimension must "
+                             f"split evenly over {devices} devices")
+    keys = sorted(sample)
+    return keys, specs_of((k, sample[k]) for k in keys)

@@ -1,0 +1,143 @@
+"""What a step (or a scrub) leaves on the device for the host, and what the host reads in it.
+
+In the programs: a :class:`StepSummary` per device -- the verdict, its counts, and the first
+``capacity`` entries of its fault maps -- built from the update's report without a scatter or a
+sort. On the host, one step later: :func:`decode_step` turns the fetched summary (a row per
+device) into a :class:`StepReport` of located chunks; :func:`merge` joins the reports of a
+skipped step and of those halted behind it into the one :class:`FaultReport` a repair plans
+from.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pimhbm.recovery.layout import ChunkDamage, ChunkRef, Damage, StateLayout
+
+
+def first_nonzero(flat: jax.Array, k: int) -> jax.Array:
+    """int32[k]: the positions of the first k non-zero entries of ``flat`` in order, -1 past the
+    last. As ``jnp.nonzero(flat, size=k, fill_value=-1)``, without its scatter: under XLA's
+    deterministic ops a scatter becomes sorts of the whole array (~0.7 ms each for the ~10^5
+    chunks of 2 Llama-3-8B layers, on every step). Entry j is where the running count of
+    non-zeros first reaches j + 1: a cumulative sum and k x n comparisons, one fusion each."""
+    if flat.shape[0] == 0:
+        return jnp.full((k,), -1, jnp.int32)
+    count = jnp.cumsum((flat != 0).astype(jnp.int32))
+    idx = jnp.searchsorted(count, jnp.arange(1, k + 1, dtype=jnp.int32), side="left",
+                           method="compare_all")
+    return jnp.where(idx < flat.shape[0], idx, -1).astype(jnp.int32)
+
+
+class FaultList(NamedTuple):
+    """The first entries of a per-chunk map (over every leaf, in global chunk order)."""
+
+    index: jax.Array  # int32 [..., capacity]: global chunk index, -1 past the last entry
+    value: jax.Array  # int32 [..., capacity]: the map's value there
+
+
+class StepSummary(NamedTuple):
+    """One step's report: in the programs a device's own; fetched, a row per device."""
+
+    committed: jax.Array  # int32: the step was applied (the verdict is global)
+    grad_nonfinite: jax.Array  # int32: this device's NaN/Inf gradient values
+    faulty_chunks: jax.Array  # int32: this device's chunks whose digest did not match
+    faults: FaultList  # value: the chunk's Damage bits
+    grad_faults: FaultList  # value: NaN/Inf gradient values in the chunk
+
+
+class ScrubSummary(NamedTuple):
+    """A scrub's report: the damaged chunks of the current slot and of the device copy."""
+
+    faults: FaultList  # value: Damage bits (the device copy's shifted by 4)
+
+
+def fault_list(maps: list[jax.Array], capacity: int) -> FaultList:
+    """The first ``capacity`` non-zero entries of the concatenated per-leaf ``maps``."""
+    flat = (jnp.concatenate([m.reshape(-1) for m in maps]) if maps
+            else jnp.zeros((0,), jnp.int32))
+    idx = first_nonzero(flat, capacity)
+    return FaultList(idx, jnp.where(idx >= 0, flat[jnp.maximum(idx, 0)], 0))
+
+
+def step_summary(report: Any, treedef: Any, capacity: int) -> StepSummary:
+    """This device's summary of an update's report (pimhbm.UpdateReport)."""
+    return StepSummary(
+        report.committed.astype(jnp.int32), report.local_counts[1], report.local_counts[0],
+        fault_list(treedef.flatten_up_to(report.fault_maps), capacity),
+        fault_list(treedef.flatten_up_to(report.grad_nonfinite_maps), capacity))
+
+
+# -- on the host ---------------------------------------------------------------------------------
+
+def entries(faults: FaultList, device: int) -> list[tuple[int, int]]:
+    """(global chunk index, value) of one device's row of a fetched fault list."""
+    return [(int(i), int(v)) for i, v in zip(faults.index[device], faults.value[device]) if i >= 0]
+
+
+class StepReport(NamedTuple):
+    """What one step's summary says, located."""
+
+    step: int
+    committed: bool
+    damaged: tuple[ChunkDamage, ...]  # listed fault-list entries, every device
+    state: tuple[ChunkRef, ...]  # the damaged chunks they name
+    overflow: bool  # a device had more damaged chunks than its list holds
+    grads: tuple[ChunkRef, ...]  # chunks with NaN/Inf gradient values
+    grads_unlisted: bool  # more NaN/Inf gradient values than the listed chunks hold
+    nonfinite: int  # NaN/Inf gradient values, every device
+    faulty: int  # damaged chunks, every device
+    damaged_devices: np.ndarray  # bool per device: it reported a damaged chunk
+
+
+def decode_step(step: int, s: StepSummary, layout: StateLayout) -> StepReport:
+    """A fetched summary (a row per device) as located chunks."""
+    damaged, state, grads, overflow, unlisted = [], [], [], False, False
+    for device in range(s.committed.shape[0]):
+        listed = [ChunkDamage(device, i, Damage(b)) for i, b in entries(s.faults, device)]
+        overflow |= int(s.faulty_chunks[device]) > len(listed)
+        damaged += listed
+        state += [loc for entry in listed for loc in layout.locate(entry)]
+        counts = entries(s.grad_faults, device)
+        unlisted |= int(s.grad_nonfinite[device]) > sum(c for _, c in counts)
+        grads += [layout.gradient_chunk(device, i) for i, _ in counts]
+    return StepReport(step, bool(s.committed[0]), tuple(damaged), tuple(state), overflow,
+                      tuple(grads), unlisted, int(s.grad_nonfinite.sum()),
+                      int(s.faulty_chunks.sum()), np.asarray(s.faulty_chunks) > 0)
+
+
+class FaultReport(NamedTuple):
+    """The damage of a skipped step and of the steps halted behind it (damage persists until
+    repaired: a later step may name more of it)."""
+
+    first_step: int
+    steps: tuple[StepReport, ...]
+    damage: dict[int, Damage]  # global chunk index -> tensors damaged there on some device
+    chunks: tuple[ChunkRef, ...]  # every damaged chunk, sorted
+    overflow: bool
+    damaged_devices: np.ndarray  # bool per device
+
+    @property
+    def state_damaged(self) -> bool:
+        return bool(self.damage)
+
+
+def merge(reports: list[StepReport]) -> FaultReport:
+    damage: dict[int, Damage] = {}
+    for r in reports:
+        for entry in r.damaged:
+            damage[entry.index] = damage.get(entry.index, Damage(0)) | entry.damage
+    chunks = sorted({loc for r in reports for loc in r.state})
+    devices = np.logical_or.reduce([r.damaged_devices for r in reports])
+    return FaultReport(reports[0].step, tuple(reports), dict(sorted(damage.items())),
+                       tuple(chunks), any(r.overflow for r in reports), devices)
+
+
+def decode_scrub(s: ScrubSummary) -> list[ChunkDamage]:
+    """A fetched scrub summary's entries, every device."""
+    return [ChunkDamage(device, i, Damage(b))
+            for device in range(s.faults.index.shape[0]) for i, b in entries(s.faults, device)]

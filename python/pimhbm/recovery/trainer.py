@@ -1,0 +1,450 @@
+"""The Trainer: protected training, each step's faults handled one step later.
+
+The loop dispatches a step, keeps up to two in flight, and reads each one's summary once the
+next is queued (the host never waits for the device in the steady state). A committed step is
+counted; a skipped one -- and every step halted behind it -- is decoded into a fault report,
+repaired (pimhbm.recovery.repairs; the host snapshot when the devices hold no intact copy) and
+replayed from the batch log. See ARCHITECTURE.md for the path of a step, a fault and a replay.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pimhbm
+from pimhbm import ipc
+from pimhbm._ffi import ensure_registered
+from pimhbm.backup import HostBackup
+from pimhbm.recovery.events import (Action, DeviceFailure, Incident, IncidentKind, RunStats,
+                                    persistent_fault)
+from pimhbm.recovery.health import HealthWatch
+from pimhbm.recovery.layout import StateLayout
+from pimhbm.recovery.placement import Placement, fsdp_spec
+from pimhbm.recovery.programs import CompileCounter, Compiler, prewarm
+from pimhbm.recovery.repairs import RepairOutcome, Repairer
+from pimhbm.recovery.snapshots import BatchLog, SnapshotManager, sample_batch, snapshot_specs
+from pimhbm.recovery.summary import (FaultReport, StepReport, decode_scrub, decode_step, merge)
+from pimhbm.recovery.traced import Traced, TrainState
+from pimhbm.recovery.transports import transport_for
+from pimhbm.update import AdamW, AdamWState, slot_from_tensors, slot_tensors, tensor_dtype
+
+TRANSPORTS = ("collective", "peer", "ipc")
+_TRAINERS = itertools.count()  # numbers each Trainer of a process (its IPC keys)
+
+
+class InFlight(NamedTuple):
+    """A dispatched step whose results the host has not read yet."""
+
+    step: int
+    loss: jax.Array
+    summary: Any  # StepSummary of device arrays
+    scrub: Any  # ScrubSummary of device arrays, or None
+
+
+def _check_options(opt: AdamW, transport: str, devices: list, shard: int, max_skips: int,
+                   multiprocess: bool) -> None:
+    if max_skips < 2:
+        raise ValueError(f"max_skips={max_skips}: a step must be allowed at least one replay")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"replica_transport must be 'collective', 'peer' or 'ipc', got "
+                         f"{transport!r}")
+    if shard < 1 or len(devices) % shard:
+        raise ValueError(f"shard={shard} must divide the {len(devices)} devices")
+    if not opt.device_copy and len(devices) == shard:
+        raise ValueError("without the device copy (pimhbm.adamw(device_copy=False)) damaged "
+                         "chunks are repaired from another replica: that needs more devices "
+                         f"than shard={shard} (a replica axis); got {len(devices)}")
+    if multiprocess and transport == "peer":
+        raise ValueError("replica_transport='peer' reads peer memory inside one process; "
+                         "with several processes use 'ipc' or 'collective'")
+    if not multiprocess and transport == "ipc":
+        raise ValueError("replica_transport='ipc' pulls from another process's GPU; within "
+                         "one process use 'peer' or 'collective'")
+
+
+class Trainer:
+    """Protected training of ``loss_fn(params, batch) -> scalar`` with ``opt``
+    (pimhbm.adamw: a device copy for chunk repair unless ``device_copy=False``) and, with
+    ``shm_name``, host snapshots in POSIX shared memory that survive the process.
+
+    ``batch_fn(step) -> dict of numpy arrays`` gives the batch of a step (1-based); batches are
+    logged so that replays (also after a crash) use exactly the same data.
+    ``inject_gradients``: compile the step with a hook that can write NaN/Inf into a gradient
+    (fault campaigns); one tiny kernel per leaf per step.
+    ``replica_transport``: how a chunk travels from a healthy replica -- "collective" (an XLA
+    psum: any devices, any number of processes), "peer" (our kernel reads the source device's
+    memory: the devices of one process) or "ipc" (another process's GPU over CUDA IPC).
+    ``shard``: the size of the sharding axis (FSDP). The devices form a mesh ('dp', 'shard') of
+    len(devices) / shard replicas; a parameter whose first dimension divides by ``shard`` is
+    split along it (its master, moments, device copy and digest tables with it), the others
+    are replicated. Digests, the update, scrubs and repairs work on each device's own shard; a
+    chunk index is local to its device's shard.
+    ``telemetry``: "auto" watches the GPUs through NVML where it is there; a
+    pimhbm.telemetry.Monitor of your own; None for none.
+    A step skipped ``max_skips`` times in a row stops the run with PersistentFault."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], opt: AdamW, params: Any,
+                 batch_fn: Callable[[int], dict[str, np.ndarray]], *,
+                 learning_rate: Callable[[int], float] | None = None,
+                 shm_name: str | None = None, snapshot_every: int = 25, log_ring: int | None = None,
+                 scrub_every: int = 10, repair_capacity: int = 16, fault_capacity: int = 64,
+                 inject_gradients: bool = False, devices: Any = None, resume: bool = False,
+                 telemetry: Any = "auto", replica_transport: str = "collective",
+                 shard: int = 1, max_skips: int = 5):
+        ensure_registered()
+        devices = list(devices) if devices is not None else jax.devices()
+        _check_options(opt, replica_transport, devices, shard, max_skips, jax.process_count() > 1)
+        self.opt, self.max_skips, self.scrub_every = opt, max_skips, scrub_every
+        self.replica_transport, self.device_copy = replica_transport, opt.device_copy
+        self.placement = Placement(devices, shard)
+        self.treedef = jax.tree.structure(params)
+        sharded = [fsdp_spec(np.shape(p), shard) != jax.sharding.PartitionSpec()
+                   for p in jax.tree.leaves(params)]
+        self.layout = StateLayout.of(params, opt, sharded, shard)
+        self.traced = Traced(loss_fn, opt, self.treedef, self.layout, self.placement,
+                             fault_capacity, inject_gradients, replica_transport)
+        params = self.placement.put_tree(params, self.traced.param_specs)
+        # A learning rate per step: a host function of the step, or the optimizer's own (a
+        # constant, or a schedule it evaluates on the device).
+        self.learning_rate = learning_rate or (
+            (lambda step: float("nan")) if callable(opt.learning_rate)
+            else (lambda step: float(opt.learning_rate)))
+        self.batch_keys, batch_specs = sample_batch(batch_fn, len(devices))
+        self.backup = self._open_backup(shm_name, params, batch_specs, snapshot_every, log_ring,
+                                        resume)
+        self.batches = BatchLog(self.backup, batch_fn, self.batch_keys)
+        self._init = jax.jit(self.placement.manual(opt.init, (self.traced.param_specs,),
+                                                   self.traced.state_specs().opt))
+        sds = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
+        self.compiler = Compiler(self.traced, self._init, sds, batch_specs, repair_capacity)
+        self.programs = self.compiler.programs
+        self.snapshots = SnapshotManager(self.backup, snapshot_every, self.compiler)
+        self.transport = transport_for(replica_transport, self.programs, self.placement,
+                                       self.layout, repair_capacity, self.treedef,
+                                       str(next(_TRAINERS)))
+        self.repairer = Repairer(self.programs, self.placement, self.layout, self.transport,
+                                 repair_capacity, opt.device_copy)
+        self.health = HealthWatch(pimhbm.telemetry.Monitor() if telemetry == "auto" else telemetry,
+                                  devices, self._failure)
+        self.telemetry = self.health.monitor
+        self.counter = CompileCounter()
+        self.stats = RunStats(telemetry=self.health.status())
+        self.state, self.next_step, self._scrub_due = None, 1, False
+        if resume:
+            self.resume()
+        else:
+            self.state = TrainState(self._init(params), self.placement.put(np.int32(0)))
+
+    def _open_backup(self, shm_name, params, batch_specs, snapshot_every, log_ring,
+                     resume) -> HostBackup | None:
+        if shm_name is None:
+            return None
+        ring = log_ring or (snapshot_every + 8) * 2
+        # One region per process (each keeps the state of its own devices).
+        region = (f"{shm_name}.p{jax.process_index()}" if self.placement.multiprocess
+                  else shm_name)
+        return HostBackup(region, snapshot_specs(params, self.layout), batch_specs, ring,
+                          create=not resume)
+
+    # -- what the run is made of ---------------------------------------------------------------
+
+    devices = property(lambda self: self.placement.devices)
+    mesh = property(lambda self: self.placement.mesh)
+    shard = property(lambda self: self.layout.shard)
+    multiprocess = property(lambda self: self.placement.multiprocess)
+    paths = property(lambda self: list(self.layout.paths))
+    names = property(lambda self: list(self.layout.names))
+    sharded = property(lambda self: list(self.layout.sharded))
+    sizes = property(lambda self: list(self.layout.sizes))
+    nchunks = property(lambda self: self.layout.nchunks)
+    compiles = property(lambda self: self.counter.count,
+                        doc="Backend compilations while this trainer ran (after prewarm).")
+
+    @property
+    def snapshot_every(self) -> int:
+        return self.snapshots.every
+
+    @snapshot_every.setter
+    def snapshot_every(self, every: int) -> None:
+        self.snapshots.every = every
+
+    @property
+    def replica_timeout_s(self) -> float:
+        return getattr(self.transport, "timeout_s", 30.0)
+
+    # -- before and between runs -----------------------------------------------------------------
+
+    def prewarm(self, cache_dir: str | None = None) -> dict[str, int]:
+        """Compiles every program the run can need -- the step, the repairs, the scrub, the
+        snapshots, fault injection -- from shapes alone (no device memory is touched), and
+        starts counting compilations. ``cache_dir``: a persistent compilation cache, keyed by
+        this library's version (a sub-folder per version)."""
+        _, self.prewarm_seconds = prewarm(self.compiler, self.backup, cache_dir)
+        self.counter.count = 0
+        return {"programs": len(self.programs), "seconds": round(self.prewarm_seconds, 2)}
+
+    def restart(self, params: Any) -> None:
+        """A new run from ``params`` with the same compiled programs (statistics, snapshots and
+        the batch log start over)."""
+        if jax.tree.structure(params) != self.treedef:
+            raise ValueError("restart needs parameters of the same structure")
+        params = self.placement.put_tree(params, self.traced.param_specs)
+        self.state = TrainState(self._init(params), self.placement.put(np.int32(0)))
+        self.stats = RunStats(telemetry=self.health.status())
+        self.next_step, self.counter.count = 1, 0
+        self.snapshots.reset()
+
+    def resume(self) -> int:
+        """After a crash: the state from the newest host snapshot; the run goes on (and replays
+        the logged batches) from the step after it. Returns that snapshot's step."""
+        if self.backup is None:
+            raise RuntimeError("resume needs the shared-memory backup (shm_name=)")
+        self.state, step = self.snapshots.restore(self.treedef)
+        self.next_step = step + 1
+        return step
+
+    def hlo_text(self) -> str:
+        """The compiled step's HLO (both parities compile the same program shape)."""
+        return self.programs.step[0].as_text()
+
+    # -- the loop -----------------------------------------------------------------------------------
+
+    def run(self, until: int, campaign: Any = None,
+            progress: Callable[[int, RunStats], None] | None = None) -> RunStats:
+        """Trains up to step ``until`` (inclusive). ``campaign``: an object with
+        ``before_step(trainer, step, attempt) -> grad fault spec or None`` and
+        ``before_scrub(trainer, step)`` that injects faults (see pimhbm.campaign)."""
+        if not self.programs.step:
+            raise RuntimeError("call prewarm() first: every program is compiled ahead of time")
+        with self.counter:  # compilations are counted while the run goes on
+            try:
+                return self._run(until, campaign, progress)
+            finally:
+                self.stats.compiles_after_prewarm = self.compiles
+
+    def _run(self, until: int, campaign: Any, progress: Callable | None) -> RunStats:
+        flight: collections.deque[InFlight] = collections.deque()
+        attempts: collections.Counter = collections.Counter()
+        skipped_step, skips = None, 0  # the step skipped last, and how often in a row
+        step = self.next_step
+        if self.backup is not None and not self.backup.newest():
+            # A first snapshot of the starting state, so that a host restore is always possible.
+            self.snapshots.save_now(self.state, step - 1, self.stats)
+        while step <= until or flight:
+            if step <= until and len(flight) < 2:
+                attempts[step] += 1
+                flight.append(self._launch(step, attempts[step], campaign))
+                step += 1
+                continue
+            done = flight.popleft()
+            report = decode_step(done.step, self._guarded(
+                done.step, lambda: self.placement.fetch(done.summary)), self.layout)
+            self.snapshots.confirm(done.step, report.committed, self.stats)
+            if report.committed:
+                skipped_step = None
+                self._commit(done, progress)
+                continue
+            skips = skips + 1 if skipped_step == done.step else 1
+            skipped_step, seen = done.step, len(self.stats.incidents)
+            replay_from = self._skip(report, flight, done)
+            if skips >= self.max_skips:
+                raise persistent_fault(done.step, skips, report.nonfinite, report.faulty,
+                                       self.stats.incidents[seen:])
+            self.stats.steps_replayed += step - replay_from
+            step = replay_from
+        self.snapshots.finish(self._current_slot_verifies, self.stats)
+        return self.stats
+
+    def _launch(self, step: int, attempt: int, campaign: Any) -> InFlight:
+        """Dispatches a step (and the scrub and snapshot due with it); fetches start at once."""
+        self._scrub_due |= self.health.poll(step, self.stats)
+        gf = campaign.before_step(self, step, attempt) if campaign else None
+        loss, summary = self._guarded(step, lambda: self._dispatch(step, gf))
+        scrub = None
+        scheduled = bool(self.scrub_every and step % self.scrub_every == 0)
+        if scheduled or self._scrub_due:
+            if campaign and scheduled:
+                campaign.before_scrub(self, step)
+            self._scrub_due = False
+            scrub = self.programs.scrub[self.state.opt.current](self.state)
+            self.placement.settle(scrub)
+            jax.tree.map(lambda x: x.copy_to_host_async(), scrub)
+        if self.snapshots.should_save(step):
+            self.snapshots.save_async(self.state, step)
+        return InFlight(step, loss, summary, scrub)
+
+    def _dispatch(self, step: int, grad_fault: np.ndarray | None) -> tuple[jax.Array, Any]:
+        p = self.placement
+        batch = {k: p.put(a, p.by_device) for k, a in zip(self.batch_keys, self.batches.batch(step))}
+        lr = p.put(np.float32(self.learning_rate(step)))
+        gf = np.zeros(9, np.int32) if grad_fault is None else grad_fault
+        program = self.programs.step[self.state.opt.current]
+        self.state, loss, summary = program(self.state, batch, lr, p.put(gf))
+        p.settle(self.state, summary)
+        jax.tree.map(lambda x: x.copy_to_host_async(), (summary, loss))
+        return loss, summary
+
+    def _commit(self, done: InFlight, progress: Callable | None) -> None:
+        self.stats.steps_committed += 1
+        self.stats.losses[done.step] = float(self.placement.fetch(done.loss))
+        self.next_step = done.step + 1
+        if done.scrub is not None:
+            self._handle_scrub(done.step, self.placement.fetch(done.scrub))
+        if progress:
+            progress(done.step, self.stats)
+
+    def _skip(self, report: StepReport, flight: collections.deque, done: InFlight) -> int:
+        """A skipped step: every step dispatched after it skipped too (halt flag); their
+        summaries may name more damage (injected while they were in flight). Returns the step
+        to replay from."""
+        self.stats.steps_skipped += 1 + len(flight)
+        later = [decode_step(f.step, self.placement.fetch(f.summary), self.layout)
+                 for f in flight]
+        jax.block_until_ready([done.scrub] + [f.scrub for f in flight])  # readers of the state
+        flight.clear()
+        self.snapshots.dropped()
+        return self._handle_fault(merge([report] + later))
+
+    # -- handling faults ------------------------------------------------------------------------
+
+    def _handle_fault(self, report: FaultReport) -> int:
+        """Repairs after the skipped steps; returns the step to resume from."""
+        outcome = RepairOutcome(Action.SKIPPED_AND_REPLAYED)  # gradients only: nothing to repair
+        if report.state_damaged:
+            try:
+                state, outcome = self.repairer.recover(self.state, report, self.stats)
+            except ipc.Fatal as err:  # a pull may still be writing the state: stop here
+                raise self._failure(str(err)) from err
+            if outcome.repaired:
+                self.state = state
+            else:
+                self.state, snap = self._restore_from_host()
+                outcome = RepairOutcome(Action.RESTORED_FROM_SNAPSHOT, snapshot_step=snap,
+                                        notes=outcome.notes)
+        self._record(report, outcome)
+        if outcome.snapshot_step is not None:
+            return outcome.snapshot_step + 1
+        self.state = TrainState(self.state.opt, self.placement.put(np.int32(0)))
+        return report.first_step
+
+    def _record(self, report: FaultReport, outcome: RepairOutcome) -> None:
+        """One incident per kind per step that saw it (damage persists until repaired: a step
+        halted behind the first one names it again), then what the transports met."""
+        for r in report.steps:
+            if r.state:
+                self.stats.incidents.append(Incident(
+                    r.step, IncidentKind.STATE, r.state, outcome.action, outcome.sources,
+                    outcome.snapshot_step))
+            if r.grads:
+                self.stats.incidents.append(Incident(
+                    r.step, IncidentKind.GRADIENT, r.grads, Action.SKIPPED_AND_REPLAYED,
+                    unlisted=r.grads_unlisted))
+        self.stats.incidents.extend(outcome.notes)
+
+    def _restore_from_host(self) -> tuple[TrainState, int]:
+        if self.backup is None:
+            raise RuntimeError("the device copy is damaged too and there is no host snapshot "
+                               "(pass shm_name= to keep one)")
+        state, step = self.snapshots.restore(self.treedef)
+        self.stats.host_restores += 1
+        return state, step
+
+    def _handle_scrub(self, step: int, scrub: Any) -> None:
+        """The device copy's damaged chunks rewritten from the current state (the state's own
+        damage is the next step's to find)."""
+        self.stats.scrubs += 1
+        entries = [e for e in decode_scrub(scrub) if e.damage.in_copy]
+        if not entries:
+            return
+        locs = tuple(loc for e in entries for loc in self.layout.locate(e, in_copy=True))
+        self.state, failures = self.repairer.rewrite(self.state, entries, self.stats,
+                                                     into_copy=True)
+        self.stats.incidents.append(Incident(
+            step, IncidentKind.DEVICE_COPY, locs,
+            Action.DEVICE_COPY_NOT_REPAIRED if failures else Action.DEVICE_COPY_REPAIRED))
+
+    def _current_slot_verifies(self) -> bool:
+        """A scrub of the current state: whether every chunk of the current slot verifies."""
+        scrub = self.placement.fetch(self.programs.scrub[self.state.opt.current](self.state))
+        return not any(e.damage.in_state for e in decode_scrub(scrub))
+
+    # -- device failures ------------------------------------------------------------------------
+
+    def _failure(self, what: str, device: int | None = None) -> DeviceFailure:
+        snap = self.snapshots.latest_step()
+        how = ("restart the process and resume from the host snapshot of step "
+               f"{snap} (Trainer(..., shm_name={self.backup.name!r}, resume=True))"
+               if snap is not None else
+               "there is no host snapshot to resume from (pass shm_name= to keep one)")
+        return DeviceFailure(f"{what}. This process cannot use the device again: {how}.", device,
+                             snap)
+
+    def _guarded(self, step: int, fn: Callable[[], Any]) -> Any:
+        """Runs ``fn``; a device error (a poisoned CUDA context after an uncorrectable ECC
+        error, a lost GPU) becomes DeviceFailure with the way to resume, not a hang."""
+        try:
+            return fn()
+        except jax.errors.JaxRuntimeError as err:
+            raise self._failure(f"step {step}: device error: {err}") from err
+
+    # -- fault injection into the live state (campaigns, tests) ---------------------------------
+
+    def inject(self, path: str, tensor: str, fault: np.ndarray, *, into_copy: bool = False,
+               device: int | None = None) -> None:
+        """Applies ``fault`` (pimhbm.faults.spec) in place to one tensor of the current slot (or
+        of the device copy), on one device's copy or shard (``device``: its position in the
+        mesh, row-major) or on every device's; offsets are within a device's shard."""
+        opt = self.state.opt
+        if into_copy and opt.device_copy is None:
+            raise ValueError("this run keeps no device copy (pimhbm.adamw(device_copy=False))")
+        leaves = slot_tensors(opt.device_copy if into_copy else opt.slots[opt.current],
+                              self.treedef)
+        i = self.layout.leaf_index(path)
+        t, table = leaves[i][tensor]
+        specs = np.zeros((len(self.devices), 8), np.int32)
+        specs[slice(None) if device is None else device] = fault
+        program = self.compiler.inject(t.shape, t.dtype, self.traced.leaf_specs[i])
+        t = program(t, self.placement.put(specs, self.placement.by_device))
+        self.placement.settle(t)
+        leaves[i][tensor] = (t, table)
+        new = slot_from_tensors(leaves, self.treedef)
+        opt = (AdamWState(opt.slots, opt.current, opt.step, new) if into_copy
+               else opt.replace_current(new))
+        self.state = TrainState(opt, self.state.halted)
+
+    def tensor_info(self) -> list[tuple[str, str, int, int]]:
+        """(leaf path, tensor, elements on one device, bytes per element) of every protected
+        tensor (a sharded tensor: the elements of one shard)."""
+        return [(path, k, n, jnp.dtype(tensor_dtype(k, dtype)).itemsize)
+                for path, dtype, n in zip(self.layout.paths, self.layout.dtypes, self.layout.sizes)
+                for k in self.layout.names]
+
+    # -- results and the end ---------------------------------------------------------------------
+
+    def current_state(self) -> dict[str, np.ndarray]:
+        """The committed state as host arrays, by leaf and tensor (for comparisons)."""
+        opt = self.state.opt  # whole tensors (a sharded one assembled from its shards)
+        whole = np.asarray
+        if self.multiprocess:  # a collective: every process calls it
+            from jax.experimental import multihost_utils
+            whole = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return {f"{path}/{k}": whole(leaf[k][0])
+                for path, leaf in zip(self.layout.paths,
+                                      slot_tensors(opt.slots[opt.current], self.treedef))
+                for k in self.layout.names}
+
+    def close(self, unlink: bool = False) -> None:
+        """Stops the telemetry watch, unmaps peers' memory (CUDA IPC) and, with ``unlink``,
+        removes the shared-memory region."""
+        self.health.close()
+        if getattr(self.transport, "rounds", 0):
+            pimhbm._core.ipc_close()  # the peers' memory this process mapped
+        if self.backup is not None and unlink:
+            HostBackup.unlink(self.backup.name)
+

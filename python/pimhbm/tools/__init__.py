@@ -1,1 +1,0 @@
-"""The commands of ``pimhbm`` besides the demo: gate, shard, recover, llama3."""

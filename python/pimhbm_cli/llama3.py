@@ -1,0 +1,393 @@
+"""``pimhbm llama3``: Llama-3-8B-dimension layers trained under protection on a GPU.
+
+Measures the step time with full protection (digests checked and rewritten in the update pass,
+commit-or-skip on the device, the device copy kept current, the fault summary read one step
+later) against the same step with plain ``optax.adamw``, then runs a fault campaign at this
+scale and checks that it ends bit-identical to the same run without faults.
+
+Bit-identical replays need a deterministic step: on GPUs run with
+XLA_FLAGS=--xla_gpu_deterministic_ops=true (``--deterministic`` sets it; its own cost is
+reported apart, it is not the cost of protection).
+
+``--processes N`` runs the same job as N processes of one host, the way clusters run it: each
+process drives its share of the devices (one GPU each on a GPU machine), they meet through
+``jax.distributed`` on a localhost coordinator, and process 0 prints and writes the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from pimhbm_cli import llama3_report as report
+from pimhbm_cli import processes
+
+ROUNDS = 5  # timed rounds of each step, alternating plain and protected
+PROFILE_STEPS = 6  # steps traced of each kind (fewer when --steps is smaller)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--layers", type=int, default=2, help="decoder layers of 8B dimensions (default 2)")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per step (default 16384)")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
+    p.add_argument("--vocab", type=int, default=8192,
+                   help="vocabulary (default 8192: the layers, not the LM head, are measured)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    p.add_argument("--campaign-steps", type=int, default=30, help="steps of the fault campaign")
+    p.add_argument("--faults", type=int, default=2, help="faults of each kind in the campaign")
+    p.add_argument("--no-campaign", action="store_true", help="only the timings")
+    p.add_argument("--deterministic", action="store_true",
+                   help="set XLA_FLAGS=--xla_gpu_deterministic_ops=true (needed for bit-identical "
+                        "replays on GPUs)")
+    p.add_argument("--devices", type=int, default=1,
+                   help="data parallel over this many GPUs (default 1); both steps sharded alike")
+    p.add_argument("--shard", type=int, default=1,
+                   help="FSDP: each replica's parameters split over this many devices (default 1)")
+    p.add_argument("--tiny", action="store_true",
+                   help="the tiny configuration of the same code instead of 8B dimensions (a "
+                        "check of the tool on a CPU)")
+    p.add_argument("--replica-transport", choices=("collective", "peer", "ipc"), default="collective",
+                   help="how a chunk is pulled from a healthy replica (several devices): an XLA "
+                        "collective, our kernel reading a peer GPU of this process (peer), or "
+                        "of another process over CUDA IPC (ipc, with --processes)")
+    p.add_argument("--no-device-copy", action="store_true",
+                   help="keep no device copy of the state: every damaged chunk is pulled from "
+                        "another replica (needs more devices than --shard); the update writes "
+                        "12 bytes a parameter less with bf16 parameters and fp32 master weights")
+    p.add_argument("--processes", type=int, default=1,
+                   help="run as this many processes (jax.distributed on localhost), the devices "
+                        "split evenly between them (default 1: one process sees them all)")
+    p.add_argument("--json", default=None, help="write the figures here")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="also trace 6 steps of each kind with jax.profiler into DIR and print "
+                        "where the device time goes (kernels by kind, the largest ones)")
+    # Set by the launcher for each process of a --processes run.
+    p.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+
+
+def _problem(args: Any) -> str | None:
+    """What is wrong with the options, before anything starts."""
+    if args.processes < 1:
+        return "--processes must be at least 1"
+    if ((args.replica_transport == "ipc" and args.processes < 2) or
+            (args.replica_transport == "peer" and args.processes > 1)):
+        return (f"--replica-transport {args.replica_transport}: 'ipc' pulls across processes "
+                "(--processes 2 or more), 'peer' within one process")
+    if args.no_device_copy and args.devices <= args.shard:
+        return (f"--no-device-copy repairs from other replicas: it needs more devices than "
+                f"--shard ({args.devices} devices, --shard {args.shard})")
+    return None
+
+
+def run(args: Any) -> int:
+    if problem := _problem(args):
+        print(problem, file=sys.stderr)
+        return 2
+    if args.processes > 1 and args.process_id is None:
+        return processes.launch(args)
+    if args.deterministic and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_gpu_deterministic_ops=true").strip()
+    processes.join(args)  # one process of a --processes run: jax.distributed
+    job = _setup(args)
+    if isinstance(job, str):
+        job_console(args).print(f"[red]{job}[/]")
+        return 2
+    return _measure(job)
+
+
+def job_console(args: Any):
+    import jax
+    from rich.console import Console
+    return Console(quiet=jax.process_index() != 0)  # process 0 prints and writes the figures
+
+
+class Job(NamedTuple):
+    """What the measurements share: the devices, the model, the data."""
+
+    args: Any
+    console: Any
+    devices: list
+    dev: Any  # this process's first device (memory figures)
+    mesh: Any  # ('dp', 'shard')
+    cfg: Any  # llama3.Config
+    batch: int  # sequences a step
+    attention: str  # "cudnn" or "xla"
+    data: bytes
+    results: dict  # the figures, written to --json
+
+    def put(self, x: Any, sharding: Any):
+        """A host value onto a (possibly several-process) sharding: each process fills its own
+        devices' parts of the same value."""
+        import jax
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+    def sharding(self, spec: Any):
+        import jax
+        return jax.sharding.NamedSharding(self.mesh, spec)
+
+
+def _setup(args: Any) -> Job | str:
+    """The devices as a mesh, the model's configuration, the figures' header; or what is wrong."""
+    import jax
+
+    from pimhbm.models import llama3
+
+    if args.devices < 1 or args.devices > len(jax.devices()):
+        return f"--devices {args.devices}: this machine has {len(jax.devices())}"
+    if args.shard < 1 or args.devices % args.shard:
+        return f"--shard {args.shard} must divide --devices {args.devices}"
+    if args.tokens % args.seq or (args.tokens // args.seq) % args.devices:
+        return ("--tokens must be a multiple of --seq, in sequences that split evenly over "
+                "--devices")
+    devices = jax.devices()[:args.devices]
+    dev = jax.local_devices()[0]
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(-1, args.shard), ("dp", "shard"))
+    cfg = (llama3.tiny(layers=args.layers, vocab=args.vocab) if args.tiny else
+           llama3.llama3_8b(layers=args.layers, vocab=args.vocab))
+    # cuDNN's fused attention on GPUs, except in exact-replay mode: with XLA's deterministic-ops
+    # flag this XLA fails to look up the compiled cuDNN graph (an IndexError from
+    # raw_hash_map::at; openxla/xla#46500), so both steps use XLA's own attention there.
+    deterministic = "deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
+    attention = "cudnn" if dev.platform == "gpu" and not deterministic else "xla"
+    batch = args.tokens // args.seq
+    console = job_console(args)
+    console.print(f"[bold]pimhbm llama3[/]: {args.layers} {'tiny' if args.tiny else 'Llama-3-8B'} "
+                  f"layers (hidden {cfg.hidden}, intermediate {cfg.intermediate}, GQA "
+                  f"{cfg.heads}/{cfg.kv_heads}, head {cfg.head_dim}), vocab {args.vocab}, "
+                  f"{cfg.num_params() / 1e6:.0f} M parameters (bf16, fp32 master and moments), "
+                  f"{batch} x {args.seq} = {args.tokens} tokens a step, on {len(devices)} x "
+                  f"{dev.device_kind} ({len(devices) // args.shard} replicas x {args.shard} "
+                  f"shards; {jax.process_count()} process(es)); "
+                  f"deterministic ops: {'on' if deterministic else 'off'}")
+    data = np.random.default_rng(0).integers(0, 256, size=4_000_000, dtype=np.uint8).tobytes()
+    results = {"device": dev.device_kind, "devices": len(devices),
+               "processes": jax.process_count(), "shard": args.shard, "tiny": args.tiny,
+               "replica_transport": args.replica_transport, "layers": args.layers,
+               "device_copy": not args.no_device_copy, "tokens": args.tokens,
+               "params": cfg.num_params()}
+    return Job(args, console, devices, dev, mesh, cfg, batch, attention, data, results)
+
+
+def _fresh_params(job: Job) -> Any:
+    import jax
+
+    from pimhbm.models import llama3
+    return llama3.init(jax.random.key(0), job.cfg)  # the same weights every time
+
+
+class PlainStep:
+    """What a user runs without us: optax.adamw on fp32 master weights, bf16 parameters cast
+    from them, sharded as the protected step (FSDP leaves split on their first dimension)."""
+
+    def __init__(self, job: Job):
+        import jax
+        import jax.numpy as jnp
+        import optax
+
+        from pimhbm.models import llama3
+        from pimhbm.recovery import fsdp_spec
+        from pimhbm.train import text_batches, warmup_cosine
+
+        P, args = jax.sharding.PartitionSpec, job.args
+        fsdp = lambda x: job.sharding(fsdp_spec(x.shape, args.shard))
+        params = jax.tree.map(lambda p: job.put(p, fsdp(p)), _fresh_params(job))
+        master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+        tx = optax.inject_hyperparams(optax.adamw)(learning_rate=3e-4, weight_decay=0.01)
+        cfg, attention = job.cfg, job.attention
+
+        @functools.partial(jax.jit, donate_argnums=0)
+        def step(state, b, lr):
+            master, opt, params = state
+            opt.hyperparams["learning_rate"] = lr
+            loss, grads = jax.value_and_grad(lambda p: llama3.loss(p, b, cfg, attention))(params)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            updates, opt = tx.update(grads, opt, master)
+            master = optax.apply_updates(master, updates)
+            return master, opt, jax.tree.map(lambda m: m.astype(jnp.bfloat16), master)
+
+        batch_fn = text_batches(job.data, job.batch, args.seq, 0)
+        lr_of = warmup_cosine(3e-4, 5, 1000)
+        self.batches = [jax.tree.map(lambda x: job.put(x, job.sharding(P(("dp", "shard")))),
+                                     batch_fn(s + 1)) for s in range(args.steps)]
+        self.lrs = [job.put(np.float32(lr_of(s + 1)), job.sharding(P()))
+                    for s in range(args.steps)]
+        job.console.print("compiling the unprotected step (optax.adamw) ...")
+        opt0 = jax.jit(tx.init)(master)  # moments follow the master weights' sharding
+        self.step = step
+        self.carry = jax.block_until_ready(step((master, opt0, params), self.batches[0],
+                                                self.lrs[0]))
+        # The plain step's state (14 bytes a parameter) stays on the devices beside the
+        # protected one until both are timed (rounds in turn).
+
+    def round(self, steps: int) -> None:
+        import jax
+        for b, lr in zip(self.batches[:steps], self.lrs[:steps]):
+            self.carry = self.step(self.carry, b, lr)
+        jax.block_until_ready(self.carry)
+
+    def close(self) -> None:
+        self.carry = None  # its device memory, for the rest of the run
+
+
+def _protected(job: Job, shm_name: str) -> Any:
+    """The recovery engine's step (fault hooks compiled in, as in the campaign)."""
+    from pimhbm.train import llama_trainer
+    args = job.args
+    return llama_trainer(job.cfg, job.data, steps=1000, batch=job.batch, seq=args.seq,
+                         peak_lr=3e-4, warmup=5, chunk_elems=4096, shm_name=shm_name,
+                         snapshot_every=0, scrub_every=0, inject_gradients=True,
+                         devices=job.devices, attention_impl=job.attention,
+                         params=_fresh_params(job), replica_transport=args.replica_transport,
+                         shard=args.shard, device_copy=not args.no_device_copy)
+
+
+def _prewarm(job: Job, trainer: Any) -> None:
+    job.console.print("prewarm (every program, from shapes) ...")
+    before = job.dev.memory_stats() or {}
+    pre = trainer.prewarm()
+    after = job.dev.memory_stats() or {}
+    used = after.get("bytes_in_use", 0) - before.get("bytes_in_use", 0) if before else None
+    job.results["prewarm_seconds"] = pre["seconds"]
+    job.results["prewarm_device_bytes"] = used
+    job.console.print(f"  {pre['programs']} programs in {pre['seconds']:.1f} s; device memory "
+                      f"used by compiling: {used} bytes")
+
+
+def _tally_since(before: dict, after: dict) -> dict:
+    """What ``pimhbm._core.unaliased_copies_by_op()`` counted between two readings, by op."""
+    out = {}
+    for op, t in after.items():
+        d = {k: v - before.get(op, {}).get(k, 0) for k, v in t.items()}
+        if d["results"]:
+            out[op] = d
+    return out
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    """Seconds ``fn`` takes (it runs a round of steps and waits for them)."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _time_both(job: Job, plain: PlainStep, trainer: Any) -> None:
+    """Side by side: rounds of each step in turn (ABBA: each goes first in every other round),
+    so that a drift of the machine (clocks, temperature, the other processes) falls on both
+    alike; the median round of each."""
+    import pimhbm
+
+    steps, results = job.args.steps, job.results
+    job.console.print(f"timing both steps: {ROUNDS} rounds of {steps} steps each, in turn ...")
+    copies_before = pimhbm._core.unaliased_copies_by_op()
+    rounds = {"plain": lambda: plain.round(steps),
+              "protected": lambda: trainer.run(trainer.next_step + steps - 1)}
+    times: dict[str, list[float]] = {"plain": [], "protected": []}
+    for rep in range(ROUNDS):
+        for kind in (("plain", "protected") if rep % 2 == 0 else ("protected", "plain")):
+            times[kind].append(_timed(rounds[kind]) / steps)
+    a, b = statistics.median(times["plain"]), statistics.median(times["protected"])
+    results["plain_ms"], results["protected_ms"] = a * 1e3, b * 1e3
+    results["rounds_ms"] = {k: [t * 1e3 for t in v] for k, v in times.items()}
+    results["overhead"] = b / a - 1
+    # The same from each round's pair (a check on the medians' ratio above).
+    results["overhead_of_paired_rounds"] = statistics.median(
+        q / p - 1 for p, q in zip(times["plain"], times["protected"]))
+    # In-place results XLA did not alias (each a copy the timing above paid for).
+    results["unaliased_by_op"] = _tally_since(copies_before, pimhbm._core.unaliased_copies_by_op())
+    results["unaliased_copies_per_step"] = sum(
+        t["results"] for t in results["unaliased_by_op"].values()) / (ROUNDS * steps)
+
+
+def _campaign(job: Job, trainer: Any) -> None:
+    """The same run twice from the same weights, the second under a campaign of every kind of
+    fault; the verdict from the two final states."""
+    from pimhbm.campaign import KINDS, Campaign, unlocated_note
+
+    args, steps = job.args, job.args.campaign_steps
+    trainer.snapshot_every, trainer.scrub_every = 10, 5
+    job.console.print(f"fault campaign: {args.faults} faults of each kind over {steps} steps, "
+                      "against the same run without faults ...")
+    trainer.restart(_fresh_params(job))
+    t0 = time.perf_counter()
+    ref_stats = trainer.run(steps)
+    ref_state = trainer.current_state()
+    trainer.restart(_fresh_params(job))
+    campaign = Campaign(trainer, {k: args.faults for k in KINDS}, last_step=steps, seed=1)
+    stats = trainer.run(steps, campaign=campaign)
+    state = trainer.current_state()
+    identical = all(state[k].tobytes() == ref_state[k].tobytes() for k in state)
+    found = campaign.check(stats)
+    job.results["campaign"] = {
+        "faults": found, "bit_identical": identical, "repairs": stats.repairs,
+        "host_restores": stats.host_restores, "replica_repairs": stats.replica_repairs,
+        "replica_rebuilds": stats.replica_rebuilds, "ipc_pulls": stats.ipc_pulls,
+        "incidents": [(i.step, str(i.kind), i.describe()) for i in stats.incidents],
+        "steps_skipped": stats.steps_skipped, "compiles_after_prewarm": trainer.compiles,
+        "seconds": time.perf_counter() - t0, "reference_incidents": len(ref_stats.incidents)}
+    report.campaign(job.console, found, unlocated_note(found), stats, trainer,
+                    "tiny" if args.tiny else "8B-layer", identical)
+
+
+def _profiles(job: Job, plain: PlainStep, trainer: Any) -> dict[str, str]:
+    """Traces of a few steps of each kind (the plain step's state is freed between them)."""
+    from pimhbm_cli import device_profile
+
+    steps = min(PROFILE_STEPS, len(plain.batches))
+    traces = {}
+    if job.args.profile:
+        traces["plain"] = device_profile.trace(os.path.join(job.args.profile, "plain"),
+                                               lambda: plain.round(steps))
+    plain.close()
+    if job.args.profile:
+        start = trainer.next_step
+        traces["protected"] = device_profile.trace(
+            os.path.join(job.args.profile, "protected"), lambda: trainer.run(start + steps - 1))
+    return traces
+
+
+def _measure(job: Job) -> int:
+    """The step times, the profile, the campaign; the figures to --json; the exit code."""
+    import jax
+
+    from pimhbm.backup import HostBackup
+
+    args, results = job.args, job.results
+    plain = PlainStep(job)
+    name = f"pimhbm_llama3_{uuid.uuid4().hex[:8]}"
+    trainer = _protected(job, name)
+    try:
+        _prewarm(job, trainer)
+        trainer.run(3)  # warm
+        plain.round(2)
+        _time_both(job, plain, trainer)
+        traces = _profiles(job, plain, trainer)
+        results["compiles_after_prewarm"] = trainer.compiles
+        report.timing(job.console, results, args.tokens, len(job.devices), job.dev.device_kind,
+                      ROUNDS)
+        if traces:
+            report.profile(job.console, traces, results, min(PROFILE_STEPS, args.steps),
+                           args.profile, jax.process_index())
+        if not args.no_campaign:
+            _campaign(job, trainer)
+    finally:
+        HostBackup.unlink(name)
+        HostBackup.unlink(f"{name}.p{jax.process_index()}")  # a process's own region
+    if args.json and jax.process_index() == 0:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    ok = results.get("compiles_after_prewarm", 1) == 0 and (
+        args.no_campaign or (results["campaign"]["bit_identical"] and
+                             all(r["missed"] == 0 for r in results["campaign"]["faults"].values())))
+    return 0 if ok else 1
