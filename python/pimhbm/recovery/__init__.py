@@ -28,10 +28,11 @@ The modules, in the order a fault travels through them (ARCHITECTURE.md draws it
 from pimhbm.recovery.events import (Action, DeviceFailure, Incident, IncidentKind,
                                     PersistentFault, RunStats)
 from pimhbm.recovery.layout import ChunkRef, Damage
-from pimhbm.recovery.placement import fsdp_spec
+from pimhbm.recovery.placement import Transport, fsdp_spec
 from pimhbm.recovery.summary import first_nonzero
 from pimhbm.recovery.traced import TrainState
 from pimhbm.recovery.trainer import Trainer
 
 __all__ = ["Action", "ChunkRef", "Damage", "DeviceFailure", "Incident", "IncidentKind",
-           "PersistentFault", "RunStats", "Trainer", "TrainState", "first_nonzero", "fsdp_spec"]
+           "PersistentFault", "RunStats", "Trainer", "TrainState", "Transport", "first_nonzero",
+           "fsdp_spec"]

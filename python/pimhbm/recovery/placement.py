@@ -4,6 +4,7 @@ one process per GPU (jax.distributed), where each process fills and reads its ow
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Callable
 
 import jax
@@ -11,6 +12,19 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 AXES = ("dp", "shard")
+
+
+class Transport(enum.StrEnum):
+    """How a chunk travels from a healthy replica into the devices that need it."""
+
+    COLLECTIVE = "collective"  # an XLA psum inside a compiled program: any devices, processes
+    PEER = "peer"  # our kernel reads the source device's memory: the devices of one process
+    IPC = "ipc"  # another process's GPU over CUDA IPC (the collective programs as fallback)
+
+    @property
+    def in_programs(self) -> "Transport":
+        """What the compiled repair programs use (IPC pulls outside them)."""
+        return Transport.PEER if self is Transport.PEER else Transport.COLLECTIVE
 
 
 def fsdp_spec(shape: tuple[int, ...], shard: int) -> P:

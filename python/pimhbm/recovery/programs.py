@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import pimhbm
-from pimhbm.recovery.placement import AXES
+from pimhbm.recovery.placement import AXES, Transport
 from pimhbm.recovery.traced import Traced, TrainState
 from pimhbm.update import AdamWState
 
@@ -155,7 +155,7 @@ class Compiler:
         self.programs.rebuild[current] = self._compile(
             self.t.rebuild, (ss, P("shard"), P("dp", "shard")), (ss, each), st,
             self._sds((shard,), jnp.int32, p.by_column), grid)
-        if self.t.transport == "ipc" and self.t.opt.device_copy:
+        if self.t.transport is Transport.IPC and self.t.opt.device_copy:
             self.programs.recopy[current] = self._compile(
                 self.t.recopy, (ss, P("dp", "shard")), ss, st, grid)
 

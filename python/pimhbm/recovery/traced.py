@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import pimhbm
 from pimhbm import faults, replica
 from pimhbm.recovery.layout import Damage, StateLayout
-from pimhbm.recovery.placement import AXES, Placement
+from pimhbm.recovery.placement import AXES, Placement, Transport
 from pimhbm.recovery.summary import ScrubSummary, fault_list, step_summary
 from pimhbm.update import AdamW, AdamWState, Slot, slot_from_tensors, slot_tensors
 
@@ -55,10 +55,7 @@ class Traced:
     placement: Placement
     fault_capacity: int
     inject_gradients: bool
-    # How a chunk comes from another replica: "collective" (an XLA psum in the program),
-    # "peer" (the program's kernel reads the source device's memory) or "ipc" (pulled outside
-    # the programs, from another process's GPU; the collective programs are its fallback).
-    transport: str
+    transport: Transport  # how a chunk comes from another replica
 
     # -- shapes and shardings --------------------------------------------------------------------
 
@@ -161,7 +158,7 @@ class Traced:
             out = {}
             for j, k in enumerate(self.layout.names):
                 cb = self.layout.chunk_bytes(k, i)
-                if self.transport == "peer":
+                if self.transport.in_programs is Transport.PEER:
                     out[k], status = pimhbm.peer.pull(
                         _after(lists[i, j], statuses[-1] if statuses else None), src[i, j],
                         leaf[k], cb, "dp", self.placement.mesh)
@@ -187,7 +184,7 @@ class Traced:
             out = {}
             for k in self.layout.names:
                 (t, table), cb = leaf[k], self.layout.chunk_bytes(k, i)
-                if self.transport == "peer":
+                if self.transport.in_programs is Transport.PEER:
                     n = table.shape[0]
                     chunks = _after(jnp.where(take, jnp.arange(n, dtype=jnp.int32), -1), after)
                     (t, table), after = pimhbm.peer.pull(

@@ -25,7 +25,7 @@ from pimhbm.recovery.events import (Action, DeviceFailure, Incident, IncidentKin
                                     persistent_fault)
 from pimhbm.recovery.health import HealthWatch
 from pimhbm.recovery.layout import StateLayout
-from pimhbm.recovery.placement import Placement, fsdp_spec
+from pimhbm.recovery.placement import Placement, Transport, fsdp_spec
 from pimhbm.recovery.programs import CompileCounter, Compiler, prewarm
 from pimhbm.recovery.repairs import RepairOutcome, Repairer
 from pimhbm.recovery.snapshots import BatchLog, SnapshotManager, sample_batch, snapshot_specs
@@ -34,7 +34,6 @@ from pimhbm.recovery.traced import Traced, TrainState
 from pimhbm.recovery.transports import transport_for
 from pimhbm.update import AdamW, AdamWState, slot_from_tensors, slot_tensors, tensor_dtype
 
-TRANSPORTS = ("collective", "peer", "ipc")
 _TRAINERS = itertools.count()  # numbers each Trainer of a process (its IPC keys)
 
 
@@ -47,23 +46,28 @@ class InFlight(NamedTuple):
     scrub: Any  # ScrubSummary of device arrays, or None
 
 
-def _check_options(opt: AdamW, transport: str, devices: list, shard: int, max_skips: int,
+def _transport(name: str) -> Transport:
+    try:
+        return Transport(name)
+    except ValueError:
+        raise ValueError(f"replica_transport must be 'collective', 'peer' or 'ipc', got "
+                         f"{name!r}") from None
+
+
+def _check_options(opt: AdamW, transport: Transport, devices: list, shard: int, max_skips: int,
                    multiprocess: bool) -> None:
     if max_skips < 2:
         raise ValueError(f"max_skips={max_skips}: a step must be allowed at least one replay")
-    if transport not in TRANSPORTS:
-        raise ValueError(f"replica_transport must be 'collective', 'peer' or 'ipc', got "
-                         f"{transport!r}")
     if shard < 1 or len(devices) % shard:
         raise ValueError(f"shard={shard} must divide the {len(devices)} devices")
     if not opt.device_copy and len(devices) == shard:
         raise ValueError("without the device copy (pimhbm.adamw(device_copy=False)) damaged "
                          "chunks are repaired from another replica: that needs more devices "
                          f"than shard={shard} (a replica axis); got {len(devices)}")
-    if multiprocess and transport == "peer":
+    if multiprocess and transport is Transport.PEER:
         raise ValueError("replica_transport='peer' reads peer memory inside one process; "
                          "with several processes use 'ipc' or 'collective'")
-    if not multiprocess and transport == "ipc":
+    if not multiprocess and transport is Transport.IPC:
         raise ValueError("replica_transport='ipc' pulls from another process's GPU; within "
                          "one process use 'peer' or 'collective'")
 
@@ -77,9 +81,10 @@ class Trainer:
     logged so that replays (also after a crash) use exactly the same data.
     ``inject_gradients``: compile the step with a hook that can write NaN/Inf into a gradient
     (fault campaigns); one tiny kernel per leaf per step.
-    ``replica_transport``: how a chunk travels from a healthy replica -- "collective" (an XLA
-    psum: any devices, any number of processes), "peer" (our kernel reads the source device's
-    memory: the devices of one process) or "ipc" (another process's GPU over CUDA IPC).
+    ``replica_transport``: how a chunk travels from a healthy replica (a Transport's value):
+    "collective" (an XLA psum: any devices, any number of processes), "peer" (our kernel reads
+    the source device's memory: the devices of one process) or "ipc" (another process's GPU
+    over CUDA IPC).
     ``shard``: the size of the sharding axis (FSDP). The devices form a mesh ('dp', 'shard') of
     len(devices) / shard replicas; a parameter whose first dimension divides by ``shard`` is
     split along it (its master, moments, device copy and digest tables with it), the others
@@ -99,6 +104,7 @@ class Trainer:
                  shard: int = 1, max_skips: int = 5):
         ensure_registered()
         devices = list(devices) if devices is not None else jax.devices()
+        replica_transport = _transport(replica_transport)
         _check_options(opt, replica_transport, devices, shard, max_skips, jax.process_count() > 1)
         self.opt, self.max_skips, self.scrub_every = opt, max_skips, scrub_every
         self.replica_transport, self.device_copy = replica_transport, opt.device_copy
@@ -130,8 +136,9 @@ class Trainer:
                                        str(next(_TRAINERS)))
         self.repairer = Repairer(self.programs, self.placement, self.layout, self.transport,
                                  repair_capacity, opt.device_copy)
-        self.health = HealthWatch(pimhbm.telemetry.Monitor() if telemetry == "auto" else telemetry,
-                                  devices, self._failure)
+        if isinstance(telemetry, str) and telemetry == "auto":
+            telemetry = pimhbm.telemetry.Monitor()
+        self.health = HealthWatch(telemetry, devices, self._failure)
         self.telemetry = self.health.monitor
         self.counter = CompileCounter()
         self.stats = RunStats(telemetry=self.health.status())

@@ -24,7 +24,7 @@ import jax
 import pimhbm
 from pimhbm import ipc
 from pimhbm.recovery.layout import StateLayout
-from pimhbm.recovery.placement import Placement
+from pimhbm.recovery.placement import Placement, Transport
 from pimhbm.recovery.planner import RebuildPlan, ReplicaPull, rebuild_pulls, replica_batches
 from pimhbm.recovery.programs import Programs
 from pimhbm.recovery.traced import TrainState
@@ -167,8 +167,8 @@ class IpcTransport:
         return ipc.run_round(self.run_id, self.rounds, work, int(self.timeout_s * 1000))
 
 
-def transport_for(kind: str, programs: Programs, placement: Placement, layout: StateLayout,
+def transport_for(kind: Transport, programs: Programs, placement: Placement, layout: StateLayout,
                   capacity: int, treedef: Any, run_id: str) -> ReplicaTransport:
     in_programs = ProgramTransport(programs, placement, layout, capacity)
-    return IpcTransport(in_programs, treedef, run_id) if kind == "ipc" else in_programs
+    return IpcTransport(in_programs, treedef, run_id) if kind is Transport.IPC else in_programs
 
