@@ -110,6 +110,7 @@ def main() -> int:
         t = median_seconds(snapshot, reps=3)
         res["snapshot_GBps"] = nbytes / t / 1e9
         backup.complete(0)
+        backup.close()  # the restores below open it again, one handle at a time
         verify = jax.jit(lambda x, d: jnp.any(pimhbm.verify(x, d, CHUNK)))
 
         phases = {"map": [], "put": [], "verify": [], "pin": [], "lock_first": [],
@@ -132,6 +133,7 @@ def main() -> int:
             reopened.pin_rest_in_background()
             reopened.wait_pinned()
             t4 = time.perf_counter()
+            reopened.close()
             # The other way, for comparison: page-lock the region first, then put.
             locked = HostBackup(name, backup.tensors, backup.batch, ring=1, create=False)
             t5 = time.perf_counter()
@@ -140,6 +142,7 @@ def main() -> int:
             t6 = time.perf_counter()
             jax.block_until_ready([jax.device_put(v, dev) for v in arrays])
             t7 = time.perf_counter()
+            locked.close()
             # And the pageable put with the arrays put from several threads at once.
             again = HostBackup(name, backup.tensors, backup.batch, ring=1, create=False)
             t8 = time.perf_counter()
@@ -147,6 +150,7 @@ def main() -> int:
                 jax.block_until_ready(list(pool.map(lambda v: jax.device_put(v, dev),
                                                     again.snapshot_arrays(0))))
             t9 = time.perf_counter()
+            again.close()
             for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t6 - t5, t7 - t6,
                                      t9 - t8)):
                 phases[k].append(v)

@@ -194,12 +194,16 @@ NB_MODULE(_core, m) {
   nb::class_<ShmRegion>(m, "ShmRegion",
                         "A named POSIX shared-memory region, owned by C++; outlives the process.")
       .def_static("create", &ShmRegion::create, nb::arg("name"), nb::arg("nbytes"),
-                  "Creates (or resizes) the region /name.")
-      .def_static("open", &ShmRegion::open, nb::arg("name"), "Maps the existing region /name.")
+                  "Creates the region /name (it must not exist: mode 0600, locked).")
+      .def_static("open", &ShmRegion::open, nb::arg("name"),
+                  "Maps the existing region /name (this user's, mode 0600, not in use; locked).")
       .def_static("unlink", &ShmRegion::unlink, nb::arg("name"), "Removes the region's name.")
       .def_prop_ro("address",
                    [](const ShmRegion& r) { return reinterpret_cast<uintptr_t>(r.data()); })
       .def_prop_ro("nbytes", &ShmRegion::nbytes)
+      .def_prop_ro("id", &ShmRegion::id, "How the snapshot op finds the region (never reused).")
+      .def("release", &ShmRegion::release, "Gives the lock up; views stay valid.")
+      .def_prop_ro("held", &ShmRegion::held, "Whether this handle holds the region's lock.")
       .def_prop_ro("name", &ShmRegion::name)
       .def("pin", &ShmRegion::pin, nb::call_guard<nb::gil_scoped_release>(),
            "Page-locks the region for fast device-to-host copies (releases the GIL).")

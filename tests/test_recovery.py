@@ -158,9 +158,14 @@ def test_region_memory_is_visible_to_jax_without_a_copy(shm_name, rng):
     seen = np.asarray(jnp.copy(j))
     assert seen[1, 2] == np.float32(x[1, 2] + np.float32(1000.0))
     assert seen.tobytes() == view.tobytes()
-    # Another process-level handle on the same name sees the same bytes.
+    # One handle at a time: another is refused while this one holds the region; once it is
+    # given up, a new handle on the same name sees the same bytes.
+    with pytest.raises(RuntimeError, match="in use by another process"):
+        HostBackup(shm_name, specs_of([("x", x)]), specs_of([("b", x)]), ring=2, create=False)
+    backup.close()
     again = HostBackup(shm_name, specs_of([("x", x)]), specs_of([("b", x)]), ring=2, create=False)
     assert np.asarray(again.snapshot_views(0)[0]).tobytes() == view.tobytes()
+    again.close()
     with pytest.raises(ValueError, match="another state layout"):
         HostBackup(shm_name, specs_of([("y", x)]), specs_of([("b", x)]), ring=2, create=False)
 

@@ -256,6 +256,7 @@ def test_a_device_error_becomes_device_failure_not_a_hang(shm_name):
     assert "uncorrectable ECC error" in str(err.value)
     assert "resume from the host snapshot of step 4" in str(err.value)
     assert err.value.snapshot_step == 4
+    tr.close()  # as the process's end would: the region is free for the resuming run
     again = trainer(shm_name, None, resume=True)
     assert again.next_step == 5
     again.run(8)

@@ -9,6 +9,10 @@ step has committed (else it is taken again at the next step).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import logging
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -24,18 +28,21 @@ from pimhbm.recovery.summary import decode_scrub
 from pimhbm.recovery.traced import TrainState
 from pimhbm.update import AdamWState, slot_from_tensors, tensor_dtype
 
+log = logging.getLogger(__name__)
+
 
 def snapshot_specs(params: Any, layout: StateLayout) -> list[TensorSpec]:
     """What a snapshot holds, in the order the snapshot op writes it: whole tensors and their
     digest tables (a sharded tensor's table holds its shards' tables in order)."""
-    named = []
+    specs = []
     for path, p, n, sharded in zip(layout.paths, jax.tree.leaves(params), layout.sizes,
                                    layout.sharded):
         chunks = -(-n // layout.chunk_elems) * (layout.shard if sharded else 1)
         for k in layout.names:
-            named.append((f"{path}/{k}", jax.ShapeDtypeStruct(p.shape, tensor_dtype(k, p.dtype))))
-            named.append((f"{path}/{k}#digests", jax.ShapeDtypeStruct((chunks, 2), np.uint32)))
-    return specs_of(named)
+            specs.append(TensorSpec(f"{path}/{k}", tuple(p.shape),
+                                    np.dtype(tensor_dtype(k, p.dtype)).name))
+            specs.append(TensorSpec(f"{path}/{k}#digests", (chunks, 2), "uint32", True))
+    return specs
 
 
 class InFlight(NamedTuple):
@@ -130,25 +137,30 @@ class SnapshotManager:
         self._unverified, self._due = None, False  # each run starts afresh
 
     def reset(self) -> None:
-        """A new run: every snapshot and logged batch forgotten."""
+        """A new run (the backup rebound to it: every snapshot and logged batch forgotten)."""
         self._in_flight, self._unverified, self._due = None, None, False
-        if self.backup is not None:
-            for slot in (0, 1):
-                self.backup._slot_header(slot)[:] = 0
-            for r in range(self.backup.ring):
-                self.backup._record_header(r)[:] = 0
 
     def restore(self, treedef: Any) -> tuple[TrainState, int]:
-        """The newest snapshot that verifies, put into every copy of the state on the devices,
-        and its step. Raises if there is none."""
+        """The newest snapshot that verifies (its MAC in the region, then its tensors against
+        its digest tables on the devices), put into every copy of the state, and its step.
+        Raises, saying what was wrong, when none does."""
+        self.backup.check_header()
+        problems = []
         for step, slot in self.backup.newest():
+            if not self.backup.verified(slot):
+                problems.append(f"the snapshot of step {step} fails its check (its header or "
+                                "digest tables were changed)")
+                log.warning("/%s: %s: not used", self.backup.name, problems[-1])
+                continue
             state = self._load(slot, step, treedef)
             scrub = self.compiler.placement.fetch(self.compiler.scrub(0)(state))
             self.backup.pin_rest_in_background()  # the puts are done (the scrub read them)
             if not decode_scrub(scrub):
                 return state, step
-            # this snapshot does not verify: an older one
-        raise RuntimeError("no host snapshot verifies: cannot restore")
+            problems.append(f"the snapshot of step {step} does not match its digests")
+            log.warning("/%s: %s: not used", self.backup.name, problems[-1])
+        raise RuntimeError("no host snapshot verifies: cannot restore (" +
+                           ("; ".join(problems) or "none is complete") + ")")
 
     def _load(self, slot: int, step: int, treedef: Any) -> TrainState:
         """Each process puts the parts its devices hold, once; the other slot and the device
@@ -183,12 +195,52 @@ class BatchLog:
         return logged
 
 
-def sample_batch(batch_fn: Callable[[int], dict], devices: int) -> tuple[list[str], list[TensorSpec]]:
-    """The batch's keys and shapes (from step 1's), checked to split over the devices."""
+def sample_batch(batch_fn: Callable[[int], dict],
+                 devices: int) -> tuple[list[str], list[TensorSpec], dict]:
+    """The batch's keys and shapes, checked to split over the devices, and step 1's batch."""
     sample = {k: np.asarray(v) for k, v in batch_fn(1).items()}
     for k, v in sample.items():
         if v.ndim == 0 or v.shape[0] % devices:
             raise ValueError(f"batch array {k!r} of shape {v.shape}: its first dimension must "
                              f"split evenly over {devices} devices")
     keys = sorted(sample)
-    return keys, specs_of((k, sample[k]) for k in keys)
+    return keys, specs_of((k, sample[k]) for k in keys), sample
+
+
+def _raw(x: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x)).view(np.uint8).reshape(-1)
+
+
+def _leaf_bytes(x: Any) -> list[np.ndarray]:
+    """A leaf's bytes on this host: the whole array, or the parts this process holds."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return [_raw(s.data) for s in x.addressable_shards]
+    return [_raw(x)]
+
+
+def _describe(value: Any) -> Any:
+    """A JSON-able description of a configuration value, the same in every process."""
+    if callable(value):
+        return f"callable {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', '')}"
+    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+
+
+def run_binding(params: Any, opt: Any, layout: StateLayout, specs: list[TensorSpec],
+                first_batch: dict, run_id: str | None) -> bytes:
+    """What makes a run this run, for its backup's header: the model's structure, the
+    optimizer's configuration, the layout, the initial parameters, the first batch and the
+    caller's ``run_id``. A region written by a run that differs in any of them is refused."""
+    config = {"layout": [layout.paths, layout.names, layout.sizes, layout.sharded,
+                         layout.chunk_elems, layout.shard],
+              "optimizer": {f.name: _describe(getattr(opt, f.name))
+                            for f in dataclasses.fields(opt)},
+              "specs": [[t.name, list(t.shape), t.dtype] for t in specs],
+              "structure": str(jax.tree.structure(params)), "run_id": run_id}
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    for leaf in jax.tree.leaves(params):
+        for part in _leaf_bytes(leaf):
+            h.update(part)
+    for k in sorted(first_batch):
+        h.update(k.encode())
+        h.update(_raw(first_batch[k]))
+    return h.digest()

@@ -28,7 +28,8 @@ from pimhbm.recovery.layout import StateLayout
 from pimhbm.recovery.placement import Placement, Transport, fsdp_spec
 from pimhbm.recovery.programs import CompileCounter, Compiler, prewarm
 from pimhbm.recovery.repairs import RepairOutcome, Repairer
-from pimhbm.recovery.snapshots import BatchLog, SnapshotManager, sample_batch, snapshot_specs
+from pimhbm.recovery.snapshots import (BatchLog, SnapshotManager, run_binding, sample_batch,
+                                       snapshot_specs)
 from pimhbm.recovery.summary import (FaultReport, StepReport, decode_scrub, decode_step, merge)
 from pimhbm.recovery.traced import Traced, TrainState
 from pimhbm.recovery.transports import transport_for
@@ -101,7 +102,7 @@ class Trainer:
                  scrub_every: int = 10, repair_capacity: int = 16, fault_capacity: int = 64,
                  inject_gradients: bool = False, devices: Any = None, resume: bool = False,
                  telemetry: Any = "auto", replica_transport: str = "collective",
-                 shard: int = 1, max_skips: int = 5):
+                 shard: int = 1, max_skips: int = 5, run_id: str | None = None):
         ensure_registered()
         devices = list(devices) if devices is not None else jax.devices()
         replica_transport = _transport(replica_transport)
@@ -115,14 +116,15 @@ class Trainer:
         self.layout = StateLayout.of(params, opt, sharded, shard)
         self.traced = Traced(loss_fn, opt, self.treedef, self.layout, self.placement,
                              fault_capacity, inject_gradients, replica_transport)
-        params = self.placement.put_tree(params, self.traced.param_specs)
+        given, params = params, self.placement.put_tree(params, self.traced.param_specs)
         # A learning rate per step: a host function of the step, or the optimizer's own (a
         # constant, or a schedule it evaluates on the device).
         self.learning_rate = learning_rate or (
             (lambda step: float("nan")) if callable(opt.learning_rate)
             else (lambda step: float(opt.learning_rate)))
-        self.batch_keys, batch_specs = sample_batch(batch_fn, len(devices))
-        self.backup = self._open_backup(shm_name, params, batch_specs, snapshot_every, log_ring,
+        self.batch_keys, batch_specs, self._first_batch = sample_batch(batch_fn, len(devices))
+        self.run_id = run_id
+        self.backup = self._open_backup(shm_name, given, batch_specs, snapshot_every, log_ring,
                                         resume)
         self.batches = BatchLog(self.backup, batch_fn, self.batch_keys)
         self._init = jax.jit(self.placement.manual(opt.init, (self.traced.param_specs,),
@@ -156,8 +158,12 @@ class Trainer:
         # One region per process (each keeps the state of its own devices).
         region = (f"{shm_name}.p{jax.process_index()}" if self.placement.multiprocess
                   else shm_name)
-        return HostBackup(region, snapshot_specs(params, self.layout), batch_specs, ring,
-                          create=not resume)
+        specs = snapshot_specs(params, self.layout)
+        return HostBackup(region, specs, batch_specs, ring, create=not resume,
+                          run=self._binding(params, specs))
+
+    def _binding(self, params: Any, specs: list) -> bytes:
+        return run_binding(params, self.opt, self.layout, specs, self._first_batch, self.run_id)
 
     # -- what the run is made of ---------------------------------------------------------------
 
@@ -201,11 +207,13 @@ class Trainer:
         the batch log start over)."""
         if jax.tree.structure(params) != self.treedef:
             raise ValueError("restart needs parameters of the same structure")
+        if self.backup is not None:
+            self.backup.rebind(self._binding(params, self.backup.tensors))
+            self.snapshots.reset()
         params = self.placement.put_tree(params, self.traced.param_specs)
         self.state = TrainState(self._init(params), self.placement.put(np.int32(0)))
         self.stats = RunStats(telemetry=self.health.status())
         self.next_step, self.counter.count = 1, 0
-        self.snapshots.reset()
 
     def resume(self) -> int:
         """After a crash: the state from the newest host snapshot; the run goes on (and replays
@@ -447,11 +455,13 @@ class Trainer:
                 for k in self.layout.names}
 
     def close(self, unlink: bool = False) -> None:
-        """Stops the telemetry watch, unmaps peers' memory (CUDA IPC) and, with ``unlink``,
-        removes the shared-memory region."""
+        """Stops the telemetry watch, unmaps peers' memory (CUDA IPC), gives the shared-memory
+        region up and, with ``unlink``, removes it."""
         self.health.close()
         if getattr(self.transport, "rounds", 0):
             pimhbm._core.ipc_close()  # the peers' memory this process mapped
-        if self.backup is not None and unlink:
-            HostBackup.unlink(self.backup.name)
+        if self.backup is not None:
+            self.backup.close()  # another process may resume from it now
+            if unlink:
+                HostBackup.unlink(self.backup.name)
 
