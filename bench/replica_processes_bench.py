@@ -48,11 +48,13 @@ def worker(args: argparse.Namespace) -> int:
     gpu = not os.environ.get("JAX_PLATFORMS", "").startswith("cpu")
     if gpu:
         jax.distributed.initialize(args.coordinator, args.processes, args.process_id,
-                                   local_device_ids=[args.process_id], initialization_timeout=120)
+                                   local_device_ids=[args.process_id], initialization_timeout=120,
+                                   coordinator_bind_address=args.coordinator)
     else:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(args.coordinator, args.processes, args.process_id,
-                                   initialization_timeout=120)
+                                   initialization_timeout=120,
+                                   coordinator_bind_address=args.coordinator)
     import jax.numpy as jnp
     import numpy as np
     from jax.experimental import multihost_utils

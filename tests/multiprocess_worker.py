@@ -36,10 +36,12 @@ import jax  # noqa: E402
 
 if platform == "cpu":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"localhost:{port}", nproc, pid, initialization_timeout=120)
+    jax.distributed.initialize(f"localhost:{port}", nproc, pid, initialization_timeout=120,
+                               coordinator_bind_address=f"localhost:{port}")
 else:
     jax.distributed.initialize(f"localhost:{port}", nproc, pid, local_device_ids=[pid],
-                               initialization_timeout=120)
+                               initialization_timeout=120,
+                               coordinator_bind_address=f"localhost:{port}")
 
 progress("jax.distributed initialised")
 import pimhbm  # noqa: E402

@@ -26,7 +26,6 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-import pimhbm
 from pimhbm.backup import HostBackup
 from pimhbm.campaign import KINDS, Campaign, unlocated_note
 from pimhbm.models import llama3

@@ -53,18 +53,19 @@ def launch(args: Any) -> int:
 
 def join(args: Any) -> None:
     """In a process the launcher started: jax.distributed, this process's GPUs (or, on CPUs,
-    gloo collectives over its virtual devices)."""
+    gloo collectives over its virtual devices). The coordinator listens on the address it was
+    given (loopback), not on every interface."""
     import jax
 
     if args.process_id is None:
         return
+    where = dict(coordinator_address=args.coordinator, coordinator_bind_address=args.coordinator,
+                 num_processes=args.processes, process_id=args.process_id,
+                 initialization_timeout=120)
     if gpu_count():
         per = args.devices // args.processes
-        jax.distributed.initialize(args.coordinator, args.processes, args.process_id,
-                                   local_device_ids=list(range(args.process_id * per,
-                                                               (args.process_id + 1) * per)),
-                                   initialization_timeout=120)
+        jax.distributed.initialize(**where, local_device_ids=list(
+            range(args.process_id * per, (args.process_id + 1) * per)))
     else:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(args.coordinator, args.processes, args.process_id,
-                                   initialization_timeout=120)
+        jax.distributed.initialize(**where)

@@ -13,6 +13,7 @@ from pimhbm.recovery.layout import ChunkRef
 class IncidentKind(enum.StrEnum):
     STATE = "state"  # state chunks whose digest did not match
     GRADIENT = "gradient"  # NaN/Inf gradient values
+    DISAGREEMENT = "replicas disagree"  # chunks that differ between replicas, digests and all
     DEVICE_COPY = "device copy"  # device-copy chunks a scrub found damaged
     TELEMETRY = "telemetry"  # news from the GPU's own signals (NVML)
     TRANSPORT = "replica transport"  # a replica transport that failed or is unavailable
@@ -118,8 +119,14 @@ class PersistentFault(RuntimeError):
 def persistent_fault(step: int, skips: int, nonfinite: int, damaged: int,
                      incidents: list[Incident]) -> PersistentFault:
     """What to tell a user whose step never commits: ``nonfinite`` gradient values and
-    ``damaged`` state chunks came back on the last replay."""
+    ``damaged`` state chunks (or chunks the replicas disagree on) came back on the last
+    replay."""
     what = []
+    disagree = [loc for inc in incidents if inc.kind is IncidentKind.DISAGREEMENT
+                for loc in inc.locations]
+    if disagree:
+        where = ", ".join(f"{loc.leaf}/{loc.tensor} chunk {loc.chunk}" for loc in disagree[:3])
+        what.append(f"chunks the replicas disagree on ({where}, ...)")
     if nonfinite:
         grads = [loc for inc in incidents if inc.kind is IncidentKind.GRADIENT
                  for loc in inc.locations]
@@ -133,7 +140,10 @@ def persistent_fault(step: int, skips: int, nonfinite: int, damaged: int,
                     (f" ({where}, ...)" if where else ""))
     hint = ("A gradient that is non-finite on its own is no fault: the loss diverged or the "
             "batch holds bad values (check the learning rate, the data and the loss)"
-            if nonfinite and not damaged else
+            if nonfinite and not damaged and not disagree else
+            "Replicas that keep computing different states point at a device that computes "
+            "wrongly (see `pimhbm health`; the devices named are those of the chunks)"
+            if disagree and not damaged else
             "State that fails its digest again after each repair points at a device that "
             "computes or stores wrongly (see `pimhbm health`)")
     return PersistentFault(

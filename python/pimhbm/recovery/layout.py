@@ -56,6 +56,15 @@ _BIT = {"p": update.FAULT_PARAM, "master": update.FAULT_MASTER, "mu": update.FAU
         "nu": update.FAULT_NU}
 
 
+class Vote(enum.IntEnum):
+    """A replica's chunk in the vote program: how its digest stands among the replicas'."""
+
+    UNLISTED = 0
+    MAJORITY = 1
+    MINORITY = 2
+    NONE = -1  # no digest is held by more than half the replicas
+
+
 class ChunkRef(NamedTuple):
     """One chunk of one tensor on one device."""
 
@@ -128,6 +137,13 @@ class StateLayout:
     def gradient_chunk(self, device: int, index: int) -> ChunkRef:
         leaf, chunk = self.leaf_of(index)
         return ChunkRef(device, self.paths[leaf], "gradient", chunk)
+
+    def tensor_info(self) -> list[tuple[str, str, int, int]]:
+        """(leaf path, tensor, elements on one device, bytes per element) of every protected
+        tensor (a sharded tensor: the elements of one shard)."""
+        return [(path, k, n, jnp.dtype(update.tensor_dtype(k, dtype)).itemsize)
+                for path, dtype, n in zip(self.paths, self.dtypes, self.sizes)
+                for k in self.names]
 
     def chunk_bytes(self, tensor: str, leaf: int) -> int:
         return self.chunk_elems * jnp.dtype(update.tensor_dtype(tensor, self.dtypes[leaf])).itemsize

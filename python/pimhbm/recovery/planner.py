@@ -12,7 +12,7 @@ from typing import Iterable, Iterator, NamedTuple
 
 import numpy as np
 
-from pimhbm.recovery.layout import ChunkDamage, ChunkRef, StateLayout
+from pimhbm.recovery.layout import ChunkDamage, ChunkRef, StateLayout, Vote
 
 
 class TensorChunk(NamedTuple):
@@ -148,3 +148,29 @@ def rebuild_pulls(plan: RebuildPlan, layout: StateLayout) -> list[ReplicaPull]:
                     targets[int(col), leaf, tensor, chunk].append(int(row))
     return [ReplicaPull(*key, int(plan.sources[key[0]]), tuple(rows))
             for key, rows in targets.items()]
+
+
+def vote_batches(disagree: Iterable[ChunkRef], layout: StateLayout,
+                 capacity: int) -> Iterator[ReplicaBatch]:
+    """The chunks whose replicas disagree, once per shard column, in batches for the vote
+    program (the sources are not known yet: 0)."""
+    keys = sorted({(layout.column_of(loc.device), loc.leaf, loc.tensor, loc.chunk)
+                   for loc in disagree})
+    yield from replica_batches([ReplicaPull(*key, 0, ()) for key in keys], layout, capacity)
+
+
+def plan_majority_pulls(batch: ReplicaBatch, votes: np.ndarray, layout: StateLayout,
+                        replicas: int) -> list[ReplicaPull] | None:
+    """From a vote (devices, leaves, tensors, capacity): each listed chunk from the first
+    replica that holds the majority's digest into those that do not; None when some chunk has
+    no majority (two replicas that differ: neither can be told right)."""
+    pulls = []
+    for p, slot in batch.slots:
+        at = layout.leaf_index(p.leaf), layout.tensor_index(p.tensor), slot
+        rows = [Vote(int(votes[(layout.device_at(r, p.column), *at)])) for r in range(replicas)]
+        if Vote.MAJORITY not in rows:
+            return None
+        minority = tuple(r for r, v in enumerate(rows) if v is Vote.MINORITY)
+        if minority:
+            pulls.append(p._replace(source=rows.index(Vote.MAJORITY), targets=minority))
+    return pulls

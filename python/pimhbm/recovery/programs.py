@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import pimhbm
 from pimhbm.recovery.placement import AXES, Transport
 from pimhbm.recovery.traced import Traced, TrainState
-from pimhbm.update import AdamWState
+from pimhbm.update import AdamWState, slot_tensors
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -53,6 +53,7 @@ class Programs:
     repair: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)  # into_copy
     replica: dict[int, Any] = dataclasses.field(default_factory=dict)
     rebuild: dict[int, Any] = dataclasses.field(default_factory=dict)
+    vote: dict[int, Any] = dataclasses.field(default_factory=dict)
     recopy: dict[int, Any] = dataclasses.field(default_factory=dict)
     scrub: dict[int, Any] = dataclasses.field(default_factory=dict)
     snapshot: dict[tuple[int, int, int], Any] = dataclasses.field(default_factory=dict)  # slot, part
@@ -60,8 +61,8 @@ class Programs:
     clone: Any = None
 
     def __len__(self) -> int:
-        tables = (self.step, self.repair, self.replica, self.rebuild, self.recopy, self.scrub,
-                  self.snapshot, self.inject)
+        tables = (self.step, self.repair, self.replica, self.rebuild, self.vote, self.recopy,
+                  self.scrub, self.snapshot, self.inject)
         return sum(map(len, tables)) + (self.clone is not None)
 
 
@@ -118,6 +119,12 @@ class Compiler:
         for leaf, spec in zip(jax.tree.leaves(self.abstract_state(0).opt.slots[0]),
                               jax.tree.leaves(slot_specs, is_leaf=lambda x: isinstance(x, P))):
             self.inject(leaf.shape, leaf.dtype, spec)
+        if self.placement.replicas > 1:  # wrong values only other replicas can tell
+            slot = self.abstract_state(0).opt.slots[0]
+            for i, leaf in enumerate(slot_tensors(slot, self.t.treedef)):
+                for k, (x, table) in leaf.items():
+                    self.inject_rehashed(x, table, self.t.leaf_specs[i],
+                                         self.t.layout.chunk_bytes(k, i))
         if backup is not None:
             self.clone()
         return self.programs
@@ -143,8 +150,8 @@ class Compiler:
                 fn, (ss, P()), (ss, self.placement.report_spec), st, lists)
 
     def _replicas(self, current: int) -> None:
-        """Repairs from another replica, whole devices rebuilt from one, and (CUDA IPC) the
-        device copy made anew after a rebuild."""
+        """Repairs from another replica, whole devices rebuilt from one, the vote where the
+        replicas disagree, and (CUDA IPC) the device copy made anew after a rebuild."""
         p, each, shard = self.placement, self.placement.report_spec, self.t.layout.shard
         ss, st = self.t.state_specs(current), self.abstract_state(current)
         lists = self._sds((shard, len(self.t.layout.paths), len(self.t.layout.names),
@@ -155,6 +162,8 @@ class Compiler:
         self.programs.rebuild[current] = self._compile(
             self.t.rebuild, (ss, P("shard"), P("dp", "shard")), (ss, each), st,
             self._sds((shard,), jnp.int32, p.by_column), grid)
+        self.programs.vote[current] = self._compile(self.t.vote, (ss, P("shard")), each, st,
+                                                    lists, donate=False)
         if self.t.transport is Transport.IPC and self.t.opt.device_copy:
             self.programs.recopy[current] = self._compile(
                 self.t.recopy, (ss, P("dp", "shard")), ss, st, grid)
@@ -184,6 +193,20 @@ class Compiler:
                 Traced.inject, (spec, P(AXES)), spec,
                 jax.ShapeDtypeStruct(shape, dtype, sharding=p.sharding(spec)),
                 jax.ShapeDtypeStruct((len(p.devices), 8), jnp.int32, sharding=p.by_device))
+        return self.programs.inject[key]
+
+    def inject_rehashed(self, x: Any, table: Any, spec: P, chunk_bytes: int) -> Any:
+        """Fault injection that makes the damaged copies' digest tables anew (Traced)."""
+        key = ("rehashed", tuple(x.shape), jnp.dtype(x.dtype), tuple(spec), chunk_bytes)
+        if key not in self.programs.inject:
+            p = self.placement
+            fn = lambda x, t, f: Traced.inject_rehashed(x, t, f, chunk_bytes)
+            self.programs.inject[key] = jax.jit(p.manual(fn, (spec, spec, P(AXES)), (spec, spec)),
+                                                donate_argnums=(0, 1)).lower(
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding(spec)),
+                jax.ShapeDtypeStruct(table.shape, table.dtype, sharding=p.sharding(spec)),
+                jax.ShapeDtypeStruct((len(p.devices), 8), jnp.int32,
+                                     sharding=p.by_device)).compile()
         return self.programs.inject[key]
 
     def clone(self) -> Any:

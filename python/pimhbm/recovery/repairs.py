@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import numpy as np
 
 import pimhbm
 from pimhbm.recovery.events import Action, Incident, IncidentKind, RunStats
 from pimhbm.recovery.layout import ChunkDamage, ChunkRef, Damage, StateLayout
 from pimhbm.recovery.placement import Placement
-from pimhbm.recovery.planner import (local_batches, local_work, plan_rebuild, plan_replica_pulls,
-                                     pull_sources)
+from pimhbm.recovery.planner import (ReplicaPull, local_batches, local_work, plan_majority_pulls,
+                                     plan_rebuild, plan_replica_pulls, pull_sources, vote_batches)
 from pimhbm.recovery.programs import Programs
 from pimhbm.recovery.summary import FaultReport
 from pimhbm.recovery.traced import TrainState
@@ -29,7 +30,6 @@ class RepairOutcome(NamedTuple):
     action: Action | None  # None: some chunk has no intact copy on the devices
     sources: tuple[int, ...] = ()  # devices the chunks came from (replica repairs)
     snapshot_step: int | None = None  # RESTORED_FROM_SNAPSHOT: the snapshot's step
-    notes: tuple[Incident, ...] = ()  # transport incidents met on the way
 
     @property
     def repaired(self) -> bool:
@@ -37,6 +37,30 @@ class RepairOutcome(NamedTuple):
 
 
 _UNREPAIRED = RepairOutcome(None)
+_NOTHING = RepairOutcome(Action.SKIPPED_AND_REPLAYED)  # nothing of that kind to repair
+
+
+class Recovery(NamedTuple):
+    """The repair of a fault report: of the chunks that failed their digest, of those the
+    replicas disagree on, and the transport incidents met on the way."""
+
+    damage: RepairOutcome
+    disagreement: RepairOutcome
+    notes: tuple[Incident, ...] = ()
+
+    @property
+    def repaired(self) -> bool:
+        return self.damage.repaired and self.disagreement.repaired
+
+    @classmethod
+    def nothing(cls) -> "Recovery":
+        """Nothing to repair (the gradients alone: the step is replayed)."""
+        return cls(_NOTHING, _NOTHING)
+
+    def restored(self, step: int) -> "Recovery":
+        """Everything from the host snapshot of ``step`` instead."""
+        outcome = RepairOutcome(Action.RESTORED_FROM_SNAPSHOT, snapshot_step=step)
+        return Recovery(outcome, outcome, self.notes)
 
 
 class Repairer:
@@ -48,21 +72,23 @@ class Repairer:
         self.transport, self.capacity, self.device_copy = transport, capacity, device_copy
 
     def recover(self, state: TrainState, report: FaultReport,
-                stats: RunStats) -> tuple[TrainState | None, RepairOutcome]:
+                stats: RunStats) -> tuple[TrainState | None, Recovery]:
         """The state with every damaged chunk of ``report`` repaired, and how; the state is
         None when a replica transfer failed and took it (it was donated)."""
         notices: list[str] = []  # transports that changed on the way
         note = lambda action, detail: Incident(report.first_step, IncidentKind.TRANSPORT, (),
                                                action, detail=detail)
+        damage, agreement, failed = _NOTHING, _NOTHING, []
         try:
-            state, outcome = self._from_devices(state, report, stats, notices)
+            if report.state_damaged:
+                state, damage = self._from_devices(state, report, stats, notices)
+            if damage.repaired and report.disagree:
+                state, agreement = self._from_majority(state, report, stats, notices)
         except TransportFailed as err:
-            state, outcome = None, _UNREPAIRED
+            state, damage = None, _UNREPAIRED
             failed = [note(Action.HOST_SNAPSHOT_INSTEAD, str(err))]
-        else:
-            failed = []
         notes = [note(Action.COLLECTIVE_FROM_NOW_ON, n) for n in notices] + failed
-        return state, outcome._replace(notes=tuple(notes))
+        return state, Recovery(damage, agreement, tuple(notes))
 
     def _from_devices(self, state, report, stats, notes) -> tuple[TrainState, RepairOutcome]:
         outcome = _UNREPAIRED
@@ -103,13 +129,39 @@ class Repairer:
 
     def _from_replicas(self, state, damaged: list[ChunkRef], stats,
                        notes) -> tuple[TrainState, RepairOutcome]:
-        """Chunks pulled from a device whose copy of them is healthy; then that device copy (if
-        any) rewritten from the repaired state."""
+        """Chunks pulled from a device whose copy of them is healthy."""
         if not self.programs.replica:
             return state, _UNREPAIRED
         pulls = plan_replica_pulls(damaged, self.layout, self.placement.replicas)
         if pulls is None:
             return state, _UNREPAIRED
+        return self._pull(state, pulls, stats, notes)
+
+    def _from_majority(self, state, report: FaultReport, stats,
+                       notes) -> tuple[TrainState, RepairOutcome]:
+        """The chunks the replicas disagree on, from a replica that holds the majority's: the
+        vote program says which; without a majority (two replicas), nothing here."""
+        if not self.programs.vote:
+            return state, _UNREPAIRED
+        p, pulls = self.placement, []
+        for batch in vote_batches(report.disagree, self.layout, self.capacity):
+            try:
+                votes = p.fetch(self.programs.vote[state.opt.current](
+                    state, p.put(batch.lists, p.by_column)))
+            except jax.errors.JaxRuntimeError as err:
+                raise TransportFailed(f"failed ({str(err).splitlines()[0][:200]})") from err
+            planned = plan_majority_pulls(batch, votes, self.layout, p.replicas)
+            if planned is None:
+                return state, _UNREPAIRED
+            pulls += planned
+        if not pulls:  # they agree again (the digests' repair made them)
+            return state, RepairOutcome(Action.REPAIRED_FROM_REPLICA)
+        return self._pull(state, pulls, stats, notes)
+
+    def _pull(self, state, pulls: list[ReplicaPull], stats,
+              notes) -> tuple[TrainState, RepairOutcome]:
+        """The pulls through the transport; then the device copy (if any) of those chunks
+        rewritten from the repaired state."""
         state, verified = self._count(self.transport.pull(state, pulls), stats, notes)
         if not verified:
             return state, _UNREPAIRED

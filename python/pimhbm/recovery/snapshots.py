@@ -22,7 +22,6 @@ import pimhbm
 from pimhbm.backup import HostBackup, TensorSpec, specs_of
 from pimhbm.recovery.events import RunStats
 from pimhbm.recovery.layout import StateLayout
-from pimhbm.recovery.placement import Placement
 from pimhbm.recovery.programs import Compiler
 from pimhbm.recovery.summary import decode_scrub
 from pimhbm.recovery.traced import TrainState

@@ -48,6 +48,7 @@ class StepSummary(NamedTuple):
     faulty_chunks: jax.Array  # int32: this device's chunks whose digest did not match
     faults: FaultList  # value: the chunk's Damage bits
     grad_faults: FaultList  # value: NaN/Inf gradient values in the chunk
+    disagree: FaultList  # value: the Damage bits of tensors whose replicas' digests differ
 
 
 class ScrubSummary(NamedTuple):
@@ -61,15 +62,20 @@ def fault_list(maps: list[jax.Array], capacity: int) -> FaultList:
     flat = (jnp.concatenate([m.reshape(-1) for m in maps]) if maps
             else jnp.zeros((0,), jnp.int32))
     idx = first_nonzero(flat, capacity)
+    if flat.shape[0] == 0:  # no map (no replicas to disagree): an empty list
+        return FaultList(idx, jnp.zeros((capacity,), jnp.int32))
     return FaultList(idx, jnp.where(idx >= 0, flat[jnp.maximum(idx, 0)], 0))
 
 
-def step_summary(report: Any, treedef: Any, capacity: int) -> StepSummary:
-    """This device's summary of an update's report (pimhbm.UpdateReport)."""
+def step_summary(report: Any, treedef: Any, capacity: int,
+                 disagree: list[jax.Array]) -> StepSummary:
+    """This device's summary of an update's report (pimhbm.UpdateReport) and of the replicas'
+    disagreement maps (per leaf; none without replicas)."""
     return StepSummary(
         report.committed.astype(jnp.int32), report.local_counts[1], report.local_counts[0],
         fault_list(treedef.flatten_up_to(report.fault_maps), capacity),
-        fault_list(treedef.flatten_up_to(report.grad_nonfinite_maps), capacity))
+        fault_list(treedef.flatten_up_to(report.grad_nonfinite_maps), capacity),
+        fault_list(disagree, capacity))
 
 
 # -- on the host ---------------------------------------------------------------------------------
@@ -92,12 +98,15 @@ class StepReport(NamedTuple):
     nonfinite: int  # NaN/Inf gradient values, every device
     faulty: int  # damaged chunks, every device
     damaged_devices: np.ndarray  # bool per device: it reported a damaged chunk
+    disagree: tuple[ChunkRef, ...]  # chunks whose replicas' digests differ (each device's)
 
 
 def decode_step(step: int, s: StepSummary, layout: StateLayout) -> StepReport:
     """A fetched summary (a row per device) as located chunks."""
-    damaged, state, grads, overflow, unlisted = [], [], [], False, False
+    damaged, state, grads, overflow, unlisted, disagree = [], [], [], False, False, []
     for device in range(s.committed.shape[0]):
+        disagree += [loc for i, b in entries(s.disagree, device)
+                     for loc in layout.locate(ChunkDamage(device, i, Damage(b)))]
         listed = [ChunkDamage(device, i, Damage(b)) for i, b in entries(s.faults, device)]
         overflow |= int(s.faulty_chunks[device]) > len(listed)
         damaged += listed
@@ -107,7 +116,8 @@ def decode_step(step: int, s: StepSummary, layout: StateLayout) -> StepReport:
         grads += [layout.gradient_chunk(device, i) for i, _ in counts]
     return StepReport(step, bool(s.committed[0]), tuple(damaged), tuple(state), overflow,
                       tuple(grads), unlisted, int(s.grad_nonfinite.sum()),
-                      int(s.faulty_chunks.sum()), np.asarray(s.faulty_chunks) > 0)
+                      int(s.faulty_chunks.sum()), np.asarray(s.faulty_chunks) > 0,
+                      tuple(disagree))
 
 
 class FaultReport(NamedTuple):
@@ -120,6 +130,7 @@ class FaultReport(NamedTuple):
     chunks: tuple[ChunkRef, ...]  # every damaged chunk, sorted
     overflow: bool
     damaged_devices: np.ndarray  # bool per device
+    disagree: tuple[ChunkRef, ...]  # chunks whose replicas' digests differ, sorted
 
     @property
     def state_damaged(self) -> bool:
@@ -133,8 +144,9 @@ def merge(reports: list[StepReport]) -> FaultReport:
             damage[entry.index] = damage.get(entry.index, Damage(0)) | entry.damage
     chunks = sorted({loc for r in reports for loc in r.state})
     devices = np.logical_or.reduce([r.damaged_devices for r in reports])
+    disagree = sorted({loc for r in reports for loc in r.disagree})
     return FaultReport(reports[0].step, tuple(reports), dict(sorted(damage.items())),
-                       tuple(chunks), any(r.overflow for r in reports), devices)
+                       tuple(chunks), any(r.overflow for r in reports), devices, tuple(disagree))
 
 
 def decode_scrub(s: ScrubSummary) -> list[ChunkDamage]:

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import pimhbm
 from pimhbm import faults, replica
-from pimhbm.recovery.layout import Damage, StateLayout
+from pimhbm.recovery.layout import Damage, StateLayout, Vote
 from pimhbm.recovery.placement import AXES, Placement, Transport
 from pimhbm.recovery.summary import ScrubSummary, fault_list, step_summary
 from pimhbm.update import AdamW, AdamWState, Slot, slot_from_tensors, slot_tensors
@@ -92,11 +92,41 @@ class Traced:
             grads = jax.tree.unflatten(self.treedef, [
                 faults.inject_in_graph(g, spec[i]) for i, g in enumerate(leaves)])
         lr = None if callable(self.opt.learning_rate) else lr
-        opt, report = self.opt.update(grads, state.opt, lr, gate=state.halted == 0,
-                                      axis_name=AXES)
+        gate = state.halted == 0
+        disagree = self._disagreement(state.opt)
+        if disagree:  # the replicas' states differ: nothing commits until they agree again
+            count = sum(jnp.sum(m != 0, dtype=jnp.int32) for m in disagree)
+            gate &= jax.lax.psum(count, AXES) == 0
+        opt, report = self.opt.update(grads, state.opt, lr, gate=gate, axis_name=AXES)
         halted = state.halted | (~report.committed).astype(jnp.int32)
-        summary = step_summary(report, self.treedef, self.fault_capacity)
+        summary = step_summary(report, self.treedef, self.fault_capacity, disagree)
         return TrainState(opt, halted), loss, self.placement.per_device(summary)
+
+    def _disagreement(self, opt: AdamWState) -> list[jax.Array]:
+        """Per leaf, the Damage bits of the tensors whose chunk's digest differs between the
+        replicas (along 'dp'; the same map on every replica of a shard column). Every replica
+        holds the same state by construction: a chunk that differs there, and matches its own
+        digest, was changed together with its digest -- a wrong computation. Empty without
+        replicas. One reduction of the digest tables (8 bytes a chunk and tensor), not of the
+        state."""
+        if self.placement.replicas < 2:
+            return []
+        leaves = slot_tensors(opt.slots[opt.current], self.treedef)
+        flat = jnp.concatenate([leaf[k][1].reshape(-1) for leaf in leaves
+                                for k in self.layout.names])
+        # One reduction for both ends: the max of ~x is ~(the min of x).
+        ends = jax.lax.pmax(jnp.concatenate([flat, ~flat]), "dp")
+        differs = ends[:flat.shape[0]] != ~ends[flat.shape[0]:]
+        maps, at = [], 0
+        for leaf in leaves:
+            acc = jnp.zeros((leaf["p"][1].shape[0],), jnp.int32)
+            for k in self.layout.names:
+                n = leaf[k][1].shape[0]
+                chunk_differs = differs[at:at + 2 * n].reshape(n, 2).any(axis=1)
+                acc |= chunk_differs.astype(jnp.int32) * int(Damage.of(k))
+                at += 2 * n
+            maps.append(acc)
+        return maps
 
     def _gradients(self, params: Any, batch: dict) -> tuple[Any, jax.Array]:
         """The whole batch's mean loss and gradients. With a sharding axis (FSDP) the sharded
@@ -200,6 +230,25 @@ class Traced:
         opt = _with_copy(opt, _copy_of_rebuilt(slot, opt.device_copy, take))
         return TrainState(opt.replace_current(slot), state.halted), self.placement.per_device(bad)
 
+    def vote(self, state: TrainState, lists: jax.Array) -> jax.Array:
+        """Where the replicas disagree, which of them holds the majority's chunk. lists: int32
+        (shard, leaves, tensors, capacity), a row per shard column, -1 = none. Per device and
+        listed chunk: Vote.MAJORITY (its digest is that of more than half the replicas),
+        Vote.MINORITY, or Vote.NONE (no digest is held by more than half)."""
+        lists, replicas = lists[0], self.placement.replicas
+        opt, votes = state.opt, []
+        for i, leaf in enumerate(slot_tensors(opt.slots[opt.current], self.treedef)):
+            for j, k in enumerate(self.layout.names):
+                table, chunks = leaf[k][1], lists[i, j]
+                rows = table[jnp.clip(chunks, 0, max(table.shape[0] - 1, 0))]
+                everyone = jax.lax.all_gather(rows, "dp")  # (replicas, capacity, 2)
+                mine = jnp.sum(jnp.all(everyone == rows[None], axis=-1), axis=0)
+                best = jax.lax.pmax(mine, "dp")
+                votes.append(jnp.where(chunks < 0, int(Vote.UNLISTED), jnp.where(
+                    2 * best <= replicas, int(Vote.NONE),
+                    jnp.where(2 * mine > replicas, int(Vote.MAJORITY), int(Vote.MINORITY)))))
+        return self.placement.per_device(jnp.stack(votes).reshape(lists.shape).astype(jnp.int32))
+
     def recopy(self, state: TrainState, targets: jax.Array) -> TrainState:
         """The device copy of the ``targets`` devices (int32 (dp, shard), 1 = yes) made anew
         from their current slot (after a whole state was pulled into it over CUDA IPC)."""
@@ -256,3 +305,11 @@ class Traced:
         """Fault injection into one device's copy (or shard) of a tensor, in place (a spec row
         per device; kind 0 leaves this copy alone)."""
         return faults.inject_in_graph(x, fault[0])
+
+    @staticmethod
+    def inject_rehashed(x: jax.Array, table: jax.Array, fault: jax.Array,
+                        chunk_bytes: int) -> tuple[jax.Array, jax.Array]:
+        """The same, and the damaged copy's digest table made anew from it: the state as a
+        wrong computation would leave it (its digests match; only another replica's differ)."""
+        x = faults.inject_in_graph(x, fault[0])
+        return x, jnp.where(fault[0, 0] != 0, pimhbm.scan(x, chunk_bytes).digests, table)

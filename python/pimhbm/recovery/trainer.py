@@ -14,7 +14,6 @@ import itertools
 from typing import Any, Callable, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import pimhbm
@@ -27,13 +26,13 @@ from pimhbm.recovery.health import HealthWatch
 from pimhbm.recovery.layout import StateLayout
 from pimhbm.recovery.placement import Placement, Transport, fsdp_spec
 from pimhbm.recovery.programs import CompileCounter, Compiler, prewarm
-from pimhbm.recovery.repairs import RepairOutcome, Repairer
+from pimhbm.recovery.repairs import Recovery, Repairer
 from pimhbm.recovery.snapshots import (BatchLog, SnapshotManager, run_binding, sample_batch,
                                        snapshot_specs)
 from pimhbm.recovery.summary import (FaultReport, StepReport, decode_scrub, decode_step, merge)
 from pimhbm.recovery.traced import Traced, TrainState
 from pimhbm.recovery.transports import transport_for
-from pimhbm.update import AdamW, AdamWState, slot_from_tensors, slot_tensors, tensor_dtype
+from pimhbm.update import AdamW, AdamWState, slot_from_tensors, slot_tensors
 
 _TRAINERS = itertools.count()  # numbers each Trainer of a process (its IPC keys)
 
@@ -330,37 +329,39 @@ class Trainer:
 
     def _handle_fault(self, report: FaultReport) -> int:
         """Repairs after the skipped steps; returns the step to resume from."""
-        outcome = RepairOutcome(Action.SKIPPED_AND_REPLAYED)  # gradients only: nothing to repair
-        if report.state_damaged:
+        recovery = Recovery.nothing()
+        if report.state_damaged or report.disagree:
             try:
-                state, outcome = self.repairer.recover(self.state, report, self.stats)
+                state, recovery = self.repairer.recover(self.state, report, self.stats)
             except ipc.Fatal as err:  # a pull may still be writing the state: stop here
                 raise self._failure(str(err)) from err
-            if outcome.repaired:
+            if recovery.repaired:
                 self.state = state
             else:
                 self.state, snap = self._restore_from_host()
-                outcome = RepairOutcome(Action.RESTORED_FROM_SNAPSHOT, snapshot_step=snap,
-                                        notes=outcome.notes)
-        self._record(report, outcome)
-        if outcome.snapshot_step is not None:
-            return outcome.snapshot_step + 1
+                recovery = recovery.restored(snap)
+        self._record(report, recovery)
+        if recovery.damage.snapshot_step is not None:
+            return recovery.damage.snapshot_step + 1
         self.state = TrainState(self.state.opt, self.placement.put(np.int32(0)))
         return report.first_step
 
-    def _record(self, report: FaultReport, outcome: RepairOutcome) -> None:
+    def _record(self, report: FaultReport, recovery: Recovery) -> None:
         """One incident per kind per step that saw it (damage persists until repaired: a step
         halted behind the first one names it again), then what the transports met."""
         for r in report.steps:
-            if r.state:
-                self.stats.incidents.append(Incident(
-                    r.step, IncidentKind.STATE, r.state, outcome.action, outcome.sources,
-                    outcome.snapshot_step))
+            for kind, locations, outcome in (
+                    (IncidentKind.STATE, r.state, recovery.damage),
+                    (IncidentKind.DISAGREEMENT, r.disagree, recovery.disagreement)):
+                if locations:
+                    self.stats.incidents.append(Incident(
+                        r.step, kind, locations, outcome.action, outcome.sources,
+                        outcome.snapshot_step))
             if r.grads:
                 self.stats.incidents.append(Incident(
                     r.step, IncidentKind.GRADIENT, r.grads, Action.SKIPPED_AND_REPLAYED,
                     unlisted=r.grads_unlisted))
-        self.stats.incidents.extend(outcome.notes)
+        self.stats.incidents.extend(recovery.notes)
 
     def _restore_from_host(self) -> tuple[TrainState, int]:
         if self.backup is None:
@@ -411,10 +412,12 @@ class Trainer:
     # -- fault injection into the live state (campaigns, tests) ---------------------------------
 
     def inject(self, path: str, tensor: str, fault: np.ndarray, *, into_copy: bool = False,
-               device: int | None = None) -> None:
+               device: int | None = None, rehash: bool = False) -> None:
         """Applies ``fault`` (pimhbm.faults.spec) in place to one tensor of the current slot (or
         of the device copy), on one device's copy or shard (``device``: its position in the
-        mesh, row-major) or on every device's; offsets are within a device's shard."""
+        mesh, row-major) or on every device's; offsets are within a device's shard.
+        ``rehash``: the damaged copies' digests made anew too (a wrong computation; with
+        replicas only)."""
         opt = self.state.opt
         if into_copy and opt.device_copy is None:
             raise ValueError("this run keeps no device copy (pimhbm.adamw(device_copy=False))")
@@ -424,9 +427,15 @@ class Trainer:
         t, table = leaves[i][tensor]
         specs = np.zeros((len(self.devices), 8), np.int32)
         specs[slice(None) if device is None else device] = fault
-        program = self.compiler.inject(t.shape, t.dtype, self.traced.leaf_specs[i])
-        t = program(t, self.placement.put(specs, self.placement.by_device))
-        self.placement.settle(t)
+        specs = self.placement.put(specs, self.placement.by_device)
+        spec = self.traced.leaf_specs[i]
+        if rehash:
+            program = self.compiler.inject_rehashed(t, table, spec,
+                                                    self.layout.chunk_bytes(tensor, i))
+            t, table = program(t, table, specs)
+        else:
+            t = self.compiler.inject(t.shape, t.dtype, spec)(t, specs)
+        self.placement.settle(t, table)
         leaves[i][tensor] = (t, table)
         new = slot_from_tensors(leaves, self.treedef)
         opt = (AdamWState(opt.slots, opt.current, opt.step, new) if into_copy
@@ -434,11 +443,7 @@ class Trainer:
         self.state = TrainState(opt, self.state.halted)
 
     def tensor_info(self) -> list[tuple[str, str, int, int]]:
-        """(leaf path, tensor, elements on one device, bytes per element) of every protected
-        tensor (a sharded tensor: the elements of one shard)."""
-        return [(path, k, n, jnp.dtype(tensor_dtype(k, dtype)).itemsize)
-                for path, dtype, n in zip(self.layout.paths, self.layout.dtypes, self.layout.sizes)
-                for k in self.layout.names]
+        return self.layout.tensor_info()
 
     # -- results and the end ---------------------------------------------------------------------
 
