@@ -98,7 +98,7 @@ class Faults:
             trainer.inject("w0", "p", faults.spec(faults.FLIP_BIT, offset=2 * 77, bit=3),
                            device=SINGLE)
         if step == 11:  # a NaN in a gradient on every device
-            return [0] + list(faults.spec(faults.NONFINITE, offset=5, value="nan"))
+            return faults.GradientFault(0, faults.spec(faults.NONFINITE, offset=5, value="nan"))
         if step == 14:  # the same flip in state and copy everywhere: each process's snapshot
             for copy in COPIES:
                 trainer.inject("b1", "mu", faults.spec(faults.FLIP_BIT, offset=8, bit=1),

@@ -133,15 +133,15 @@ class Campaign:
 
     # -- called by the trainer -----------------------------------------------------------------
 
-    def before_step(self, trainer: Any, step: int, attempt: int) -> np.ndarray | None:
+    def before_step(self, trainer: Any, step: int, attempt: int) -> faults.GradientFault | None:
         if attempt != 1:  # faults are transient: a replay runs clean
             return None
         grad = None
         for f in self._by_step.get(step, []):
             if f.kind == "grad_nonfinite":
                 leaf = trainer.paths.index(f.path)
-                grad = np.concatenate([[leaf], faults.spec(faults.NONFINITE, offset=f.element,
-                                                            value=f.value)]).astype(np.int32)
+                grad = faults.GradientFault(leaf, faults.spec(faults.NONFINITE,
+                                                              offset=f.element, value=f.value))
             elif f.kind == "row_burst":
                 trainer.inject(f.path, f.tensor, faults.spec(
                     faults.OVERWRITE, offset=f.byte_offset, length=f.length,

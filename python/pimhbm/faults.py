@@ -11,7 +11,6 @@ written into one element, the whole buffer overwritten (a lost shard).
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -29,6 +28,28 @@ def spec(kind: int = NONE, offset: int = 0, length: int = 0, bit: int = 0, seed:
     """The int32[8] description of one fault (see csrc/faults/inject.h)."""
     return np.array([kind, offset & 0xFFFFFFFF, offset >> 32, length, bit, seed & 0x7FFFFFFF,
                      _VALUES[value], 0], dtype=np.uint32).view(np.int32)
+
+
+class GradientFault(NamedTuple):
+    """A fault the recovery engine's step writes into one gradient leaf (its campaign hook):
+    ``spec`` (:func:`spec`) applied to leaf ``leaf`` (tree order) -- after the reduction over
+    the devices, on every device (``device`` None: what every replica then sees), or before
+    it, on one device's own gradients only (``device``: its position in the mesh)."""
+
+    leaf: int
+    spec: np.ndarray
+    device: int | None = None
+
+    WIDTH = 10  # the encoded form's length
+
+    def encode(self) -> np.ndarray:
+        """int32[10] for the step program: leaf, device (-1: after the reduction), spec."""
+        where = -1 if self.device is None else self.device
+        return np.concatenate([[self.leaf, where], np.asarray(self.spec, np.int32)]).astype(
+            np.int32)
+
+
+NO_GRADIENT_FAULT = np.array([-1, -1] + [NONE] * 8, np.int32)
 
 
 def _inject(x: jax.Array, fault: jax.Array) -> jax.Array:

@@ -14,6 +14,7 @@ class IncidentKind(enum.StrEnum):
     STATE = "state"  # state chunks whose digest did not match
     GRADIENT = "gradient"  # NaN/Inf gradient values
     DISAGREEMENT = "replicas disagree"  # chunks that differ between replicas, digests and all
+    COMPUTE = "compute"  # gradients computed again (sampled re-execution) came out different
     DEVICE_COPY = "device copy"  # device-copy chunks a scrub found damaged
     TELEMETRY = "telemetry"  # news from the GPU's own signals (NVML)
     TRANSPORT = "replica transport"  # a replica transport that failed or is unavailable
@@ -55,6 +56,7 @@ class Incident:
     sources: tuple[int, ...] = ()  # devices the repaired chunks came from (replica repairs)
     snapshot_step: int | None = None  # RESTORED_FROM_SNAPSHOT: the snapshot's step
     detail: str = ""  # what the device or transport said (telemetry, transport incidents)
+    devices: tuple[int, ...] = ()  # COMPUTE: the devices whose gradients came out different
     # GRADIENT: more chunks held NaN/Inf than the summary lists (typically a damaged parameter
     # upstream made the whole gradient non-finite); the locations are then a prefix
     unlisted: bool = False

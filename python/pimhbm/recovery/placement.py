@@ -5,6 +5,7 @@ one process per GPU (jax.distributed), where each process fills and reads its ow
 from __future__ import annotations
 
 import enum
+import os
 from typing import Any, Callable
 
 import jax
@@ -25,6 +26,14 @@ class Transport(enum.StrEnum):
     def in_programs(self) -> "Transport":
         """What the compiled repair programs use (IPC pulls outside them)."""
         return Transport.PEER if self is Transport.PEER else Transport.COLLECTIVE
+
+
+def repeatable(devices: list[Any]) -> bool:
+    """Whether a step on these devices gives the same bits every time it runs: on CPUs always;
+    on GPUs with XLA's deterministic ops (without, its attention and some reductions vary)."""
+    if devices[0].platform == "cpu":
+        return True
+    return "xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
 
 
 def fsdp_spec(shape: tuple[int, ...], shard: int) -> P:

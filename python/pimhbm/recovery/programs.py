@@ -50,6 +50,8 @@ class Programs:
     program's input state reads (the step's output is the other parity's)."""
 
     step: dict[int, Any] = dataclasses.field(default_factory=dict)
+    sampled: dict[int, Any] = dataclasses.field(default_factory=dict)  # the step, with digests
+    recheck: dict[int, Any] = dataclasses.field(default_factory=dict)  # by its input's parity
     repair: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)  # into_copy
     replica: dict[int, Any] = dataclasses.field(default_factory=dict)
     rebuild: dict[int, Any] = dataclasses.field(default_factory=dict)
@@ -61,7 +63,7 @@ class Programs:
     clone: Any = None
 
     def __len__(self) -> int:
-        tables = (self.step, self.repair, self.replica, self.rebuild, self.vote, self.recopy,
+        tables = (self.step, self.sampled, self.recheck, self.repair, self.replica, self.rebuild, self.vote, self.recopy,
                   self.scrub, self.snapshot, self.inject)
         return sum(map(len, tables)) + (self.clone is not None)
 
@@ -70,9 +72,10 @@ class Compiler:
     """Lowers and compiles the traced functions for the shapes of one run."""
 
     def __init__(self, traced: Traced, init: Callable, params_sds: Any, batch_specs: list,
-                 repair_capacity: int):
+                 repair_capacity: int, recheck: bool):
         self.t, self.init, self.params_sds = traced, init, params_sds
         self.batch_specs, self.repair_capacity = batch_specs, repair_capacity
+        self.with_recheck = recheck  # sampled re-execution: the sampled step and the recheck
         self.programs = Programs()
 
     @property
@@ -129,16 +132,31 @@ class Compiler:
             self.clone()
         return self.programs
 
+    def _batch(self) -> dict:
+        return {s.name: self._sds(s.shape, s.dtype, self.placement.by_device)
+                for s in self.batch_specs}
+
     def _step(self, current: int) -> None:
         p, each = self.placement, self.placement.report_spec
-        batch = {s.name: self._sds(s.shape, s.dtype, p.by_device) for s in self.batch_specs}
         # The step hands over to the other slot: its output is the other parity's state. The
         # batch is split over every device in every process layout; only the reports are
         # gathered whole where processes must all read them (report_spec).
-        self.programs.step[current] = self._compile(
-            self.t.step, (self.t.state_specs(current), p.by_device.spec, P(), P()),
-            (self.t.state_specs(1 - current), P(), each), self.abstract_state(current), batch,
-            self._sds((), jnp.float32), self._sds((9,), jnp.int32))
+        ins = (self.t.state_specs(current), p.by_device.spec, P(), P())
+        outs = (self.t.state_specs(1 - current), P(), each)
+        args = (self.abstract_state(current), self._batch(), self._sds((), jnp.float32),
+                self._sds((10,), jnp.int32))
+        self.programs.step[current] = self._compile(self.t.step, ins, outs, *args)
+        if not self.with_recheck:
+            return
+        sampled = lambda *a: self.t.step(*a, digests=True)
+        self.programs.sampled[current] = self._compile(sampled, ins, (*outs, P(AXES)), *args)
+        # The recheck reads the step's output: the other parity's state.
+        st, ss = self.abstract_state(1 - current), self.t.state_specs(1 - current)
+        n, leaves = len(p.devices), len(self.t.layout.paths)
+        self.programs.recheck[1 - current] = self._compile(
+            self.t.recheck, (ss, p.by_device.spec, each, P(AXES)), (ss, each), st, self._batch(),
+            self._sds((n,), jnp.int32, p.sharding(each)),
+            self._sds((n, leaves, 2), jnp.uint32, p.by_device))
 
     def _repairs(self, current: int) -> None:
         ss, st = self.t.state_specs(current), self.abstract_state(current)

@@ -52,6 +52,26 @@ class Recovery(NamedTuple):
     def repaired(self) -> bool:
         return self.damage.repaired and self.disagreement.repaired
 
+    def incidents(self, report: FaultReport) -> list[Incident]:
+        """One incident per kind per step that saw it (damage persists until repaired: a step
+        halted behind the first one names it again), then what the transports met."""
+        out = []
+        for r in report.steps:
+            if r.miscomputed:
+                out.append(Incident(r.step, IncidentKind.COMPUTE, (), Action.SKIPPED_AND_REPLAYED,
+                                    devices=r.miscomputed, detail="gradients computed again on "
+                                    "the next device differ: the step was undone"))
+            for kind, locations, outcome in ((IncidentKind.STATE, r.state, self.damage),
+                                             (IncidentKind.DISAGREEMENT, r.disagree,
+                                              self.disagreement)):
+                if locations:
+                    out.append(Incident(r.step, kind, locations, outcome.action, outcome.sources,
+                                        outcome.snapshot_step))
+            if r.grads:
+                out.append(Incident(r.step, IncidentKind.GRADIENT, r.grads,
+                                    Action.SKIPPED_AND_REPLAYED, unlisted=r.grads_unlisted))
+        return out + list(self.notes)
+
     @classmethod
     def nothing(cls) -> "Recovery":
         """Nothing to repair (the gradients alone: the step is replayed)."""

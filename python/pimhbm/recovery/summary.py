@@ -99,10 +99,14 @@ class StepReport(NamedTuple):
     faulty: int  # damaged chunks, every device
     damaged_devices: np.ndarray  # bool per device: it reported a damaged chunk
     disagree: tuple[ChunkRef, ...]  # chunks whose replicas' digests differ (each device's)
+    miscomputed: tuple[int, ...] = ()  # devices whose gradients, computed again, differ
 
 
-def decode_step(step: int, s: StepSummary, layout: StateLayout) -> StepReport:
-    """A fetched summary (a row per device) as located chunks."""
+def decode_step(step: int, s: StepSummary, layout: StateLayout,
+                recheck: np.ndarray | None = None) -> StepReport:
+    """A fetched summary (a row per device) as located chunks; ``recheck``: a sampled step's
+    re-execution (per device, the gradient leaves whose digests differed): the step was undone
+    where any did."""
     damaged, state, grads, overflow, unlisted, disagree = [], [], [], False, False, []
     for device in range(s.committed.shape[0]):
         disagree += [loc for i, b in entries(s.disagree, device)
@@ -114,10 +118,11 @@ def decode_step(step: int, s: StepSummary, layout: StateLayout) -> StepReport:
         counts = entries(s.grad_faults, device)
         unlisted |= int(s.grad_nonfinite[device]) > sum(c for _, c in counts)
         grads += [layout.gradient_chunk(device, i) for i, _ in counts]
-    return StepReport(step, bool(s.committed[0]), tuple(damaged), tuple(state), overflow,
-                      tuple(grads), unlisted, int(s.grad_nonfinite.sum()),
+    miscomputed = () if recheck is None else tuple(int(d) for d in np.flatnonzero(recheck))
+    return StepReport(step, bool(s.committed[0]) and not miscomputed, tuple(damaged),
+                      tuple(state), overflow, tuple(grads), unlisted, int(s.grad_nonfinite.sum()),
                       int(s.faulty_chunks.sum()), np.asarray(s.faulty_chunks) > 0,
-                      tuple(disagree))
+                      tuple(disagree), miscomputed)
 
 
 class FaultReport(NamedTuple):

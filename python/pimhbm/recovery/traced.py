@@ -16,7 +16,8 @@ from pimhbm import faults, replica
 from pimhbm.recovery.layout import Damage, StateLayout, Vote
 from pimhbm.recovery.placement import AXES, Placement, Transport
 from pimhbm.recovery.summary import ScrubSummary, fault_list, step_summary
-from pimhbm.update import AdamW, AdamWState, Slot, slot_from_tensors, slot_tensors
+from pimhbm.update import (AdamW, AdamWState, Slot, restore_unless, slot_from_tensors,
+                           slot_tensors)
 
 
 class TrainState(NamedTuple):
@@ -55,6 +56,7 @@ class Traced:
     placement: Placement
     fault_capacity: int
     inject_gradients: bool
+    inject_local: bool  # the hook also before the reduction (a fault on one device's gradients)
     transport: Transport  # how a chunk comes from another replica
 
     # -- shapes and shardings --------------------------------------------------------------------
@@ -81,16 +83,17 @@ class Traced:
 
     # -- the step --------------------------------------------------------------------------------
 
-    def step(self, state: TrainState, batch: dict, lr: jax.Array, grad_fault: jax.Array):
+    def step(self, state: TrainState, batch: dict, lr: jax.Array, grad_fault: jax.Array, *,
+             digests: bool = False):
         """Gradients of this device's slice of the batch, their mean over devices, the guarded
-        update with a global verdict; the loss and this device's summary."""
-        grads, loss = self._gradients(state.opt.params, batch)
-        if self.inject_gradients:
-            leaves = self.treedef.flatten_up_to(grads)
-            spec = jnp.where(jnp.arange(len(leaves))[:, None] == grad_fault[0], grad_fault[1:],
-                             jnp.zeros((8,), jnp.int32))
-            grads = jax.tree.unflatten(self.treedef, [
-                faults.inject_in_graph(g, spec[i]) for i, g in enumerate(leaves)])
+        update with a global verdict; the loss and this device's summary -- and, ``digests``
+        (a sampled step), the digests of this device's own gradients before the reduction,
+        for :meth:`recheck` to compare with."""
+        local, loss = self._local_gradients(state.opt.params, batch, grad_fault)
+        own = self._digests(local)[None] if digests else None
+        grads = self._reduce(local)
+        if self.inject_gradients:  # what every replica then sees (grad_fault[1] == -1)
+            grads = self._hook(grads, grad_fault, grad_fault[1] < 0)
         lr = None if callable(self.opt.learning_rate) else lr
         gate = state.halted == 0
         disagree = self._disagreement(state.opt)
@@ -100,7 +103,25 @@ class Traced:
         opt, report = self.opt.update(grads, state.opt, lr, gate=gate, axis_name=AXES)
         halted = state.halted | (~report.committed).astype(jnp.int32)
         summary = step_summary(report, self.treedef, self.fault_capacity, disagree)
-        return TrainState(opt, halted), loss, self.placement.per_device(summary)
+        out = TrainState(opt, halted), jax.lax.psum(loss, AXES), self.placement.per_device(summary)
+        return out if own is None else (*out, own)
+
+    def _hook(self, grads: Any, grad_fault: jax.Array, here: jax.Array) -> Any:
+        """The campaign's gradient fault (pimhbm.faults.GradientFault, encoded) where ``here``."""
+        leaves = self.treedef.flatten_up_to(grads)
+        chosen = (jnp.arange(len(leaves))[:, None] == grad_fault[0]) & here
+        spec = jnp.where(chosen, grad_fault[2:], jnp.zeros((8,), jnp.int32))
+        return jax.tree.unflatten(self.treedef, [
+            faults.inject_in_graph(g, spec[i]) for i, g in enumerate(leaves)])
+
+    def _digests(self, grads: Any) -> jax.Array:
+        """uint32 (leaves, 2): one digest of each whole gradient leaf (pimhbm.scan)."""
+        rows = []
+        for g in self.treedef.flatten_up_to(grads):
+            whole = max(16, -(-g.size * g.dtype.itemsize // 16) * 16)
+            table = pimhbm.scan(g, whole).digests
+            rows.append(table[0] if table.shape[0] else jnp.zeros((2,), jnp.uint32))
+        return jnp.stack(rows)
 
     def _disagreement(self, opt: AdamWState) -> list[jax.Array]:
         """Per leaf, the Damage bits of the tensors whose chunk's digest differs between the
@@ -128,27 +149,76 @@ class Traced:
             maps.append(acc)
         return maps
 
-    def _gradients(self, params: Any, batch: dict) -> tuple[Any, jax.Array]:
-        """The whole batch's mean loss and gradients. With a sharding axis (FSDP) the sharded
-        parameters are gathered for the forward pass and their gradients reduce-scattered back
-        to the shards."""
+    def _local_gradients(self, params: Any, batch: dict,
+                         grad_fault: jax.Array | None) -> tuple[Any, jax.Array]:
+        """This device's gradients of its slice of the batch (before any reduction) and its part
+        of the mean loss; with a sharding axis (FSDP) the sharded parameters are gathered for
+        the forward pass. With the campaign's hook, a fault meant for this device before the
+        reduction goes in here."""
         # The mean over devices is taken on the loss, before differentiation: its 1/n then
         # scales the backward pass's seed, and the summed gradients need no pass of their own
         # (a division after the psum is an elementwise pass over every gradient that XLA cannot
         # fuse into the update's custom call: 0.7 ms a step for 0.5 B bf16 gradients).
         n = len(self.placement.devices)
-        scaled = lambda p: self.loss_fn(p, batch) / n
+        if self.layout.shard > 1:
+            local = self.treedef.flatten_up_to(params)
+            params = jax.tree.unflatten(self.treedef, [
+                jax.lax.all_gather(p, "shard", axis=0, tiled=True) if sh else p
+                for p, sh in zip(local, self.layout.sharded)])
+        loss, grads = jax.value_and_grad(lambda p: self.loss_fn(p, batch) / n)(params)
+        if self.inject_local and grad_fault is not None:
+            grads = self._hook(grads, grad_fault, grad_fault[1] == jax.lax.axis_index(AXES))
+        return grads, loss
+
+    def _reduce(self, grads: Any) -> Any:
+        """The sum over devices (the whole batch's mean: the loss was scaled); with FSDP the
+        sharded leaves' sums reduce-scattered back to their shards."""
         if self.layout.shard == 1:
-            loss, grads = jax.value_and_grad(scaled)(params)
-            return jax.lax.psum(grads, "dp"), jax.lax.psum(loss, "dp")
-        local = self.treedef.flatten_up_to(params)
-        full = [jax.lax.all_gather(p, "shard", axis=0, tiled=True) if sh else p
-                for p, sh in zip(local, self.layout.sharded)]
-        loss, grads = jax.value_and_grad(scaled)(jax.tree.unflatten(self.treedef, full))
-        grads = [jax.lax.psum(jax.lax.psum_scatter(g, "shard", scatter_dimension=0, tiled=True)
-                              if sh else jax.lax.psum(g, "shard"), "dp")
-                 for g, sh in zip(self.treedef.flatten_up_to(grads), self.layout.sharded)]
-        return jax.tree.unflatten(self.treedef, grads), jax.lax.psum(loss, AXES)
+            return jax.lax.psum(grads, "dp")
+        return jax.tree.unflatten(self.treedef, [
+            jax.lax.psum(jax.lax.psum_scatter(g, "shard", scatter_dimension=0, tiled=True)
+                         if sh else jax.lax.psum(g, "shard"), "dp")
+            for g, sh in zip(self.treedef.flatten_up_to(grads), self.layout.sharded)])
+
+    def recheck(self, state: TrainState, batch: dict, committed: jax.Array,
+                digests: jax.Array) -> tuple[TrainState, jax.Array]:
+        """A sampled step computed again: each device recomputes the gradients of the next
+        device's slice of the batch (its own, alone) from the parameters the step read (the
+        other slot), and their digests go back to the slice's device to be compared with the
+        step's (``digests``). Where any differs the step is undone -- the state the step read
+        copied back into the current slot and the device copy, the step count put back, the
+        halt flag set -- and the slice's device reports it. Returns the state and, per device,
+        the gradient leaves whose digests differ."""
+        n = len(self.placement.devices)
+        ahead = [((i + 1) % n, i) for i in range(n)]  # device i gets device i + 1's slice
+        theirs = jax.tree.map(lambda x: jax.lax.ppermute(x, AXES, ahead), batch)
+        opt = state.opt
+        grads, _ = self._local_gradients(opt.slots[1 - opt.current].params, theirs, None)
+        again = jax.lax.ppermute(self._digests(grads), AXES, [(b, a) for a, b in ahead])
+        mismatched = jnp.sum(jnp.any(again != digests[0], axis=-1), dtype=jnp.int32)
+        undo = jax.lax.psum(mismatched, AXES) > 0
+        return self._undo(state, undo, committed[0]), self.placement.per_device(mismatched)
+
+    def _undo(self, state: TrainState, undo: jax.Array, committed: jax.Array) -> TrainState:
+        """Where ``undo``, the state as the step read it: the other slot copied back into the
+        current one and into the device copy (a predicated copy: nothing moves otherwise)."""
+        opt = state.opt
+        keep = (~undo).astype(jnp.int32)
+        read = [x for leaf in slot_tensors(opt.slots[1 - opt.current], self.treedef)
+                for k in self.layout.names for x in leaf[k]]
+        targets = [opt.slots[opt.current]] + ([opt.device_copy] if opt.device_copy else [])
+        restored = []
+        for slot in targets:
+            flat = [x for leaf in slot_tensors(slot, self.treedef)
+                    for k in self.layout.names for x in leaf[k]]
+            back = iter(restore_unless(keep, read, flat))
+            restored.append(slot_from_tensors([{k: (next(back), next(back))
+                                                for k in self.layout.names}
+                                               for _ in self.layout.paths], self.treedef))
+        copy = restored[1] if opt.device_copy else None
+        step = jnp.where(undo, opt.step - committed.astype(opt.step.dtype), opt.step)
+        opt = AdamWState(opt.slots, opt.current, step, copy).replace_current(restored[0])
+        return TrainState(opt, state.halted | undo.astype(jnp.int32))
 
     # -- repairs -----------------------------------------------------------------------------------
 

@@ -19,12 +19,14 @@ import numpy as np
 import pimhbm
 from pimhbm import ipc
 from pimhbm._ffi import ensure_registered
+from pimhbm.faults import NO_GRADIENT_FAULT, GradientFault
 from pimhbm.backup import HostBackup
 from pimhbm.recovery.events import (Action, DeviceFailure, Incident, IncidentKind, RunStats,
                                     persistent_fault)
 from pimhbm.recovery.health import HealthWatch
+from pimhbm.recovery.injection import inject
 from pimhbm.recovery.layout import StateLayout
-from pimhbm.recovery.placement import Placement, Transport, fsdp_spec
+from pimhbm.recovery.placement import Placement, Transport, fsdp_spec, repeatable
 from pimhbm.recovery.programs import CompileCounter, Compiler, prewarm
 from pimhbm.recovery.repairs import Recovery, Repairer
 from pimhbm.recovery.snapshots import (BatchLog, SnapshotManager, run_binding, sample_batch,
@@ -32,7 +34,7 @@ from pimhbm.recovery.snapshots import (BatchLog, SnapshotManager, run_binding, s
 from pimhbm.recovery.summary import (FaultReport, StepReport, decode_scrub, decode_step, merge)
 from pimhbm.recovery.traced import Traced, TrainState
 from pimhbm.recovery.transports import transport_for
-from pimhbm.update import AdamW, AdamWState, slot_from_tensors, slot_tensors
+from pimhbm.update import AdamW, slot_tensors
 
 _TRAINERS = itertools.count()  # numbers each Trainer of a process (its IPC keys)
 
@@ -44,6 +46,7 @@ class InFlight(NamedTuple):
     loss: jax.Array
     summary: Any  # StepSummary of device arrays
     scrub: Any  # ScrubSummary of device arrays, or None
+    recheck: Any = None  # a sampled step's re-execution: per device, leaves that differed
 
 
 def _transport(name: str) -> Transport:
@@ -92,7 +95,13 @@ class Trainer:
     chunk index is local to its device's shard.
     ``telemetry``: "auto" watches the GPUs through NVML where it is there; a
     pimhbm.telemetry.Monitor of your own; None for none.
-    A step skipped ``max_skips`` times in a row stops the run with PersistentFault."""
+    A step skipped ``max_skips`` times in a row stops the run with PersistentFault.
+    ``recheck_every``: every this many steps (0: never) the step's gradients are computed a
+    second time, each device's slice on the next device, and compared bit for bit (sampled
+    re-execution: finite wrong values no digest can see); a step whose gradients differ is
+    undone and replayed, and a device whose gradients differ twice ends the run. It needs a
+    repeatable step: by default every 100 steps where the step is (CPUs; GPUs with XLA's
+    deterministic ops), else never."""
 
     def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], opt: AdamW, params: Any,
                  batch_fn: Callable[[int], dict[str, np.ndarray]], *,
@@ -101,7 +110,8 @@ class Trainer:
                  scrub_every: int = 10, repair_capacity: int = 16, fault_capacity: int = 64,
                  inject_gradients: bool = False, devices: Any = None, resume: bool = False,
                  telemetry: Any = "auto", replica_transport: str = "collective",
-                 shard: int = 1, max_skips: int = 5, run_id: str | None = None):
+                 shard: int = 1, max_skips: int = 5, run_id: str | None = None,
+                 recheck_every: int | None = None):
         ensure_registered()
         devices = list(devices) if devices is not None else jax.devices()
         replica_transport = _transport(replica_transport)
@@ -113,8 +123,11 @@ class Trainer:
         sharded = [fsdp_spec(np.shape(p), shard) != jax.sharding.PartitionSpec()
                    for p in jax.tree.leaves(params)]
         self.layout = StateLayout.of(params, opt, sharded, shard)
+        self.recheck_every = (recheck_every if recheck_every is not None else
+                              100 if repeatable(devices) else 0)
         self.traced = Traced(loss_fn, opt, self.treedef, self.layout, self.placement,
-                             fault_capacity, inject_gradients, replica_transport)
+                             fault_capacity, inject_gradients,
+                             inject_gradients and self.recheck_every > 0, replica_transport)
         given, params = params, self.placement.put_tree(params, self.traced.param_specs)
         # A learning rate per step: a host function of the step, or the optimizer's own (a
         # constant, or a schedule it evaluates on the device).
@@ -129,7 +142,8 @@ class Trainer:
         self._init = jax.jit(self.placement.manual(opt.init, (self.traced.param_specs,),
                                                    self.traced.state_specs().opt))
         sds = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
-        self.compiler = Compiler(self.traced, self._init, sds, batch_specs, repair_capacity)
+        self.compiler = Compiler(self.traced, self._init, sds, batch_specs, repair_capacity,
+                                 self.recheck_every > 0)
         self.programs = self.compiler.programs
         self.snapshots = SnapshotManager(self.backup, snapshot_every, self.compiler)
         self.transport = transport_for(replica_transport, self.programs, self.placement,
@@ -142,6 +156,7 @@ class Trainer:
         self.health = HealthWatch(telemetry, devices, self._failure)
         self.telemetry = self.health.monitor
         self.counter = CompileCounter()
+        self.miscomputed: collections.Counter = collections.Counter()  # by device
         self.stats = RunStats(telemetry=self.health.status())
         self.state, self.next_step, self._scrub_due = None, 1, False
         if resume:
@@ -257,8 +272,9 @@ class Trainer:
                 step += 1
                 continue
             done = flight.popleft()
-            report = decode_step(done.step, self._guarded(
-                done.step, lambda: self.placement.fetch(done.summary)), self.layout)
+            summary, recheck = self._guarded(
+                done.step, lambda: self.placement.fetch((done.summary, done.recheck)))
+            report = decode_step(done.step, summary, self.layout, recheck)
             self.snapshots.confirm(done.step, report.committed, self.stats)
             if report.committed:
                 skipped_step = None
@@ -279,7 +295,7 @@ class Trainer:
         """Dispatches a step (and the scrub and snapshot due with it); fetches start at once."""
         self._scrub_due |= self.health.poll(step, self.stats)
         gf = campaign.before_step(self, step, attempt) if campaign else None
-        loss, summary = self._guarded(step, lambda: self._dispatch(step, gf))
+        loss, summary, recheck = self._guarded(step, lambda: self._dispatch(step, gf))
         scrub = None
         scheduled = bool(self.scrub_every and step % self.scrub_every == 0)
         if scheduled or self._scrub_due:
@@ -291,18 +307,28 @@ class Trainer:
             jax.tree.map(lambda x: x.copy_to_host_async(), scrub)
         if self.snapshots.should_save(step):
             self.snapshots.save_async(self.state, step)
-        return InFlight(step, loss, summary, scrub)
+        return InFlight(step, loss, summary, scrub, recheck)
 
-    def _dispatch(self, step: int, grad_fault: np.ndarray | None) -> tuple[jax.Array, Any]:
+    def _dispatch(self, step: int, grad_fault: GradientFault | None) -> tuple[Any, Any, Any]:
+        """The step -- and, on a sampled step, its re-execution right behind it (before
+        anything else reads the state: it may undo the step)."""
         p = self.placement
         batch = {k: p.put(a, p.by_device) for k, a in zip(self.batch_keys, self.batches.batch(step))}
         lr = p.put(np.float32(self.learning_rate(step)))
-        gf = np.zeros(9, np.int32) if grad_fault is None else grad_fault
-        program = self.programs.step[self.state.opt.current]
-        self.state, loss, summary = program(self.state, batch, lr, p.put(gf))
+        gf = p.put(NO_GRADIENT_FAULT if grad_fault is None else grad_fault.encode())
+        recheck = None
+        if self.recheck_every and step % self.recheck_every == 0:
+            program = self.programs.sampled[self.state.opt.current]
+            self.state, loss, summary, digests = program(self.state, batch, lr, gf)
+            p.settle(self.state, digests)
+            self.state, recheck = self.programs.recheck[self.state.opt.current](
+                self.state, batch, summary.committed, digests)
+        else:
+            program = self.programs.step[self.state.opt.current]
+            self.state, loss, summary = program(self.state, batch, lr, gf)
         p.settle(self.state, summary)
-        jax.tree.map(lambda x: x.copy_to_host_async(), (summary, loss))
-        return loss, summary
+        jax.tree.map(lambda x: x.copy_to_host_async(), (summary, loss, recheck))
+        return loss, summary, recheck
 
     def _commit(self, done: InFlight, progress: Callable | None) -> None:
         self.stats.steps_committed += 1
@@ -318,12 +344,19 @@ class Trainer:
         summaries may name more damage (injected while they were in flight). Returns the step
         to replay from."""
         self.stats.steps_skipped += 1 + len(flight)
-        later = [decode_step(f.step, self.placement.fetch(f.summary), self.layout)
-                 for f in flight]
+        later = [decode_step(f.step, *self.placement.fetch((f.summary,)), self.layout,
+                             self.placement.fetch(f.recheck)) for f in flight]
         jax.block_until_ready([done.scrub] + [f.scrub for f in flight])  # readers of the state
         flight.clear()
         self.snapshots.dropped()
-        return self._handle_fault(merge([report] + later))
+        faults = merge([report] + later)
+        replay_from = self._handle_fault(faults)
+        self.miscomputed.update(d for r in faults.steps for d in r.miscomputed)
+        if twice := sorted(d for d, n in self.miscomputed.items() if n >= 2):
+            raise self._failure(f"device {twice[0]} computed gradients that another device's "
+                                "re-execution did not reproduce, twice: it computes wrongly",
+                                twice[0])
+        return replay_from
 
     # -- handling faults ------------------------------------------------------------------------
 
@@ -340,28 +373,11 @@ class Trainer:
             else:
                 self.state, snap = self._restore_from_host()
                 recovery = recovery.restored(snap)
-        self._record(report, recovery)
+        self.stats.incidents.extend(recovery.incidents(report))
         if recovery.damage.snapshot_step is not None:
             return recovery.damage.snapshot_step + 1
         self.state = TrainState(self.state.opt, self.placement.put(np.int32(0)))
         return report.first_step
-
-    def _record(self, report: FaultReport, recovery: Recovery) -> None:
-        """One incident per kind per step that saw it (damage persists until repaired: a step
-        halted behind the first one names it again), then what the transports met."""
-        for r in report.steps:
-            for kind, locations, outcome in (
-                    (IncidentKind.STATE, r.state, recovery.damage),
-                    (IncidentKind.DISAGREEMENT, r.disagree, recovery.disagreement)):
-                if locations:
-                    self.stats.incidents.append(Incident(
-                        r.step, kind, locations, outcome.action, outcome.sources,
-                        outcome.snapshot_step))
-            if r.grads:
-                self.stats.incidents.append(Incident(
-                    r.step, IncidentKind.GRADIENT, r.grads, Action.SKIPPED_AND_REPLAYED,
-                    unlisted=r.grads_unlisted))
-        self.stats.incidents.extend(recovery.notes)
 
     def _restore_from_host(self) -> tuple[TrainState, int]:
         if self.backup is None:
@@ -418,29 +434,8 @@ class Trainer:
         mesh, row-major) or on every device's; offsets are within a device's shard.
         ``rehash``: the damaged copies' digests made anew too (a wrong computation; with
         replicas only)."""
-        opt = self.state.opt
-        if into_copy and opt.device_copy is None:
-            raise ValueError("this run keeps no device copy (pimhbm.adamw(device_copy=False))")
-        leaves = slot_tensors(opt.device_copy if into_copy else opt.slots[opt.current],
-                              self.treedef)
-        i = self.layout.leaf_index(path)
-        t, table = leaves[i][tensor]
-        specs = np.zeros((len(self.devices), 8), np.int32)
-        specs[slice(None) if device is None else device] = fault
-        specs = self.placement.put(specs, self.placement.by_device)
-        spec = self.traced.leaf_specs[i]
-        if rehash:
-            program = self.compiler.inject_rehashed(t, table, spec,
-                                                    self.layout.chunk_bytes(tensor, i))
-            t, table = program(t, table, specs)
-        else:
-            t = self.compiler.inject(t.shape, t.dtype, spec)(t, specs)
-        self.placement.settle(t, table)
-        leaves[i][tensor] = (t, table)
-        new = slot_from_tensors(leaves, self.treedef)
-        opt = (AdamWState(opt.slots, opt.current, opt.step, new) if into_copy
-               else opt.replace_current(new))
-        self.state = TrainState(opt, self.state.halted)
+        self.state = inject(self.state, self.compiler, path, tensor, fault, into_copy=into_copy,
+                            device=device, rehash=rehash)
 
     def tensor_info(self) -> list[tuple[str, str, int, int]]:
         return self.layout.tensor_info()

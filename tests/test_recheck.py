@@ -1,0 +1,99 @@
+"""Sampled re-execution: a finite wrong value in one device's gradients before the reduction
+reaches every replica alike (no digest, no replica can see it). On a sampled step each
+device's slice is computed again on the next device and the digests compared bit for bit."""
+
+import uuid
+
+import jax
+import pytest
+
+import pimhbm
+from pimhbm import faults
+from pimhbm.backup import HostBackup
+from pimhbm.models import mlp
+from pimhbm.recovery import Action, DeviceFailure, IncidentKind, Trainer
+
+STEPS, EVERY = 16, 5
+
+
+@pytest.fixture
+def shm_name():
+    name = f"pimhbm_test_{uuid.uuid4().hex[:12]}"
+    yield name
+    HostBackup.unlink(name)
+
+
+def make_trainer(name):
+    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+    tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=name, snapshot_every=10,
+                 scrub_every=5, telemetry=None, inject_gradients=True, recheck_every=EVERY,
+                 devices=jax.devices()[:4])
+    tr.prewarm()
+    return tr
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    name = f"pimhbm_test_{uuid.uuid4().hex[:12]}"
+    try:
+        tr = make_trainer(name)
+        stats = tr.run(STEPS)
+        assert stats.incidents == [] and tr.compiles == 0
+        return tr.current_state()
+    finally:
+        HostBackup.unlink(name)
+
+
+class FiniteFlip:
+    """A low mantissa bit of one bf16 gradient value of w1 flipped on ``device`` before the
+    reduction, at each of ``steps`` (first attempts only: a transient fault)."""
+
+    def __init__(self, rng, steps, device):
+        self.steps, self.device = steps, device
+        self.element, self.bit = int(rng.integers(0, 96 * 96)), int(rng.integers(0, 6))
+
+    def before_step(self, trainer, step, attempt):
+        if step not in self.steps or attempt != 1:
+            return None
+        spec = faults.spec(faults.FLIP_BIT, offset=2 * self.element, bit=self.bit)
+        return faults.GradientFault(trainer.paths.index("w1"), spec, self.device)
+
+    def before_scrub(self, trainer, step):
+        pass
+
+
+def same_state(a, b):
+    return all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+def test_a_finite_flip_on_a_sampled_step_is_found_and_replayed(shm_name, rng, uninterrupted):
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    tr = make_trainer(shm_name)
+    stats = tr.run(STEPS, campaign=FiniteFlip(rng, {10}, device=2))
+    found = [i for i in stats.incidents if i.kind is IncidentKind.COMPUTE]
+    assert [(i.step, i.devices, i.action) for i in found] == [
+        (10, (2,), Action.SKIPPED_AND_REPLAYED)]
+    assert [i.kind for i in stats.incidents] == [IncidentKind.COMPUTE]  # nothing else saw it
+    assert tr.compiles == 0 and same_state(tr.current_state(), uninterrupted)
+    tr.close()
+
+
+def test_off_the_sampled_steps_the_same_flip_goes_unseen(shm_name, rng, uninterrupted):
+    """The control: the flip on a step that is not sampled passes every other check."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    tr = make_trainer(shm_name)
+    stats = tr.run(STEPS, campaign=FiniteFlip(rng, {12}, device=2))
+    assert stats.incidents == [] and not same_state(tr.current_state(), uninterrupted)
+    tr.close()
+
+
+def test_a_device_whose_gradients_differ_twice_ends_the_run(shm_name, rng):
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    tr = make_trainer(shm_name)
+    with pytest.raises(DeviceFailure, match="device 1 computed gradients .* twice") as err:
+        tr.run(STEPS, campaign=FiniteFlip(rng, {5, 10}, device=1))
+    assert err.value.device == 1
+    tr.close()
