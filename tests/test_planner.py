@@ -60,7 +60,8 @@ def summary_of(rows, capacity):
     return StepSummary(np.array([r["committed"] for r in rows], np.int32),
                        np.array([sum(c for _, c in g) + r.get("extra", 0)
                                  for g, r in zip(grads, rows)], np.int32),
-                       np.array([len(f) for f in faults], np.int32), fl(faults), fl(grads))
+                       np.array([len(f) for f in faults], np.int32), fl(faults), fl(grads),
+                       fl([r.get("disagree", []) for r in rows]))
 
 
 def test_decode_step_locates_every_listed_chunk_and_notices_overflow(rng):
@@ -76,7 +77,8 @@ def test_decode_step_locates_every_listed_chunk_and_notices_overflow(rng):
         idx = sorted(rng.choice(total, size=min(n, total), replace=False).tolist())
         rows.append({"committed": 0, "faults": [(i, bits[int(rng.integers(4))]) for i in idx],
                      "grads": [(int(rng.integers(total)), 2)] if d == 1 else [],
-                     "extra": 5 if d == 1 else 0})
+                     "extra": 5 if d == 1 else 0,
+                     "disagree": [(idx[0], int(Damage.MU))] if d == 3 and idx else []})
     report = decode_step(7, summary_of(rows, capacity), layout)
     assert report.step == 7 and not report.committed
     assert report.overflow == any(len(r["faults"]) > capacity for r in rows)
@@ -85,6 +87,8 @@ def test_decode_step_locates_every_listed_chunk_and_notices_overflow(rng):
     assert list(report.state) == want
     assert report.grads_unlisted and [g.device for g in report.grads] == [1]
     assert report.damaged_devices.tolist() == [bool(r["faults"]) for r in rows]
+    assert list(report.disagree) == [ref for i, b in rows[3]["disagree"]
+                                     for ref in layout.locate(ChunkDamage(3, i, Damage(b)))]
     merged = merge([report, report])
     assert merged.chunks == tuple(sorted(set(want))) and merged.first_step == 7
 
