@@ -37,10 +37,7 @@ ffi::Error plan(const ffi::RemainingArgs& args, int64_t region, int64_t region_b
     return ffi_util::invalid(kOp, std::to_string(args.size()) + " buffers but " +
                                       std::to_string(offsets.size()) + " offsets");
   }
-  if (auto err = ffi_util::check_buffer(kOp, "ticket", ticket, ffi::DataType::S32, 1);
-      err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_buffer(kOp, "ticket", ticket, ffi::DataType::S32, 1));
   copies->clear();
   for (size_t i = 0; i < args.size(); ++i) {
     auto buf = args.get<ffi::AnyBuffer>(i);
@@ -63,9 +60,7 @@ ffi::Error snapshot_cpu_impl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer
                              int64_t region, int64_t region_bytes,
                              ffi::Span<const int64_t> offsets) {
   std::vector<Copy> copies;
-  if (auto err = plan(args, region, region_bytes, offsets, *ticket, &copies); err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(plan(args, region, region_bytes, offsets, *ticket, &copies));
   for (const Copy& c : copies) std::memcpy(c.dst, c.src, static_cast<size_t>(c.bytes));
   *static_cast<int32_t*>(ticket->untyped_data()) = 0;
   return ffi::Error::Success();
@@ -85,13 +80,13 @@ std::map<int, DeviceCopier>& copiers() {
 
 cudaError_t copier_for_current_device(DeviceCopier** out) {
   int dev;
-  PIMHBM_CUDA_RETURN(cudaGetDevice(&dev));
+  PIMHBM_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
   std::lock_guard<std::mutex> lock(copiers_mutex);
   DeviceCopier& c = copiers()[dev];
   if (c.stream == nullptr) {
-    PIMHBM_CUDA_RETURN(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
-    PIMHBM_CUDA_RETURN(cudaEventCreateWithFlags(&c.ready, cudaEventDisableTiming));
-    PIMHBM_CUDA_RETURN(cudaEventCreateWithFlags(&c.done, cudaEventDisableTiming));
+    PIMHBM_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
+    PIMHBM_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&c.ready, cudaEventDisableTiming));
+    PIMHBM_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&c.done, cudaEventDisableTiming));
   }
   *out = &c;
   return cudaSuccess;
@@ -99,16 +94,16 @@ cudaError_t copier_for_current_device(DeviceCopier** out) {
 
 cudaError_t issue(cudaStream_t xla_stream, const std::vector<Copy>& copies, int32_t* ticket) {
   DeviceCopier* c;
-  PIMHBM_CUDA_RETURN(copier_for_current_device(&c));
-  PIMHBM_CUDA_RETURN(cudaEventRecord(c->ready, xla_stream));
-  PIMHBM_CUDA_RETURN(cudaStreamWaitEvent(c->stream, c->ready, 0));
+  PIMHBM_CUDA_RETURN_IF_ERROR(copier_for_current_device(&c));
+  PIMHBM_CUDA_RETURN_IF_ERROR(cudaEventRecord(c->ready, xla_stream));
+  PIMHBM_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(c->stream, c->ready, 0));
   for (const Copy& cp : copies) {
-    PIMHBM_CUDA_RETURN(cudaMemcpyAsync(cp.dst, cp.src, static_cast<size_t>(cp.bytes),
-                                       cudaMemcpyDeviceToHost, c->stream));
+    PIMHBM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cp.dst, cp.src, static_cast<size_t>(cp.bytes),
+                                                cudaMemcpyDeviceToHost, c->stream));
   }
-  PIMHBM_CUDA_RETURN(cudaEventRecord(c->done, c->stream));
+  PIMHBM_CUDA_RETURN_IF_ERROR(cudaEventRecord(c->done, c->stream));
   // The ticket is only a result for XLA to keep the call; it holds 0.
-  PIMHBM_CUDA_RETURN(cudaMemsetAsync(ticket, 0, sizeof(int32_t), xla_stream));
+  PIMHBM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(ticket, 0, sizeof(int32_t), xla_stream));
   return cudaSuccess;
 }
 
@@ -116,13 +111,9 @@ ffi::Error snapshot_cuda_impl(cudaStream_t stream, ffi::RemainingArgs args,
                               ffi::Result<ffi::AnyBuffer> ticket, int64_t region,
                               int64_t region_bytes, ffi::Span<const int64_t> offsets) {
   std::vector<Copy> copies;
-  if (auto err = plan(args, region, region_bytes, offsets, *ticket, &copies); err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(plan(args, region, region_bytes, offsets, *ticket, &copies));
   cudaError_t err = issue(stream, copies, static_cast<int32_t*>(ticket->untyped_data()));
-  return err == cudaSuccess ? ffi::Error::Success()
-                            : ffi::Error::Internal(std::string("pimhbm.snapshot: CUDA error: ") +
-                                                   cudaGetErrorString(err));
+  return ffi_util::cuda_status("pimhbm.snapshot", err);
 }
 #endif
 

@@ -5,10 +5,8 @@
 namespace pimhbm::faults {
 
 ffi::Error validate_inject(const ffi::AnyBuffer& x, const ffi::AnyBuffer& spec, Format* format) {
-  if (auto err = ffi_util::check_buffer("pimhbm.inject", "fault spec", spec, ffi::DataType::S32, 8);
-      err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(
+      ffi_util::check_buffer("pimhbm.inject", "fault spec", spec, ffi::DataType::S32, 8));
   switch (x.element_type()) {
     case ffi::DataType::F32:
       *format = kFloat32;
@@ -34,7 +32,7 @@ namespace {
 ffi::Error inject_cpu_impl(ffi::AnyBuffer x_in, ffi::AnyBuffer spec,
                            ffi::Result<ffi::AnyBuffer> x) {
   Format format;
-  if (auto err = validate_inject(*x, spec, &format); err.failure()) return err;
+  PIMHBM_FFI_RETURN_IF_ERROR(validate_inject(*x, spec, &format));
   ffi_util::copy_unaliased_cpu(ffi_util::unaliased("pimhbm.inject", {{x_in, *x}}));
   inject_cpu(static_cast<uint8_t*>(x->untyped_data()), static_cast<int64_t>(x->size_bytes()),
              format, static_cast<const int32_t*>(spec.untyped_data()));

@@ -9,16 +9,14 @@ namespace {
 ffi::Error inject_cuda_impl(cudaStream_t stream, ffi::AnyBuffer x_in, ffi::AnyBuffer spec,
                             ffi::Result<ffi::AnyBuffer> x) {
   Format format;
-  if (auto err = validate_inject(*x, spec, &format); err.failure()) return err;
+  PIMHBM_FFI_RETURN_IF_ERROR(validate_inject(*x, spec, &format));
   cudaError_t err =
       ffi_util::copy_unaliased_cuda(ffi_util::unaliased("pimhbm.inject", {{x_in, *x}}), stream);
   if (err == cudaSuccess)
     err =
         inject_cuda(static_cast<uint8_t*>(x->untyped_data()), static_cast<int64_t>(x->size_bytes()),
                     format, static_cast<const int32_t*>(spec.untyped_data()), stream);
-  return err == cudaSuccess ? ffi::Error::Success()
-                            : ffi::Error::Internal(std::string("pimhbm.inject: CUDA error: ") +
-                                                   cudaGetErrorString(err));
+  return ffi_util::cuda_status("pimhbm.inject", err);
 }
 
 }  // namespace

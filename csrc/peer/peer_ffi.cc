@@ -69,18 +69,14 @@ ffi::Error validate_pull(const ffi::AnyBuffer& chunks, const ffi::AnyBuffer& whi
                          const ffi::AnyBuffer& x, const ffi::AnyBuffer& table,
                          const ffi::AnyBuffer& status, int64_t chunk_bytes) {
   constexpr const char* kOp = "pimhbm.peer.pull";
-  if (auto err = ffi_util::check_chunk_bytes(kOp, chunk_bytes); err.failure()) return err;
+  PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_chunk_bytes(kOp, chunk_bytes));
   const int64_t n = num_chunks(static_cast<int64_t>(x.size_bytes()), chunk_bytes);
-  if (auto err = ffi_util::check_digest_table(kOp, "digests", table, n); err.failure()) return err;
+  PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_digest_table(kOp, "digests", table, n));
   const int64_t k = static_cast<int64_t>(chunks.element_count());
-  if (auto err = ffi_util::check_buffer(kOp, "chunk list", chunks, ffi::DataType::S32, k);
-      err.failure()) {
-    return err;
-  }
-  if (auto err = ffi_util::check_buffer(kOp, "source list", which, ffi::DataType::S32, k);
-      err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(
+      ffi_util::check_buffer(kOp, "chunk list", chunks, ffi::DataType::S32, k));
+  PIMHBM_FFI_RETURN_IF_ERROR(
+      ffi_util::check_buffer(kOp, "source list", which, ffi::DataType::S32, k));
   return ffi_util::check_buffer(kOp, "status", status, ffi::DataType::S32, k);
 }
 
@@ -135,7 +131,7 @@ ffi::Error all_gather_cpu(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::An
   constexpr const char* kOp = "pimhbm.peer.all_gather";
   auto m = member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms);
   if (m.has_error()) return m.error();
-  if (auto err = validate_all_gather(x, *out, m->size); err.failure()) return err;
+  PIMHBM_FFI_RETURN_IF_ERROR(validate_all_gather(x, *out, m->size));
   return meet_and_run(kOp, *m, Payload{x.untyped_data()}, [&](const std::vector<Payload>& all) {
     copy_segments_cpu(gather_segments(all, static_cast<int64_t>(x.size_bytes())),
                       static_cast<uint8_t*>(out->untyped_data()));
@@ -149,7 +145,7 @@ ffi::Error all_to_all_cpu(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::An
   constexpr const char* kOp = "pimhbm.peer.all_to_all";
   auto m = member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms);
   if (m.has_error()) return m.error();
-  if (auto err = validate_all_to_all(x, *out, m->size); err.failure()) return err;
+  PIMHBM_FFI_RETURN_IF_ERROR(validate_all_to_all(x, *out, m->size));
   return meet_and_run(kOp, *m, Payload{x.untyped_data()}, [&](const std::vector<Payload>& all) {
     copy_segments_cpu(
         exchange_segments(all, m->rank, static_cast<int64_t>(x.size_bytes()) / m->size),
@@ -166,9 +162,7 @@ ffi::Error pull_cpu(int32_t ordinal, ffi::AnyBuffer chunks, ffi::AnyBuffer which
   constexpr const char* kOp = "pimhbm.peer.pull";
   auto m = member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms);
   if (m.has_error()) return m.error();
-  if (auto err = validate_pull(chunks, which, *x, *table, *status, chunk_bytes); err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(validate_pull(chunks, which, *x, *table, *status, chunk_bytes));
   // The target starts as the operand where XLA did not alias them (ffi_alias.h), before the
   // peers meet: what they read of this device is its current state.
   ffi_util::copy_unaliased_cpu(ffi_util::unaliased(kOp, {{x_in, *x}, {table_in, *table}}));

@@ -132,7 +132,7 @@ ffi::Error all_gather_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   constexpr const char* kOp = "pimhbm.peer.all_gather";
   auto m = member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms);
   if (m.has_error()) return m.error();
-  if (auto err = validate_all_gather(x, *out, m->size); err.failure()) return err;
+  PIMHBM_FFI_RETURN_IF_ERROR(validate_all_gather(x, *out, m->size));
   return meet_and_launch(
       kOp, ordinal, *m, stream, Payload{x.untyped_data()}, [&](const std::vector<Payload>& all) {
         return copy_segments_cuda(gather_segments(all, static_cast<int64_t>(x.size_bytes())),
@@ -147,7 +147,7 @@ ffi::Error all_to_all_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   constexpr const char* kOp = "pimhbm.peer.all_to_all";
   auto m = member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms);
   if (m.has_error()) return m.error();
-  if (auto err = validate_all_to_all(x, *out, m->size); err.failure()) return err;
+  PIMHBM_FFI_RETURN_IF_ERROR(validate_all_to_all(x, *out, m->size));
   return meet_and_launch(
       kOp, ordinal, *m, stream, Payload{x.untyped_data()}, [&](const std::vector<Payload>& all) {
         return copy_segments_cuda(
@@ -164,16 +164,12 @@ ffi::Error pull_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer chunks
   constexpr const char* kOp = "pimhbm.peer.pull";
   auto m = member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms);
   if (m.has_error()) return m.error();
-  if (auto err = validate_pull(chunks, which, *x, *table, *status, chunk_bytes); err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(validate_pull(chunks, which, *x, *table, *status, chunk_bytes));
   // The target starts as the operand where XLA did not alias them (ffi_alias.h), before the
   // peers meet: what they read of this device is its current state.
-  if (cudaError_t err = ffi_util::copy_unaliased_cuda(
-          ffi_util::unaliased(kOp, {{x_in, *x}, {table_in, *table}}), stream);
-      err != cudaSuccess) {
-    return ffi::Error::Internal(std::string(kOp) + ": CUDA error: " + cudaGetErrorString(err));
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::cuda_status(
+      kOp, ffi_util::copy_unaliased_cuda(ffi_util::unaliased(kOp, {{x_in, *x}, {table_in, *table}}),
+                                         stream)));
   Payload mine{x->untyped_data(), table->untyped_data()};
   return meet_and_launch(kOp, ordinal, *m, stream, mine, [&](const std::vector<Payload>& all) {
     return repair::repair_from_cuda(

@@ -16,16 +16,14 @@ namespace {
 ffi::Error check_pair(const char* op, const ffi::AnyBuffer& src, const ffi::AnyBuffer& src_table,
                       const ffi::AnyBuffer& dst, const ffi::AnyBuffer& dst_table,
                       int64_t chunk_bytes, int64_t* nchunks) {
-  if (auto err = check_chunk_bytes(op, chunk_bytes); err.failure()) return err;
+  PIMHBM_FFI_RETURN_IF_ERROR(check_chunk_bytes(op, chunk_bytes));
   if (src.element_type() != dst.element_type() || src.size_bytes() != dst.size_bytes()) {
     return invalid(op, "source " + dtype_name(src.element_type()) +
                            ffi_util::shape_str(src.dimensions()) + " does not match target " +
                            dtype_name(dst.element_type()) + ffi_util::shape_str(dst.dimensions()));
   }
   *nchunks = num_chunks(static_cast<int64_t>(dst.size_bytes()), chunk_bytes);
-  if (auto err = check_digest_table(op, "source digests", src_table, *nchunks); err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(check_digest_table(op, "source digests", src_table, *nchunks));
   return check_digest_table(op, "target digests", dst_table, *nchunks);
 }
 
@@ -37,13 +35,9 @@ ffi::Error validate_repair(const ffi::AnyBuffer& chunks, const ffi::AnyBuffer& s
                            int64_t chunk_bytes) {
   constexpr const char* kOp = "pimhbm.repair";
   int64_t n;
-  if (auto err = check_pair(kOp, src, src_table, dst, dst_table, chunk_bytes, &n); err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(check_pair(kOp, src, src_table, dst, dst_table, chunk_bytes, &n));
   const int64_t k = static_cast<int64_t>(chunks.element_count());
-  if (auto err = check_buffer(kOp, "chunk list", chunks, ffi::DataType::S32, k); err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(kOp, "chunk list", chunks, ffi::DataType::S32, k));
   return check_buffer(kOp, "status", status, ffi::DataType::S32, k);
 }
 
@@ -52,11 +46,9 @@ ffi::Error validate_repair_packed(const ffi::AnyBuffer& chunks, const ffi::AnyBu
                                   const ffi::AnyBuffer& dst_table, const ffi::AnyBuffer& status,
                                   int64_t chunk_bytes) {
   constexpr const char* kOp = "pimhbm.repair_packed";
-  if (auto err = check_chunk_bytes(kOp, chunk_bytes); err.failure()) return err;
+  PIMHBM_FFI_RETURN_IF_ERROR(check_chunk_bytes(kOp, chunk_bytes));
   const int64_t k = static_cast<int64_t>(chunks.element_count());
-  if (auto err = check_buffer(kOp, "chunk list", chunks, ffi::DataType::S32, k); err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(kOp, "chunk list", chunks, ffi::DataType::S32, k));
   if (rows.element_type() != dst.element_type() ||
       static_cast<int64_t>(rows.size_bytes()) != k * chunk_bytes) {
     return invalid(kOp, "the received rows must be " + dtype_name(dst.element_type()) + ", " +
@@ -64,13 +56,9 @@ ffi::Error validate_repair_packed(const ffi::AnyBuffer& chunks, const ffi::AnyBu
                             " bytes; got " + dtype_name(rows.element_type()) +
                             ffi_util::shape_str(rows.dimensions()));
   }
-  if (auto err = check_digest_table(kOp, "received digests", row_table, k); err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(check_digest_table(kOp, "received digests", row_table, k));
   const int64_t n = num_chunks(static_cast<int64_t>(dst.size_bytes()), chunk_bytes);
-  if (auto err = check_digest_table(kOp, "target digests", dst_table, n); err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(check_digest_table(kOp, "target digests", dst_table, n));
   return check_buffer(kOp, "status", status, ffi::DataType::S32, k);
 }
 
@@ -80,9 +68,7 @@ ffi::Error validate_restore_clean(const ffi::AnyBuffer& commit, const ffi::Remai
                                   std::vector<CleanPair>* pairs,
                                   std::vector<ffi_util::Unaliased>* copies) {
   constexpr const char* kOp = "pimhbm.restore_clean";
-  if (auto err = check_buffer(kOp, "commit flag", commit, ffi::DataType::S32, 1); err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(kOp, "commit flag", commit, ffi::DataType::S32, 1));
   const size_t k = rets.size() / 2;
   if (rets.size() % 2 != 0 || args.size() != 5 * k || chunk_bytes.size() != k) {
     return invalid(kOp, "expected 5 arguments, 2 results and one chunk_bytes per tensor, got " +
@@ -126,10 +112,8 @@ ffi::Error repair_cpu_impl(ffi::AnyBuffer chunks, ffi::AnyBuffer src, ffi::AnyBu
                            ffi::AnyBuffer dst_in, ffi::AnyBuffer dst_table_in,
                            ffi::Result<ffi::AnyBuffer> dst, ffi::Result<ffi::AnyBuffer> dst_table,
                            ffi::Result<ffi::AnyBuffer> status, int64_t chunk_bytes) {
-  if (auto err = validate_repair(chunks, src, src_table, *dst, *dst_table, *status, chunk_bytes);
-      err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(
+      validate_repair(chunks, src, src_table, *dst, *dst_table, *status, chunk_bytes));
   ffi_util::copy_unaliased_cpu(
       ffi_util::unaliased("pimhbm.repair", {{dst_in, *dst}, {dst_table_in, *dst_table}}));
   repair_cpu(static_cast<const int32_t*>(chunks.untyped_data()),
@@ -143,10 +127,8 @@ ffi::Error restore_clean_cpu_impl(ffi::AnyBuffer commit, ffi::RemainingArgs args
                                   ffi::RemainingRets rets, ffi::Span<const int64_t> chunk_bytes) {
   std::vector<CleanPair> pairs;
   std::vector<ffi_util::Unaliased> copies;
-  if (auto err = validate_restore_clean(commit, args, rets, chunk_bytes, &pairs, &copies);
-      err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(
+      validate_restore_clean(commit, args, rets, chunk_bytes, &pairs, &copies));
   ffi_util::copy_unaliased_cpu(copies);
   for (const CleanPair& p : pairs) {
     restore_clean_cpu(static_cast<const int32_t*>(commit.untyped_data()), p.faults, p.src, p.dst);
@@ -159,11 +141,8 @@ ffi::Error repair_packed_cpu_impl(ffi::AnyBuffer chunks, ffi::AnyBuffer rows,
                                   ffi::AnyBuffer dst_table_in, ffi::Result<ffi::AnyBuffer> dst,
                                   ffi::Result<ffi::AnyBuffer> dst_table,
                                   ffi::Result<ffi::AnyBuffer> status, int64_t chunk_bytes) {
-  if (auto err =
-          validate_repair_packed(chunks, rows, row_table, *dst, *dst_table, *status, chunk_bytes);
-      err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(
+      validate_repair_packed(chunks, rows, row_table, *dst, *dst_table, *status, chunk_bytes));
   ffi_util::copy_unaliased_cpu(
       ffi_util::unaliased("pimhbm.repair_packed", {{dst_in, *dst}, {dst_table_in, *dst_table}}));
   repair_from_cpu(static_cast<const int32_t*>(chunks.untyped_data()),

@@ -7,19 +7,13 @@
 namespace pimhbm::repair {
 namespace {
 
-ffi::Error cuda_error(const char* op, cudaError_t err) {
-  return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(err));
-}
-
 ffi::Error repair_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, ffi::AnyBuffer src,
                             ffi::AnyBuffer src_table, ffi::AnyBuffer dst_in,
                             ffi::AnyBuffer dst_table_in, ffi::Result<ffi::AnyBuffer> dst,
                             ffi::Result<ffi::AnyBuffer> dst_table,
                             ffi::Result<ffi::AnyBuffer> status, int64_t chunk_bytes) {
-  if (auto err = validate_repair(chunks, src, src_table, *dst, *dst_table, *status, chunk_bytes);
-      err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(
+      validate_repair(chunks, src, src_table, *dst, *dst_table, *status, chunk_bytes));
   cudaError_t err = ffi_util::copy_unaliased_cuda(
       ffi_util::unaliased("pimhbm.repair", {{dst_in, *dst}, {dst_table_in, *dst_table}}), stream);
   if (err == cudaSuccess)
@@ -28,7 +22,7 @@ ffi::Error repair_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, ffi::Any
                       chunked(src, src_table, chunk_bytes),
                       mutable_chunked(*dst, *dst_table, chunk_bytes),
                       static_cast<int32_t*>(status->untyped_data()), stream);
-  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.repair", err);
+  return ffi_util::cuda_status("pimhbm.repair", err);
 }
 
 ffi::Error restore_clean_cuda_impl(cudaStream_t stream, ffi::AnyBuffer commit,
@@ -36,15 +30,13 @@ ffi::Error restore_clean_cuda_impl(cudaStream_t stream, ffi::AnyBuffer commit,
                                    ffi::Span<const int64_t> chunk_bytes) {
   std::vector<CleanPair> pairs;
   std::vector<ffi_util::Unaliased> copies;
-  if (auto err = validate_restore_clean(commit, args, rets, chunk_bytes, &pairs, &copies);
-      err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(
+      validate_restore_clean(commit, args, rets, chunk_bytes, &pairs, &copies));
   cudaError_t err = ffi_util::copy_unaliased_cuda(copies, stream);
   if (err == cudaSuccess)
     err = restore_clean_cuda(static_cast<const int32_t*>(commit.untyped_data()), pairs.data(),
                              pairs.size(), stream);
-  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.restore_clean", err);
+  return ffi_util::cuda_status("pimhbm.restore_clean", err);
 }
 
 ffi::Error repair_packed_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, ffi::AnyBuffer rows,
@@ -52,11 +44,8 @@ ffi::Error repair_packed_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, f
                                    ffi::AnyBuffer dst_table_in, ffi::Result<ffi::AnyBuffer> dst,
                                    ffi::Result<ffi::AnyBuffer> dst_table,
                                    ffi::Result<ffi::AnyBuffer> status, int64_t chunk_bytes) {
-  if (auto err =
-          validate_repair_packed(chunks, rows, row_table, *dst, *dst_table, *status, chunk_bytes);
-      err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(
+      validate_repair_packed(chunks, rows, row_table, *dst, *dst_table, *status, chunk_bytes));
   cudaError_t err = ffi_util::copy_unaliased_cuda(
       ffi_util::unaliased("pimhbm.repair_packed", {{dst_in, *dst}, {dst_table_in, *dst_table}}),
       stream);
@@ -66,7 +55,7 @@ ffi::Error repair_packed_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, f
                            packed_sources(rows, row_table, chunk_bytes),
                            mutable_chunked(*dst, *dst_table, chunk_bytes),
                            static_cast<int32_t*>(status->untyped_data()), stream);
-  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.repair_packed", err);
+  return ffi_util::cuda_status("pimhbm.repair_packed", err);
 }
 
 }  // namespace

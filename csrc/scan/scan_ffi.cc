@@ -13,18 +13,13 @@ ffi::Error validate_scan(const ffi::AnyBuffer& x, const ffi::AnyBuffer& digests,
                          const ffi::AnyBuffer& nonfinite, const ffi::AnyBuffer& max_abs,
                          int64_t chunk_bytes, Elem* elem) {
   constexpr const char* kOp = "pimhbm.scan";
-  if (auto err = check_chunk_bytes(kOp, chunk_bytes); err.failure()) return err;
+  PIMHBM_FFI_RETURN_IF_ERROR(check_chunk_bytes(kOp, chunk_bytes));
   auto e = ffi_util::protected_elem(kOp, x);
   if (!e) return e.error();
   const int64_t n = num_chunks(static_cast<int64_t>(x.size_bytes()), chunk_bytes);
-  if (auto err = check_digest_table(kOp, "digests", digests, n); err.failure()) return err;
-  if (auto err = check_buffer(kOp, "nonfinite", nonfinite, ffi::DataType::S32, n);
-      err.failure()) {
-    return err;
-  }
-  if (auto err = check_buffer(kOp, "max_abs", max_abs, ffi::DataType::F32, n); err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(check_digest_table(kOp, "digests", digests, n));
+  PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(kOp, "nonfinite", nonfinite, ffi::DataType::S32, n));
+  PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(kOp, "max_abs", max_abs, ffi::DataType::F32, n));
   *elem = *e;
   return ffi::Error::Success();
 }
@@ -32,24 +27,21 @@ ffi::Error validate_scan(const ffi::AnyBuffer& x, const ffi::AnyBuffer& digests,
 ffi::Error validate_verify(const ffi::AnyBuffer& x, const ffi::AnyBuffer& expected,
                            const ffi::AnyBuffer& mismatch, int64_t chunk_bytes) {
   constexpr const char* kOp = "pimhbm.verify";
-  if (auto err = check_chunk_bytes(kOp, chunk_bytes); err.failure()) return err;
+  PIMHBM_FFI_RETURN_IF_ERROR(check_chunk_bytes(kOp, chunk_bytes));
   auto e = ffi_util::protected_elem(kOp, x);
   if (!e) return e.error();
   const int64_t n = num_chunks(static_cast<int64_t>(x.size_bytes()), chunk_bytes);
-  if (auto err = check_digest_table(kOp, "digests", expected, n); err.failure()) return err;
+  PIMHBM_FFI_RETURN_IF_ERROR(check_digest_table(kOp, "digests", expected, n));
   return check_buffer(kOp, "mismatch", mismatch, ffi::DataType::PRED, n);
 }
 
 namespace {
 
 ffi::Error scan_cpu_impl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> digests,
-                         ffi::Result<ffi::AnyBuffer> nonfinite,
-                         ffi::Result<ffi::AnyBuffer> max_abs, int64_t chunk_bytes) {
+                         ffi::Result<ffi::AnyBuffer> nonfinite, ffi::Result<ffi::AnyBuffer> max_abs,
+                         int64_t chunk_bytes) {
   Elem elem;
-  if (auto err = validate_scan(x, *digests, *nonfinite, *max_abs, chunk_bytes, &elem);
-      err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(validate_scan(x, *digests, *nonfinite, *max_abs, chunk_bytes, &elem));
   scan_cpu(x.untyped_data(), static_cast<int64_t>(x.size_bytes()), elem, chunk_bytes,
            static_cast<uint32_t*>(digests->untyped_data()),
            static_cast<int32_t*>(nonfinite->untyped_data()),
@@ -59,7 +51,7 @@ ffi::Error scan_cpu_impl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> digests,
 
 ffi::Error verify_cpu_impl(ffi::AnyBuffer x, ffi::AnyBuffer expected,
                            ffi::Result<ffi::AnyBuffer> mismatch, int64_t chunk_bytes) {
-  if (auto err = validate_verify(x, expected, *mismatch, chunk_bytes); err.failure()) return err;
+  PIMHBM_FFI_RETURN_IF_ERROR(validate_verify(x, expected, *mismatch, chunk_bytes));
   verify_cpu(x.untyped_data(), static_cast<int64_t>(x.size_bytes()), chunk_bytes,
              static_cast<const uint32_t*>(expected.untyped_data()),
              static_cast<uint8_t*>(mismatch->untyped_data()));

@@ -9,33 +9,26 @@
 namespace pimhbm::scan {
 namespace {
 
-ffi::Error cuda_error(const char* op, cudaError_t err) {
-  return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(err));
-}
-
 ffi::Error scan_cuda_impl(cudaStream_t stream, ffi::AnyBuffer x,
                           ffi::Result<ffi::AnyBuffer> digests,
                           ffi::Result<ffi::AnyBuffer> nonfinite,
                           ffi::Result<ffi::AnyBuffer> max_abs, int64_t chunk_bytes) {
   Elem elem;
-  if (auto err = validate_scan(x, *digests, *nonfinite, *max_abs, chunk_bytes, &elem);
-      err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(validate_scan(x, *digests, *nonfinite, *max_abs, chunk_bytes, &elem));
   cudaError_t err = scan_cuda(x.untyped_data(), static_cast<int64_t>(x.size_bytes()), elem,
                               chunk_bytes, static_cast<uint32_t*>(digests->untyped_data()),
                               static_cast<int32_t*>(nonfinite->untyped_data()),
                               static_cast<float*>(max_abs->untyped_data()), stream);
-  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.scan", err);
+  return ffi_util::cuda_status("pimhbm.scan", err);
 }
 
 ffi::Error verify_cuda_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer expected,
                             ffi::Result<ffi::AnyBuffer> mismatch, int64_t chunk_bytes) {
-  if (auto err = validate_verify(x, expected, *mismatch, chunk_bytes); err.failure()) return err;
-  cudaError_t err = verify_cuda(x.untyped_data(), static_cast<int64_t>(x.size_bytes()),
-                                chunk_bytes, static_cast<const uint32_t*>(expected.untyped_data()),
+  PIMHBM_FFI_RETURN_IF_ERROR(validate_verify(x, expected, *mismatch, chunk_bytes));
+  cudaError_t err = verify_cuda(x.untyped_data(), static_cast<int64_t>(x.size_bytes()), chunk_bytes,
+                                static_cast<const uint32_t*>(expected.untyped_data()),
                                 static_cast<uint8_t*>(mismatch->untyped_data()), stream);
-  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.verify", err);
+  return ffi_util::cuda_status("pimhbm.verify", err);
 }
 
 }  // namespace

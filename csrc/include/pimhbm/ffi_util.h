@@ -10,6 +10,7 @@
 
 #include "pimhbm/digest.h"
 #include "pimhbm/elem.h"
+#include "pimhbm/ffi_error.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace pimhbm::ffi_util {
@@ -85,18 +86,6 @@ inline std::optional<Elem> elem_of(ffi::DataType t) {
     default:
       return std::nullopt;
   }
-}
-
-inline ffi::Error invalid(std::string_view op, const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
-}
-
-// `err` (an invalid() of `op`) with `where` ("leaf 3: ") put after the op's name.
-inline ffi::Error in_context(std::string_view op, const std::string& where, const ffi::Error& err) {
-  const std::string head = std::string(op) + ": ";
-  std::string msg = err.message();
-  if (msg.rfind(head, 0) == 0) msg = msg.substr(head.size());
-  return invalid(op, where + msg);
 }
 
 inline ffi::Error check_chunk_bytes(std::string_view op, int64_t chunk_bytes) {
