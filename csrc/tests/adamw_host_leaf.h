@@ -1,5 +1,6 @@
 // A parameter tensor's AdamW state on both sides (read and write), with digest tables, in host
-// memory: random contents, poisoned outputs. Shared by the CPU and CUDA update tests.
+// memory: random contents, poisoned outputs; and a device copy of it. Shared by the CPU and CUDA
+// update tests and the benchmark's variant tests.
 #pragma once
 
 #include <cmath>
@@ -125,6 +126,34 @@ struct HostLeaf {
     L.dn_nu = dn_nu.data();
     L.faults = faults.data(), L.grad_nonfinite = bad.data();
     L.totals = totals.data();
+    return L;
+  }
+};
+
+// A device copy of a leaf's state (AdamWLeaf::has_copy) in host memory, every element and
+// table entry filled with a pattern that the update overwrites only where the chunk verified.
+struct HostCopy {
+  std::vector<uint8_t> p;
+  std::vector<uint16_t> w;
+  std::vector<float> mu, nu;
+  std::vector<uint32_t> dp, dw, dmu, dnu;
+
+  explicit HostCopy(const HostLeaf& h, uint8_t byte = 0x5A, uint16_t word = 7, float f = 7.0f,
+                    uint32_t entry = 3)
+      : p(h.p.size(), byte),
+        w(h.w.size(), word),
+        mu(h.n, f),
+        nu(h.n, f),
+        dp(h.d_p.size(), entry),
+        dw(h.d_w.size(), entry),
+        dmu(h.d_mu.size(), entry),
+        dnu(h.d_nu.size(), entry) {}
+
+  // `L` (a view of the leaf) writing into this copy too.
+  AdamWLeaf attach(AdamWLeaf L) {
+    L.has_copy = true;
+    L.p_copy = p.data(), L.master_copy = w.data(), L.mu_copy = mu.data(), L.nu_copy = nu.data();
+    L.dc_p = dp.data(), L.dc_master = dw.data(), L.dc_mu = dmu.data(), L.dc_nu = dnu.data();
     return L;
   }
 };

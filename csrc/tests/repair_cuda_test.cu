@@ -1,4 +1,4 @@
-// The CUDA repair, mirror restore and fault injection against the CPU reference.
+// The CUDA repair, the device copy's restore and fault injection against the CPU reference.
 #include <gtest/gtest.h>
 
 #include <cstring>

@@ -39,9 +39,9 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
     ffi::DataType dtype;
     int64_t count;
   };
-  const bool has_mirror = b.p_m->element_count() != 0 && n != 0;
-  const int64_t nr = has_mirror ? n : 0, nrm = has_mirror ? nm : 0;
-  const int64_t nchunks_r = has_mirror ? nchunks : 0, nchunks_rm = has_mirror ? nchunks_m : 0;
+  const bool has_copy = b.p_c->element_count() != 0 && n != 0;
+  const int64_t nc = has_copy ? n : 0, ncm = has_copy ? nm : 0;
+  const int64_t nchunks_c = has_copy ? nchunks : 0, nchunks_cm = has_copy ? nchunks_m : 0;
   const Check checks[] = {
       {"gradient", b.g, pt, n},
       // Master weights are stored split (adamw_math.h): this is the 16-bit remainder.
@@ -53,17 +53,15 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
       {"new master", *b.master_out, ffi::DataType::U16, nm},
       {"new mu", *b.mu_out, ffi::DataType::F32, n},
       {"new nu", *b.nu_out, ffi::DataType::F32, n},
-      {"mirror parameters", *b.p_m, pt, nr},
-      {"mirror master", *b.master_m, ffi::DataType::U16, nrm},
-      {"mirror mu", *b.mu_m, ffi::DataType::F32, nr},
-      {"mirror nu", *b.nu_m, ffi::DataType::F32, nr},
+      {"device copy parameters", *b.p_c, pt, nc},
+      {"device copy master", *b.master_c, ffi::DataType::U16, ncm},
+      {"device copy mu", *b.mu_c, ffi::DataType::F32, nc},
+      {"device copy nu", *b.nu_c, ffi::DataType::F32, nc},
       {"fault map", *b.faults, ffi::DataType::S32, nchunks},
       {"gradient non-finite map", *b.grad_nonfinite, ffi::DataType::S32, nchunks},
   };
   for (const Check& c : checks) {
-    if (auto err = check_buffer(kAdamW, c.name, c.buf, c.dtype, c.count); err.failure()) {
-      return err;
-    }
+    PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(kAdamW, c.name, c.buf, c.dtype, c.count));
   }
   const struct {
     const char* name;
@@ -77,12 +75,12 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
                 {"new digests of the master weights", *b.dn_master, nchunks_m},
                 {"new digests of mu", *b.dn_mu, nchunks},
                 {"new digests of nu", *b.dn_nu, nchunks},
-                {"mirror digests of the parameters", *b.dm_p, nchunks_r},
-                {"mirror digests of the master weights", *b.dm_master, nchunks_rm},
-                {"mirror digests of mu", *b.dm_mu, nchunks_r},
-                {"mirror digests of nu", *b.dm_nu, nchunks_r}};
+                {"device copy digests of the parameters", *b.dc_p, nchunks_c},
+                {"device copy digests of the master weights", *b.dc_master, nchunks_cm},
+                {"device copy digests of mu", *b.dc_mu, nchunks_c},
+                {"device copy digests of nu", *b.dc_nu, nchunks_c}};
   for (const auto& t : tables) {
-    if (auto err = check_digest_table(kAdamW, t.name, t.buf, t.chunks); err.failure()) return err;
+    PIMHBM_FFI_RETURN_IF_ERROR(check_digest_table(kAdamW, t.name, t.buf, t.chunks));
   }
 
   AdamWLeaf& L = *leaf;
@@ -107,15 +105,15 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
   L.dn_master = static_cast<uint32_t*>(b.dn_master->untyped_data());
   L.dn_mu = static_cast<uint32_t*>(b.dn_mu->untyped_data());
   L.dn_nu = static_cast<uint32_t*>(b.dn_nu->untyped_data());
-  L.has_mirror = has_mirror;
-  L.p_mirror = b.p_m->untyped_data();
-  L.master_mirror = static_cast<uint16_t*>(b.master_m->untyped_data());
-  L.mu_mirror = static_cast<float*>(b.mu_m->untyped_data());
-  L.nu_mirror = static_cast<float*>(b.nu_m->untyped_data());
-  L.dm_p = static_cast<uint32_t*>(b.dm_p->untyped_data());
-  L.dm_master = static_cast<uint32_t*>(b.dm_master->untyped_data());
-  L.dm_mu = static_cast<uint32_t*>(b.dm_mu->untyped_data());
-  L.dm_nu = static_cast<uint32_t*>(b.dm_nu->untyped_data());
+  L.has_copy = has_copy;
+  L.p_copy = b.p_c->untyped_data();
+  L.master_copy = static_cast<uint16_t*>(b.master_c->untyped_data());
+  L.mu_copy = static_cast<float*>(b.mu_c->untyped_data());
+  L.nu_copy = static_cast<float*>(b.nu_c->untyped_data());
+  L.dc_p = static_cast<uint32_t*>(b.dc_p->untyped_data());
+  L.dc_master = static_cast<uint32_t*>(b.dc_master->untyped_data());
+  L.dc_mu = static_cast<uint32_t*>(b.dc_mu->untyped_data());
+  L.dc_nu = static_cast<uint32_t*>(b.dc_nu->untyped_data());
   L.faults = static_cast<int32_t*>(b.faults->untyped_data());
   L.grad_nonfinite = static_cast<int32_t*>(b.grad_nonfinite->untyped_data());
   // The write side must not be the read side: the read side is what a skipped step keeps.
@@ -130,11 +128,6 @@ ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingA
                                const ffi::RemainingRets& rets, const AdamWAttrs& a,
                                std::vector<AdamWLeaf>* leaves,
                                std::vector<ffi_util::Unaliased>* copies, uint64_t** totals_out) {
-  if (a.kernel < -2 || a.kernel > 0) {
-    return invalid(kAdamW,
-                   "kernel must be 0 (default), -1 (evict-first loads) or -2 (plain loads), got " +
-                       std::to_string(a.kernel));
-  }
   if (args.size() % kArgsPerLeaf != 0 ||
       rets.size() != args.size() / kArgsPerLeaf * kRetsPerLeaf + 1) {
     return invalid(kAdamW, "expected " + std::to_string(kArgsPerLeaf) + " arguments and " +
@@ -147,9 +140,7 @@ ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingA
   const size_t count = args.size() / kArgsPerLeaf;
   auto totals = rets.get<ffi::AnyBuffer>(rets.size() - 1);
   if (!totals) return invalid(kAdamW, "the totals (last result) are not a buffer");
-  if (auto err = check_buffer(kAdamW, "totals", **totals, ffi::DataType::U32, 4); err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(kAdamW, "totals", **totals, ffi::DataType::U32, 4));
   *totals_out = static_cast<uint64_t*>((*totals)->untyped_data());
   leaves->assign(count, AdamWLeaf{});
   copies->clear();
@@ -167,7 +158,7 @@ ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingA
       if (!r) return invalid(kAdamW, where + "result " + std::to_string(k) + " is not a buffer");
       out.push_back(*r);
     }
-    // Arguments 9..24 are the write side and the mirror as they were (aliased with results
+    // Arguments 9..24 are the write side and the device copy as they were (aliased with results
     // 0..15): the handler writes through the results.
     const AdamWBuffers b{in[0],   in[1],   in[2],   in[3],   in[4],   in[5],   in[6],
                          in[7],   in[8],   step,    out[0],  out[1],  out[2],  out[3],
@@ -185,10 +176,7 @@ ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingA
 ffi::Error validate_restore(const ffi::AnyBuffer& commit, const ffi::RemainingArgs& args,
                             const ffi::RemainingRets& rets, std::vector<CopyPair>* pairs,
                             std::vector<ffi_util::Unaliased>* copies) {
-  if (auto err = check_buffer(kRestore, "commit flag", commit, ffi::DataType::S32, 1);
-      err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(kRestore, "commit flag", commit, ffi::DataType::S32, 1));
   const size_t k = rets.size();
   if (args.size() != 2 * k) {
     return invalid(kRestore, "expected " + std::to_string(k) + " sources and " + std::to_string(k) +
@@ -217,26 +205,16 @@ ffi::Error validate_restore(const ffi::AnyBuffer& commit, const ffi::RemainingAr
   return ffi::Error::Success();
 }
 
-AdamWLaunch launch_for(int64_t kernel) {
-  if (kernel == 0) return default_launch();
-  AdamWLaunch launch;
-  launch.plain_loads = kernel == -2;
-  return launch;
-}
-
 namespace {
 
 ffi::Error adamw_cpu_impl(ffi::AnyBuffer step, ffi::RemainingArgs args, ffi::RemainingRets rets,
                           int64_t chunk_elems, float b1, float b2, float omb1, float omb2,
-                          float eps, float eps_root, float wd, int64_t kernel) {
-  const AdamWAttrs a{chunk_elems, AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd}, kernel};
+                          float eps, float eps_root, float wd) {
+  const AdamWAttrs a{chunk_elems, AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd}};
   std::vector<AdamWLeaf> leaves;
   std::vector<ffi_util::Unaliased> copies;
   uint64_t* totals = nullptr;
-  if (auto err = validate_adamw_call(step, args, rets, a, &leaves, &copies, &totals);
-      err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(validate_adamw_call(step, args, rets, a, &leaves, &copies, &totals));
   ffi_util::copy_unaliased_cpu(copies);
   totals[0] = totals[1] = 0;
   for (const AdamWLeaf& leaf : leaves) {
@@ -249,7 +227,7 @@ ffi::Error restore_cpu_impl(ffi::AnyBuffer commit, ffi::RemainingArgs args,
                             ffi::RemainingRets rets) {
   std::vector<CopyPair> pairs;
   std::vector<ffi_util::Unaliased> copies;
-  if (auto err = validate_restore(commit, args, rets, &pairs, &copies); err.failure()) return err;
+  PIMHBM_FFI_RETURN_IF_ERROR(validate_restore(commit, args, rets, &pairs, &copies));
   ffi_util::copy_unaliased_cpu(copies);
   restore_cpu(static_cast<const int32_t*>(commit.untyped_data()), pairs);
   return ffi::Error::Success();

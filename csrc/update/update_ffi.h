@@ -18,29 +18,24 @@ namespace ffi = xla::ffi;
 struct AdamWBuffers {
   ffi::AnyBuffer p, master, mu, nu, g, d_p, d_master, d_mu, d_nu, step;
   ffi::Result<ffi::AnyBuffer> p_out, master_out, mu_out, nu_out, dn_p, dn_master, dn_mu, dn_nu;
-  ffi::Result<ffi::AnyBuffer> p_m, master_m, mu_m, nu_m, dm_p, dm_master, dm_mu, dm_nu;
+  ffi::Result<ffi::AnyBuffer> p_c, master_c, mu_c, nu_c, dc_p, dc_master, dc_mu, dc_nu;
   ffi::Result<ffi::AnyBuffer> faults, grad_nonfinite;
 };
 
 // pimhbm_adamw updates every leaf of a tree in one call (one kernel launch per kind of leaf):
 // the step scalars, then per leaf kArgsPerLeaf arguments -- read side (p, master, mu, nu), the
-// gradient, the read side's digest tables, the write side's tensors and tables, the mirror's
+// gradient, the read side's digest tables, the write side's tensors and tables, the device copy's
 // tensors and tables (0 elements: absent) -- and kRetsPerLeaf results (the write side's 8, the
-// mirror's 8, the fault map, the non-finite gradient map); after the leaves' results, one more:
-// the call's totals, uint32 (2, 2): two 64-bit counters as (low, high) words (AdamWLeaf::totals).
+// device copy's 8, the fault map, the non-finite gradient map); after the leaves' results, one
+// more: the call's totals, uint32 (2, 2): two 64-bit counters as (low, high) words
+// (AdamWLeaf::totals).
 constexpr size_t kArgsPerLeaf = 25;
 constexpr size_t kRetsPerLeaf = 18;
 
-// The attribute `kernel` (for benchmarks; the results are the same bit for bit): 0 the default
-// launch (adamw.h, default_launch), -1 the chunk loop with evict-first loads, -2 with plain ones.
 struct AdamWAttrs {
   int64_t chunk_elems;
   AdamWHyper hyper;
-  int64_t kernel = 0;
 };
-
-// The launch options of a call's `kernel` attribute (checked by validate_adamw_call).
-AdamWLaunch launch_for(int64_t kernel);
 
 // Checks every buffer of one leaf; on success fills *leaf (write side from the results).
 ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf* leaf);
@@ -82,5 +77,4 @@ XLA_FFI_Error* PimhbmRestoreCuda(XLA_FFI_CallFrame* call_frame);
       .Attr<float>("one_minus_b2")                                    \
       .Attr<float>("eps")                                             \
       .Attr<float>("eps_root")                                        \
-      .Attr<float>("weight_decay")                                    \
-      .Attr<int64_t>("kernel")
+      .Attr<float>("weight_decay")

@@ -9,40 +9,32 @@
 namespace pimhbm::update {
 namespace {
 
-ffi::Error cuda_error(const char* op, cudaError_t err) {
-  return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(err));
-}
-
 ffi::Error adamw_cuda_impl(cudaStream_t stream, ffi::AnyBuffer step, ffi::RemainingArgs args,
                            ffi::RemainingRets rets, int64_t chunk_elems, float b1, float b2,
-                           float omb1, float omb2, float eps, float eps_root, float wd,
-                           int64_t kernel) {
-  const AdamWAttrs a{chunk_elems, AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd}, kernel};
+                           float omb1, float omb2, float eps, float eps_root, float wd) {
+  const AdamWAttrs a{chunk_elems, AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd}};
   std::vector<AdamWLeaf> leaves;
   std::vector<ffi_util::Unaliased> copies;
   uint64_t* totals = nullptr;
-  if (auto err = validate_adamw_call(step, args, rets, a, &leaves, &copies, &totals);
-      err.failure()) {
-    return err;
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(validate_adamw_call(step, args, rets, a, &leaves, &copies, &totals));
   cudaError_t err = ffi_util::copy_unaliased_cuda(copies, stream);
   if (err == cudaSuccess) err = cudaMemsetAsync(totals, 0, 2 * sizeof(uint64_t), stream);
   if (err == cudaSuccess) {
     err = adamw_cuda(leaves.data(), leaves.size(), a.hyper,
-                     static_cast<const float*>(step.untyped_data()), stream, launch_for(a.kernel));
+                     static_cast<const float*>(step.untyped_data()), stream);
   }
-  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.adamw", err);
+  return ffi_util::cuda_status("pimhbm.adamw", err);
 }
 
 ffi::Error restore_cuda_impl(cudaStream_t stream, ffi::AnyBuffer commit, ffi::RemainingArgs args,
                              ffi::RemainingRets rets) {
   std::vector<CopyPair> pairs;
   std::vector<ffi_util::Unaliased> copies;
-  if (auto err = validate_restore(commit, args, rets, &pairs, &copies); err.failure()) return err;
+  PIMHBM_FFI_RETURN_IF_ERROR(validate_restore(commit, args, rets, &pairs, &copies));
   cudaError_t err = ffi_util::copy_unaliased_cuda(copies, stream);
   if (err == cudaSuccess)
     err = restore_cuda(static_cast<const int32_t*>(commit.untyped_data()), pairs, stream);
-  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.restore", err);
+  return ffi_util::cuda_status("pimhbm.restore", err);
 }
 
 }  // namespace

@@ -162,32 +162,6 @@ def _counts_of(totals: jax.Array) -> jax.Array:
     return jnp.where((hi != 0) | (lo > _INT32_MAX), _INT32_MAX, lo.astype(jnp.int32))
 
 
-def _add_saturating(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a + b for non-negative int32 counts, saturating at INT32_MAX."""
-    return jnp.where(a > _INT32_MAX - b, _INT32_MAX, a + b)
-
-
-MIN_CALL_PARAMS = 1 << 24  # an update call of fewer parameters is not split further
-
-
-def call_groups(sizes: list[int], calls: int) -> list[tuple[int, int]]:
-    """Consecutive ranges [lo, hi) of leaves (by their element counts) for at most ``calls``
-    update calls of about equal size; a range of fewer than MIN_CALL_PARAMS elements is merged
-    into the one before it (a call's launch costs more than it could overlap)."""
-    groups, lo, acc, left = [], 0, 0, sum(sizes)
-    for i, n in enumerate(sizes):
-        acc += n
-        target = max(-(-left // (calls - len(groups))), MIN_CALL_PARAMS)
-        if acc >= target and len(groups) < calls - 1:
-            groups.append((lo, i + 1))
-            lo, left, acc = i + 1, left - acc, 0
-    if lo < len(sizes):
-        groups.append((lo, len(sizes)))
-    if len(groups) > 1 and sum(sizes[groups[-1][0]:]) < MIN_CALL_PARAMS:
-        groups[-2:] = [(groups[-2][0], len(sizes))]
-    return groups
-
-
 def _num_chunks(n: int, chunk_elems: int) -> int:
     return -(-n // chunk_elems)
 
@@ -245,24 +219,10 @@ class AdamW:
     master_weights: bool = False
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
     device_copy: bool = False
-    # Update calls a step makes at most (consecutive leaves of the tree, ~equal parameter counts,
-    # at least MIN_CALL_PARAMS each), so that a call could start as soon as its leaves' gradients
-    # are reduced across devices. Measured on two H200s (bench/NOTES.md, v11): no gain in the
-    # data-parallel step, and the update bench with 8 calls ran 0.13-0.16 ms slower than with
-    # one (two runs). Default: one call.
-    update_calls: int = 1
-    # Which CUDA kernel runs the update (for benchmarks): 0 the default, -1 the chunk loop with
-    # evict-first loads, -2 with plain loads. Results are identical bit for bit.
-    kernel: int = 0
 
     def __post_init__(self):
         if self.chunk_elems <= 0 or self.chunk_elems % 16:
             raise ValueError(f"chunk_elems must be a positive multiple of 16, got {self.chunk_elems}")
-        if self.update_calls < 1:
-            raise ValueError(f"update_calls must be at least 1, got {self.update_calls}")
-        if self.kernel not in (0, -1, -2):
-            raise ValueError(f"kernel must be 0 (default), -1 (evict-first loads) or -2 (plain "
-                             f"loads), got {self.kernel}")
 
     def chunk_bytes(self, dtype: Any) -> int:
         """Digest chunk of a state tensor of this dtype: chunk_elems elements."""
@@ -331,13 +291,9 @@ class AdamW:
         reads = slot_tensors(read, treedef)
         writes = slot_tensors(write, treedef)
         copies = slot_tensors(state.device_copy, treedef) if state.device_copy is not None else [None] * len(reads)
-        flat_grads = treedef.flatten_up_to(grads)
-        outs, local = [], jnp.zeros((2,), jnp.int32)
-        for lo, hi in call_groups([r["p"][0].size for r in reads], self.update_calls):
-            call_outs, totals = self._update_call(reads[lo:hi], flat_grads[lo:hi], writes[lo:hi],
-                                                  copies[lo:hi], scalars)
-            outs += call_outs
-            local = _add_saturating(local, _counts_of(totals))
+        outs, totals = self._update_call(reads, treedef.flatten_up_to(grads), writes, copies,
+                                         scalars)
+        local = _counts_of(totals)
 
         faults = [o["faults"] for o in outs]
         bad = [o["grad_nonfinite"] for o in outs]
@@ -426,8 +382,7 @@ class AdamW:
             scalars, *args, chunk_elems=np.int64(self.chunk_elems), b1=np.float32(self.b1),
             b2=np.float32(self.b2), one_minus_b1=np.float32(1 - self.b1),
             one_minus_b2=np.float32(1 - self.b2), eps=np.float32(self.eps),
-            eps_root=np.float32(self.eps_root), weight_decay=np.float32(self.weight_decay),
-            kernel=np.int64(self.kernel))
+            eps_root=np.float32(self.eps_root), weight_decay=np.float32(self.weight_decay))
         results = []
         for i, (names, has_copy) in enumerate(layout):
             o = outs[_RETS_PER_LEAF * i:_RETS_PER_LEAF * (i + 1)]
@@ -443,20 +398,18 @@ class AdamW:
 def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0.9,
           b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
           weight_decay: float = 1e-4, *, master_weights: bool = False,
-          chunk_elems: int | None = None, device_copy: bool = False, update_calls: int = 1,
-          kernel: int = 0) -> AdamW:
+          chunk_elems: int | None = None, device_copy: bool = False) -> AdamW:
     """Guarded fused AdamW; arguments as ``optax.adamw`` (``learning_rate`` may be a schedule
     of the step count). ``master_weights``: keep fp32 master weights for bf16 parameters (stored
     as the parameters and a uint16 remainder each: ``AdamWState.master_weights`` joins them).
     ``device_copy``: keep a current copy of the state on the device, written in the same pass,
     for chunk-level repair. ``chunk_elems``: elements per digest chunk (default 16384, or 4096
     with a device copy: the update then reads each chunk twice and the second read must come
-    from L2). ``update_calls``: at most this many update calls a step, over consecutive leaves
-    (see AdamW.update_calls). ``kernel``: which CUDA kernel (benchmarks; see AdamW.kernel)."""
+    from L2)."""
     if chunk_elems is None:
         chunk_elems = DEVICE_COPY_CHUNK_ELEMS if device_copy else DEFAULT_CHUNK_ELEMS
     return AdamW(learning_rate, b1, b2, eps, eps_root, weight_decay, master_weights, chunk_elems,
-                 device_copy, update_calls, kernel)
+                 device_copy)
 
 
 def restore_unless(commit: jax.Array, sources: list[jax.Array],

@@ -56,9 +56,6 @@ def add_arguments(p) -> None:
                    help="how a chunk is pulled from a healthy replica (several devices): an XLA "
                         "collective, our kernel reading a peer GPU of this process (peer), or "
                         "of another process over CUDA IPC (ipc, with --processes)")
-    p.add_argument("--update-calls", type=int, default=1,
-                   help="at most this many guarded-update calls a step, over consecutive leaves "
-                        "(default 1: one call for the whole tree)")
     p.add_argument("--no-device-copy", action="store_true",
                    help="keep no device copy of the state: every damaged chunk is pulled from "
                         "another replica (needs more devices than --shard); the update writes "
@@ -205,9 +202,6 @@ def run(args: Any) -> int:
         print(f"--replica-transport {args.replica_transport}: 'ipc' pulls across processes "
               "(--processes 2 or more), 'peer' within one process", file=sys.stderr)
         return 2
-    if args.update_calls < 1:
-        print(f"--update-calls must be at least 1, got {args.update_calls}", file=sys.stderr)
-        return 2
     if args.no_device_copy and args.devices <= args.shard:
         print(f"--no-device-copy repairs from other replicas: it needs more devices than "
               f"--shard ({args.devices} devices, --shard {args.shard})", file=sys.stderr)
@@ -293,7 +287,6 @@ def run(args: Any) -> int:
                                "shard": args.shard, "tiny": args.tiny,
                                "replica_transport": args.replica_transport, "layers": args.layers,
                                "device_copy": not args.no_device_copy,
-                               "update_calls": args.update_calls,
                                "tokens": args.tokens, "params": cfg.num_params()}
 
     # Plain: optax.adamw on fp32 master weights, bf16 parameters cast from them.
@@ -340,8 +333,7 @@ def run(args: Any) -> int:
                             scrub_every=0, inject_gradients=True, devices=devices,
                             attention_impl=attention, params=fresh(),
                             replica_transport=args.replica_transport, shard=args.shard,
-                            device_copy=not args.no_device_copy,
-                            update_calls=args.update_calls)
+                            device_copy=not args.no_device_copy)
     try:
         console.print("prewarm (every program, from shapes) ...")
         before = dev.memory_stats() or {}
