@@ -30,41 +30,43 @@ namespace nb = nanobind;
 
 namespace {
 
-template <typename Fn>
-nb::capsule capsule(Fn* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
+// Every FFI target: its name, and its handler on each platform (PIMHBM_FFI_HANDLERS).
+struct Target {
+  const char* name;
+  XLA_FFI_Handler* cpu;
+  XLA_FFI_Handler* cuda;  // null without CUDA
+};
+#if defined(PIMHBM_WITH_CUDA)
+#define PIMHBM_TARGET(name, symbol) \
+  { name, symbol##Cpu, symbol##Cuda }
+#else
+#define PIMHBM_TARGET(name, symbol) \
+  { name, symbol##Cpu, nullptr }
+#endif
+constexpr Target kTargets[] = {
+    PIMHBM_TARGET("pimhbm_scan", PimhbmScan),
+    PIMHBM_TARGET("pimhbm_verify", PimhbmVerify),
+    PIMHBM_TARGET("pimhbm_adamw", PimhbmAdamW),
+    PIMHBM_TARGET("pimhbm_restore", PimhbmRestore),
+    PIMHBM_TARGET("pimhbm_repair", PimhbmRepair),
+    PIMHBM_TARGET("pimhbm_restore_clean", PimhbmRestoreClean),
+    PIMHBM_TARGET("pimhbm_repair_packed", PimhbmRepairPacked),
+    PIMHBM_TARGET("pimhbm_inject", PimhbmInject),
+    PIMHBM_TARGET("pimhbm_snapshot", PimhbmSnapshot),
+    PIMHBM_TARGET("pimhbm_peer_all_gather", PimhbmPeerAllGather),
+    PIMHBM_TARGET("pimhbm_peer_all_to_all", PimhbmPeerAllToAll),
+    PIMHBM_TARGET("pimhbm_peer_pull", PimhbmPeerPull),
+};
+#undef PIMHBM_TARGET
 
 nb::dict registrations() {
-  nb::dict cpu;
-  cpu["pimhbm_scan"] = capsule(PimhbmScanCpu);
-  cpu["pimhbm_verify"] = capsule(PimhbmVerifyCpu);
-  cpu["pimhbm_adamw"] = capsule(PimhbmAdamWCpu);
-  cpu["pimhbm_restore"] = capsule(PimhbmRestoreCpu);
-  cpu["pimhbm_repair"] = capsule(PimhbmRepairCpu);
-  cpu["pimhbm_restore_clean"] = capsule(PimhbmRestoreCleanCpu);
-  cpu["pimhbm_repair_packed"] = capsule(PimhbmRepairPackedCpu);
-  cpu["pimhbm_inject"] = capsule(PimhbmInjectCpu);
-  cpu["pimhbm_snapshot"] = capsule(PimhbmSnapshotCpu);
-  cpu["pimhbm_peer_all_gather"] = capsule(PimhbmPeerAllGatherCpu);
-  cpu["pimhbm_peer_all_to_all"] = capsule(PimhbmPeerAllToAllCpu);
-  cpu["pimhbm_peer_pull"] = capsule(PimhbmPeerPullCpu);
-  nb::dict out;
+  nb::dict cpu, cuda, out;
+  for (const Target& t : kTargets) {
+    cpu[t.name] = nb::capsule(reinterpret_cast<void*>(t.cpu));
+    if (t.cuda) cuda[t.name] = nb::capsule(reinterpret_cast<void*>(t.cuda));
+  }
   out["cpu"] = cpu;
 #if defined(PIMHBM_WITH_CUDA)
-  nb::dict cuda;
-  cuda["pimhbm_scan"] = capsule(PimhbmScanCuda);
-  cuda["pimhbm_verify"] = capsule(PimhbmVerifyCuda);
-  cuda["pimhbm_adamw"] = capsule(PimhbmAdamWCuda);
-  cuda["pimhbm_restore"] = capsule(PimhbmRestoreCuda);
-  cuda["pimhbm_repair"] = capsule(PimhbmRepairCuda);
-  cuda["pimhbm_restore_clean"] = capsule(PimhbmRestoreCleanCuda);
-  cuda["pimhbm_repair_packed"] = capsule(PimhbmRepairPackedCuda);
-  cuda["pimhbm_inject"] = capsule(PimhbmInjectCuda);
-  cuda["pimhbm_snapshot"] = capsule(PimhbmSnapshotCuda);
-  cuda["pimhbm_peer_all_gather"] = capsule(PimhbmPeerAllGatherCuda);
-  cuda["pimhbm_peer_all_to_all"] = capsule(PimhbmPeerAllToAllCuda);
-  cuda["pimhbm_peer_pull"] = capsule(PimhbmPeerPullCuda);
   out["CUDA"] = cuda;
 #endif
   return out;

@@ -1,4 +1,4 @@
-// CPU handlers of pimhbm_adamw / pimhbm_restore and the argument checks both platforms share.
+// The handlers of pimhbm_adamw / pimhbm_restore for both platforms, and their CPU launches.
 #include "update/update_ffi.h"
 
 #include <string>
@@ -14,8 +14,8 @@ using ffi_util::invalid;
 namespace {
 constexpr const char* kAdamW = "pimhbm.adamw";
 constexpr const char* kRestore = "pimhbm.restore";
-}  // namespace
 
+// Checks every buffer of one leaf; on success fills *leaf (write side from the results).
 ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf* leaf) {
   if (a.chunk_elems <= 0 || a.chunk_elems % 16 != 0) {
     return invalid(kAdamW, "chunk_elems must be a positive multiple of 16, got " +
@@ -124,6 +124,9 @@ ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf*
   return ffi::Error::Success();
 }
 
+// Checks the whole call (the step scalars, every leaf, the totals) and lists the leaves (their
+// totals pointing at the call's), the results XLA did not alias with their operands, and the
+// totals.
 ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingArgs& args,
                                const ffi::RemainingRets& rets, const AdamWAttrs& a,
                                std::vector<AdamWLeaf>* leaves,
@@ -173,6 +176,8 @@ ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingA
   return ffi::Error::Success();
 }
 
+// Checks (commit, sources..., destinations...) and lists the copies to make, and the results XLA
+// did not alias with their destinations.
 ffi::Error validate_restore(const ffi::AnyBuffer& commit, const ffi::RemainingArgs& args,
                             const ffi::RemainingRets& rets, std::vector<CopyPair>* pairs,
                             std::vector<ffi_util::Unaliased>* copies) {
@@ -205,40 +210,64 @@ ffi::Error validate_restore(const ffi::AnyBuffer& commit, const ffi::RemainingAr
   return ffi::Error::Success();
 }
 
-namespace {
+}  // namespace
 
-ffi::Error adamw_cpu_impl(ffi::AnyBuffer step, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                          int64_t chunk_elems, float b1, float b2, float omb1, float omb2,
-                          float eps, float eps_root, float wd) {
-  const AdamWAttrs a{chunk_elems, AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd}};
-  std::vector<AdamWLeaf> leaves;
-  std::vector<ffi_util::Unaliased> copies;
-  uint64_t* totals = nullptr;
-  PIMHBM_FFI_RETURN_IF_ERROR(validate_adamw_call(step, args, rets, a, &leaves, &copies, &totals));
-  ffi_util::copy_unaliased_cpu(copies);
-  totals[0] = totals[1] = 0;
-  for (const AdamWLeaf& leaf : leaves) {
-    adamw_cpu(leaf, a.hyper, static_cast<const float*>(step.untyped_data()));
-  }
+ffi::Error launch(ffi_util::OnCpu, const AdamWCall& c) {
+  c.totals[0] = c.totals[1] = 0;
+  for (const AdamWLeaf& leaf : c.leaves) adamw_cpu(leaf, c.hyper, c.step);
   return ffi::Error::Success();
 }
 
-ffi::Error restore_cpu_impl(ffi::AnyBuffer commit, ffi::RemainingArgs args,
-                            ffi::RemainingRets rets) {
-  std::vector<CopyPair> pairs;
-  std::vector<ffi_util::Unaliased> copies;
-  PIMHBM_FFI_RETURN_IF_ERROR(validate_restore(commit, args, rets, &pairs, &copies));
-  ffi_util::copy_unaliased_cpu(copies);
-  restore_cpu(static_cast<const int32_t*>(commit.untyped_data()), pairs);
+ffi::Error launch(ffi_util::OnCpu, const RestoreCall& c) {
+  restore_cpu(c.commit, c.pairs);
   return ffi::Error::Success();
+}
+
+namespace {
+
+template <typename Platform>
+ffi::Error adamw_handler(Platform on, ffi::AnyBuffer step, ffi::RemainingArgs args,
+                         ffi::RemainingRets rets, int64_t chunk_elems, float b1, float b2,
+                         float omb1, float omb2, float eps, float eps_root, float wd) {
+  const AdamWAttrs a{chunk_elems, AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd}};
+  AdamWCall call{{}, a.hyper, static_cast<const float*>(step.untyped_data()), nullptr, {}};
+  PIMHBM_FFI_RETURN_IF_ERROR(
+      validate_adamw_call(step, args, rets, a, &call.leaves, &call.copies, &call.totals));
+  PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::copy_unaliased(on, call.copies));
+  return launch(on, call);
+}
+
+template <typename Platform>
+ffi::Error restore_handler(Platform on, ffi::AnyBuffer commit, ffi::RemainingArgs args,
+                           ffi::RemainingRets rets) {
+  RestoreCall call{static_cast<const int32_t*>(commit.untyped_data()), {}, {}};
+  PIMHBM_FFI_RETURN_IF_ERROR(validate_restore(commit, args, rets, &call.pairs, &call.copies));
+  PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::copy_unaliased(on, call.copies));
+  return launch(on, call);
 }
 
 }  // namespace
 }  // namespace pimhbm::update
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmAdamWCpu, pimhbm::update::adamw_cpu_impl,
-                              PIMHBM_ADAMW_BINDING(xla::ffi::Ffi::Bind()));
+// The step scalars, then per leaf kArgsPerLeaf arguments -> per leaf kRetsPerLeaf results, then
+// the call's totals.
+#define PIMHBM_ADAMW_BINDING(bind)                                      \
+  bind.Arg<::xla::ffi::AnyBuffer>() /* lr, 1 - b1^t, 1 - b2^t */        \
+      .RemainingArgs()              /* kArgsPerLeaf per leaf */         \
+      .RemainingRets()              /* kRetsPerLeaf per leaf, totals */ \
+      .Attr<int64_t>("chunk_elems")                                     \
+      .Attr<float>("b1")                                                \
+      .Attr<float>("b2")                                                \
+      .Attr<float>("one_minus_b1")                                      \
+      .Attr<float>("one_minus_b2")                                      \
+      .Attr<float>("eps")                                               \
+      .Attr<float>("eps_root")                                          \
+      .Attr<float>("weight_decay")
+PIMHBM_FFI_HANDLERS(PimhbmAdamW, pimhbm::update::adamw_handler, PIMHBM_ADAMW_BINDING,
+                    PIMHBM_FFI_CAPTURABLE);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    PimhbmRestoreCpu, pimhbm::update::restore_cpu_impl,
-    xla::ffi::Ffi::Bind().Arg<xla::ffi::AnyBuffer>().RemainingArgs().RemainingRets());
+// commit flag, sources..., destinations... -> destinations (aliased)
+#define PIMHBM_RESTORE_BINDING(bind) \
+  bind.Arg<::xla::ffi::AnyBuffer>().RemainingArgs().RemainingRets()
+PIMHBM_FFI_HANDLERS(PimhbmRestore, pimhbm::update::restore_handler, PIMHBM_RESTORE_BINDING,
+                    PIMHBM_FFI_CAPTURABLE);

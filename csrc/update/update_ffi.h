@@ -1,14 +1,15 @@
 // XLA FFI handlers of the guarded update ("pimhbm_adamw") and of commit-or-skip
-// ("pimhbm_restore").
+// ("pimhbm_restore"). One handler each for both platforms (update_ffi.cc); the launches below
+// are what differs.
 #pragma once
 
 #include <vector>
 
 #include "pimhbm/ffi_alias.h"
+#include "pimhbm/ffi_platform.h"
 #include "pimhbm/ffi_util.h"
 #include "update/adamw.h"
 #include "update/restore.h"
-#include "xla/ffi/api/c_api.h"
 
 namespace pimhbm::update {
 
@@ -37,44 +38,28 @@ struct AdamWAttrs {
   AdamWHyper hyper;
 };
 
-// Checks every buffer of one leaf; on success fills *leaf (write side from the results).
-ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf* leaf);
+// A checked pimhbm_adamw call: every leaf (their totals pointing at the call's), the step
+// scalars (lr, 1 - b1^t, 1 - b2^t), the call's totals (zeroed before the update), and the
+// results XLA did not alias with their operands (ffi_alias.h), copied in first.
+struct AdamWCall {
+  std::vector<AdamWLeaf> leaves;
+  AdamWHyper hyper;
+  const float* step;
+  uint64_t* totals;
+  std::vector<ffi_util::Unaliased> copies;
+};
 
-// Checks the whole call (the step scalars, every leaf, the totals) and lists the leaves (their
-// totals pointing at the call's), the results XLA did not alias with their operands
-// (ffi_alias.h), and the totals (to be zeroed before the update).
-ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingArgs& args,
-                               const ffi::RemainingRets& rets, const AdamWAttrs& a,
-                               std::vector<AdamWLeaf>* leaves,
-                               std::vector<ffi_util::Unaliased>* copies, uint64_t** totals_out);
+// A checked pimhbm_restore call: the commit flag, the copies to make unless it commits.
+struct RestoreCall {
+  const int32_t* commit;
+  std::vector<CopyPair> pairs;
+  std::vector<ffi_util::Unaliased> copies;
+};
 
-// Checks the (commit, sources..., destinations...) of pimhbm_restore and lists the copies to
-// make, and the results XLA did not alias with their destinations.
-ffi::Error validate_restore(const ffi::AnyBuffer& commit, const ffi::RemainingArgs& args,
-                            const ffi::RemainingRets& rets, std::vector<CopyPair>* pairs,
-                            std::vector<ffi_util::Unaliased>* copies);
+PIMHBM_FFI_DECLARE_LAUNCHES(AdamWCall);
+PIMHBM_FFI_DECLARE_LAUNCHES(RestoreCall);
 
 }  // namespace pimhbm::update
 
-extern "C" {
-XLA_FFI_Error* PimhbmAdamWCpu(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* PimhbmRestoreCpu(XLA_FFI_CallFrame* call_frame);
-#if defined(PIMHBM_WITH_CUDA)
-XLA_FFI_Error* PimhbmAdamWCuda(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* PimhbmRestoreCuda(XLA_FFI_CallFrame* call_frame);
-#endif
-}
-
-// The binding shared by both platforms' handlers (the CUDA one adds the stream in front).
-#define PIMHBM_ADAMW_BINDING(bind)                                    \
-  bind.Arg<xla::ffi::AnyBuffer>() /* lr, 1 - b1^t, 1 - b2^t */        \
-      .RemainingArgs()            /* kArgsPerLeaf per leaf */         \
-      .RemainingRets()            /* kRetsPerLeaf per leaf, totals */ \
-      .Attr<int64_t>("chunk_elems")                                   \
-      .Attr<float>("b1")                                              \
-      .Attr<float>("b2")                                              \
-      .Attr<float>("one_minus_b1")                                    \
-      .Attr<float>("one_minus_b2")                                    \
-      .Attr<float>("eps")                                             \
-      .Attr<float>("eps_root")                                        \
-      .Attr<float>("weight_decay")
+PIMHBM_FFI_DECLARE_HANDLERS(PimhbmAdamW);
+PIMHBM_FFI_DECLARE_HANDLERS(PimhbmRestore);
