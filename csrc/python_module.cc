@@ -18,6 +18,7 @@
 #include "repair/repair_ffi.h"
 #include "scan/scan_ffi.h"
 #include "telemetry/telemetry.h"
+#include "update/adamw_layout.h"
 #include "update/update_ffi.h"
 
 #if defined(PIMHBM_WITH_CUDA)
@@ -69,6 +70,36 @@ nb::dict registrations() {
 #if defined(PIMHBM_WITH_CUDA)
   out["CUDA"] = cuda;
 #endif
+  return out;
+}
+
+// The buffers of one leaf of a pimhbm_adamw call (update/adamw_layout.h), for the Python front
+// to build its calls from by name.
+nb::object position(int k) {  // among a leaf's operands or results; None: not there
+  if (k < 0) return nb::none();
+  return nb::int_(k);
+}
+
+nb::dict adamw_layout() {
+  using namespace pimhbm::update;
+  nb::list rows;
+  for (int row = 0; row < kLeafRows; ++row) {
+    const LeafBuffer& b = kLeafBuffers[row];
+    nb::dict d;
+    d["name"] = b.name;
+    d["role"] = role_name(b.role);
+    d["tensor"] = tensor_key(b.tensor);
+    d["table"] = b.table;
+    d["dtype"] = dtype_rule(b.dtype);
+    d["count"] = count_rule(b.count);
+    d["operand"] = position(operand_of(row));
+    d["result"] = position(result_of(row));
+    rows.append(d);
+  }
+  nb::dict out;
+  out["leaf"] = rows;
+  out["leaf_operands"] = kLeafOperands;
+  out["leaf_results"] = kLeafResults;
   return out;
 }
 
@@ -192,6 +223,12 @@ NB_MODULE(_core, m) {
   m.attr("with_cuda") = false;
 #endif
   m.attr("default_chunk_bytes") = pimhbm::kDefaultChunkBytes;
+  m.def("adamw_layout", &adamw_layout,
+        "The buffers of one leaf of a pimhbm_adamw call: per row its name, role (read, write, "
+        "copy, report), tensor (p, master, mu, nu, g, faults, grad_nonfinite), whether it is "
+        "the tensor's digest table, its dtype and count rules, and its positions among the "
+        "leaf's operands and results (None: none). The step scalars come before the leaves' "
+        "operands, the call's totals after their results.");
 
   nb::class_<ShmRegion>(m, "ShmRegion",
                         "A named POSIX shared-memory region, owned by C++; outlives the process.")

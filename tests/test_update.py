@@ -330,6 +330,22 @@ def test_the_kernels_64_bit_counts_become_int32_counts_that_saturate():
     assert _counts_of(words(0, 2**63)).tolist() == [0, imax]
 
 
+def test_the_update_call_is_laid_out_by_the_handlers_own_table():
+    """The buffers of a leaf are described once, in C++ (csrc/update/adamw_layout.h); the
+    Python front builds its calls from that description."""
+    layout = pimhbm.update.adamw_layout()
+    rows = layout["leaf"]
+    operands = sorted(b["operand"] for b in rows if b["operand"] is not None)
+    results = sorted(b["result"] for b in rows if b["result"] is not None)
+    assert operands == list(range(layout["leaf_operands"])) and len(operands) == 25
+    assert results == list(range(layout["leaf_results"])) and len(results) == 18
+    keys = [(b["role"], b["tensor"], b["table"]) for b in rows]
+    assert len(set(keys)) == len(keys)
+    for b in rows:  # read rows are operands only, reports results only, the rest both
+        assert (b["operand"] is None) == (b["role"] == "report")
+        assert (b["result"] is None) == (b["role"] == "read")
+
+
 def test_the_handler_rejects_a_wrong_digest_table():
     """Called around the Python checks: a clear error from the handler, no crash."""
     pimhbm.scan(np.zeros(1, np.float32))

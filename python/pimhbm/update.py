@@ -30,12 +30,14 @@ extra copy of the optimizer state in memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pimhbm import _core
 from pimhbm._ffi import ensure_registered
 from pimhbm.scan import scan, verify
 
@@ -151,7 +153,6 @@ class UpdateReport(NamedTuple):
     local_counts: jax.Array  # int32 (2,): this device's faulty chunks, NaN/Inf gradient values
 
 
-_RETS_PER_LEAF = 18  # results of pimhbm_adamw per leaf (csrc/update/update_ffi.h)
 _INT32_MAX = np.iinfo(np.int32).max
 
 
@@ -342,39 +343,32 @@ class AdamW:
 
     def _update_call(self, reads, grads, writes, copies, scalars):
         """One pimhbm_adamw call for the given leaves (the kernel runs over the chunks of all of
-        them). reads/writes/copies: per leaf {name: (tensor, table)} (device copy None: absent).
-        Returns, per leaf, {"write": {...}, "faults", "grad_nonfinite"[, "device_copy": {...}]}, and
-        the call's totals: faulty chunks and NaN/Inf gradient values as uint32 (2, 2), each a
-        64-bit count's low and high words."""
-        order = ["p", "master", "mu", "nu"]
-        args, out_types, aliases, layout = [], [], {}, []
-        # Absent tensors (no master weights, no device copy) are empty placeholders in the call.
-        no_table = jnp.zeros((0, 2), jnp.uint32)
+        them), laid out by the handler's own description of a leaf (adamw_layout). reads/writes/
+        copies: per leaf {name: (tensor, table)} (device copy None: absent). Returns, per leaf,
+        {"write": {...}, "faults", "grad_nonfinite"[, "device_copy": {...}]}, and the call's
+        totals: faulty chunks and NaN/Inf gradient values as uint32 (2, 2), each a 64-bit
+        count's low and high words."""
+        layout = adamw_layout()
+        operands = sorted((b for b in layout["leaf"] if b["operand"] is not None),
+                          key=lambda b: b["operand"])
+        results = sorted((b for b in layout["leaf"] if b["result"] is not None),
+                         key=lambda b: b["result"])
+        args, out_types, aliases = [], [], {}
         for read, g, write, copy in zip(reads, grads, writes, copies):
+            sides = {"read": read, "write": write, "copy": copy}
             p = read["p"][0]
-            nchunks = _num_chunks(p.size, self.chunk_elems)
-            present = {"p": True, "master": "master" in read, "mu": True, "nu": True}
-            empty = {k: (jnp.zeros((0,), tensor_dtype(k, p.dtype)), no_table) for k in order}
-
-            def side(tensors):
-                if tensors is None:
-                    return [empty[k] for k in order]
-                return [tensors.get(k, empty[k]) for k in order]
-
-            r, w, m = side(read), side(write), side(copy)
-            leaf_args = ([t[0] for t in r] + [g] + [t[1] for t in r] + [t[0] for t in w] +
-                         [t[1] for t in w] + [t[0] for t in m] + [t[1] for t in m])
+            leaf = {_key(b): _leaf_operand(b, sides, g, p.dtype) for b in operands}
             arg0, ret0 = 1 + len(args), len(out_types)  # the step scalars come first
-            for side_at, side_present in ((9, True), (17, copy is not None)):
-                for j, k in enumerate(order):
-                    if side_present and present[k]:
-                        aliases[arg0 + side_at + j] = ret0 + side_at - 9 + j          # tensor
-                        aliases[arg0 + side_at + 4 + j] = ret0 + side_at - 9 + 4 + j  # table
-            args += leaf_args
-            out_types += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaf_args[9:25]] + [
-                jax.ShapeDtypeStruct((nchunks,), jnp.int32),
-                jax.ShapeDtypeStruct((nchunks,), jnp.int32)]
-            layout.append(([k for k in order if present[k]], copy is not None))
+            args += [leaf[_key(b)][0] for b in operands]
+            for b in results:
+                if b["operand"] is None:  # a report: one value per chunk
+                    out_types.append(jax.ShapeDtypeStruct(
+                        (_num_chunks(p.size, self.chunk_elems),), _dtype_of(b, p.dtype)))
+                    continue
+                value, present = leaf[_key(b)]
+                out_types.append(jax.ShapeDtypeStruct(value.shape, value.dtype))
+                if present:  # updated in place: the result is the operand's buffer
+                    aliases[arg0 + b["operand"]] = ret0 + b["result"]
         if not args:
             return [], jnp.zeros((2, 2), jnp.uint32)
         out_types.append(jax.ShapeDtypeStruct((2, 2), jnp.uint32))  # the totals
@@ -383,16 +377,46 @@ class AdamW:
             b2=np.float32(self.b2), one_minus_b1=np.float32(1 - self.b1),
             one_minus_b2=np.float32(1 - self.b2), eps=np.float32(self.eps),
             eps_root=np.float32(self.eps_root), weight_decay=np.float32(self.weight_decay))
-        results = []
-        for i, (names, has_copy) in enumerate(layout):
-            o = outs[_RETS_PER_LEAF * i:_RETS_PER_LEAF * (i + 1)]
-            result = {"write": {k: (o[order.index(k)], o[4 + order.index(k)]) for k in names},
-                      "faults": o[16], "grad_nonfinite": o[17]}
-            if has_copy:
-                result["device_copy"] = {k: (o[8 + order.index(k)], o[12 + order.index(k)])
-                                    for k in names}
-            results.append(result)
-        return results, outs[-1]
+        per_leaf = layout["leaf_results"]
+        leaves = []
+        for i, (read, copy) in enumerate(zip(reads, copies)):
+            got = {_key(b): outs[per_leaf * i + b["result"]] for b in results}
+            side = lambda role: {k: (got[role, k, False], got[role, k, True]) for k in read}
+            leaf = {"write": side("write"), "faults": got["report", "faults", False],
+                    "grad_nonfinite": got["report", "grad_nonfinite", False]}
+            if copy is not None:
+                leaf["device_copy"] = side("copy")
+            leaves.append(leaf)
+        return leaves, outs[-1]
+
+
+@functools.cache
+def adamw_layout() -> dict:
+    """The buffers of one leaf of a pimhbm_adamw call, as the handler describes them
+    (csrc/update/adamw_layout.h): {"leaf": rows, "leaf_operands": n, "leaf_results": m}, each
+    row {"name", "role" (read, write, copy, report), "tensor" (p, master, mu, nu, g, faults,
+    grad_nonfinite), "table" (the tensor's digest table), "dtype", "count", "operand",
+    "result" (its positions in the leaf's group, or None)}."""
+    return _core.adamw_layout()
+
+
+def _key(b: dict) -> tuple[str, str, bool]:
+    return b["role"], b["tensor"], b["table"]
+
+
+def _dtype_of(b: dict, param_dtype: Any) -> Any:
+    return param_dtype if b["dtype"] == "param" else jnp.dtype(b["dtype"])
+
+
+def _leaf_operand(b: dict, sides: dict, g: jax.Array, param_dtype: Any) -> tuple[jax.Array, bool]:
+    """The operand of layout row ``b`` for one leaf, and whether it is there: without master
+    weights or a device copy their rows get empty placeholders of the row's dtype."""
+    if b["tensor"] == "g":
+        return g, True
+    tensors = sides[b["role"]]
+    if tensors is not None and b["tensor"] in tensors:
+        return tensors[b["tensor"]][1 if b["table"] else 0], True
+    return jnp.zeros((0, 2) if b["table"] else (0,), _dtype_of(b, param_dtype)), False
 
 
 def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0.9,

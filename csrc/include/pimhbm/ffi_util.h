@@ -62,12 +62,17 @@ inline std::optional<Elem> elem_of(ffi::DataType t) {
   return d ? d->elem : std::nullopt;
 }
 
-inline ffi::Error check_chunk_bytes(std::string_view op, int64_t chunk_bytes) {
-  if (chunk_bytes <= 0 || chunk_bytes % kChunkAlign != 0) {
+// A chunk size (chunk_bytes, or the update's chunk_elems): a positive multiple of 16.
+inline ffi::Error check_chunk_size(std::string_view op, std::string_view name, int64_t size) {
+  if (size <= 0 || size % kChunkAlign != 0) {
     return invalid(
-        op, "chunk_bytes must be a positive multiple of 16, got " + std::to_string(chunk_bytes));
+        op, std::string(name) + " must be a positive multiple of 16, got " + std::to_string(size));
   }
   return ffi::Error::Success();
+}
+
+inline ffi::Error check_chunk_bytes(std::string_view op, int64_t chunk_bytes) {
+  return check_chunk_size(op, "chunk_bytes", chunk_bytes);
 }
 
 // Plain string building: no iostreams in handlers (a process may have loaded another
