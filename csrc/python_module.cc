@@ -208,28 +208,8 @@ nb::ndarray<Framework...> region_view(std::shared_ptr<ShmRegion> region, int64_t
                                    nullptr, dt, nb::device::cpu::value, 0);
 }
 
-}  // namespace
-
-NB_MODULE(_core, m) {
-  m.doc() = "pim-hbm-bypass: FFI handlers (CPU and CUDA) for JAX";
-  // Regions can be alive at interpreter exit (JAX arrays over their memory are released in an
-  // order Python does not promise); that is not a leak worth a warning.
-  nb::set_leak_warnings(false);
-  m.def("registrations", &registrations,
-        "Map platform -> {target name -> FFI handler capsule}, for jax.ffi.register_ffi_target.");
-#if defined(PIMHBM_WITH_CUDA)
-  m.attr("with_cuda") = true;
-#else
-  m.attr("with_cuda") = false;
-#endif
-  m.attr("default_chunk_bytes") = pimhbm::kDefaultChunkBytes;
-  m.def("adamw_layout", &adamw_layout,
-        "The buffers of one leaf of a pimhbm_adamw call: per row its name, role (read, write, "
-        "copy, report), tensor (p, master, mu, nu, g, faults, grad_nonfinite), whether it is "
-        "the tensor's digest table, its dtype and count rules, and its positions among the "
-        "leaf's operands and results (None: none). The step scalars come before the leaves' "
-        "operands, the call's totals after their results.");
-
+// Shared-memory regions and the snapshots into them.
+void def_regions(nb::module_& m) {
   nb::class_<ShmRegion>(m, "ShmRegion",
                         "A named POSIX shared-memory region, owned by C++; outlives the process.")
       .def_static("create", &ShmRegion::create, nb::arg("name"), nb::arg("nbytes"),
@@ -252,7 +232,10 @@ NB_MODULE(_core, m) {
   m.def("snapshot_pending", &pimhbm::backup::snapshot_pending,
         "Whether a snapshot copy is still running.");
   m.attr("chunk_align") = pimhbm::kChunkAlign;
+}
 
+// NVML telemetry: readings and the background thread's events.
+void def_telemetry(nb::module_& m) {
   nb::class_<Telemetry>(m, "Telemetry",
                         "The GPU's own fault signals through NVML, opened at run time.")
       .def(nb::init<const std::string&>(), nb::arg("library") = "",
@@ -281,6 +264,10 @@ NB_MODULE(_core, m) {
           "drain", [](Telemetry& t) { return events_list(t.drain()); },
           "The events since the last drain: {device, kind, xid, detail, seconds}.");
   m.def("telemetry_fields", &pimhbm::telemetry::field_names, "The fields of a reading, in order.");
+}
+
+// The tally of results XLA did not alias (ffi_alias.h).
+void def_unaliased(nb::module_& m) {
   m.def("unaliased_copies", &pimhbm::ffi_util::unaliased_total,
         "How many results of in-place ops XLA did not alias with their operands in this process "
         "(each cost a copy); zero is the expected figure.");
@@ -299,6 +286,10 @@ NB_MODULE(_core, m) {
       },
       "The same by op: {op: {results, bytes, in_command_buffer}}. in_command_buffer counts the "
       "copies recorded into a CUDA graph: they repeat on every replay, counted once.");
+}
+
+// Repairs from a replica in another process, over CUDA IPC (peer/ipc.h).
+void def_ipc(nb::module_& m) {
   nb::exception<pimhbm::peer::ipc::Unavailable>(m, "IpcUnavailable", PyExc_RuntimeError);
   m.def(
       "ipc_export",
@@ -327,6 +318,34 @@ NB_MODULE(_core, m) {
   m.def("ipc_close", &pimhbm::peer::ipc::close_all,
         "Unmaps every peer allocation this process mapped for IPC pulls and closes the "
         "descriptors it exported (for every trainer of the process).");
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "pim-hbm-bypass: FFI handlers (CPU and CUDA) for JAX";
+  // Regions can be alive at interpreter exit (JAX arrays over their memory are released in an
+  // order Python does not promise); that is not a leak worth a warning.
+  nb::set_leak_warnings(false);
+  m.def("registrations", &registrations,
+        "Map platform -> {target name -> FFI handler capsule}, for jax.ffi.register_ffi_target.");
+#if defined(PIMHBM_WITH_CUDA)
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+  m.attr("default_chunk_bytes") = pimhbm::kDefaultChunkBytes;
+  m.def("adamw_layout", &adamw_layout,
+        "The buffers of one leaf of a pimhbm_adamw call: per row its name, role (read, write, "
+        "copy, report), tensor (p, master, mu, nu, g, faults, grad_nonfinite), whether it is "
+        "the tensor's digest table, its dtype and count rules, and its positions among the "
+        "leaf's operands and results (None: none). The step scalars come before the leaves' "
+        "operands, the call's totals after their results.");
+
+  def_regions(m);
+  def_telemetry(m);
+  def_unaliased(m);
+  def_ipc(m);
   m.def("cuda_device_uuids", &cuda_device_uuids,
         "NVML-style UUIDs of the CUDA devices this process sees, by CUDA ordinal.");
 }
