@@ -98,14 +98,8 @@ TEST_P(AdamWVariants, DeviceCopyMatchesTheCpuReferenceAndTheLibrary) {
       });
 }
 
-INSTANTIATE_TEST_SUITE_P(ParamKinds, AdamWVariants,
-                         ::testing::Values(std::make_tuple(false, false),
-                                           std::make_tuple(true, false),
-                                           std::make_tuple(true, true)),
-                         [](const auto& info) {
-                           return std::string(std::get<0>(info.param) ? "bf16" : "fp32") +
-                                  (std::get<1>(info.param) ? "_master" : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(ParamKinds, AdamWVariants, update::testing::param_kinds(),
+                         update::testing::param_kind_name);
 
 // A tree's leaves in one call through the shared-memory pipeline (3 stages): kinds mixed,
 // more leaves than one launch's table holds, empty, ragged and damaged leaves.

@@ -86,7 +86,8 @@ bool ShmRegion::pin() {
 
 ShmRegion::~ShmRegion() {
 #if defined(PIMHBM_WITH_CUDA)
-  if (pinned_) cudaHostUnregister(data_);
+  // A destructor cannot report it; the mapping goes either way.
+  if (pinned_) (void)cudaHostUnregister(data_);
 #endif
   munmap(data_, static_cast<size_t>(nbytes_));
 }

@@ -57,14 +57,7 @@ TEST_P(AdamWCuda, DeviceCopyMatchesTheCpuReference) {
                               });
 }
 
-INSTANTIATE_TEST_SUITE_P(ParamKinds, AdamWCuda,
-                         ::testing::Values(std::make_tuple(false, false),
-                                           std::make_tuple(true, false),
-                                           std::make_tuple(true, true)),
-                         [](const auto& info) {
-                           return std::string(std::get<0>(info.param) ? "bf16" : "fp32") +
-                                  (std::get<1>(info.param) ? "_master" : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(ParamKinds, AdamWCuda, testing::param_kinds(), testing::param_kind_name);
 
 // A tree's leaves in one call: kinds mixed (each kind its own launch, in the order given),
 // more leaves than one launch's table holds, empty and ragged leaves, damaged ones; with and

@@ -3,12 +3,17 @@
 // update tests and the benchmark's variant tests.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "scan/scan.h"
+#include "test_util.h"
 #include "update/adamw.h"
 
 namespace pimhbm::update::testing {
@@ -39,13 +44,9 @@ struct HostLeaf {
   int psize() const { return bf16 ? 2 : 4; }
   int64_t chunks() const { return n == 0 ? 0 : (n + chunk - 1) / chunk; }
 
+  // The digest table of n elements of `size` bytes, in chunks of `chunk` elements.
   static std::vector<uint32_t> table_of(const void* data, int64_t n, int size, int64_t chunk) {
-    const int64_t nc = n == 0 ? 0 : (n + chunk - 1) / chunk;
-    std::vector<uint32_t> t(2 * nc);
-    std::vector<int32_t> nf(nc);
-    std::vector<float> mx(nc);
-    scan::scan_cpu(data, n * size, Elem::kRaw, chunk * size, t.data(), nf.data(), mx.data());
-    return t;
+    return ::pimhbm::testing::digest_table(data, n * size, chunk * size);
   }
 
   HostLeaf(std::mt19937_64& rng, int64_t n_, int64_t chunk_, bool bf16_, bool master_)
@@ -157,5 +158,16 @@ struct HostCopy {
     return L;
   }
 };
+
+// The kinds of leaf the update tests run on, (bf16, master): fp32, bf16, bf16 with master
+// weights; and their names in the tests' names.
+inline auto param_kinds() {
+  return ::testing::Values(std::make_tuple(false, false), std::make_tuple(true, false),
+                           std::make_tuple(true, true));
+}
+inline std::string param_kind_name(const ::testing::TestParamInfo<std::tuple<bool, bool>>& info) {
+  return std::string(std::get<0>(info.param) ? "bf16" : "fp32") +
+         (std::get<1>(info.param) ? "_master" : "");
+}
 
 }  // namespace pimhbm::update::testing

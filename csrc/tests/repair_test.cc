@@ -20,22 +20,12 @@ namespace {
 using testing::random_bytes;
 using testing::rng_for_test;
 
-std::vector<uint32_t> table_of(const std::vector<uint8_t>& x, int64_t chunk) {
-  const int64_t n = num_chunks(static_cast<int64_t>(x.size()), chunk);
-  std::vector<uint32_t> t(2 * n);
-  std::vector<int32_t> nf(n);
-  std::vector<float> mx(n);
-  scan::scan_cpu(x.data(), static_cast<int64_t>(x.size()), Elem::kRaw, chunk, t.data(), nf.data(),
-                 mx.data());
-  return t;
-}
-
 TEST(Repair, CopiesVerifiedSourceChunksOnly) {
   PIMHBM_SEED_TRACE();
   auto rng = rng_for_test();
   const int64_t chunk = 256;
   auto good = random_bytes(rng, 10000);
-  const auto table = table_of(good, chunk);
+  const auto table = testing::digest_table(good, chunk);
   auto target = good;
   target[300] ^= 1;   // chunk 1
   target[9999] ^= 8;  // chunk 39 (short last chunk)
@@ -64,7 +54,7 @@ TEST(Repair, PackedRowsAreCheckedAndWrittenToTheirChunks) {
   auto rng = rng_for_test();
   const int64_t chunk = 256, size = 10000;  // 40 chunks, the last of 16 bytes
   auto good = random_bytes(rng, size);
-  const auto table = table_of(good, chunk);
+  const auto table = testing::digest_table(good, chunk);
   auto target = good;
   target[300] ^= 1;   // chunk 1
   target[9999] ^= 8;  // chunk 39
@@ -106,7 +96,7 @@ TEST(RestoreClean, CopiesCleanChunksWhenTheStepDoesNotCommit) {
   auto rng = rng_for_test();
   const int64_t chunk = 64;
   auto src = random_bytes(rng, 1000), dst = random_bytes(rng, 1000);
-  auto src_table = table_of(src, chunk), dst_table = table_of(dst, chunk);
+  auto src_table = testing::digest_table(src, chunk), dst_table = testing::digest_table(dst, chunk);
   const auto dst0 = dst;
   std::vector<int32_t> faults(num_chunks(1000, chunk), 0);
   faults[3] = 4;
