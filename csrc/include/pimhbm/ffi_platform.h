@@ -56,10 +56,10 @@ struct CtxDecoding<pimhbm::ffi_util::OnCuda> {
 
 // The CUDA handler's traits: capturable into an XLA command buffer (a CUDA graph) -- the
 // handler only enqueues work on XLA's stream -- or not (it meets peers or waits on the host).
-#define PIMHBM_FFI_CAPTURABLE \
-  { ::xla::ffi::Traits::kCmdBufferCompatible }
-#define PIMHBM_FFI_NOT_CAPTURABLE \
-  {}
+// clang-format off
+#define PIMHBM_FFI_CAPTURABLE {::xla::ffi::Traits::kCmdBufferCompatible}
+#define PIMHBM_FFI_NOT_CAPTURABLE {}
+// clang-format on
 
 // Defines name##Cpu and, with CUDA, name##Cuda: handler<OnCpu> / handler<OnCuda> bound by
 // binding(start), a macro that continues the chain `start` (Ffi::Bind() with the platform
