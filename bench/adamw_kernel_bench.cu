@@ -1,9 +1,10 @@
-// The fused guarded AdamW kernel alone, on the GPU: its launch variants (groups of four elements
-// in flight per thread; the device copy's passes) side by side with plain streaming kernels that
-// move the same bytes with trivial arithmetic (the practical ceiling for this read/write mix),
-// in one run. The streaming kernels also separate the access pattern: writing aside (another
-// buffer, as the guarded update does) or in place (as XLA's fused optax update does), with
-// evict-first or plain loads.
+// The fused guarded AdamW kernel alone, on the GPU: the library's launch and the variants that
+// lost to it (adamw_variants.cuh: groups of four elements in flight per thread, L2 prefetch, a
+// shared-memory pipeline, the device copy's passes), each checked to give the library's bits,
+// side by side with plain streaming kernels that move the same bytes with trivial arithmetic
+// (the practical ceiling for this read/write mix), in one run. The streaming kernels also
+// separate the access pattern: writing aside (another buffer, as the guarded update does) or in
+// place (as XLA's fused optax update does), with evict-first or plain loads.
 //
 // usage: adamw_kernel_bench [parameters, default 268435456]
 // Prints ms per step (median of 7 x 20, CUDA events) and effective TB/s over the bytes a
@@ -19,10 +20,13 @@
 #include <utility>
 #include <vector>
 
+#include "adamw_variants.cuh"
 #include "scan/scan.h"
 #include "update/adamw.h"
 
 using namespace pimhbm;
+using bench::AdamWVariant;
+using bench::CopyPass;
 
 #define CHECK(expr)                                                                               \
   do {                                                                                            \
@@ -224,7 +228,7 @@ void free_case(Case& c) {
 }
 
 // The update from slot `from` into the other one (and into the device copy, side 2).
-update::AdamWLeaf leaf(const Case& c, int from, bool mirror) {
+update::AdamWLeaf leaf(const Case& c, int from, bool with_copy) {
   const Side &r = c.side[from], &w = c.side[1 - from], &m = c.side[2];
   update::AdamWLeaf L;
   L.n = c.n, L.chunk_elems = c.chunk, L.param_bf16 = c.bf16, L.has_master = c.bf16;
@@ -233,12 +237,67 @@ update::AdamWLeaf leaf(const Case& c, int from, bool mirror) {
   L.p_out = w.p, L.master_out = w.master, L.mu_out = w.mu, L.nu_out = w.nu;
   L.dn_p = w.d_p, L.dn_master = w.d_master, L.dn_mu = w.d_mu, L.dn_nu = w.d_nu;
   L.faults = c.faults, L.grad_nonfinite = c.bad;
-  if (mirror) {
-    L.has_mirror = true;
-    L.p_mirror = m.p, L.master_mirror = m.master, L.mu_mirror = m.mu, L.nu_mirror = m.nu;
-    L.dm_p = m.d_p, L.dm_master = m.d_master, L.dm_mu = m.d_mu, L.dm_nu = m.d_nu;
+  if (with_copy) {
+    L.has_copy = true;
+    L.p_copy = m.p, L.master_copy = m.master, L.mu_copy = m.mu, L.nu_copy = m.nu;
+    L.dc_p = m.d_p, L.dc_master = m.d_master, L.dc_mu = m.d_mu, L.dc_nu = m.d_nu;
   }
   return L;
+}
+
+const AdamWHyper kHyper{0.9f, 0.999f, 0.1f, 0.001f, 1e-8f, 0.0f, 1e-4f};
+
+// One update through the variant, or through the library's launch when `v` is null.
+cudaError_t update_once(const update::AdamWLeaf& L, const Case& c, const AdamWVariant* v) {
+  return v ? bench::adamw_variant(L, kHyper, c.step, nullptr, *v)
+           : update::adamw_cuda(L, kHyper, c.step, nullptr);
+}
+
+__global__ void count_diff(const uint8_t* a, const uint8_t* b, int64_t n, unsigned long long* out) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    if (a[i] != b[i]) atomicAdd(out, 1ull);
+  }
+}
+
+// The buffers an update writes: the write side's (slot 1, from slot 0), the reports, and the
+// device copy's; as (pointer, bytes).
+std::vector<std::pair<void*, int64_t>> written(const Case& c, bool with_copy) {
+  const int64_t n = c.n, t = 8 * c.nchunks, ps = c.bf16 ? 2 : 4;
+  std::vector<std::pair<void*, int64_t>> out{{c.faults, 4 * c.nchunks}, {c.bad, 4 * c.nchunks}};
+  for (int s : {1, 2}) {
+    if (s == 2 && !with_copy) break;
+    const Side& w = c.side[s];
+    out.insert(out.end(),
+               {{w.p, ps * n}, {w.mu, 4 * n}, {w.nu, 4 * n}, {w.d_p, t}, {w.d_mu, t}, {w.d_nu, t}});
+    if (c.bf16) out.insert(out.end(), {{w.master, 2 * n}, {w.d_master, t}});
+  }
+  return out;
+}
+
+// Whether the variant writes the library's bits (from slot 0, which always verifies: every
+// update rewrites the slot it writes whole, digests included).
+bool same_as_library(const Case& c, bool with_copy, const AdamWVariant& v) {
+  const auto bufs = written(c, with_copy);
+  std::vector<uint8_t*> ref;
+  CHECK(update_once(leaf(c, 0, with_copy), c, nullptr));
+  for (auto [p, bytes] : bufs) {
+    ref.push_back(alloc<uint8_t>(bytes));
+    CHECK(cudaMemcpy(ref.back(), p, bytes, cudaMemcpyDeviceToDevice));
+  }
+  CHECK(update_once(leaf(c, 0, with_copy), c, &v));
+  auto* diff = alloc<unsigned long long>(1);
+  CHECK(cudaMemset(diff, 0, sizeof(unsigned long long)));
+  for (size_t k = 0; k < bufs.size(); ++k) {
+    count_diff<<<1024, 256>>>(static_cast<const uint8_t*>(bufs[k].first), ref[k], bufs[k].second,
+                              diff);
+    CHECK(cudaGetLastError());
+  }
+  unsigned long long differ = 0;
+  CHECK(cudaMemcpy(&differ, diff, sizeof(differ), cudaMemcpyDeviceToHost));
+  for (uint8_t* p : ref) CHECK(cudaFree(p));
+  CHECK(cudaFree(diff));
+  return differ == 0;
 }
 
 template <typename F>
@@ -264,23 +323,25 @@ float median_ms(F&& run) {
 
 void row(const char* kind, const std::string& what, float ms, double bytes_per_param, int64_t n,
          const char* note = "") {
-  std::printf("%-12s %-46s %9.3f %9.2f%s\n", kind, what.c_str(), ms,
+  std::printf("%-12s %-56s %9.3f %9.2f%s\n", kind, what.c_str(), ms,
               bytes_per_param * n / (ms * 1e-3) / 1e12, note);
 }
 
-// The guarded kernel in one launch configuration, timed; false if a fault was reported (the
-// state must keep verifying step after step).
-bool time_update(const char* kind, const std::string& what, const Case& c, bool mirror,
-                 update::AdamWLaunch launch, double bytes_per_param) {
-  const AdamWHyper hyper{0.9f, 0.999f, 0.1f, 0.001f, 1e-8f, 0.0f, 1e-4f};
-  const float ms = median_ms([&](int i) {
-    CHECK(update::adamw_cuda(leaf(c, i % 2, mirror), hyper, c.step, nullptr, launch));
-  });
+// The guarded kernel through a variant (or the library's launch when `v` is null), timed; false
+// if a fault was reported (the state must keep verifying step after step) or a variant's bits
+// differ from the library's.
+bool time_update(const char* kind, const std::string& what, const Case& c, bool with_copy,
+                 const AdamWVariant* v, double bytes_per_param) {
+  const float ms = median_ms([&](int i) { CHECK(update_once(leaf(c, i % 2, with_copy), c, v)); });
   std::vector<int32_t> faults(c.nchunks);
   CHECK(cudaMemcpy(faults.data(), c.faults, c.nchunks * 4, cudaMemcpyDeviceToHost));
   const int64_t bad = std::count_if(faults.begin(), faults.end(), [](int32_t f) { return f; });
-  row(kind, what, ms, bytes_per_param, c.n, bad ? "  FAULTS REPORTED" : "");
-  return bad == 0;
+  const bool same = v == nullptr || same_as_library(c, with_copy, *v);
+  row(kind, what, ms, bytes_per_param, c.n,
+      bad    ? "  FAULTS REPORTED"
+      : same ? ""
+             : "  NOT THE LIBRARY'S BITS");
+  return bad == 0 && same;
 }
 
 // The loop-fusion shape, aside or in place: `threads` per block, `unroll` float4 per thread.
@@ -313,130 +374,122 @@ float time_stream(const Case& c, bool in_place, bool evict_first, bool copy) {
   });
 }
 
+// What the update of one kind of state moves, and what the rows call it.
+struct Kind {
+  bool bf16;
+  const char* name;
+  double bytes;  // per parameter
+};
+constexpr double kCopyBytes = 12.0;  // the device copy's writes per parameter
+
+std::string blocks_note(const Kind& k, const AdamWVariant& v) {
+  int blocks = 0;
+  CHECK(bench::variant_blocks_per_sm(k.bf16, k.bf16, v, &blocks));
+  return " (" + std::to_string(blocks) + " blocks/SM)";
+}
+
+// The update without the device copy in the default chunks: the library's launch, then every
+// variant.
+bool bench_no_copy(const Kind& k, const Case& c) {
+  bool ok = time_update(
+      k.name, "guarded adamw, library (plain loads)" + blocks_note(k, bench::library_launch()), c,
+      false, nullptr, k.bytes);
+  std::vector<AdamWVariant> variants = {AdamWVariant{1}, AdamWVariant{2}};
+  variants.push_back(AdamWVariant{1, CopyPass::kDefault, 0, 0, 4});
+  for (int ahead : {2, 4}) variants.push_back(AdamWVariant{1, CopyPass::kDefault, ahead});
+  for (int stages : {2, 3, 4}) variants.push_back(AdamWVariant{1, CopyPass::kDefault, 0, stages});
+  for (const AdamWVariant& v : variants) {
+    const bool occupancy = v.groups_in_flight == 1 && v.prefetch == 0;
+    ok = ok && time_update(k.name,
+                           "guarded adamw, " + bench::describe(v) +
+                               (occupancy ? blocks_note(k, v) : std::string()),
+                           c, false, &v, k.bytes);
+  }
+  return ok;
+}
+
+// Plain streams of the same bytes: the ceiling the update is measured against.
+void bench_streams(const Kind& k, const Case& c) {
+  if (k.bf16) {
+    const float ms = median_ms([&](int i) {
+      const Side &r = c.side[i % 2], &w = c.side[1 - i % 2];
+      stream_master<<<132 * 8, 256>>>(
+          static_cast<const uint2*>(r.p), reinterpret_cast<const uint2*>(r.master),
+          reinterpret_cast<const float4*>(r.mu), reinterpret_cast<const float4*>(r.nu),
+          static_cast<const uint2*>(c.g), static_cast<uint2*>(w.p),
+          reinterpret_cast<uint2*>(w.master), reinterpret_cast<float4*>(w.mu),
+          reinterpret_cast<float4*>(w.nu), c.n / 4);
+      CHECK(cudaGetLastError());
+    });
+    row(k.name, "plain stream, same bytes (ceiling)", ms, k.bytes, c.n);
+    return;
+  }
+  for (bool in_place : {false, true}) {
+    for (bool evict_first : {true, false}) {
+      const std::string what = std::string("plain stream, same bytes, ") +
+                               (in_place ? "in place" : "aside") +
+                               (evict_first ? ", evict-first" : ", plain loads");
+      row(k.name, what, time_stream(c, in_place, evict_first, false), 28.0, c.n);
+    }
+  }
+  for (bool in_place : {false, true}) {
+    for (auto [threads, unroll] : {std::pair{128, 1}, std::pair{256, 1}, std::pair{256, 2},
+                                   std::pair{256, 4}, std::pair{512, 2}}) {
+      const std::string what = "flat stream, " + std::to_string(threads) + " x " +
+                               std::to_string(unroll) + (in_place ? ", in place" : ", aside");
+      row(k.name, what, time_flat(c, in_place, threads, unroll), 28.0, c.n);
+    }
+  }
+}
+
+// The device copy kept current, in chunks of `c`: the update without the copy in the same
+// chunks for the difference (evict-first and the library's plain loads), then the library's
+// copy pass and each pass of the variants.
+bool bench_copy(const Kind& k, const Case& c) {
+  const std::string chunks = std::to_string(c.chunk) + "-element chunks";
+  const AdamWVariant evict_first{1};
+  bool ok = time_update(k.name, "guarded adamw, " + chunks + ", no copy", c, false, &evict_first,
+                        k.bytes);
+  ok = ok && time_update(k.name, "guarded adamw, " + chunks + ", library (plain loads)", c, false,
+                         nullptr, k.bytes);
+  ok = ok && time_update(k.name, "+ device copy, " + chunks + ": library", c, true, nullptr,
+                         k.bytes + kCopyBytes);
+  for (CopyPass pass : {CopyPass::kRegisters, CopyPass::kTwoReads, CopyPass::kTwoReadsKeep}) {
+    const AdamWVariant v{1, pass};
+    ok = ok && time_update(k.name, "+ device copy, " + chunks + ": " + bench::describe(v), c, true,
+                           &v, k.bytes + kCopyBytes);
+  }
+  if (ok && !k.bf16 && c.chunk == kCopyChunk) {
+    row(k.name, "plain stream + copy, same bytes (ceiling)", time_stream(c, false, true, true),
+        k.bytes + kCopyBytes, c.n);
+  }
+  return ok;
+}
+
+// Every row of one kind of state: the default chunks, the device copy's (4096 elements), and
+// chunks of 1024 elements (one group of four per thread, no loop: the shape of the fastest
+// plain stream, above).
+bool bench_kind(const Kind& k, int64_t n) {
+  Case c = make_case(k.bf16, n, kChunk);
+  bool ok = bench_no_copy(k, c);
+  if (ok) bench_streams(k, c);
+  free_case(c);
+  for (int64_t chunk : {kCopyChunk, int64_t{1024}}) {
+    if (!ok) break;
+    c = make_case(k.bf16, n, chunk);
+    ok = bench_copy(k, c);
+    free_case(c);
+  }
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const int64_t n = argc > 1 ? std::atoll(argv[1]) : 268435456;
-  using update::AdamWLaunch;
-  using update::MirrorPass;
-  std::printf("%-12s %-46s %9s %9s\n", "state", "kernel", "ms", "eff. TB/s");
-  for (bool bf16 : {false, true}) {
-    const char* kind = bf16 ? "bf16+master" : "fp32";
-    const double bytes = bf16 ? 26.0 : 28.0;  // what the update moves per parameter
-    const double copy_bytes = 12.0;           // the device copy's writes per parameter
-    Case c = make_case(bf16, n, kChunk);
-    int base_blocks = 0;
-    CHECK(update::adamw_blocks_per_sm(bf16, bf16, 0, &base_blocks));
-    for (int in_flight : {1, 2}) {
-      const std::string occupancy =
-          in_flight == 1 ? " (" + std::to_string(base_blocks) + " blocks/SM)" : "";
-      if (!time_update(
-              kind,
-              "guarded adamw, " + std::to_string(in_flight) + " group(s) in flight" + occupancy, c,
-              false, AdamWLaunch{in_flight}, bytes)) {
-        return 1;
-      }
-    }
-    {  // v10: the default kernel with plain loads instead of evict-first ones
-      AdamWLaunch plain;
-      plain.plain_loads = true;
-      if (!time_update(kind, "guarded adamw, plain loads", c, false, plain, bytes)) return 1;
-    }
-    {
-      int blocks = 0;
-      CHECK(update::adamw_blocks_per_sm(bf16, bf16, 0, &blocks, 4));
-      if (!time_update(
-              kind,
-              "guarded adamw, compiled for 4 blocks/SM (" + std::to_string(blocks) + " resident)",
-              c, false, AdamWLaunch{1, MirrorPass::kDefault, 0, 0, 4}, bytes)) {
-        return 1;
-      }
-    }
-    for (int ahead : {2, 4}) {
-      if (!time_update(kind, "guarded adamw, L2 prefetch " + std::to_string(ahead) + " ahead", c,
-                       false, AdamWLaunch{1, MirrorPass::kDefault, ahead}, bytes)) {
-        return 1;
-      }
-    }
-    for (int stages : {2, 3, 4}) {
-      int blocks = 0;
-      CHECK(update::adamw_blocks_per_sm(bf16, bf16, stages, &blocks));
-      if (!time_update(kind,
-                       "guarded adamw, " + std::to_string(stages) + " stages in smem (" +
-                           std::to_string(blocks) + " blocks/SM)",
-                       c, false, AdamWLaunch{1, MirrorPass::kDefault, 0, stages}, bytes)) {
-        return 1;
-      }
-    }
-    if (bf16) {
-      const float ms = median_ms([&](int i) {
-        const Side &r = c.side[i % 2], &w = c.side[1 - i % 2];
-        stream_master<<<132 * 8, 256>>>(
-            static_cast<const uint2*>(r.p), reinterpret_cast<const uint2*>(r.master),
-            reinterpret_cast<const float4*>(r.mu), reinterpret_cast<const float4*>(r.nu),
-            static_cast<const uint2*>(c.g), static_cast<uint2*>(w.p),
-            reinterpret_cast<uint2*>(w.master), reinterpret_cast<float4*>(w.mu),
-            reinterpret_cast<float4*>(w.nu), n / 4);
-        CHECK(cudaGetLastError());
-      });
-      row(kind, "plain stream, same bytes (ceiling)", ms, bytes, n);
-    } else {
-      for (bool in_place : {false, true}) {
-        for (bool evict_first : {true, false}) {
-          const std::string what = std::string("plain stream, same bytes, ") +
-                                   (in_place ? "in place" : "aside") +
-                                   (evict_first ? ", evict-first" : ", plain loads");
-          row(kind, what, time_stream(c, in_place, evict_first, false), 28.0, n);
-        }
-      }
-      for (bool in_place : {false, true}) {
-        for (auto [threads, unroll] : {std::pair{128, 1}, std::pair{256, 1}, std::pair{256, 2},
-                                       std::pair{256, 4}, std::pair{512, 2}}) {
-          const std::string what = "flat stream, " + std::to_string(threads) + " x " +
-                                   std::to_string(unroll) + (in_place ? ", in place" : ", aside");
-          row(kind, what, time_flat(c, in_place, threads, unroll), 28.0, n);
-        }
-      }
-    }
-    free_case(c);
-
-    // The device copy kept current, in its chunks (4096 elements): each pass, and the update
-    // without the copy in the same chunks for the difference.
-    c = make_case(bf16, n, kCopyChunk);
-    bool ok = time_update(kind, "guarded adamw, 4096-element chunks, no copy", c, false,
-                          AdamWLaunch{1}, bytes);
-    AdamWLaunch plain;
-    plain.plain_loads = true;
-    ok = ok && time_update(kind, "guarded adamw, 4096-element chunks, plain loads", c, false, plain,
-                           bytes);
-    const struct {
-      MirrorPass pass;
-      const char* name;
-    } passes[] = {{MirrorPass::kRegisters, "registers (one read)"},
-                  {MirrorPass::kTwoReads, "two reads, evict-first"},
-                  {MirrorPass::kTwoReadsKeep, "two reads, first kept in L2"}};
-    for (const auto& p : passes) {
-      ok = ok && time_update(kind, std::string("+ device copy: ") + p.name, c, true,
-                             AdamWLaunch{1, p.pass}, bytes + copy_bytes);
-    }
-    if (!ok) return 1;
-    if (!bf16) {
-      row(kind, "plain stream + copy, same bytes (ceiling)", time_stream(c, false, true, true),
-          bytes + copy_bytes, n);
-    }
-    free_case(c);
-
-    // Chunks of 1024 elements: one group of four per thread, no loop -- the shape of the
-    // fastest plain stream (flat, above).
-    c = make_case(bf16, n, 1024);
-    ok = time_update(kind, "guarded adamw, 1024-element chunks, no copy", c, false, AdamWLaunch{1},
-                     bytes);
-    for (const auto& p : passes) {
-      ok = ok && time_update(kind, std::string("+ device copy, 1024: ") + p.name, c, true,
-                             AdamWLaunch{1, p.pass}, bytes + copy_bytes);
-    }
-    if (!ok) return 1;
-    free_case(c);
+  std::printf("%-12s %-56s %9s %9s\n", "state", "kernel", "ms", "eff. TB/s");
+  for (const Kind& k : {Kind{false, "fp32", 28.0}, Kind{true, "bf16+master", 26.0}}) {
+    if (!bench_kind(k, n)) return 1;
   }
   return 0;
 }

@@ -63,8 +63,8 @@ def main() -> int:
     n = int(args.gib * 2**30) // 4 // 3  # three fp32 tensors: parameters and two moments
     state = [jax.random.normal(jax.random.key(i), (n,), jnp.float32) for i in range(3)]
     tables = [pimhbm.scan(t, CHUNK).digests for t in state]
-    mirror = [jnp.copy(t) for t in state]
-    jax.block_until_ready((state, tables, mirror))
+    device_copy = [jnp.copy(t) for t in state]
+    jax.block_until_ready((state, tables, device_copy))
     nbytes = sum(t.nbytes for t in state)
     res = {"device": dev.device_kind, "state_bytes": nbytes}
 
@@ -76,7 +76,7 @@ def main() -> int:
 
     def repair_one():
         nonlocal target, target_table
-        (target, target_table), status = repair(one, mirror[0], tables[0], target, target_table)
+        (target, target_table), status = repair(one, device_copy[0], tables[0], target, target_table)
         assert int(np.asarray(status)[0]) == pimhbm.REPAIRED
 
     res["chunk_repair_ms"] = median_seconds(repair_one) * 1e3
@@ -87,7 +87,7 @@ def main() -> int:
 
     def restore_shard():
         nonlocal target, target_table
-        (target, target_table), status = repair(every, mirror[0], tables[0], target, target_table)
+        (target, target_table), status = repair(every, device_copy[0], tables[0], target, target_table)
         jax.block_until_ready(status)
 
     t = median_seconds(restore_shard, reps=5)

@@ -137,10 +137,6 @@ def bench_case(kind, n_params, leaves, profile_dir=None):
     # pimhbm.adamw: digests checked and rewritten, NaN/Inf counted, commit-or-skip on the device.
     opt = pimhbm.adamw(LR, master_weights=bf16)
     out["pimhbm.adamw (guarded)"] = time_guarded(opt, "pimhbm.adamw", profile=True)
-    # The same update with each kind of load (the default is one of them; bench/NOTES.md, v10).
-    for kernel, name in ((-1, "evict-first loads"), (-2, "plain loads")):
-        out[f"pimhbm.adamw, {name}"] = time_guarded(
-            pimhbm.adamw(LR, master_weights=bf16, kernel=kernel), name)
     # The same with the device copy kept current (written in the same pass, verified chunks).
     out["pimhbm.adamw + device copy"] = time_guarded(
         pimhbm.adamw(LR, master_weights=bf16, device_copy=True), "device copy")

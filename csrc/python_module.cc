@@ -18,6 +18,7 @@
 #include "repair/repair_ffi.h"
 #include "scan/scan_ffi.h"
 #include "telemetry/telemetry.h"
+#include "update/adamw_layout.h"
 #include "update/update_ffi.h"
 
 #if defined(PIMHBM_WITH_CUDA)
@@ -30,43 +31,75 @@ namespace nb = nanobind;
 
 namespace {
 
-template <typename Fn>
-nb::capsule capsule(Fn* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
+// Every FFI target: its name, and its handler on each platform (PIMHBM_FFI_HANDLERS).
+struct Target {
+  const char* name;
+  XLA_FFI_Handler* cpu;
+  XLA_FFI_Handler* cuda;  // null without CUDA
+};
+#if defined(PIMHBM_WITH_CUDA)
+#define PIMHBM_TARGET(name, symbol) \
+  { name, symbol##Cpu, symbol##Cuda }
+#else
+#define PIMHBM_TARGET(name, symbol) \
+  { name, symbol##Cpu, nullptr }
+#endif
+constexpr Target kTargets[] = {
+    PIMHBM_TARGET("pimhbm_scan", PimhbmScan),
+    PIMHBM_TARGET("pimhbm_verify", PimhbmVerify),
+    PIMHBM_TARGET("pimhbm_adamw", PimhbmAdamW),
+    PIMHBM_TARGET("pimhbm_restore", PimhbmRestore),
+    PIMHBM_TARGET("pimhbm_repair", PimhbmRepair),
+    PIMHBM_TARGET("pimhbm_restore_clean", PimhbmRestoreClean),
+    PIMHBM_TARGET("pimhbm_repair_packed", PimhbmRepairPacked),
+    PIMHBM_TARGET("pimhbm_inject", PimhbmInject),
+    PIMHBM_TARGET("pimhbm_snapshot", PimhbmSnapshot),
+    PIMHBM_TARGET("pimhbm_peer_all_gather", PimhbmPeerAllGather),
+    PIMHBM_TARGET("pimhbm_peer_all_to_all", PimhbmPeerAllToAll),
+    PIMHBM_TARGET("pimhbm_peer_pull", PimhbmPeerPull),
+};
+#undef PIMHBM_TARGET
 
 nb::dict registrations() {
-  nb::dict cpu;
-  cpu["pimhbm_scan"] = capsule(PimhbmScanCpu);
-  cpu["pimhbm_verify"] = capsule(PimhbmVerifyCpu);
-  cpu["pimhbm_adamw"] = capsule(PimhbmAdamWCpu);
-  cpu["pimhbm_restore"] = capsule(PimhbmRestoreCpu);
-  cpu["pimhbm_repair"] = capsule(PimhbmRepairCpu);
-  cpu["pimhbm_restore_clean"] = capsule(PimhbmRestoreCleanCpu);
-  cpu["pimhbm_repair_packed"] = capsule(PimhbmRepairPackedCpu);
-  cpu["pimhbm_inject"] = capsule(PimhbmInjectCpu);
-  cpu["pimhbm_snapshot"] = capsule(PimhbmSnapshotCpu);
-  cpu["pimhbm_peer_all_gather"] = capsule(PimhbmPeerAllGatherCpu);
-  cpu["pimhbm_peer_all_to_all"] = capsule(PimhbmPeerAllToAllCpu);
-  cpu["pimhbm_peer_pull"] = capsule(PimhbmPeerPullCpu);
-  nb::dict out;
+  nb::dict cpu, cuda, out;
+  for (const Target& t : kTargets) {
+    cpu[t.name] = nb::capsule(reinterpret_cast<void*>(t.cpu));
+    if (t.cuda) cuda[t.name] = nb::capsule(reinterpret_cast<void*>(t.cuda));
+  }
   out["cpu"] = cpu;
 #if defined(PIMHBM_WITH_CUDA)
-  nb::dict cuda;
-  cuda["pimhbm_scan"] = capsule(PimhbmScanCuda);
-  cuda["pimhbm_verify"] = capsule(PimhbmVerifyCuda);
-  cuda["pimhbm_adamw"] = capsule(PimhbmAdamWCuda);
-  cuda["pimhbm_restore"] = capsule(PimhbmRestoreCuda);
-  cuda["pimhbm_repair"] = capsule(PimhbmRepairCuda);
-  cuda["pimhbm_restore_clean"] = capsule(PimhbmRestoreCleanCuda);
-  cuda["pimhbm_repair_packed"] = capsule(PimhbmRepairPackedCuda);
-  cuda["pimhbm_inject"] = capsule(PimhbmInjectCuda);
-  cuda["pimhbm_snapshot"] = capsule(PimhbmSnapshotCuda);
-  cuda["pimhbm_peer_all_gather"] = capsule(PimhbmPeerAllGatherCuda);
-  cuda["pimhbm_peer_all_to_all"] = capsule(PimhbmPeerAllToAllCuda);
-  cuda["pimhbm_peer_pull"] = capsule(PimhbmPeerPullCuda);
   out["CUDA"] = cuda;
 #endif
+  return out;
+}
+
+// The buffers of one leaf of a pimhbm_adamw call (update/adamw_layout.h), for the Python front
+// to build its calls from by name.
+nb::object position(int k) {  // among a leaf's operands or results; None: not there
+  if (k < 0) return nb::none();
+  return nb::int_(k);
+}
+
+nb::dict adamw_layout() {
+  using namespace pimhbm::update;
+  nb::list rows;
+  for (int row = 0; row < kLeafRows; ++row) {
+    const LeafBuffer& b = kLeafBuffers[row];
+    nb::dict d;
+    d["name"] = b.name;
+    d["role"] = role_name(b.role);
+    d["tensor"] = tensor_key(b.tensor);
+    d["table"] = b.table;
+    d["dtype"] = dtype_rule(b.dtype);
+    d["count"] = count_rule(b.count);
+    d["operand"] = position(operand_of(row));
+    d["result"] = position(result_of(row));
+    rows.append(d);
+  }
+  nb::dict out;
+  out["leaf"] = rows;
+  out["leaf_operands"] = kLeafOperands;
+  out["leaf_results"] = kLeafResults;
   return out;
 }
 
@@ -175,22 +208,8 @@ nb::ndarray<Framework...> region_view(std::shared_ptr<ShmRegion> region, int64_t
                                    nullptr, dt, nb::device::cpu::value, 0);
 }
 
-}  // namespace
-
-NB_MODULE(_core, m) {
-  m.doc() = "pim-hbm-bypass: FFI handlers (CPU and CUDA) for JAX";
-  // Regions can be alive at interpreter exit (JAX arrays over their memory are released in an
-  // order Python does not promise); that is not a leak worth a warning.
-  nb::set_leak_warnings(false);
-  m.def("registrations", &registrations,
-        "Map platform -> {target name -> FFI handler capsule}, for jax.ffi.register_ffi_target.");
-#if defined(PIMHBM_WITH_CUDA)
-  m.attr("with_cuda") = true;
-#else
-  m.attr("with_cuda") = false;
-#endif
-  m.attr("default_chunk_bytes") = pimhbm::kDefaultChunkBytes;
-
+// Shared-memory regions and the snapshots into them.
+void def_regions(nb::module_& m) {
   nb::class_<ShmRegion>(m, "ShmRegion",
                         "A named POSIX shared-memory region, owned by C++; outlives the process.")
       .def_static("create", &ShmRegion::create, nb::arg("name"), nb::arg("nbytes"),
@@ -217,7 +236,10 @@ NB_MODULE(_core, m) {
   m.def("snapshot_pending", &pimhbm::backup::snapshot_pending,
         "Whether a snapshot copy is still running.");
   m.attr("chunk_align") = pimhbm::kChunkAlign;
+}
 
+// NVML telemetry: readings and the background thread's events.
+void def_telemetry(nb::module_& m) {
   nb::class_<Telemetry>(m, "Telemetry",
                         "The GPU's own fault signals through NVML, opened at run time.")
       .def(nb::init<const std::string&>(), nb::arg("library") = "",
@@ -246,6 +268,10 @@ NB_MODULE(_core, m) {
           "drain", [](Telemetry& t) { return events_list(t.drain()); },
           "The events since the last drain: {device, kind, xid, detail, seconds}.");
   m.def("telemetry_fields", &pimhbm::telemetry::field_names, "The fields of a reading, in order.");
+}
+
+// The tally of results XLA did not alias (ffi_alias.h).
+void def_unaliased(nb::module_& m) {
   m.def("unaliased_copies", &pimhbm::ffi_util::unaliased_total,
         "How many results of in-place ops XLA did not alias with their operands in this process "
         "(each cost a copy); zero is the expected figure.");
@@ -264,6 +290,10 @@ NB_MODULE(_core, m) {
       },
       "The same by op: {op: {results, bytes, in_command_buffer}}. in_command_buffer counts the "
       "copies recorded into a CUDA graph: they repeat on every replay, counted once.");
+}
+
+// Repairs from a replica in another process, over CUDA IPC (peer/ipc.h).
+void def_ipc(nb::module_& m) {
   nb::exception<pimhbm::peer::ipc::Unavailable>(m, "IpcUnavailable", PyExc_RuntimeError);
   m.def(
       "ipc_export",
@@ -292,6 +322,34 @@ NB_MODULE(_core, m) {
   m.def("ipc_close", &pimhbm::peer::ipc::close_all,
         "Unmaps every peer allocation this process mapped for IPC pulls and closes the "
         "descriptors it exported (for every trainer of the process).");
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "pim-hbm-bypass: FFI handlers (CPU and CUDA) for JAX";
+  // Regions can be alive at interpreter exit (JAX arrays over their memory are released in an
+  // order Python does not promise); that is not a leak worth a warning.
+  nb::set_leak_warnings(false);
+  m.def("registrations", &registrations,
+        "Map platform -> {target name -> FFI handler capsule}, for jax.ffi.register_ffi_target.");
+#if defined(PIMHBM_WITH_CUDA)
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+  m.attr("default_chunk_bytes") = pimhbm::kDefaultChunkBytes;
+  m.def("adamw_layout", &adamw_layout,
+        "The buffers of one leaf of a pimhbm_adamw call: per row its name, role (read, write, "
+        "copy, report), tensor (p, master, mu, nu, g, faults, grad_nonfinite), whether it is "
+        "the tensor's digest table, its dtype and count rules, and its positions among the "
+        "leaf's operands and results (None: none). The step scalars come before the leaves' "
+        "operands, the call's totals after their results.");
+
+  def_regions(m);
+  def_telemetry(m);
+  def_unaliased(m);
+  def_ipc(m);
   m.def("cuda_device_uuids", &cuda_device_uuids,
         "NVML-style UUIDs of the CUDA devices this process sees, by CUDA ordinal.");
 }

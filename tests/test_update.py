@@ -321,15 +321,29 @@ def test_bad_inputs_raise_clear_errors(rng):
 
 
 def test_the_kernels_64_bit_counts_become_int32_counts_that_saturate():
-    from pimhbm.update import _add_saturating, _counts_of
+    from pimhbm.update import _counts_of
     words = lambda *counts: jnp.asarray([[c & 0xFFFFFFFF, c >> 32] for c in counts], jnp.uint32)
     imax = np.iinfo(np.int32).max
     assert _counts_of(words(5, 7)).tolist() == [5, 7]
     assert _counts_of(words(imax, imax + 1)).tolist() == [imax, imax]
     assert _counts_of(words(2**32 + 3, 2**32)).tolist() == [imax, imax]  # never wraps to 3 or 0
     assert _counts_of(words(0, 2**63)).tolist() == [0, imax]
-    a, b = jnp.asarray([3, imax - 1, imax], jnp.int32), jnp.asarray([4, 2, imax], jnp.int32)
-    assert _add_saturating(a, b).tolist() == [7, imax, imax]
+
+
+def test_the_update_call_is_laid_out_by_the_handlers_own_table():
+    """The buffers of a leaf are described once, in C++ (csrc/update/adamw_layout.h); the
+    Python front builds its calls from that description."""
+    layout = pimhbm.update.adamw_layout()
+    rows = layout["leaf"]
+    operands = sorted(b["operand"] for b in rows if b["operand"] is not None)
+    results = sorted(b["result"] for b in rows if b["result"] is not None)
+    assert operands == list(range(layout["leaf_operands"])) and len(operands) == 25
+    assert results == list(range(layout["leaf_results"])) and len(results) == 18
+    keys = [(b["role"], b["tensor"], b["table"]) for b in rows]
+    assert len(set(keys)) == len(keys)
+    for b in rows:  # read rows are operands only, reports results only, the rest both
+        assert (b["operand"] is None) == (b["role"] == "report")
+        assert (b["result"] is None) == (b["role"] == "read")
 
 
 def test_the_handler_rejects_a_wrong_digest_table():
@@ -348,8 +362,7 @@ def test_the_handler_rejects_a_wrong_digest_table():
     call = jax.ffi.ffi_call("pimhbm_adamw", outs + [totals])
     attrs = dict(chunk_elems=np.int64(16384), b1=np.float32(0.9), b2=np.float32(0.999),
                  one_minus_b1=np.float32(0.1), one_minus_b2=np.float32(0.001),
-                 eps=np.float32(1e-8), eps_root=np.float32(0), weight_decay=np.float32(0),
-                 kernel=np.int64(0))
+                 eps=np.float32(1e-8), eps_root=np.float32(0), weight_decay=np.float32(0))
     with pytest.raises(Exception, match=r"digests of the parameters must be a uint32 digest table of shape \(1, 2\)"):
         jax.block_until_ready(call(args[-1], *args[:-1], **attrs))
     # Several leaves in one call: the faulty one is named.
@@ -380,12 +393,6 @@ def test_the_handler_rejects_a_wrong_digest_table():
     with pytest.raises(Exception, match=r"totals must be uint32, got int32"):
         jax.block_until_ready(jax.ffi.ffi_call(
             "pimhbm_adamw", outs + [jax.ShapeDtypeStruct((2, 2), jnp.int32)])(args[-1], *good, **attrs))
-    # A kernel that does not exist.
-    for kernel in (3, -3):
-        with pytest.raises(Exception, match=r"kernel must be 0 \(default\), -1 \(evict-first loads\) or -2"):
-            jax.block_until_ready(call(args[-1], *good, **dict(attrs, kernel=np.int64(kernel))))
-    with pytest.raises(ValueError, match="kernel must be"):
-        pimhbm.adamw(LR, kernel=8)
 
 
 def test_guard_skips_nonfinite_and_damaged_state_bit_exactly(rng):
@@ -419,14 +426,13 @@ def test_guard_skips_nonfinite_and_damaged_state_bit_exactly(rng):
 
 
 @requires_gpu
-@pytest.mark.parametrize("kernel", [0, -1, -2])
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "bf16_master"])
-def test_gpu_update_equals_cpu_update(rng, kind, kernel):
-    """Every load kind of the CUDA kernel (the default, evict-first, plain) against the CPU, bit
-    for bit."""
+def test_gpu_update_equals_cpu_update(rng, kind):
+    """The CUDA kernel against the CPU, bit for bit. (Its launch variants are compared with it
+    in bench/adamw_variants_test.cu.)"""
     dtype = np.float32 if kind == "fp32" else ml_dtypes.bfloat16
     params = random_params(rng, dtype)
-    opt = pimhbm.adamw(LR, master_weights=kind == "bf16_master", chunk_elems=1024, kernel=kernel)
+    opt = pimhbm.adamw(LR, master_weights=kind == "bf16_master", chunk_elems=1024)
     results = {}
     for platform in ("cpu", "gpu"):
         dev = jax.devices(platform)[0]
@@ -516,59 +522,3 @@ def test_restore_clean_puts_back_only_clean_chunks_of_every_tensor_when_not_comm
         jax.block_until_ready(restore_clean(jnp.int32(0), [
             (jnp.asarray(f), tuple(map(jnp.asarray, s)), tuple(map(jnp.asarray, d)), cb)
             for f, s, d, cb in bad]))
-
-
-def test_update_calls_split_the_tree_into_consecutive_groups():
-    from pimhbm.update import MIN_CALL_PARAMS, call_groups
-    big = MIN_CALL_PARAMS
-    assert call_groups([], 8) == []
-    assert call_groups([10, 20, 30], 8) == [(0, 3)]  # small trees: one call
-    assert call_groups([big] * 8, 8) == [(i, i + 1) for i in range(8)]
-    assert call_groups([big] * 8, 1) == [(0, 8)]
-    assert call_groups([big] * 10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]  # about equal
-    assert call_groups([big, 5], 2) == [(0, 2)]  # no call of a few elements
-    # Groups cover every leaf once, in order; none but a lone one is under MIN_CALL_PARAMS.
-    rng = np.random.default_rng(3)
-    for _ in range(200):
-        sizes = [int(x) for x in rng.integers(1, 3 * big, int(rng.integers(1, 40)))]
-        calls = int(rng.integers(1, 12))
-        groups = call_groups(sizes, calls)
-        assert 1 <= len(groups) <= calls
-        assert [i for lo, hi in groups for i in range(lo, hi)] == list(range(len(sizes)))
-        assert len(groups) == 1 or all(sum(sizes[lo:hi]) >= big for lo, hi in groups)
-
-
-@pytest.mark.parametrize("device_copy", [False, True])
-@pytest.mark.parametrize("master", [False, True])
-def test_an_update_split_into_calls_equals_one_call(rng, device_copy, master):
-    """The same steps -- one of them skipped (NaN gradient), so that the restore runs over the
-    results of every call -- with one update call and with several: bit-identical state,
-    device copy and reports."""
-    import pimhbm.update as upd
-    params = random_params(rng, ml_dtypes.bfloat16 if master else np.float32)
-    grads = [random_grads(np.random.default_rng(i), params) for i in range(3)]
-    grads[1] = dict(grads[1])
-    grads[1]["t3"] = np.asarray(grads[1]["t3"]).copy()
-    grads[1]["t3"][5] = np.nan
-    results = []
-    old = upd.MIN_CALL_PARAMS
-    try:
-        upd.MIN_CALL_PARAMS = 1  # split even this small tree
-        for calls in (1, 8):
-            groups = upd.call_groups([p.size for p in jax.tree.leaves(params)], calls)
-            assert (len(groups) == 1) == (calls == 1), groups
-            opt = pimhbm.adamw(LR, update_calls=calls, master_weights=master,
-                               device_copy=device_copy)
-            state = opt.init(params)
-            step = make_step(opt)
-            committed = []
-            for g in grads:
-                state, report = step(g, state, jnp.float32(LR))
-                committed.append(bool(report.committed))
-            assert committed == [True, False, True]
-            results.append((bits(current_view(state)), bits(state.device_copy), int(report.grad_nonfinite)))
-    finally:
-        upd.MIN_CALL_PARAMS = old
-    assert results[0] == results[1]
-    with pytest.raises(ValueError, match="update_calls"):
-        pimhbm.adamw(LR, update_calls=0)

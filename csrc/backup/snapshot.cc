@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "pimhbm/ffi_platform.h"
 #include "pimhbm/ffi_util.h"
 
 #if defined(PIMHBM_WITH_CUDA)
@@ -28,18 +29,15 @@ struct Copy {
   int64_t bytes;
 };
 
+constexpr const char* kOp = "pimhbm.snapshot";
+
+// The copies into the region, each checked to lie inside it.
 ffi::Error plan(const ffi::RemainingArgs& args, int64_t region, int64_t region_bytes,
-                ffi::Span<const int64_t> offsets, ffi::AnyBuffer ticket,
-                std::vector<Copy>* copies) {
-  constexpr const char* kOp = "pimhbm.snapshot";
+                ffi::Span<const int64_t> offsets, std::vector<Copy>* copies) {
   if (region == 0) return ffi_util::invalid(kOp, "no region");
   if (offsets.size() != args.size()) {
     return ffi_util::invalid(kOp, std::to_string(args.size()) + " buffers but " +
                                       std::to_string(offsets.size()) + " offsets");
-  }
-  if (auto err = ffi_util::check_buffer(kOp, "ticket", ticket, ffi::DataType::S32, 1);
-      err.failure()) {
-    return err;
   }
   copies->clear();
   for (size_t i = 0; i < args.size(); ++i) {
@@ -59,15 +57,10 @@ ffi::Error plan(const ffi::RemainingArgs& args, int64_t region, int64_t region_b
   return ffi::Error::Success();
 }
 
-ffi::Error snapshot_cpu_impl(ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> ticket,
-                             int64_t region, int64_t region_bytes,
-                             ffi::Span<const int64_t> offsets) {
-  std::vector<Copy> copies;
-  if (auto err = plan(args, region, region_bytes, offsets, *ticket, &copies); err.failure()) {
-    return err;
-  }
+// The copies on the host, at once; the ticket is only a result for XLA to keep the call.
+ffi::Error copy_to_region(ffi_util::OnCpu, const std::vector<Copy>& copies, int32_t* ticket) {
   for (const Copy& c : copies) std::memcpy(c.dst, c.src, static_cast<size_t>(c.bytes));
-  *static_cast<int32_t*>(ticket->untyped_data()) = 0;
+  *ticket = 0;
   return ffi::Error::Success();
 }
 
@@ -85,13 +78,13 @@ std::map<int, DeviceCopier>& copiers() {
 
 cudaError_t copier_for_current_device(DeviceCopier** out) {
   int dev;
-  PIMHBM_CUDA_RETURN(cudaGetDevice(&dev));
+  PIMHBM_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
   std::lock_guard<std::mutex> lock(copiers_mutex);
   DeviceCopier& c = copiers()[dev];
   if (c.stream == nullptr) {
-    PIMHBM_CUDA_RETURN(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
-    PIMHBM_CUDA_RETURN(cudaEventCreateWithFlags(&c.ready, cudaEventDisableTiming));
-    PIMHBM_CUDA_RETURN(cudaEventCreateWithFlags(&c.done, cudaEventDisableTiming));
+    PIMHBM_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
+    PIMHBM_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&c.ready, cudaEventDisableTiming));
+    PIMHBM_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&c.done, cudaEventDisableTiming));
   }
   *out = &c;
   return cudaSuccess;
@@ -99,32 +92,36 @@ cudaError_t copier_for_current_device(DeviceCopier** out) {
 
 cudaError_t issue(cudaStream_t xla_stream, const std::vector<Copy>& copies, int32_t* ticket) {
   DeviceCopier* c;
-  PIMHBM_CUDA_RETURN(copier_for_current_device(&c));
-  PIMHBM_CUDA_RETURN(cudaEventRecord(c->ready, xla_stream));
-  PIMHBM_CUDA_RETURN(cudaStreamWaitEvent(c->stream, c->ready, 0));
+  PIMHBM_CUDA_RETURN_IF_ERROR(copier_for_current_device(&c));
+  PIMHBM_CUDA_RETURN_IF_ERROR(cudaEventRecord(c->ready, xla_stream));
+  PIMHBM_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(c->stream, c->ready, 0));
   for (const Copy& cp : copies) {
-    PIMHBM_CUDA_RETURN(cudaMemcpyAsync(cp.dst, cp.src, static_cast<size_t>(cp.bytes),
-                                       cudaMemcpyDeviceToHost, c->stream));
+    PIMHBM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cp.dst, cp.src, static_cast<size_t>(cp.bytes),
+                                                cudaMemcpyDeviceToHost, c->stream));
   }
-  PIMHBM_CUDA_RETURN(cudaEventRecord(c->done, c->stream));
+  PIMHBM_CUDA_RETURN_IF_ERROR(cudaEventRecord(c->done, c->stream));
   // The ticket is only a result for XLA to keep the call; it holds 0.
-  PIMHBM_CUDA_RETURN(cudaMemsetAsync(ticket, 0, sizeof(int32_t), xla_stream));
+  PIMHBM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(ticket, 0, sizeof(int32_t), xla_stream));
   return cudaSuccess;
 }
 
-ffi::Error snapshot_cuda_impl(cudaStream_t stream, ffi::RemainingArgs args,
-                              ffi::Result<ffi::AnyBuffer> ticket, int64_t region,
-                              int64_t region_bytes, ffi::Span<const int64_t> offsets) {
-  std::vector<Copy> copies;
-  if (auto err = plan(args, region, region_bytes, offsets, *ticket, &copies); err.failure()) {
-    return err;
-  }
-  cudaError_t err = issue(stream, copies, static_cast<int32_t*>(ticket->untyped_data()));
-  return err == cudaSuccess ? ffi::Error::Success()
-                            : ffi::Error::Internal(std::string("pimhbm.snapshot: CUDA error: ") +
-                                                   cudaGetErrorString(err));
+// On the GPU the copies go to the side stream (issue).
+ffi::Error copy_to_region(const ffi_util::OnCuda& on, const std::vector<Copy>& copies,
+                          int32_t* ticket) {
+  return ffi_util::cuda_status(kOp, issue(on.stream, copies, ticket));
 }
 #endif
+
+// (buffers...) -> ticket int32[1]: the buffers copied into the region at the offsets.
+template <typename Platform>
+ffi::Error snapshot_handler(Platform on, ffi::RemainingArgs args,
+                            ffi::ResultBuffer<ffi::S32> ticket, int64_t region,
+                            int64_t region_bytes, ffi::Span<const int64_t> offsets) {
+  std::vector<Copy> copies;
+  PIMHBM_FFI_RETURN_IF_ERROR(plan(args, region, region_bytes, offsets, &copies));
+  PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_count(kOp, "ticket", *ticket, 1));
+  return copy_to_region(on, copies, ticket->typed_data());
+}
 
 }  // namespace
 
@@ -156,21 +153,12 @@ bool snapshot_pending() {
 
 }  // namespace pimhbm::backup
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmSnapshotCpu, pimhbm::backup::snapshot_cpu_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .RemainingArgs()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("region")
-                                  .Attr<int64_t>("region_bytes")
-                                  .Attr<xla::ffi::Span<const int64_t>>("offsets"));
-
-#if defined(PIMHBM_WITH_CUDA)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmSnapshotCuda, pimhbm::backup::snapshot_cuda_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .RemainingArgs()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("region")
-                                  .Attr<int64_t>("region_bytes")
-                                  .Attr<xla::ffi::Span<const int64_t>>("offsets"));
-#endif
+#define PIMHBM_SNAPSHOT_BINDING(bind)             \
+  bind.RemainingArgs()                            \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::S32>>() \
+      .Attr<int64_t>("region")                    \
+      .Attr<int64_t>("region_bytes")              \
+      .Attr<::xla::ffi::Span<const int64_t>>("offsets")
+// Not capturable into a command buffer: the copies run on a side stream, ordered by events.
+PIMHBM_FFI_HANDLERS(PimhbmSnapshot, pimhbm::backup::snapshot_handler, PIMHBM_SNAPSHOT_BINDING,
+                    PIMHBM_FFI_NOT_CAPTURABLE);

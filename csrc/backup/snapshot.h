@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "pimhbm/ffi_platform.h"
+
 namespace pimhbm::backup {
 
 // Waits for every snapshot copy issued so far, on every device. Throws on a CUDA error.
@@ -15,11 +17,4 @@ bool snapshot_pending();
 
 }  // namespace pimhbm::backup
 
-#include "xla/ffi/api/c_api.h"
-
-extern "C" {
-XLA_FFI_Error* PimhbmSnapshotCpu(XLA_FFI_CallFrame* call_frame);
-#if defined(PIMHBM_WITH_CUDA)
-XLA_FFI_Error* PimhbmSnapshotCuda(XLA_FFI_CallFrame* call_frame);
-#endif
-}
+PIMHBM_FFI_DECLARE_HANDLERS(PimhbmSnapshot);

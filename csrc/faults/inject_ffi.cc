@@ -1,51 +1,54 @@
+// The handler of pimhbm_inject for both platforms, and its CPU launch.
 #include "faults/inject_ffi.h"
 
 #include "pimhbm/ffi_alias.h"
+#include "pimhbm/ffi_util.h"
 
 namespace pimhbm::faults {
 
-ffi::Error validate_inject(const ffi::AnyBuffer& x, const ffi::AnyBuffer& spec, Format* format) {
-  if (auto err = ffi_util::check_buffer("pimhbm.inject", "fault spec", spec, ffi::DataType::S32, 8);
-      err.failure()) {
-    return err;
-  }
-  switch (x.element_type()) {
-    case ffi::DataType::F32:
-      *format = kFloat32;
-      break;
-    case ffi::DataType::BF16:
-      *format = kBFloat16;
-      break;
-    case ffi::DataType::F16:
-      *format = kFloat16;
-      break;
-    case ffi::DataType::F64:
-      *format = kFloat64;
-      break;
-    default:
-      *format = kRawBytes;
-      break;
-  }
+ffi::Error launch(ffi_util::OnCpu, const InjectCall& c) {
+  inject_cpu(c.data, c.nbytes, c.format, c.spec);
   return ffi::Error::Success();
 }
 
 namespace {
 
-ffi::Error inject_cpu_impl(ffi::AnyBuffer x_in, ffi::AnyBuffer spec,
-                           ffi::Result<ffi::AnyBuffer> x) {
-  Format format;
-  if (auto err = validate_inject(*x, spec, &format); err.failure()) return err;
-  ffi_util::copy_unaliased_cpu(ffi_util::unaliased("pimhbm.inject", {{x_in, *x}}));
-  inject_cpu(static_cast<uint8_t*>(x->untyped_data()), static_cast<int64_t>(x->size_bytes()),
-             format, static_cast<const int32_t*>(spec.untyped_data()));
-  return ffi::Error::Success();
+constexpr const char* kInject = "pimhbm.inject";
+
+// How kNonFinite writes into elements of this dtype (others: as raw bytes).
+Format format_of(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32:
+      return kFloat32;
+    case ffi::DataType::BF16:
+      return kBFloat16;
+    case ffi::DataType::F16:
+      return kFloat16;
+    case ffi::DataType::F64:
+      return kFloat64;
+    default:
+      return kRawBytes;
+  }
+}
+
+template <typename Platform>
+ffi::Error inject_handler(Platform on, ffi::AnyBuffer x_in, ffi::Buffer<ffi::S32, 1> spec,
+                          ffi::Result<ffi::AnyBuffer> x) {
+  PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_count(kInject, "fault spec", spec, 8));
+  PIMHBM_FFI_RETURN_IF_ERROR(
+      ffi_util::copy_unaliased(on, ffi_util::unaliased(kInject, {{x_in, *x}})));
+  return launch(on, InjectCall{static_cast<uint8_t*>(x->untyped_data()),
+                               static_cast<int64_t>(x->size_bytes()), format_of(x->element_type()),
+                               spec.typed_data()});
 }
 
 }  // namespace
 }  // namespace pimhbm::faults
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmInjectCpu, pimhbm::faults::inject_cpu_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>());
+// x, spec int32[8] -> x (aliased)
+#define PIMHBM_INJECT_BINDING(bind)                  \
+  bind.Arg<::xla::ffi::AnyBuffer>()                  \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32, 1>>() \
+      .Ret<::xla::ffi::AnyBuffer>()
+PIMHBM_FFI_HANDLERS(PimhbmInject, pimhbm::faults::inject_handler, PIMHBM_INJECT_BINDING,
+                    PIMHBM_FFI_CAPTURABLE);

@@ -1,22 +1,27 @@
-// XLA FFI handler of "pimhbm_inject": (x, spec int32[8]) -> x, in place (aliased).
+// XLA FFI handler of "pimhbm_inject": (x, spec int32[8]) -> x, in place (aliased): the fault
+// of the spec (inject.h) applied to x. One handler for both platforms (inject_ffi.cc).
 #pragma once
 
+#include <cstdint>
+
 #include "faults/inject.h"
-#include "pimhbm/ffi_util.h"
-#include "xla/ffi/api/c_api.h"
+#include "pimhbm/ffi_platform.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace pimhbm::faults {
 
 namespace ffi = xla::ffi;
 
-// Checks the spec buffer; on success sets *format from x's dtype.
-ffi::Error validate_inject(const ffi::AnyBuffer& x, const ffi::AnyBuffer& spec, Format* format);
+// A checked call: the target's bytes, its float format, the spec.
+struct InjectCall {
+  uint8_t* data;
+  int64_t nbytes;
+  Format format;
+  const int32_t* spec;
+};
+
+PIMHBM_FFI_DECLARE_LAUNCHES(InjectCall);
 
 }  // namespace pimhbm::faults
 
-extern "C" {
-XLA_FFI_Error* PimhbmInjectCpu(XLA_FFI_CallFrame* call_frame);
-#if defined(PIMHBM_WITH_CUDA)
-XLA_FFI_Error* PimhbmInjectCuda(XLA_FFI_CallFrame* call_frame);
-#endif
-}
+PIMHBM_FFI_DECLARE_HANDLERS(PimhbmInject);

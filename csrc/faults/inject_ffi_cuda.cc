@@ -1,33 +1,12 @@
-#include <string>
-
+// The CUDA launch of pimhbm_inject: one kernel on XLA's stream, the spec read on the device.
 #include "faults/inject_ffi.h"
-#include "pimhbm/ffi_alias_cuda.h"
+#include "pimhbm/ffi_error.h"
 
 namespace pimhbm::faults {
-namespace {
 
-ffi::Error inject_cuda_impl(cudaStream_t stream, ffi::AnyBuffer x_in, ffi::AnyBuffer spec,
-                            ffi::Result<ffi::AnyBuffer> x) {
-  Format format;
-  if (auto err = validate_inject(*x, spec, &format); err.failure()) return err;
-  cudaError_t err =
-      ffi_util::copy_unaliased_cuda(ffi_util::unaliased("pimhbm.inject", {{x_in, *x}}), stream);
-  if (err == cudaSuccess)
-    err =
-        inject_cuda(static_cast<uint8_t*>(x->untyped_data()), static_cast<int64_t>(x->size_bytes()),
-                    format, static_cast<const int32_t*>(spec.untyped_data()), stream);
-  return err == cudaSuccess ? ffi::Error::Success()
-                            : ffi::Error::Internal(std::string("pimhbm.inject: CUDA error: ") +
-                                                   cudaGetErrorString(err));
+ffi::Error launch(const ffi_util::OnCuda& on, const InjectCall& c) {
+  return ffi_util::cuda_status("pimhbm.inject",
+                               inject_cuda(c.data, c.nbytes, c.format, c.spec, on.stream));
 }
 
-}  // namespace
 }  // namespace pimhbm::faults
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmInjectCuda, pimhbm::faults::inject_cuda_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>(),
-                              {xla::ffi::Traits::kCmdBufferCompatible});

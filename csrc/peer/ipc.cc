@@ -29,7 +29,7 @@ namespace pimhbm::peer::ipc {
 namespace {
 
 [[noreturn]] void fail(const std::string& what, cudaError_t err) {
-  cudaGetLastError();  // clear the sticky-free error state for the next call
+  (void)cudaGetLastError();  // clear the sticky-free error state for the next call
   throw std::runtime_error("pimhbm IPC pull: " + what + ": " + cudaGetErrorString(err));
 }
 
@@ -226,8 +226,8 @@ std::map<int, Scratch> scratches;
 Scratch& scratch_of(int device, size_t bytes) {
   Scratch& s = scratches[device];
   if (s.bytes < bytes) {
-    if (s.chunks) cudaFree(s.chunks);
-    if (s.status) cudaFree(s.status);
+    if (s.chunks) check(cudaFree(s.chunks), "cudaFree");
+    if (s.status) check(cudaFree(s.status), "cudaFree");
     s = Scratch{};
     check(cudaMalloc(&s.chunks, bytes), "cudaMalloc");
     check(cudaMalloc(&s.status, bytes), "cudaMalloc");
@@ -328,24 +328,26 @@ std::vector<int32_t> pull(int device, const std::vector<int32_t>& chunks, uint64
   return status;
 }
 
+// Best effort, as teardown goes: a mapping that cannot be closed (its device gone) is left to
+// the process's exit; the errors are cleared at the end.
 void close_all() {
   std::lock_guard<std::mutex> lock(mu);
   for (auto& [key, m] : opened) {
     const int device = std::stoi(key.substr(0, key.find(':')));
     if (cudaSetDevice(device) != cudaSuccess) continue;
     if (m.kind == kLegacyHandle) {
-      cudaIpcCloseMemHandle(m.base);
+      (void)cudaIpcCloseMemHandle(m.base);
     } else {
       const Driver& d = driver();
-      d.unmap(reinterpret_cast<CUdeviceptr>(m.base), m.size);
-      d.address_free(reinterpret_cast<CUdeviceptr>(m.base), m.size);
+      (void)d.unmap(reinterpret_cast<CUdeviceptr>(m.base), m.size);
+      (void)d.address_free(reinterpret_cast<CUdeviceptr>(m.base), m.size);
     }
   }
   opened.clear();
   for (auto& [allocation, fd] : exported_fds) close(fd);
   if (!exported_fds.empty()) prctl(PR_SET_PTRACER, 0, 0, 0, 0);  // as before the first export
   exported_fds.clear();
-  cudaGetLastError();
+  (void)cudaGetLastError();
 }
 
 #else  // no CUDA

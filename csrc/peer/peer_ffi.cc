@@ -1,9 +1,14 @@
-// The peer ops on the host platform: the same meeting protocol as on GPUs, with plain copies
-// (every "device" is host memory). This is the reference the CUDA version is tested against,
-// and what runs the multi-device logic in CI.
+// The handlers of the peer ops for both platforms, and how a call meets its peers on the host
+// platform: the same protocol as on GPUs, with plain copies (every "device" is host memory).
+// That is the reference the CUDA version is tested against, and what runs the multi-device
+// logic in CI.
 #include "peer/peer_ffi.h"
 
+#include <string>
+#include <vector>
+
 #include "pimhbm/ffi_alias.h"
+#include "pimhbm/ffi_util.h"
 #include "repair/repair_ffi.h"
 
 namespace pimhbm::peer {
@@ -12,6 +17,30 @@ using ffi_util::dtype_name;
 using ffi_util::invalid;
 using ffi_util::shape_str;
 
+ffi::Error meet(ffi_util::OnCpu, const char* op, int32_t, const Member& m, Payload mine,
+                const Work& work) {
+  std::vector<Payload> all;
+  if (std::string e = m.group->exchange(m.rank, kReady, mine, &all, m.timeout); !e.empty()) {
+    return peer_error(op, e);
+  }
+  ffi::Error result = work(all);
+  std::vector<Payload> done;
+  if (std::string e = m.group->exchange(m.rank, kDone, Payload{}, &done, m.timeout); !e.empty()) {
+    return peer_error(op, e);
+  }
+  return result;
+}
+
+ffi::Error copy_segments(ffi_util::OnCpu, const char*, const Segments& segments, uint8_t* out) {
+  copy_segments_cpu(segments, out);
+  return ffi::Error::Success();
+}
+
+namespace {
+
+constexpr const char* kPull = "pimhbm.peer.pull";
+
+// The calling device's group and rank, or an error a user understands.
 ffi::ErrorOr<Member> member_of(const char* op, int32_t ordinal, int64_t tag,
                                ffi::Span<const int64_t> ordinals, int64_t group_size,
                                int64_t timeout_ms) {
@@ -38,72 +67,86 @@ ffi::ErrorOr<Member> member_of(const char* op, int32_t ordinal, int64_t tag,
   return m;
 }
 
-ffi::Error validate_all_gather(const ffi::AnyBuffer& x, const ffi::AnyBuffer& out, int size) {
-  constexpr const char* kOp = "pimhbm.peer.all_gather";
-  if (out.element_type() != x.element_type() ||
-      out.size_bytes() != x.size_bytes() * static_cast<size_t>(size)) {
-    return invalid(kOp, "output " + dtype_name(out.element_type()) + shape_str(out.dimensions()) +
-                            " must hold " + std::to_string(size) + " copies of the input " +
-                            dtype_name(x.element_type()) + shape_str(x.dimensions()));
+std::string described(const ffi::AnyBuffer& b) {
+  return dtype_name(b.element_type()) + shape_str(b.dimensions());
+}
+
+// all_gather: out holds `size` copies of x. all_to_all: x has one block per peer (its first
+// dimension is the group size) and out matches it.
+ffi::Error check_collective(const char* op, bool all_to_all, const ffi::AnyBuffer& x,
+                            const ffi::AnyBuffer& out, int size) {
+  if (all_to_all && (x.dimensions().size() == 0 || x.dimensions()[0] != size)) {
+    return invalid(op, "the input's first dimension must be the group size " +
+                           std::to_string(size) + " (one block per peer), got shape " +
+                           shape_str(x.dimensions()));
+  }
+  const size_t want = x.size_bytes() * static_cast<size_t>(all_to_all ? 1 : size);
+  if (out.element_type() != x.element_type() || out.size_bytes() != want) {
+    return invalid(
+        op, "output " + described(out) +
+                (all_to_all ? " must match the input "
+                            : " must hold " + std::to_string(size) + " copies of the input ") +
+                described(x));
   }
   return ffi::Error::Success();
 }
 
-ffi::Error validate_all_to_all(const ffi::AnyBuffer& x, const ffi::AnyBuffer& out, int size) {
-  constexpr const char* kOp = "pimhbm.peer.all_to_all";
-  auto dims = x.dimensions();
-  if (dims.size() == 0 || dims[0] != size) {
-    return invalid(kOp, "the input's first dimension must be the group size " +
-                            std::to_string(size) + " (one block per peer), got shape " +
-                            shape_str(dims));
-  }
-  if (out.element_type() != x.element_type() || out.size_bytes() != x.size_bytes()) {
-    return invalid(kOp, "output " + dtype_name(out.element_type()) + shape_str(out.dimensions()) +
-                            " must match the input " + dtype_name(x.element_type()) +
-                            shape_str(dims));
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error validate_pull(const ffi::AnyBuffer& chunks, const ffi::AnyBuffer& which,
-                         const ffi::AnyBuffer& x, const ffi::AnyBuffer& table,
-                         const ffi::AnyBuffer& status, int64_t chunk_bytes) {
-  constexpr const char* kOp = "pimhbm.peer.pull";
-  if (auto err = ffi_util::check_chunk_bytes(kOp, chunk_bytes); err.failure()) return err;
-  const int64_t n = num_chunks(static_cast<int64_t>(x.size_bytes()), chunk_bytes);
-  if (auto err = ffi_util::check_digest_table(kOp, "digests", table, n); err.failure()) return err;
-  const int64_t k = static_cast<int64_t>(chunks.element_count());
-  if (auto err = ffi_util::check_buffer(kOp, "chunk list", chunks, ffi::DataType::S32, k);
-      err.failure()) {
-    return err;
-  }
-  if (auto err = ffi_util::check_buffer(kOp, "source list", which, ffi::DataType::S32, k);
-      err.failure()) {
-    return err;
-  }
-  return ffi_util::check_buffer(kOp, "status", status, ffi::DataType::S32, k);
-}
-
-Segments gather_segments(const std::vector<Payload>& all, int64_t bytes) {
+// What a collective reads from its peers: all_gather every peer's whole input, all_to_all
+// block `rank` of every peer's input.
+Segments segments_of(const std::vector<Payload>& all, int rank, int64_t bytes, bool all_to_all) {
   Segments s{};
   s.count = static_cast<int>(all.size());
-  s.bytes = bytes;
-  for (int p = 0; p < s.count; ++p) s.src[p] = static_cast<const uint8_t*>(all[p].in);
+  s.bytes = all_to_all ? bytes / s.count : bytes;
+  for (int p = 0; p < s.count; ++p) {
+    s.src[p] = static_cast<const uint8_t*>(all[p].in) + (all_to_all ? rank * s.bytes : 0);
+  }
   return s;
 }
 
-Segments exchange_segments(const std::vector<Payload>& all, int rank, int64_t block_bytes) {
-  Segments s = gather_segments(all, block_bytes);
-  for (int p = 0; p < s.count; ++p) s.src[p] += rank * block_bytes;
-  return s;
+// pimhbm_peer_all_gather (kAllToAll false): x -> out (n, *x.shape), every peer's x in rank
+// order. pimhbm_peer_all_to_all (true): x (n, ...) -> out (n, ...), out[p] = peer p's x[rank].
+template <bool kAllToAll>
+struct Collective {
+  static constexpr const char* kOp =
+      kAllToAll ? "pimhbm.peer.all_to_all" : "pimhbm.peer.all_gather";
+
+  template <typename Platform>
+  static ffi::Error handler(Platform on, int32_t ordinal, ffi::AnyBuffer x,
+                            ffi::Result<ffi::AnyBuffer> out, int64_t tag,
+                            ffi::Span<const int64_t> ordinals, int64_t group_size,
+                            int64_t timeout_ms) {
+    PIMHBM_FFI_ASSIGN_OR_RETURN(const Member m,
+                                member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms));
+    PIMHBM_FFI_RETURN_IF_ERROR(check_collective(kOp, kAllToAll, x, *out, m.size));
+    const auto bytes = static_cast<int64_t>(x.size_bytes());
+    return meet(on, kOp, ordinal, m, Payload{x.untyped_data()},
+                [&](const std::vector<Payload>& all) {
+                  return copy_segments(on, kOp, segments_of(all, m.rank, bytes, kAllToAll),
+                                       static_cast<uint8_t*>(out->untyped_data()));
+                });
+  }
+};
+
+// The listed chunks (chunk list, source list, status: one entry each) of a tensor and its
+// digest table.
+ffi::Error check_pull(const ffi::Buffer<ffi::S32>& chunks, const ffi::Buffer<ffi::S32>& which,
+                      const ffi::AnyBuffer& x, const ffi::AnyBuffer& table,
+                      const ffi::Buffer<ffi::S32>& status, int64_t chunk_bytes) {
+  PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_chunk_bytes(kPull, chunk_bytes));
+  const int64_t n = num_chunks(static_cast<int64_t>(x.size_bytes()), chunk_bytes);
+  PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_digest_table(kPull, "digests", table, n));
+  const int64_t k = static_cast<int64_t>(chunks.element_count());
+  PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_count(kPull, "source list", which, k));
+  return ffi_util::check_count(kPull, "status", status, k);
 }
 
-repair::Sources pull_sources(const std::vector<Payload>& all, const Member& m,
-                             const ffi::AnyBuffer& which, int64_t nbytes, int64_t chunk_bytes) {
+// Every peer's tensor and digest table as the pull's sources; entry k's from peer which[k].
+repair::Sources pull_sources(const std::vector<Payload>& all, const Member& m, const int32_t* which,
+                             int64_t nbytes, int64_t chunk_bytes) {
   repair::Sources sources{};
   sources.count = m.size;
   sources.self = m.rank;
-  sources.which = static_cast<const int32_t*>(which.untyped_data());
+  sources.which = which;
   for (int p = 0; p < m.size; ++p) {
     sources.tensor[p] = {static_cast<const uint8_t*>(all[p].in), nbytes, chunk_bytes,
                          static_cast<const uint32_t*>(all[p].extra)};
@@ -111,105 +154,59 @@ repair::Sources pull_sources(const std::vector<Payload>& all, const Member& m,
   return sources;
 }
 
-namespace {
-
-// Meets the peers with `mine`, runs `work(all)`, meets them again (so that nobody writes a
-// buffer a peer still reads). The second meeting happens even when the work failed.
-template <typename Work>
-ffi::Error meet_and_run(const char* op, const Member& m, const Payload& mine, Work work) {
-  std::vector<Payload> all;
-  if (std::string e = m.group->exchange(m.rank, kReady, mine, &all, m.timeout); !e.empty()) {
-    return peer_error(op, e);
-  }
-  ffi::Error result = work(all);
-  std::vector<Payload> done;
-  if (std::string e = m.group->exchange(m.rank, kDone, Payload{}, &done, m.timeout); !e.empty()) {
-    return peer_error(op, e);
-  }
-  return result;
-}
-
-ffi::Error all_gather_cpu(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
-                          int64_t tag, ffi::Span<const int64_t> ordinals, int64_t group_size,
-                          int64_t timeout_ms) {
-  constexpr const char* kOp = "pimhbm.peer.all_gather";
-  auto m = member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms);
-  if (m.has_error()) return m.error();
-  if (auto err = validate_all_gather(x, *out, m->size); err.failure()) return err;
-  return meet_and_run(kOp, *m, Payload{x.untyped_data()}, [&](const std::vector<Payload>& all) {
-    copy_segments_cpu(gather_segments(all, static_cast<int64_t>(x.size_bytes())),
-                      static_cast<uint8_t*>(out->untyped_data()));
-    return ffi::Error::Success();
-  });
-}
-
-ffi::Error all_to_all_cpu(int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out,
-                          int64_t tag, ffi::Span<const int64_t> ordinals, int64_t group_size,
-                          int64_t timeout_ms) {
-  constexpr const char* kOp = "pimhbm.peer.all_to_all";
-  auto m = member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms);
-  if (m.has_error()) return m.error();
-  if (auto err = validate_all_to_all(x, *out, m->size); err.failure()) return err;
-  return meet_and_run(kOp, *m, Payload{x.untyped_data()}, [&](const std::vector<Payload>& all) {
-    copy_segments_cpu(
-        exchange_segments(all, m->rank, static_cast<int64_t>(x.size_bytes()) / m->size),
-        static_cast<uint8_t*>(out->untyped_data()));
-    return ffi::Error::Success();
-  });
-}
-
-ffi::Error pull_cpu(int32_t ordinal, ffi::AnyBuffer chunks, ffi::AnyBuffer which,
-                    ffi::AnyBuffer x_in, ffi::AnyBuffer table_in, ffi::Result<ffi::AnyBuffer> x,
-                    ffi::Result<ffi::AnyBuffer> table, ffi::Result<ffi::AnyBuffer> status,
-                    int64_t chunk_bytes, int64_t tag, ffi::Span<const int64_t> ordinals,
-                    int64_t group_size, int64_t timeout_ms) {
-  constexpr const char* kOp = "pimhbm.peer.pull";
-  auto m = member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms);
-  if (m.has_error()) return m.error();
-  if (auto err = validate_pull(chunks, which, *x, *table, *status, chunk_bytes); err.failure()) {
-    return err;
-  }
+// chunks, which, x, table -> x, table (aliased), status
+template <typename Platform>
+ffi::Error pull_handler(Platform on, int32_t ordinal, ffi::Buffer<ffi::S32> chunks,
+                        ffi::Buffer<ffi::S32> which, ffi::AnyBuffer x_in, ffi::AnyBuffer table_in,
+                        ffi::Result<ffi::AnyBuffer> x, ffi::Result<ffi::AnyBuffer> table,
+                        ffi::ResultBuffer<ffi::S32> status, int64_t chunk_bytes, int64_t tag,
+                        ffi::Span<const int64_t> ordinals, int64_t group_size, int64_t timeout_ms) {
+  PIMHBM_FFI_ASSIGN_OR_RETURN(const Member m,
+                              member_of(kPull, ordinal, tag, ordinals, group_size, timeout_ms));
+  PIMHBM_FFI_RETURN_IF_ERROR(check_pull(chunks, which, *x, *table, *status, chunk_bytes));
   // The target starts as the operand where XLA did not alias them (ffi_alias.h), before the
   // peers meet: what they read of this device is its current state.
-  ffi_util::copy_unaliased_cpu(ffi_util::unaliased(kOp, {{x_in, *x}, {table_in, *table}}));
-  Payload mine{x->untyped_data(), table->untyped_data()};
-  return meet_and_run(kOp, *m, mine, [&](const std::vector<Payload>& all) {
-    repair::repair_from_cpu(
-        static_cast<const int32_t*>(chunks.untyped_data()),
-        static_cast<int64_t>(chunks.element_count()),
-        pull_sources(all, *m, which, static_cast<int64_t>(x->size_bytes()), chunk_bytes),
-        repair::mutable_chunked(*x, *table, chunk_bytes),
-        static_cast<int32_t*>(status->untyped_data()));
-    return ffi::Error::Success();
+  PIMHBM_FFI_RETURN_IF_ERROR(
+      ffi_util::copy_unaliased(on, ffi_util::unaliased(kPull, {{x_in, *x}, {table_in, *table}})));
+  const auto nbytes = static_cast<int64_t>(x->size_bytes());
+  const Payload mine{x->untyped_data(), table->untyped_data()};
+  return meet(on, kPull, ordinal, m, mine, [&](const std::vector<Payload>& all) {
+    return repair::launch(
+        on,
+        repair::RepairCall{kPull, chunks.typed_data(), static_cast<int64_t>(chunks.element_count()),
+                           pull_sources(all, m, which.typed_data(), nbytes, chunk_bytes),
+                           repair::mutable_chunked(*x, *table, chunk_bytes), status->typed_data()});
   });
 }
 
 }  // namespace
 }  // namespace pimhbm::peer
 
-// x -> out (n, *x.shape)
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmPeerAllGatherCpu, pimhbm::peer::all_gather_cpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>() PIMHBM_PEER_GROUP_ATTRS);
+// The attributes every peer op takes (see peer_ffi.h).
+#define PIMHBM_PEER_GROUP_ATTRS                          \
+  .Attr<int64_t>("tag")                                  \
+      .Attr<::xla::ffi::Span<const int64_t>>("ordinals") \
+      .Attr<int64_t>("group_size")                       \
+      .Attr<int64_t>("timeout_ms")
 
-// x (n, ...) -> out (n, ...): out[p] = peer p's x[rank]
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmPeerAllToAllCpu, pimhbm::peer::all_to_all_cpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>() PIMHBM_PEER_GROUP_ATTRS);
+#define PIMHBM_PEER_COLLECTIVE_BINDING(bind)                                                      \
+  bind.Ctx<::xla::ffi::DeviceOrdinal>().Arg<::xla::ffi::AnyBuffer>().Ret<::xla::ffi::AnyBuffer>() \
+      PIMHBM_PEER_GROUP_ATTRS
+// Not capturable into a command buffer: each call meets its peers on the host.
+PIMHBM_FFI_HANDLERS(PimhbmPeerAllGather, pimhbm::peer::Collective<false>::handler,
+                    PIMHBM_PEER_COLLECTIVE_BINDING, PIMHBM_FFI_NOT_CAPTURABLE);
+PIMHBM_FFI_HANDLERS(PimhbmPeerAllToAll, pimhbm::peer::Collective<true>::handler,
+                    PIMHBM_PEER_COLLECTIVE_BINDING, PIMHBM_FFI_NOT_CAPTURABLE);
 
-// chunks, which, x, table -> x, table (aliased), status
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmPeerPullCpu, pimhbm::peer::pull_cpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("chunk_bytes") PIMHBM_PEER_GROUP_ATTRS);
+#define PIMHBM_PEER_PULL_BINDING(bind)            \
+  bind.Ctx<::xla::ffi::DeviceOrdinal>()           \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() \
+      .Arg<::xla::ffi::AnyBuffer>()               \
+      .Arg<::xla::ffi::AnyBuffer>()               \
+      .Ret<::xla::ffi::AnyBuffer>()               \
+      .Ret<::xla::ffi::AnyBuffer>()               \
+      .Ret<::xla::ffi::Buffer<::xla::ffi::S32>>() \
+      .Attr<int64_t>("chunk_bytes") PIMHBM_PEER_GROUP_ATTRS
+PIMHBM_FFI_HANDLERS(PimhbmPeerPull, pimhbm::peer::pull_handler, PIMHBM_PEER_PULL_BINDING,
+                    PIMHBM_FFI_NOT_CAPTURABLE);

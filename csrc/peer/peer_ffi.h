@@ -4,23 +4,25 @@
 // Every device of a group calls the op once per program run; the group is given by the
 // attributes `ordinals` (the device ordinals of every group, row-major, `group_size` a row)
 // and `tag` (one per call site). Each call meets its peers twice (see rendezvous.h), waiting at
-// most `timeout_ms` for each.
+// most `timeout_ms` for each. One handler each for both platforms (peer_ffi.cc); how a call
+// meets its peers and copies is what differs (below).
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "peer/copy.h"
 #include "peer/rendezvous.h"
-#include "pimhbm/ffi_util.h"
-#include "repair/repair.h"
-#include "xla/ffi/api/c_api.h"
+#include "pimhbm/ffi_platform.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace pimhbm::peer {
 
 namespace ffi = xla::ffi;
 
+// The calling device's place in its group.
 struct Member {
   Group* group = nullptr;
   int rank = 0;
@@ -29,25 +31,23 @@ struct Member {
   std::chrono::milliseconds timeout{0};
 };
 
-// Finds the calling device's group and rank, or an error a user understands.
-ffi::ErrorOr<Member> member_of(const char* op, int32_t ordinal, int64_t tag,
-                               ffi::Span<const int64_t> ordinals, int64_t group_size,
-                               int64_t timeout_ms);
+// What a call does between its two meetings, given every peer's payload (indexed by rank).
+using Work = std::function<ffi::Error(const std::vector<Payload>& all)>;
 
-// Shape checks shared by both platforms.
-ffi::Error validate_all_gather(const ffi::AnyBuffer& x, const ffi::AnyBuffer& out, int size);
-ffi::Error validate_all_to_all(const ffi::AnyBuffer& x, const ffi::AnyBuffer& out, int size);
-ffi::Error validate_pull(const ffi::AnyBuffer& chunks, const ffi::AnyBuffer& which,
-                         const ffi::AnyBuffer& x, const ffi::AnyBuffer& table,
-                         const ffi::AnyBuffer& status, int64_t chunk_bytes);
-
-// What each op reads from the payloads its peers published (the same on both platforms):
-// all_gather: every peer's whole input; all_to_all: block `rank` of every peer's input;
-// pull: every peer's tensor and digest table, the entries' sources from `which`.
-Segments gather_segments(const std::vector<Payload>& all, int64_t bytes);
-Segments exchange_segments(const std::vector<Payload>& all, int rank, int64_t block_bytes);
-repair::Sources pull_sources(const std::vector<Payload>& all, const Member& m,
-                             const ffi::AnyBuffer& which, int64_t nbytes, int64_t chunk_bytes);
+// Meets the peers with `mine`, runs `work`, meets them again (so that nobody writes a buffer a
+// peer still reads); the second meeting happens even when the work failed. On the host the
+// work runs between the meetings; on the GPU it is enqueued on the stream between waits for
+// the peers' events (their inputs are ready; they finished reading ours).
+ffi::Error meet(ffi_util::OnCpu, const char* op, int32_t ordinal, const Member& m, Payload mine,
+                const Work& work);
+// The copy of the collectives: out[p] = segment p.
+ffi::Error copy_segments(ffi_util::OnCpu, const char* op, const Segments& segments, uint8_t* out);
+#if defined(PIMHBM_WITH_CUDA)
+ffi::Error meet(const ffi_util::OnCuda& on, const char* op, int32_t ordinal, const Member& m,
+                Payload mine, const Work& work);
+ffi::Error copy_segments(const ffi_util::OnCuda& on, const char* op, const Segments& segments,
+                         uint8_t* out);
+#endif
 
 inline ffi::Error peer_error(const char* op, const std::string& what) {
   return ffi::Error::Internal(std::string(op) + ": " + what);
@@ -55,20 +55,6 @@ inline ffi::Error peer_error(const char* op, const std::string& what) {
 
 }  // namespace pimhbm::peer
 
-// The attributes every peer op takes (see above).
-#define PIMHBM_PEER_GROUP_ATTRS                        \
-  .Attr<int64_t>("tag")                                \
-      .Attr<xla::ffi::Span<const int64_t>>("ordinals") \
-      .Attr<int64_t>("group_size")                     \
-      .Attr<int64_t>("timeout_ms")
-
-extern "C" {
-XLA_FFI_Error* PimhbmPeerAllGatherCpu(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* PimhbmPeerAllToAllCpu(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* PimhbmPeerPullCpu(XLA_FFI_CallFrame* call_frame);
-#if defined(PIMHBM_WITH_CUDA)
-XLA_FFI_Error* PimhbmPeerAllGatherCuda(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* PimhbmPeerAllToAllCuda(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* PimhbmPeerPullCuda(XLA_FFI_CallFrame* call_frame);
-#endif
-}
+PIMHBM_FFI_DECLARE_HANDLERS(PimhbmPeerAllGather);
+PIMHBM_FFI_DECLARE_HANDLERS(PimhbmPeerAllToAll);
+PIMHBM_FFI_DECLARE_HANDLERS(PimhbmPeerPull);

@@ -1,28 +1,27 @@
-// The peer ops on GPUs. Each device's handler runs on the host thread that launches that
-// device's work; it publishes its buffers and an event recorded on its stream, makes its
-// stream wait for its peers' events (their inputs are ready), launches one kernel that reads
-// the peers' memory directly, and then waits -- on the stream, not on the host -- for its
-// peers to finish reading before its own stream may go on writing its buffers. No NCCL call;
-// only the calling devices' streams take part.
+// How a peer op's call meets its peers on GPUs. Each device's handler runs on the host thread
+// that launches that device's work; it publishes its buffers and an event recorded on its
+// stream, makes its stream wait for its peers' events (their inputs are ready), enqueues the
+// work (one kernel that reads the peers' memory directly), and then waits -- on the stream,
+// not on the host -- for its peers to finish reading before its own stream may go on writing
+// its buffers. No NCCL call; only the calling devices' streams take part.
 #include <cuda_runtime_api.h>
 
 #include <mutex>
 #include <set>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "peer/peer_ffi.h"
-#include "pimhbm/ffi_alias_cuda.h"
-#include "repair/repair_ffi.h"
+#include "pimhbm/ffi_error.h"
 
 namespace pimhbm::peer {
 namespace {
 
-std::string cuda_what(const char* call, cudaError_t err) {
-  return std::string(call) + ": " + cudaGetErrorString(err);
-}
+using ffi_util::cuda_status;
 
 // Peer access from `me` to each peer, enabled once per pair for the process.
-std::string enable_peer_access(int me, const int64_t* peers, int size) {
+ffi::Error enable_peer_access(const char* op, int me, const int64_t* peers, int size) {
   static std::mutex mu;
   static std::set<std::pair<int, int>> enabled;
   std::lock_guard<std::mutex> lock(mu);
@@ -30,22 +29,23 @@ std::string enable_peer_access(int me, const int64_t* peers, int size) {
     const int other = static_cast<int>(peers[p]);
     if (other == me || enabled.count({me, other})) continue;
     int can = 0;
-    if (cudaError_t err = cudaDeviceCanAccessPeer(&can, me, other); err != cudaSuccess) {
-      return cuda_what("cudaDeviceCanAccessPeer", err);
-    }
+    PIMHBM_FFI_RETURN_IF_ERROR(
+        cuda_status(op, cudaDeviceCanAccessPeer(&can, me, other), "cudaDeviceCanAccessPeer"));
     if (!can) {
-      return "GPU " + std::to_string(me) + " cannot read GPU " + std::to_string(other) +
-             "'s memory directly (no peer access between them): use the collective transport";
+      return peer_error(op, "GPU " + std::to_string(me) + " cannot read GPU " +
+                                std::to_string(other) +
+                                "'s memory directly (no peer access between them): use the "
+                                "collective transport");
     }
     cudaError_t err = cudaDeviceEnablePeerAccess(other, 0);
     if (err == cudaErrorPeerAccessAlreadyEnabled) {
-      cudaGetLastError();  // clears the sticky "already enabled"
-    } else if (err != cudaSuccess) {
-      return cuda_what("cudaDeviceEnablePeerAccess", err);
+      (void)cudaGetLastError();  // returns and clears that very "already enabled"
+      err = cudaSuccess;
     }
+    PIMHBM_FFI_RETURN_IF_ERROR(cuda_status(op, err, "cudaDeviceEnablePeerAccess"));
     enabled.insert({me, other});
   }
-  return "";
+  return ffi::Error::Success();
 }
 
 // Makes `ordinal` current for the handler's calls and puts the caller's device back after.
@@ -57,7 +57,9 @@ class DeviceScope {
   }
   ~DeviceScope() {
     int now = -1;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) cudaSetDevice(previous_);
+    // Best effort: a failure here leaves the thread on the handler's device, which XLA sets
+    // again before its next call on this thread.
+    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) (void)cudaSetDevice(previous_);
   }
   cudaError_t error() const { return error_; }
 
@@ -66,48 +68,51 @@ class DeviceScope {
   cudaError_t error_;
 };
 
-cudaEvent_t event_of(Group* group, int rank, Phase phase, cudaError_t* err) {
+// The event of `rank` for `phase`, created on first use by the rank's own device.
+ffi::Error event_of(const char* op, Group* group, int rank, Phase phase, cudaEvent_t* event) {
   void*& slot = group->event_slot(rank, phase);
   if (!slot) {
     cudaEvent_t e;
-    *err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
-    if (*err != cudaSuccess) return nullptr;
+    PIMHBM_FFI_RETURN_IF_ERROR(cuda_status(op, cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
+                                           "cudaEventCreateWithFlags"));
     slot = e;
   }
-  return static_cast<cudaEvent_t>(slot);
+  *event = static_cast<cudaEvent_t>(slot);
+  return ffi::Error::Success();
 }
 
-// Publishes `mine` with a ready event, orders `stream` after every peer's, runs `launch`,
-// publishes a done event and orders `stream` after every peer's (they finished reading).
-template <typename Launch>
-ffi::Error meet_and_launch(const char* op, int32_t ordinal, const Member& m, cudaStream_t stream,
-                           Payload mine, Launch launch) {
+// `stream` ordered after every other rank's event in `all`.
+ffi::Error wait_for_peers(const char* op, cudaStream_t stream, const Member& m,
+                          const std::vector<Payload>& all) {
+  for (int p = 0; p < m.size; ++p) {
+    if (p == m.rank) continue;
+    PIMHBM_FFI_RETURN_IF_ERROR(
+        cuda_status(op, cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(all[p].event), 0),
+                    "cudaStreamWaitEvent"));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error meet(const ffi_util::OnCuda& on, const char* op, int32_t ordinal, const Member& m,
+                Payload mine, const Work& work) {
   DeviceScope scope(ordinal);
-  if (scope.error() != cudaSuccess)
-    return peer_error(op, cuda_what("cudaSetDevice", scope.error()));
-  if (std::string e = enable_peer_access(ordinal, m.peers, m.size); !e.empty()) {
-    return peer_error(op, e);
-  }
-  cudaError_t err = cudaSuccess;
-  cudaEvent_t ready = event_of(m.group, m.rank, kReady, &err);
-  cudaEvent_t done = ready ? event_of(m.group, m.rank, kDone, &err) : nullptr;
-  if (!done) return peer_error(op, cuda_what("cudaEventCreateWithFlags", err));
-  if ((err = cudaEventRecord(ready, stream)) != cudaSuccess) {
-    return peer_error(op, cuda_what("cudaEventRecord", err));
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(cuda_status(op, scope.error(), "cudaSetDevice"));
+  PIMHBM_FFI_RETURN_IF_ERROR(enable_peer_access(op, ordinal, m.peers, m.size));
+  cudaEvent_t ready, done;
+  PIMHBM_FFI_RETURN_IF_ERROR(event_of(op, m.group, m.rank, kReady, &ready));
+  PIMHBM_FFI_RETURN_IF_ERROR(event_of(op, m.group, m.rank, kDone, &done));
+  PIMHBM_FFI_RETURN_IF_ERROR(cuda_status(op, cudaEventRecord(ready, on.stream), "cudaEventRecord"));
   mine.event = ready;
   std::vector<Payload> all;
   if (std::string e = m.group->exchange(m.rank, kReady, mine, &all, m.timeout); !e.empty()) {
     return peer_error(op, e);
   }
-  for (int p = 0; p < m.size && err == cudaSuccess; ++p) {
-    if (p != m.rank) err = cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(all[p].event), 0);
-  }
-  std::string failed = err != cudaSuccess ? cuda_what("cudaStreamWaitEvent", err) : "";
-  if (failed.empty() && (err = launch(all)) != cudaSuccess) failed = cuda_what("launch", err);
-  if (failed.empty() && (err = cudaEventRecord(done, stream)) != cudaSuccess) {
-    failed = cuda_what("cudaEventRecord", err);
-  }
+  ffi::Error failed = wait_for_peers(op, on.stream, m, all);
+  if (failed.success()) failed = work(all);
+  if (failed.success())
+    failed = cuda_status(op, cudaEventRecord(done, on.stream), "cudaEventRecord");
   // The second meeting happens even after a failure: peers must not wait for us in vain.
   std::vector<Payload> finished;
   if (std::string e =
@@ -115,103 +120,13 @@ ffi::Error meet_and_launch(const char* op, int32_t ordinal, const Member& m, cud
       !e.empty()) {
     return peer_error(op, e);
   }
-  for (int p = 0; p < m.size && failed.empty(); ++p) {
-    if (p == m.rank) continue;
-    if ((err = cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(finished[p].event), 0)) !=
-        cudaSuccess) {
-      failed = cuda_what("cudaStreamWaitEvent", err);
-    }
-  }
-  return failed.empty() ? ffi::Error::Success() : peer_error(op, failed);
+  if (failed.success()) failed = wait_for_peers(op, on.stream, m, finished);
+  return failed;
 }
 
-ffi::Error all_gather_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                           ffi::Result<ffi::AnyBuffer> out, int64_t tag,
-                           ffi::Span<const int64_t> ordinals, int64_t group_size,
-                           int64_t timeout_ms) {
-  constexpr const char* kOp = "pimhbm.peer.all_gather";
-  auto m = member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms);
-  if (m.has_error()) return m.error();
-  if (auto err = validate_all_gather(x, *out, m->size); err.failure()) return err;
-  return meet_and_launch(
-      kOp, ordinal, *m, stream, Payload{x.untyped_data()}, [&](const std::vector<Payload>& all) {
-        return copy_segments_cuda(gather_segments(all, static_cast<int64_t>(x.size_bytes())),
-                                  static_cast<uint8_t*>(out->untyped_data()), stream);
-      });
+ffi::Error copy_segments(const ffi_util::OnCuda& on, const char* op, const Segments& segments,
+                         uint8_t* out) {
+  return cuda_status(op, copy_segments_cuda(segments, out, on.stream));
 }
 
-ffi::Error all_to_all_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                           ffi::Result<ffi::AnyBuffer> out, int64_t tag,
-                           ffi::Span<const int64_t> ordinals, int64_t group_size,
-                           int64_t timeout_ms) {
-  constexpr const char* kOp = "pimhbm.peer.all_to_all";
-  auto m = member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms);
-  if (m.has_error()) return m.error();
-  if (auto err = validate_all_to_all(x, *out, m->size); err.failure()) return err;
-  return meet_and_launch(
-      kOp, ordinal, *m, stream, Payload{x.untyped_data()}, [&](const std::vector<Payload>& all) {
-        return copy_segments_cuda(
-            exchange_segments(all, m->rank, static_cast<int64_t>(x.size_bytes()) / m->size),
-            static_cast<uint8_t*>(out->untyped_data()), stream);
-      });
-}
-
-ffi::Error pull_cuda(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer chunks,
-                     ffi::AnyBuffer which, ffi::AnyBuffer x_in, ffi::AnyBuffer table_in,
-                     ffi::Result<ffi::AnyBuffer> x, ffi::Result<ffi::AnyBuffer> table,
-                     ffi::Result<ffi::AnyBuffer> status, int64_t chunk_bytes, int64_t tag,
-                     ffi::Span<const int64_t> ordinals, int64_t group_size, int64_t timeout_ms) {
-  constexpr const char* kOp = "pimhbm.peer.pull";
-  auto m = member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms);
-  if (m.has_error()) return m.error();
-  if (auto err = validate_pull(chunks, which, *x, *table, *status, chunk_bytes); err.failure()) {
-    return err;
-  }
-  // The target starts as the operand where XLA did not alias them (ffi_alias.h), before the
-  // peers meet: what they read of this device is its current state.
-  if (cudaError_t err = ffi_util::copy_unaliased_cuda(
-          ffi_util::unaliased(kOp, {{x_in, *x}, {table_in, *table}}), stream);
-      err != cudaSuccess) {
-    return ffi::Error::Internal(std::string(kOp) + ": CUDA error: " + cudaGetErrorString(err));
-  }
-  Payload mine{x->untyped_data(), table->untyped_data()};
-  return meet_and_launch(kOp, ordinal, *m, stream, mine, [&](const std::vector<Payload>& all) {
-    return repair::repair_from_cuda(
-        static_cast<const int32_t*>(chunks.untyped_data()),
-        static_cast<int64_t>(chunks.element_count()),
-        pull_sources(all, *m, which, static_cast<int64_t>(x->size_bytes()), chunk_bytes),
-        repair::mutable_chunked(*x, *table, chunk_bytes),
-        static_cast<int32_t*>(status->untyped_data()), stream);
-  });
-}
-
-}  // namespace
 }  // namespace pimhbm::peer
-
-// Not command-buffer compatible: each call meets its peers on the host.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmPeerAllGatherCuda, pimhbm::peer::all_gather_cuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>() PIMHBM_PEER_GROUP_ATTRS);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmPeerAllToAllCuda, pimhbm::peer::all_to_all_cuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>() PIMHBM_PEER_GROUP_ATTRS);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmPeerPullCuda, pimhbm::peer::pull_cuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::DeviceOrdinal>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("chunk_bytes") PIMHBM_PEER_GROUP_ATTRS);

@@ -1,4 +1,4 @@
-// Chunk-level repair and the mirror's commit-or-skip.
+// Chunk-level repair and the device copy's commit-or-skip.
 //
 // repair: rewrites listed chunks of a tensor from a backup copy, in place. Each listed chunk
 //   of the source is checked against the source's digest table first (a damaged backup is
@@ -14,9 +14,9 @@
 //
 // repair_packed: the same from chunks packed by entry (Sources::packed), one source.
 //
-// restore_clean: after a step that did not commit, puts the read side back into the mirror
-//   for the chunks that verified (faults[c] == 0) -- the others kept their last good copy,
-//   because the update never wrote them to the mirror.
+// restore_clean: after a step that did not commit, puts the read side back into the device
+//   copy for the chunks that verified (faults[c] == 0) -- the others kept their last good copy,
+//   because the update never wrote them to the device copy.
 #pragma once
 
 #include <cstdint>
@@ -71,6 +71,14 @@ void repair_cpu(const int32_t* chunks, int64_t nlisted, const ChunkedTensor& src
 void restore_clean_cpu(const int32_t* commit, const int32_t* faults, const ChunkedTensor& src,
                        const MutableChunkedTensor& dst);
 
+// One tensor of a restore_clean over several (the device copy of every leaf of a tree).
+struct CleanPair {
+  const int32_t* faults;
+  ChunkedTensor src;
+  MutableChunkedTensor dst;
+};
+constexpr int kMaxCleanPairs = 64;  // per launch: the list travels in the kernel's parameters
+
 #if defined(PIMHBM_WITH_CUDA)
 // `which` (when given) and `chunks` are device memory; the sources' data may be a peer GPU's
 // (peer access enabled), read directly by the kernel.
@@ -83,13 +91,7 @@ cudaError_t repair_cuda(const int32_t* chunks, int64_t nlisted, const ChunkedTen
 cudaError_t restore_clean_cuda(const int32_t* commit, const int32_t* faults,
                                const ChunkedTensor& src, const MutableChunkedTensor& dst,
                                cudaStream_t stream);
-// Several tensors in one launch (up to kMaxCleanPairs each): the mirror of every leaf.
-struct CleanPair {
-  const int32_t* faults;
-  ChunkedTensor src;
-  MutableChunkedTensor dst;
-};
-constexpr int kMaxCleanPairs = 64;
+// Several tensors in one launch (up to kMaxCleanPairs each): the device copy of every leaf.
 cudaError_t restore_clean_cuda(const int32_t* commit, const CleanPair* pairs, size_t count,
                                cudaStream_t stream);
 #endif

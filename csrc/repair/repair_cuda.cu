@@ -1,4 +1,4 @@
-// Repair and the mirror's restore on the GPU: one block per listed (or selected) chunk.
+// Repair and the device copy's restore on the GPU: one block per listed (or selected) chunk.
 #include <cuda_runtime.h>
 
 #include <algorithm>

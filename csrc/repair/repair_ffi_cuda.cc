@@ -1,110 +1,19 @@
-#include <string>
-#include <vector>
-
-#include "pimhbm/ffi_alias_cuda.h"
+// The CUDA launches of the chunk repairs and of pimhbm_restore_clean: kernels on XLA's stream,
+// no synchronisation, no allocation.
+#include "pimhbm/ffi_error.h"
 #include "repair/repair_ffi.h"
 
 namespace pimhbm::repair {
-namespace {
 
-ffi::Error cuda_error(const char* op, cudaError_t err) {
-  return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(err));
+ffi::Error launch(const ffi_util::OnCuda& on, const RepairCall& c) {
+  return ffi_util::cuda_status(
+      c.op, repair_from_cuda(c.chunks, c.nlisted, c.sources, c.dst, c.status, on.stream));
 }
 
-ffi::Error repair_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, ffi::AnyBuffer src,
-                            ffi::AnyBuffer src_table, ffi::AnyBuffer dst_in,
-                            ffi::AnyBuffer dst_table_in, ffi::Result<ffi::AnyBuffer> dst,
-                            ffi::Result<ffi::AnyBuffer> dst_table,
-                            ffi::Result<ffi::AnyBuffer> status, int64_t chunk_bytes) {
-  if (auto err = validate_repair(chunks, src, src_table, *dst, *dst_table, *status, chunk_bytes);
-      err.failure()) {
-    return err;
-  }
-  cudaError_t err = ffi_util::copy_unaliased_cuda(
-      ffi_util::unaliased("pimhbm.repair", {{dst_in, *dst}, {dst_table_in, *dst_table}}), stream);
-  if (err == cudaSuccess)
-    err = repair_cuda(static_cast<const int32_t*>(chunks.untyped_data()),
-                      static_cast<int64_t>(chunks.element_count()),
-                      chunked(src, src_table, chunk_bytes),
-                      mutable_chunked(*dst, *dst_table, chunk_bytes),
-                      static_cast<int32_t*>(status->untyped_data()), stream);
-  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.repair", err);
+ffi::Error launch(const ffi_util::OnCuda& on, const CleanCall& c) {
+  return ffi_util::cuda_status(
+      "pimhbm.restore_clean",
+      restore_clean_cuda(c.commit, c.pairs.data(), c.pairs.size(), on.stream));
 }
 
-ffi::Error restore_clean_cuda_impl(cudaStream_t stream, ffi::AnyBuffer commit,
-                                   ffi::RemainingArgs args, ffi::RemainingRets rets,
-                                   ffi::Span<const int64_t> chunk_bytes) {
-  std::vector<CleanPair> pairs;
-  std::vector<ffi_util::Unaliased> copies;
-  if (auto err = validate_restore_clean(commit, args, rets, chunk_bytes, &pairs, &copies);
-      err.failure()) {
-    return err;
-  }
-  cudaError_t err = ffi_util::copy_unaliased_cuda(copies, stream);
-  if (err == cudaSuccess)
-    err = restore_clean_cuda(static_cast<const int32_t*>(commit.untyped_data()), pairs.data(),
-                             pairs.size(), stream);
-  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.restore_clean", err);
-}
-
-ffi::Error repair_packed_cuda_impl(cudaStream_t stream, ffi::AnyBuffer chunks, ffi::AnyBuffer rows,
-                                   ffi::AnyBuffer row_table, ffi::AnyBuffer dst_in,
-                                   ffi::AnyBuffer dst_table_in, ffi::Result<ffi::AnyBuffer> dst,
-                                   ffi::Result<ffi::AnyBuffer> dst_table,
-                                   ffi::Result<ffi::AnyBuffer> status, int64_t chunk_bytes) {
-  if (auto err =
-          validate_repair_packed(chunks, rows, row_table, *dst, *dst_table, *status, chunk_bytes);
-      err.failure()) {
-    return err;
-  }
-  cudaError_t err = ffi_util::copy_unaliased_cuda(
-      ffi_util::unaliased("pimhbm.repair_packed", {{dst_in, *dst}, {dst_table_in, *dst_table}}),
-      stream);
-  if (err == cudaSuccess)
-    err = repair_from_cuda(static_cast<const int32_t*>(chunks.untyped_data()),
-                           static_cast<int64_t>(chunks.element_count()),
-                           packed_sources(rows, row_table, chunk_bytes),
-                           mutable_chunked(*dst, *dst_table, chunk_bytes),
-                           static_cast<int32_t*>(status->untyped_data()), stream);
-  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.repair_packed", err);
-}
-
-}  // namespace
 }  // namespace pimhbm::repair
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmRepairPackedCuda, pimhbm::repair::repair_packed_cuda_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("chunk_bytes"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmRepairCuda, pimhbm::repair::repair_cuda_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("chunk_bytes"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmRestoreCleanCuda, pimhbm::repair::restore_clean_cuda_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<xla::ffi::Span<const int64_t>>("chunk_bytes"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,31 +1,43 @@
-// XLA FFI handlers of the scan op ("pimhbm_scan") and the verify op ("pimhbm_verify").
+// XLA FFI handlers of the scan op ("pimhbm_scan": per chunk of a tensor its digest, its NaN/Inf
+// count and its largest |x|) and of the verify op ("pimhbm_verify": the chunks that do not match
+// a digest table). One handler each for both platforms (scan_ffi.cc); the launches below are
+// what differs.
 #pragma once
 
 #include <cstdint>
 
-#include "pimhbm/ffi_util.h"
-#include "xla/ffi/api/c_api.h"
+#include "pimhbm/elem.h"
+#include "pimhbm/ffi_platform.h"
+#include "xla/ffi/api/ffi.h"
 
 namespace pimhbm::scan {
 
 namespace ffi = xla::ffi;
 
-// Checks the arguments of pimhbm_scan; on success sets *elem.
-ffi::Error validate_scan(const ffi::AnyBuffer& x, const ffi::AnyBuffer& digests,
-                         const ffi::AnyBuffer& nonfinite, const ffi::AnyBuffer& max_abs,
-                         int64_t chunk_bytes, Elem* elem);
+// A checked call of pimhbm_scan.
+struct ScanCall {
+  const void* data;
+  int64_t nbytes;
+  Elem elem;
+  int64_t chunk_bytes;
+  uint32_t* digests;
+  int32_t* nonfinite;
+  float* max_abs;
+};
 
-// Checks the arguments of pimhbm_verify.
-ffi::Error validate_verify(const ffi::AnyBuffer& x, const ffi::AnyBuffer& expected,
-                           const ffi::AnyBuffer& mismatch, int64_t chunk_bytes);
+// A checked call of pimhbm_verify.
+struct VerifyCall {
+  const void* data;
+  int64_t nbytes;
+  int64_t chunk_bytes;
+  const uint32_t* expected;
+  uint8_t* mismatch;
+};
+
+PIMHBM_FFI_DECLARE_LAUNCHES(ScanCall);
+PIMHBM_FFI_DECLARE_LAUNCHES(VerifyCall);
 
 }  // namespace pimhbm::scan
 
-extern "C" {
-XLA_FFI_Error* PimhbmScanCpu(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* PimhbmVerifyCpu(XLA_FFI_CallFrame* call_frame);
-#if defined(PIMHBM_WITH_CUDA)
-XLA_FFI_Error* PimhbmScanCuda(XLA_FFI_CallFrame* call_frame);
-XLA_FFI_Error* PimhbmVerifyCuda(XLA_FFI_CallFrame* call_frame);
-#endif
-}
+PIMHBM_FFI_DECLARE_HANDLERS(PimhbmScan);
+PIMHBM_FFI_DECLARE_HANDLERS(PimhbmVerify);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <map>
 
 #include "telemetry/nvml_abi.h"
@@ -165,103 +166,140 @@ std::string Telemetry::error_string(int rc) const {
   return (s.empty() ? "NVML error" : s) + " (" + std::to_string(rc) + ")";
 }
 
+namespace {
+
+// The fields of one device as read so far, by name: a value, or why there is none.
+struct Fields {
+  std::map<std::string, Reading> got;
+  std::function<std::string(int)> error_string;  // NVML's message for a return code
+
+  void set(const std::string& name, int rc, uint64_t v) {
+    got[name] = rc == nvml::kSuccess ? Reading{true, v, ""} : Reading{false, 0, error_string(rc)};
+  }
+  void missing(const std::string& name, const char* fn) {
+    got[name] = {false, 0, std::string("not in this NVML (") + fn + ")"};
+  }
+};
+
+// The readers of the fields, each from the NVML functions it needs (`Api`: Telemetry::Api).
+template <typename Api>
+void read_ecc_mode(const Api& a, nvml::Device d, Fields& f) {
+  if (!a.get_ecc_mode) {
+    f.missing("ecc_mode_current", "nvmlDeviceGetEccMode");
+    f.missing("ecc_mode_pending", "nvmlDeviceGetEccMode");
+    return;
+  }
+  int cur = 0, pend = 0;
+  const int rc = a.get_ecc_mode(d, &cur, &pend);
+  f.set("ecc_mode_current", rc, cur == nvml::kEnabled);
+  f.set("ecc_mode_pending", rc, pend == nvml::kEnabled);
+}
+
+// The ECC error counts (volatile and aggregate, corrected and uncorrected), in total and by
+// location (DRAM, SRAM).
+template <typename Api>
+void read_ecc_counts(const Api& a, nvml::Device d, Fields& f) {
+  const char* counter_names[2] = {"volatile", "aggregate"};
+  const char* type_names[2] = {"corrected", "uncorrected"};
+  for (int counter : {nvml::kVolatile, nvml::kAggregate}) {
+    for (int type : {nvml::kCorrected, nvml::kUncorrected}) {
+      const std::string suffix = std::string(counter_names[counter]) + "_" + type_names[type];
+      unsigned long long v = 0;
+      if (a.get_total_ecc) {
+        const int rc = a.get_total_ecc(d, type, counter, &v);  // before v is read
+        f.set("ecc_" + suffix, rc, v);
+      } else {
+        f.missing("ecc_" + suffix, "nvmlDeviceGetTotalEccErrors");
+      }
+      for (auto [where, loc] :
+           {std::pair{"dram_", nvml::kLocationDram}, std::pair{"sram_", nvml::kLocationSram}}) {
+        v = 0;
+        if (a.get_memory_errors) {
+          const int rc = a.get_memory_errors(d, type, counter, loc, &v);
+          f.set(where + suffix, rc, v);
+        } else {
+          f.missing(where + suffix, "nvmlDeviceGetMemoryErrorCounter");
+        }
+      }
+    }
+  }
+}
+
+template <typename Api>
+void read_remapped_rows(const Api& a, nvml::Device d, Fields& f) {
+  if (!a.get_remapped_rows) {
+    for (const char* n : {"remapped_rows_correctable", "remapped_rows_uncorrectable",
+                          "remap_pending", "remap_failure"}) {
+      f.missing(n, "nvmlDeviceGetRemappedRows");
+    }
+    return;
+  }
+  unsigned corr = 0, unc = 0, pending = 0, failure = 0;
+  const int rc = a.get_remapped_rows(d, &corr, &unc, &pending, &failure);
+  f.set("remapped_rows_correctable", rc, corr);
+  f.set("remapped_rows_uncorrectable", rc, unc);
+  f.set("remap_pending", rc, pending != 0);
+  f.set("remap_failure", rc, failure != 0);
+}
+
+template <typename Api>
+void read_retired_pages(const Api& a, nvml::Device d, Fields& f) {
+  for (auto [name, cause] : {std::pair{"retired_pages_single_bit", nvml::kRetiredMultipleSingleBit},
+                             std::pair{"retired_pages_double_bit", nvml::kRetiredDoubleBit}}) {
+    if (!a.get_retired_pages) {
+      f.missing(name, "nvmlDeviceGetRetiredPages");
+      continue;
+    }
+    unsigned count = 0;  // a count of 0 asks for the number only
+    int rc = a.get_retired_pages(d, cause, &count, nullptr);
+    if (rc == 7 /* NVML_ERROR_INSUFFICIENT_SIZE: there are pages, count says how many */) {
+      rc = nvml::kSuccess;
+    }
+    f.set(name, rc, count);
+  }
+  if (a.get_retired_pending) {
+    int pending = 0;
+    const int rc = a.get_retired_pending(d, &pending);
+    f.set("retired_pages_pending", rc, pending == nvml::kEnabled);
+  } else {
+    f.missing("retired_pages_pending", "nvmlDeviceGetRetiredPagesPendingStatus");
+  }
+}
+
+template <typename Api>
+void read_recovery_action(const Api& a, nvml::Device d, Fields& f) {
+  if (!a.get_field_values) {
+    f.missing("recovery_action", "nvmlDeviceGetFieldValues");
+    return;
+  }
+  nvml::FieldValue fv{};
+  fv.field_id = nvml::kFieldGpuRecoveryAction;
+  const int rc = a.get_field_values(d, 1, &fv);
+  f.set("recovery_action", rc == nvml::kSuccess ? fv.nvml_return : rc, fv.value.ui);
+}
+
+}  // namespace
+
 DeviceHealth Telemetry::read_device(int i) const {
   DeviceHealth h;
   h.index = i;
   const Api& a = *api_;
-  std::map<std::string, Reading> got;
-  const auto fail_all = [&](const std::string& why) {
-    for (const auto& n : field_names()) got[n] = {false, 0, why};
-  };
-  const auto missing = [](const char* fn) { return std::string("not in this NVML (") + fn + ")"; };
-  const auto set = [&](const std::string& name, int rc, uint64_t v) {
-    got[name] = rc == nvml::kSuccess ? Reading{true, v, ""} : Reading{false, 0, error_string(rc)};
-  };
+  Fields f{{}, [this](int rc) { return error_string(rc); }};
   auto* d = static_cast<nvml::Device>(devices_[i]);
   if (d == nullptr) {
-    fail_all("no handle for this device");
+    for (const auto& n : field_names()) f.got[n] = {false, 0, "no handle for this device"};
   } else {
     char buf[96] = {0};
     if (a.get_name && a.get_name(d, buf, sizeof(buf)) == nvml::kSuccess) h.name = buf;
     buf[0] = 0;
     if (a.get_uuid && a.get_uuid(d, buf, sizeof(buf)) == nvml::kSuccess) h.uuid = buf;
-    if (a.get_ecc_mode) {
-      int cur = 0, pend = 0;
-      const int rc = a.get_ecc_mode(d, &cur, &pend);
-      set("ecc_mode_current", rc, cur == nvml::kEnabled);
-      set("ecc_mode_pending", rc, pend == nvml::kEnabled);
-    } else {
-      got["ecc_mode_current"] =
-          got["ecc_mode_pending"] = {false, 0, missing("nvmlDeviceGetEccMode")};
-    }
-    const char* counter_names[2] = {"volatile", "aggregate"};
-    const char* type_names[2] = {"corrected", "uncorrected"};
-    for (int counter : {nvml::kVolatile, nvml::kAggregate}) {
-      for (int type : {nvml::kCorrected, nvml::kUncorrected}) {
-        const std::string suffix = std::string(counter_names[counter]) + "_" + type_names[type];
-        unsigned long long v = 0;
-        if (a.get_total_ecc) {
-          const int rc = a.get_total_ecc(d, type, counter, &v);  // before v is read
-          set("ecc_" + suffix, rc, v);
-        } else {
-          got["ecc_" + suffix] = {false, 0, missing("nvmlDeviceGetTotalEccErrors")};
-        }
-        for (auto [where, loc] :
-             {std::pair{"dram_", nvml::kLocationDram}, std::pair{"sram_", nvml::kLocationSram}}) {
-          v = 0;
-          if (a.get_memory_errors) {
-            const int rc = a.get_memory_errors(d, type, counter, loc, &v);
-            set(where + suffix, rc, v);
-          } else {
-            got[where + suffix] = {false, 0, missing("nvmlDeviceGetMemoryErrorCounter")};
-          }
-        }
-      }
-    }
-    if (a.get_remapped_rows) {
-      unsigned corr = 0, unc = 0, pending = 0, failure = 0;
-      const int rc = a.get_remapped_rows(d, &corr, &unc, &pending, &failure);
-      set("remapped_rows_correctable", rc, corr);
-      set("remapped_rows_uncorrectable", rc, unc);
-      set("remap_pending", rc, pending != 0);
-      set("remap_failure", rc, failure != 0);
-    } else {
-      for (const char* n : {"remapped_rows_correctable", "remapped_rows_uncorrectable",
-                            "remap_pending", "remap_failure"}) {
-        got[n] = {false, 0, missing("nvmlDeviceGetRemappedRows")};
-      }
-    }
-    for (auto [name, cause] :
-         {std::pair{"retired_pages_single_bit", nvml::kRetiredMultipleSingleBit},
-          std::pair{"retired_pages_double_bit", nvml::kRetiredDoubleBit}}) {
-      if (!a.get_retired_pages) {
-        got[name] = {false, 0, missing("nvmlDeviceGetRetiredPages")};
-        continue;
-      }
-      unsigned count = 0;  // a count of 0 asks for the number only
-      int rc = a.get_retired_pages(d, cause, &count, nullptr);
-      if (rc == 7 /* NVML_ERROR_INSUFFICIENT_SIZE: there are pages, count says how many */) {
-        rc = nvml::kSuccess;
-      }
-      set(name, rc, count);
-    }
-    if (a.get_retired_pending) {
-      int pending = 0;
-      const int rc = a.get_retired_pending(d, &pending);
-      set("retired_pages_pending", rc, pending == nvml::kEnabled);
-    } else {
-      got["retired_pages_pending"] = {false, 0, missing("nvmlDeviceGetRetiredPagesPendingStatus")};
-    }
-    if (a.get_field_values) {
-      nvml::FieldValue fv{};
-      fv.field_id = nvml::kFieldGpuRecoveryAction;
-      const int rc = a.get_field_values(d, 1, &fv);
-      set("recovery_action", rc == nvml::kSuccess ? fv.nvml_return : rc, fv.value.ui);
-    } else {
-      got["recovery_action"] = {false, 0, missing("nvmlDeviceGetFieldValues")};
-    }
+    read_ecc_mode(a, d, f);
+    read_ecc_counts(a, d, f);
+    read_remapped_rows(a, d, f);
+    read_retired_pages(a, d, f);
+    read_recovery_action(a, d, f);
   }
-  for (const auto& n : field_names()) h.fields.emplace_back(n, got[n]);
+  for (const auto& n : field_names()) h.fields.emplace_back(n, f.got[n]);
   return h;
 }
 
@@ -315,42 +353,93 @@ void Telemetry::stop() {
   running_ = false;
 }
 
-void Telemetry::loop(double poll_seconds) {
+void* Telemetry::watch_events(std::string* status) const {
   const Api& a = *api_;
-  // Events: registered for what each device supports of SBE, DBE and Xid.
+  // Registered for what each device supports of SBE, DBE and Xid.
   nvml::EventSet set = nullptr;
-  std::string status;
   if (!a.event_set_create || !a.register_events || !a.event_set_wait || !a.event_set_free) {
-    status = "this NVML has no event API";
-  } else if (int rc = a.event_set_create(&set); rc != nvml::kSuccess) {
-    status = "nvmlEventSetCreate: " + error_string(rc);
-    set = nullptr;
-  } else {
-    int registered = 0;
-    std::string why;
-    for (void* p : devices_) {
-      auto* d = static_cast<nvml::Device>(p);
-      if (d == nullptr) continue;
-      unsigned long long supported = ~0ull;
-      if (a.get_supported_events) {
-        if (int rc = a.get_supported_events(d, &supported); rc != nvml::kSuccess) supported = 0;
-      }
-      const unsigned long long want =
-          supported &
-          (nvml::kEventSingleBitEcc | nvml::kEventDoubleBitEcc | nvml::kEventXidCritical);
-      if (want == 0) continue;
-      if (int rc = a.register_events(d, want, set); rc == nvml::kSuccess) {
-        ++registered;
-      } else {
-        why = error_string(rc);
-      }
+    *status = "this NVML has no event API";
+    return nullptr;
+  }
+  if (int rc = a.event_set_create(&set); rc != nvml::kSuccess) {
+    *status = "nvmlEventSetCreate: " + error_string(rc);
+    return nullptr;
+  }
+  int registered = 0;
+  std::string why;
+  for (void* p : devices_) {
+    auto* d = static_cast<nvml::Device>(p);
+    if (d == nullptr) continue;
+    unsigned long long supported = ~0ull;
+    if (a.get_supported_events) {
+      if (int rc = a.get_supported_events(d, &supported); rc != nvml::kSuccess) supported = 0;
     }
-    if (registered == 0) {
-      status = "no device accepted ECC/Xid events" + (why.empty() ? "" : ": " + why);
-      a.event_set_free(set);
-      set = nullptr;
+    const unsigned long long want =
+        supported & (nvml::kEventSingleBitEcc | nvml::kEventDoubleBitEcc | nvml::kEventXidCritical);
+    if (want == 0) continue;
+    if (int rc = a.register_events(d, want, set); rc == nvml::kSuccess) {
+      ++registered;
+    } else {
+      why = error_string(rc);
     }
   }
+  if (registered == 0) {
+    *status = "no device accepted ECC/Xid events" + (why.empty() ? "" : ": " + why);
+    a.event_set_free(set);
+    return nullptr;
+  }
+  return set;
+}
+
+void Telemetry::wait_for_event(void*& event_set, unsigned wait_ms) {
+  const Api& a = *api_;
+  auto set = static_cast<nvml::EventSet>(event_set);
+  nvml::EventData data{};
+  const int rc = a.event_set_wait(set, &data, wait_ms);
+  if (rc == nvml::kSuccess) {
+    int idx = -1;
+    for (size_t i = 0; i < devices_.size(); ++i) {
+      if (devices_[i] == static_cast<void*>(data.device)) idx = static_cast<int>(i);
+    }
+    Event e;
+    e.device = idx;
+    e.kind = event_kind(data.event_type);
+    e.xid = e.kind == "xid" ? data.event_data : 0;
+    e.detail = e.kind == "xid" ? "Xid " + std::to_string(data.event_data)
+                               : e.kind + " ECC event reported by the driver";
+    push(std::move(e));
+  } else if (rc != nvml::kErrorTimeout) {
+    Event e;
+    e.kind = "error";
+    e.detail = "nvmlEventSetWait: " + error_string(rc) + "; events no longer watched";
+    if (rc == nvml::kErrorGpuIsLost) e.kind = "gpu_lost";
+    push(std::move(e));
+    a.event_set_free(set);
+    event_set = nullptr;
+    std::lock_guard<std::mutex> lock(mutex_);
+    events_status_ = "stopped after an error: " + error_string(rc);
+  }
+}
+
+void Telemetry::push_counter_events(const std::vector<DeviceHealth>& last,
+                                    const std::vector<DeviceHealth>& cur) {
+  for (size_t i = 0; i < cur.size() && i < last.size(); ++i) {
+    for (size_t f = 0; f < cur[i].fields.size(); ++f) {
+      const auto& [name, now] = cur[i].fields[f];
+      const Reading& before = last[i].fields[f].second;
+      if (!watched(name) || !now.ok || !before.ok || now.value <= before.value) continue;
+      Event e;
+      e.device = static_cast<int>(i);
+      e.kind = "counter";
+      e.detail = name + " " + std::to_string(before.value) + " -> " + std::to_string(now.value);
+      push(std::move(e));
+    }
+  }
+}
+
+void Telemetry::loop(double poll_seconds) {
+  std::string status;
+  void* set = watch_events(&status);  // nvml::EventSet, or null: no events watched
   {
     std::lock_guard<std::mutex> lock(mutex_);
     events_status_ = status;
@@ -371,52 +460,15 @@ void Telemetry::loop(double poll_seconds) {
         if (stop_requested_) break;
       }
     }
-    if (set != nullptr) {
-      nvml::EventData data{};
-      const int rc = a.event_set_wait(set, &data, wait_ms);
-      if (rc == nvml::kSuccess) {
-        int idx = -1;
-        for (size_t i = 0; i < devices_.size(); ++i) {
-          if (devices_[i] == static_cast<void*>(data.device)) idx = static_cast<int>(i);
-        }
-        Event e;
-        e.device = idx;
-        e.kind = event_kind(data.event_type);
-        e.xid = e.kind == "xid" ? data.event_data : 0;
-        e.detail = e.kind == "xid" ? "Xid " + std::to_string(data.event_data)
-                                   : e.kind + " ECC event reported by the driver";
-        push(std::move(e));
-      } else if (rc != nvml::kErrorTimeout) {
-        Event e;
-        e.kind = "error";
-        e.detail = "nvmlEventSetWait: " + error_string(rc) + "; events no longer watched";
-        if (rc == nvml::kErrorGpuIsLost) e.kind = "gpu_lost";
-        push(std::move(e));
-        a.event_set_free(set);
-        set = nullptr;
-        std::lock_guard<std::mutex> lock(mutex_);
-        events_status_ = "stopped after an error: " + error_string(rc);
-      }
-    }
+    if (set != nullptr) wait_for_event(set, wait_ms);
     if (now_seconds() >= next_poll) {
       next_poll = now_seconds() + poll_seconds;
       std::vector<DeviceHealth> cur = read();
-      for (size_t i = 0; i < cur.size() && i < last.size(); ++i) {
-        for (size_t f = 0; f < cur[i].fields.size(); ++f) {
-          const auto& [name, now] = cur[i].fields[f];
-          const Reading& before = last[i].fields[f].second;
-          if (!watched(name) || !now.ok || !before.ok || now.value <= before.value) continue;
-          Event e;
-          e.device = static_cast<int>(i);
-          e.kind = "counter";
-          e.detail = name + " " + std::to_string(before.value) + " -> " + std::to_string(now.value);
-          push(std::move(e));
-        }
-      }
+      push_counter_events(last, cur);
       last = std::move(cur);
     }
   }
-  if (set != nullptr) a.event_set_free(set);
+  if (set != nullptr) api_->event_set_free(static_cast<nvml::EventSet>(set));
 }
 
 }  // namespace pimhbm::telemetry

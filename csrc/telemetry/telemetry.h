@@ -77,7 +77,14 @@ class Telemetry {
  private:
   struct Api;
   DeviceHealth read_device(int i) const;
+  // The background thread: events registered (watch_events: an nvml::EventSet, or null with
+  // *status saying why), waited for (wait_for_event: frees the set after an error), and the
+  // counters read every poll_seconds (push_counter_events: what went up since the last).
   void loop(double poll_seconds);
+  void* watch_events(std::string* status) const;
+  void wait_for_event(void*& event_set, unsigned wait_ms);
+  void push_counter_events(const std::vector<DeviceHealth>& last,
+                           const std::vector<DeviceHealth>& cur);
   void push(Event e);
   std::string error_string(int rc) const;
 

@@ -1,13 +1,19 @@
 // A parameter tensor's AdamW state on both sides (read and write), with digest tables, in host
-// memory: random contents, poisoned outputs. Shared by the CPU and CUDA update tests.
+// memory: random contents, poisoned outputs; and a device copy of it. Shared by the CPU and CUDA
+// update tests and the benchmark's variant tests.
 #pragma once
+
+#include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "scan/scan.h"
+#include "test_util.h"
 #include "update/adamw.h"
 
 namespace pimhbm::update::testing {
@@ -38,13 +44,9 @@ struct HostLeaf {
   int psize() const { return bf16 ? 2 : 4; }
   int64_t chunks() const { return n == 0 ? 0 : (n + chunk - 1) / chunk; }
 
+  // The digest table of n elements of `size` bytes, in chunks of `chunk` elements.
   static std::vector<uint32_t> table_of(const void* data, int64_t n, int size, int64_t chunk) {
-    const int64_t nc = n == 0 ? 0 : (n + chunk - 1) / chunk;
-    std::vector<uint32_t> t(2 * nc);
-    std::vector<int32_t> nf(nc);
-    std::vector<float> mx(nc);
-    scan::scan_cpu(data, n * size, Elem::kRaw, chunk * size, t.data(), nf.data(), mx.data());
-    return t;
+    return ::pimhbm::testing::digest_table(data, n * size, chunk * size);
   }
 
   HostLeaf(std::mt19937_64& rng, int64_t n_, int64_t chunk_, bool bf16_, bool master_)
@@ -128,5 +130,44 @@ struct HostLeaf {
     return L;
   }
 };
+
+// A device copy of a leaf's state (AdamWLeaf::has_copy) in host memory, every element and
+// table entry filled with a pattern that the update overwrites only where the chunk verified.
+struct HostCopy {
+  std::vector<uint8_t> p;
+  std::vector<uint16_t> w;
+  std::vector<float> mu, nu;
+  std::vector<uint32_t> dp, dw, dmu, dnu;
+
+  explicit HostCopy(const HostLeaf& h, uint8_t byte = 0x5A, uint16_t word = 7, float f = 7.0f,
+                    uint32_t entry = 3)
+      : p(h.p.size(), byte),
+        w(h.w.size(), word),
+        mu(h.n, f),
+        nu(h.n, f),
+        dp(h.d_p.size(), entry),
+        dw(h.d_w.size(), entry),
+        dmu(h.d_mu.size(), entry),
+        dnu(h.d_nu.size(), entry) {}
+
+  // `L` (a view of the leaf) writing into this copy too.
+  AdamWLeaf attach(AdamWLeaf L) {
+    L.has_copy = true;
+    L.p_copy = p.data(), L.master_copy = w.data(), L.mu_copy = mu.data(), L.nu_copy = nu.data();
+    L.dc_p = dp.data(), L.dc_master = dw.data(), L.dc_mu = dmu.data(), L.dc_nu = dnu.data();
+    return L;
+  }
+};
+
+// The kinds of leaf the update tests run on, (bf16, master): fp32, bf16, bf16 with master
+// weights; and their names in the tests' names.
+inline auto param_kinds() {
+  return ::testing::Values(std::make_tuple(false, false), std::make_tuple(true, false),
+                           std::make_tuple(true, true));
+}
+inline std::string param_kind_name(const ::testing::TestParamInfo<std::tuple<bool, bool>>& info) {
+  return std::string(std::get<0>(info.param) ? "bf16" : "fp32") +
+         (std::get<1>(info.param) ? "_master" : "");
+}
 
 }  // namespace pimhbm::update::testing

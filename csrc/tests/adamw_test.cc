@@ -164,14 +164,8 @@ TEST(AdamWTotals, AddUpOverTheLeavesOfACall) {
   EXPECT_EQ(want[1], 3u);
 }
 
-INSTANTIATE_TEST_SUITE_P(ParamKinds, AdamWCpu,
-                         ::testing::Values(std::make_tuple(false, false),
-                                           std::make_tuple(true, false),
-                                           std::make_tuple(true, true)),
-                         [](const auto& info) {
-                           return std::string(std::get<0>(info.param) ? "bf16" : "fp32") +
-                                  (std::get<1>(info.param) ? "_master" : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(ParamKinds, AdamWCpu, testing::param_kinds(),
+                         testing::param_kind_name);
 
 TEST(Restore, CopiesOnlyWhenTheStepDoesNotCommit) {
   PIMHBM_SEED_TRACE();

@@ -38,12 +38,7 @@ std::vector<uint8_t> data_of(uint64_t seed) {
 }
 
 std::vector<uint32_t> table_of(const std::vector<uint8_t>& x) {
-  const int64_t n = num_chunks(kLen, kChunk);
-  std::vector<uint32_t> t(2 * n);
-  std::vector<int32_t> nf(n);
-  std::vector<float> mx(n);
-  scan::scan_cpu(x.data(), kLen, Elem::kRaw, kChunk, t.data(), nf.data(), mx.data());
-  return t;
+  return testing::digest_table(x.data(), kLen, kChunk);
 }
 
 std::string hex(const std::string& s) {

@@ -1,4 +1,4 @@
-// The CUDA repair, mirror restore and fault injection against the CPU reference.
+// The CUDA repair, the device copy's restore and fault injection against the CPU reference.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -17,16 +17,6 @@ using testing::DeviceBuffer;
 using testing::random_bytes;
 using testing::rng_for_test;
 
-std::vector<uint32_t> table_of(const std::vector<uint8_t>& x, int64_t chunk) {
-  const int64_t n = num_chunks(static_cast<int64_t>(x.size()), chunk);
-  std::vector<uint32_t> t(2 * n);
-  std::vector<int32_t> nf(n);
-  std::vector<float> mx(n);
-  scan::scan_cpu(x.data(), static_cast<int64_t>(x.size()), Elem::kRaw, chunk, t.data(), nf.data(),
-                 mx.data());
-  return t;
-}
-
 template <typename T>
 std::vector<T> down(const DeviceBuffer<T>& b) {
   cudaError_t err;
@@ -42,7 +32,7 @@ TEST(RepairCuda, MatchesCpu) {
   for (int64_t len : {int64_t{100}, int64_t{4096}, int64_t{100003}}) {
     for (int64_t chunk : {int64_t{16}, int64_t{256}, int64_t{4096}}) {
       auto good = random_bytes(rng, len);
-      const auto table = table_of(good, chunk);
+      const auto table = testing::digest_table(good, chunk);
       const int64_t n = num_chunks(len, chunk);
       auto src = good, dst = good;
       std::vector<int32_t> chunks;
@@ -92,7 +82,7 @@ TEST(RepairCuda, PackedMatchesCpu) {
   for (int64_t len : {int64_t{100}, int64_t{4099}, int64_t{100003}}) {
     for (int64_t chunk : {int64_t{16}, int64_t{256}}) {
       auto good = random_bytes(rng, len);
-      const auto table = table_of(good, chunk);
+      const auto table = testing::digest_table(good, chunk);
       const int64_t n = num_chunks(len, chunk);
       auto dst = good;
       std::vector<int32_t> chunks;
@@ -157,7 +147,7 @@ TEST(RepairCuda, RaggedLastChunk) {
     const int64_t len = 1 + static_cast<int64_t>(rng() % (8 * chunk));
     const int64_t n = num_chunks(len, chunk);
     auto good = random_bytes(rng, len);
-    const auto table = table_of(good, chunk);
+    const auto table = testing::digest_table(good, chunk);
     auto src = good, dst = good;
     dst[len - 1] ^= 1 + rng() % 255;  // the last byte always damaged
     for (int k = 0; k < 3; ++k) dst[rng() % len] ^= 0x10;
@@ -194,7 +184,7 @@ TEST(RestoreCleanCuda, MatchesCpu) {
   auto rng = rng_for_test();
   const int64_t len = 50001, chunk = 512, n = num_chunks(len, chunk);
   auto src = random_bytes(rng, len), dst = random_bytes(rng, len);
-  auto st = table_of(src, chunk), dt = table_of(dst, chunk);
+  auto st = testing::digest_table(src, chunk), dt = testing::digest_table(dst, chunk);
   std::vector<int32_t> faults(n);
   for (auto& f : faults) f = rng() % 4 == 0 ? 8 : 0;
   for (int32_t commit : {1, 0}) {

@@ -1,4 +1,4 @@
-// CPU reference of chunk repair, the mirror's restore, fault injection, and the update's
+// CPU reference of chunk repair, the device copy's restore, fault injection, and the update's
 // device copy (written only for chunks that verified).
 #include "repair/repair.h"
 
@@ -20,22 +20,12 @@ namespace {
 using testing::random_bytes;
 using testing::rng_for_test;
 
-std::vector<uint32_t> table_of(const std::vector<uint8_t>& x, int64_t chunk) {
-  const int64_t n = num_chunks(static_cast<int64_t>(x.size()), chunk);
-  std::vector<uint32_t> t(2 * n);
-  std::vector<int32_t> nf(n);
-  std::vector<float> mx(n);
-  scan::scan_cpu(x.data(), static_cast<int64_t>(x.size()), Elem::kRaw, chunk, t.data(), nf.data(),
-                 mx.data());
-  return t;
-}
-
 TEST(Repair, CopiesVerifiedSourceChunksOnly) {
   PIMHBM_SEED_TRACE();
   auto rng = rng_for_test();
   const int64_t chunk = 256;
   auto good = random_bytes(rng, 10000);
-  const auto table = table_of(good, chunk);
+  const auto table = testing::digest_table(good, chunk);
   auto target = good;
   target[300] ^= 1;   // chunk 1
   target[9999] ^= 8;  // chunk 39 (short last chunk)
@@ -64,7 +54,7 @@ TEST(Repair, PackedRowsAreCheckedAndWrittenToTheirChunks) {
   auto rng = rng_for_test();
   const int64_t chunk = 256, size = 10000;  // 40 chunks, the last of 16 bytes
   auto good = random_bytes(rng, size);
-  const auto table = table_of(good, chunk);
+  const auto table = testing::digest_table(good, chunk);
   auto target = good;
   target[300] ^= 1;   // chunk 1
   target[9999] ^= 8;  // chunk 39
@@ -106,7 +96,7 @@ TEST(RestoreClean, CopiesCleanChunksWhenTheStepDoesNotCommit) {
   auto rng = rng_for_test();
   const int64_t chunk = 64;
   auto src = random_bytes(rng, 1000), dst = random_bytes(rng, 1000);
-  auto src_table = table_of(src, chunk), dst_table = table_of(dst, chunk);
+  auto src_table = testing::digest_table(src, chunk), dst_table = testing::digest_table(dst, chunk);
   const auto dst0 = dst;
   std::vector<int32_t> faults(num_chunks(1000, chunk), 0);
   faults[3] = 4;
@@ -158,31 +148,22 @@ TEST(Inject, EveryKindDoesWhatItSaysAndStaysInside) {
   for (int i = 0; i < 10; ++i) EXPECT_TRUE(i == 7 || f[i] == 1.0f);
 }
 
-TEST(AdamWMirror, TakesOnlyChunksThatVerified) {
+TEST(AdamWDeviceCopy, TakesOnlyChunksThatVerified) {
   PIMHBM_SEED_TRACE();
   auto rng = rng_for_test();
   using update::testing::HostLeaf;
   HostLeaf h(rng, 5000, 512, true, true);
-  h.mu[1234] += 1.0f;  // chunk 2 of mu damaged: the mirror must keep its old chunk 2
-  std::vector<uint8_t> pm(h.p.size(), 0x55);
-  std::vector<uint16_t> wm(h.n, 3);
-  std::vector<float> mum(h.n, 3.0f), num(h.n, 3.0f);
-  std::vector<uint32_t> dmp(h.d_p.size(), 9), dmw(h.d_w.size(), 9), dmmu(h.d_mu.size(), 9),
-      dmnu(h.d_nu.size(), 9);
-  auto L = h.view();
-  L.has_mirror = true;
-  L.p_mirror = pm.data(), L.master_mirror = wm.data(), L.mu_mirror = mum.data();
-  L.nu_mirror = num.data();
-  L.dm_p = dmp.data(), L.dm_master = dmw.data(), L.dm_mu = dmmu.data(), L.dm_nu = dmnu.data();
+  h.mu[1234] += 1.0f;  // chunk 2 of mu damaged: the device copy must keep its old chunk 2
+  update::testing::HostCopy copy(h, 0x55, 3, 3.0f, 9);
   const float step[3] = {1e-3f, 0.1f, 0.001f};
-  update::adamw_cpu(L, update::testing::kHyper, step);
+  update::adamw_cpu(copy.attach(h.view()), update::testing::kHyper, step);
   for (int64_t i = 0; i < h.n; ++i) {
     const bool damaged_chunk = i / 512 == 2;
-    EXPECT_EQ(mum[i], damaged_chunk ? 3.0f : h.mu_out[i]) << i;
-    EXPECT_EQ(wm[i], damaged_chunk ? 3 : h.w_out[i]) << i;
+    EXPECT_EQ(copy.mu[i], damaged_chunk ? 3.0f : h.mu_out[i]) << i;
+    EXPECT_EQ(copy.w[i], damaged_chunk ? 3 : h.w_out[i]) << i;
   }
   for (int64_t c = 0; c < h.chunks(); ++c) {
-    EXPECT_EQ(dmmu[2 * c], c == 2 ? 9u : h.dn_mu[2 * c]) << c;
+    EXPECT_EQ(copy.dmu[2 * c], c == 2 ? 9u : h.dn_mu[2 * c]) << c;
   }
 }
 

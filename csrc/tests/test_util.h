@@ -10,6 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "pimhbm/digest.h"
+#include "scan/scan.h"
+
 namespace pimhbm::testing {
 
 inline uint64_t test_seed() {
@@ -31,12 +34,27 @@ inline std::mt19937_64 rng_for_test() {
   return std::mt19937_64(h);
 }
 
-#define PIMHBM_SEED_TRACE() SCOPED_TRACE("PIMHBM_SEED=" + std::to_string(::pimhbm::testing::test_seed()))
+#define PIMHBM_SEED_TRACE() \
+  SCOPED_TRACE("PIMHBM_SEED=" + std::to_string(::pimhbm::testing::test_seed()))
 
 inline std::vector<uint8_t> random_bytes(std::mt19937_64& rng, size_t n) {
   std::vector<uint8_t> v(n);
   for (size_t i = 0; i < n; ++i) v[i] = static_cast<uint8_t>(rng());
   return v;
+}
+
+// The digest table (uint32 (chunks, 2)) of `nbytes` bytes at `data` in chunks of `chunk_bytes`,
+// by the CPU reference.
+inline std::vector<uint32_t> digest_table(const void* data, int64_t nbytes, int64_t chunk_bytes) {
+  const int64_t n = num_chunks(nbytes, chunk_bytes);
+  std::vector<uint32_t> t(2 * n);
+  std::vector<int32_t> nf(n);
+  std::vector<float> mx(n);
+  scan::scan_cpu(data, nbytes, Elem::kRaw, chunk_bytes, t.data(), nf.data(), mx.data());
+  return t;
+}
+inline std::vector<uint32_t> digest_table(const std::vector<uint8_t>& x, int64_t chunk_bytes) {
+  return digest_table(x.data(), static_cast<int64_t>(x.size()), chunk_bytes);
 }
 
 }  // namespace pimhbm::testing

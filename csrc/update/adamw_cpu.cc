@@ -92,7 +92,7 @@ void adamw_cpu(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step
     if (leaf.has_master) write_digest(leaf.master_out, first, count, 2, c, leaf.dn_master);
     write_digest(leaf.mu_out, first, count, 4, c, leaf.dn_mu);
     write_digest(leaf.nu_out, first, count, 4, c, leaf.dn_nu);
-    if (leaf.has_mirror && faults == 0) {  // the device copy takes only verified chunks
+    if (leaf.has_copy && faults == 0) {  // the device copy takes only verified chunks
       const auto copy = [&](const void* src, void* dst, int size, const uint32_t* t_src,
                             uint32_t* t_dst) {
         std::memcpy(static_cast<uint8_t*>(dst) + first * size,
@@ -100,11 +100,11 @@ void adamw_cpu(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step
         t_dst[2 * c] = t_src[2 * c];
         t_dst[2 * c + 1] = t_src[2 * c + 1];
       };
-      copy(leaf.p_out, leaf.p_mirror, psize, leaf.dn_p, leaf.dm_p);
+      copy(leaf.p_out, leaf.p_copy, psize, leaf.dn_p, leaf.dc_p);
       if (leaf.has_master)
-        copy(leaf.master_out, leaf.master_mirror, 2, leaf.dn_master, leaf.dm_master);
-      copy(leaf.mu_out, leaf.mu_mirror, 4, leaf.dn_mu, leaf.dm_mu);
-      copy(leaf.nu_out, leaf.nu_mirror, 4, leaf.dn_nu, leaf.dm_nu);
+        copy(leaf.master_out, leaf.master_copy, 2, leaf.dn_master, leaf.dc_master);
+      copy(leaf.mu_out, leaf.mu_copy, 4, leaf.dn_mu, leaf.dc_mu);
+      copy(leaf.nu_out, leaf.nu_copy, 4, leaf.dn_nu, leaf.dc_nu);
     }
     leaf.faults[c] = faults;
     leaf.grad_nonfinite[c] = bad_grads;

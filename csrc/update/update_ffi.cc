@@ -1,266 +1,268 @@
-// CPU handlers of pimhbm_adamw / pimhbm_restore and the argument checks both platforms share.
+// The handlers of pimhbm_adamw / pimhbm_restore for both platforms, and their CPU launches.
+// pimhbm_adamw's buffers are checked against the one description of a leaf, adamw_layout.h.
 #include "update/update_ffi.h"
 
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "pimhbm/ffi_util.h"
+#include "update/adamw_layout.h"
 
 namespace pimhbm::update {
 
 using ffi_util::check_buffer;
-using ffi_util::check_digest_table;
+using ffi_util::check_count;
 using ffi_util::dtype_name;
 using ffi_util::invalid;
 
+ffi::Error launch(ffi_util::OnCpu, const AdamWCall& c) {
+  c.totals[0] = c.totals[1] = 0;
+  for (const AdamWLeaf& leaf : c.leaves) adamw_cpu(leaf, c.hyper, c.step);
+  return ffi::Error::Success();
+}
+
+ffi::Error launch(ffi_util::OnCpu, const RestoreCall& c) {
+  restore_cpu(c.commit, c.pairs);
+  return ffi::Error::Success();
+}
+
 namespace {
+
 constexpr const char* kAdamW = "pimhbm.adamw";
 constexpr const char* kRestore = "pimhbm.restore";
-}  // namespace
 
-ffi::Error validate_adamw(const AdamWBuffers& b, const AdamWAttrs& a, AdamWLeaf* leaf) {
-  if (a.chunk_elems <= 0 || a.chunk_elems % 16 != 0) {
-    return invalid(kAdamW, "chunk_elems must be a positive multiple of 16, got " +
-                               std::to_string(a.chunk_elems));
+// The buffers of one leaf by row of kLeafBuffers: the one the update uses (for a row with a
+// result, the result: the update writes through it), and for the rows aliased with a result
+// the operand XLA passed in (to notice a result XLA did not alias).
+struct LeafBuffers {
+  std::vector<ffi::AnyBuffer> used;
+  std::vector<std::pair<ffi::AnyBuffer, ffi::AnyBuffer>> aliased;  // (operand, result)
+
+  const ffi::AnyBuffer& at(Role role, Tensor tensor, bool table = false) const {
+    return used[row_of(role, tensor, table)];
   }
-  const ffi::DataType pt = b.p.element_type();
+  template <typename T = void>
+  T* data(Role role, Tensor tensor, bool table = false) const {
+    return static_cast<T*>(at(role, tensor, table).untyped_data());
+  }
+};
+
+// The buffers of leaf `leaf` of the call.
+ffi::ErrorOr<LeafBuffers> leaf_buffers(const ffi::RemainingArgs& args,
+                                       const ffi::RemainingRets& rets, size_t leaf) {
+  LeafBuffers b;
+  for (int row = 0; row < kLeafRows; ++row) {
+    const LeafBuffer& r = kLeafBuffers[row];
+    std::optional<ffi::AnyBuffer> operand, result;
+    if (has_operand(r)) {
+      auto a = args.get<ffi::AnyBuffer>(leaf * kLeafOperands + operand_of(row));
+      if (!a) return invalid(kAdamW, std::string(r.name) + " is not a buffer");
+      operand = *a;
+    }
+    if (has_result(r)) {
+      auto a = rets.get<ffi::AnyBuffer>(leaf * kLeafResults + result_of(row));
+      if (!a) return invalid(kAdamW, std::string(r.name) + " is not a buffer");
+      result = **a;
+    }
+    b.used.push_back(result ? *result : *operand);
+    if (operand && result) b.aliased.push_back({*operand, *result});
+  }
+  return b;
+}
+
+// What the rows' rules depend on: the leaf's size, its chunks, its parameters' dtype, and
+// whether it has master weights and the device copy.
+struct LeafShape {
+  int64_t n, nchunks;
+  ffi::DataType param;
+  bool master, copy;
+};
+
+ffi::ErrorOr<LeafShape> leaf_shape(const LeafBuffers& b, int64_t chunk_elems) {
+  const ffi::AnyBuffer& p = b.at(Role::kRead, Tensor::kP);
+  const ffi::DataType pt = p.element_type();
   if (pt != ffi::DataType::F32 && pt != ffi::DataType::BF16) {
     return invalid(kAdamW, "parameters must be float32 or bfloat16, got " + dtype_name(pt));
   }
-  const int64_t n = static_cast<int64_t>(b.p.element_count());
-  const bool has_master = b.master.element_count() != 0 && n != 0;
-  if (has_master && pt != ffi::DataType::BF16) {
+  const int64_t n = static_cast<int64_t>(p.element_count());
+  const bool master = b.at(Role::kRead, Tensor::kMaster).element_count() != 0 && n != 0;
+  if (master && pt != ffi::DataType::BF16) {
     return invalid(kAdamW, "master weights are for bfloat16 parameters; these are float32");
   }
-  const int64_t nm = has_master ? n : 0;
-  const int64_t nchunks = n == 0 ? 0 : (n + a.chunk_elems - 1) / a.chunk_elems;
-  const int64_t nchunks_m = has_master ? nchunks : 0;
-  struct Check {
-    const char* name;
-    const ffi::AnyBuffer& buf;
-    ffi::DataType dtype;
-    int64_t count;
-  };
-  const bool has_mirror = b.p_m->element_count() != 0 && n != 0;
-  const int64_t nr = has_mirror ? n : 0, nrm = has_mirror ? nm : 0;
-  const int64_t nchunks_r = has_mirror ? nchunks : 0, nchunks_rm = has_mirror ? nchunks_m : 0;
-  const Check checks[] = {
-      {"gradient", b.g, pt, n},
-      // Master weights are stored split (adamw_math.h): this is the 16-bit remainder.
-      {"master", b.master, ffi::DataType::U16, nm},
-      {"mu", b.mu, ffi::DataType::F32, n},
-      {"nu", b.nu, ffi::DataType::F32, n},
-      {"step scalars", b.step, ffi::DataType::F32, 3},
-      {"new parameters", *b.p_out, pt, n},
-      {"new master", *b.master_out, ffi::DataType::U16, nm},
-      {"new mu", *b.mu_out, ffi::DataType::F32, n},
-      {"new nu", *b.nu_out, ffi::DataType::F32, n},
-      {"mirror parameters", *b.p_m, pt, nr},
-      {"mirror master", *b.master_m, ffi::DataType::U16, nrm},
-      {"mirror mu", *b.mu_m, ffi::DataType::F32, nr},
-      {"mirror nu", *b.nu_m, ffi::DataType::F32, nr},
-      {"fault map", *b.faults, ffi::DataType::S32, nchunks},
-      {"gradient non-finite map", *b.grad_nonfinite, ffi::DataType::S32, nchunks},
-  };
-  for (const Check& c : checks) {
-    if (auto err = check_buffer(kAdamW, c.name, c.buf, c.dtype, c.count); err.failure()) {
-      return err;
-    }
-  }
-  const struct {
-    const char* name;
-    const ffi::AnyBuffer& buf;
-    int64_t chunks;
-  } tables[] = {{"digests of the parameters", b.d_p, nchunks},
-                {"digests of the master weights", b.d_master, nchunks_m},
-                {"digests of mu", b.d_mu, nchunks},
-                {"digests of nu", b.d_nu, nchunks},
-                {"new digests of the parameters", *b.dn_p, nchunks},
-                {"new digests of the master weights", *b.dn_master, nchunks_m},
-                {"new digests of mu", *b.dn_mu, nchunks},
-                {"new digests of nu", *b.dn_nu, nchunks},
-                {"mirror digests of the parameters", *b.dm_p, nchunks_r},
-                {"mirror digests of the master weights", *b.dm_master, nchunks_rm},
-                {"mirror digests of mu", *b.dm_mu, nchunks_r},
-                {"mirror digests of nu", *b.dm_nu, nchunks_r}};
-  for (const auto& t : tables) {
-    if (auto err = check_digest_table(kAdamW, t.name, t.buf, t.chunks); err.failure()) return err;
-  }
+  const bool copy = b.at(Role::kCopy, Tensor::kP).element_count() != 0 && n != 0;
+  return LeafShape{n, n == 0 ? 0 : (n + chunk_elems - 1) / chunk_elems, pt, master, copy};
+}
 
-  AdamWLeaf& L = *leaf;
-  L.n = n;
-  L.chunk_elems = a.chunk_elems;
-  L.param_bf16 = pt == ffi::DataType::BF16;
-  L.has_master = has_master;
-  L.p = b.p.untyped_data();
-  L.master = static_cast<const uint16_t*>(b.master.untyped_data());
-  L.mu = static_cast<const float*>(b.mu.untyped_data());
-  L.nu = static_cast<const float*>(b.nu.untyped_data());
-  L.g = b.g.untyped_data();
-  L.d_p = static_cast<const uint32_t*>(b.d_p.untyped_data());
-  L.d_master = static_cast<const uint32_t*>(b.d_master.untyped_data());
-  L.d_mu = static_cast<const uint32_t*>(b.d_mu.untyped_data());
-  L.d_nu = static_cast<const uint32_t*>(b.d_nu.untyped_data());
-  L.p_out = b.p_out->untyped_data();
-  L.master_out = static_cast<uint16_t*>(b.master_out->untyped_data());
-  L.mu_out = static_cast<float*>(b.mu_out->untyped_data());
-  L.nu_out = static_cast<float*>(b.nu_out->untyped_data());
-  L.dn_p = static_cast<uint32_t*>(b.dn_p->untyped_data());
-  L.dn_master = static_cast<uint32_t*>(b.dn_master->untyped_data());
-  L.dn_mu = static_cast<uint32_t*>(b.dn_mu->untyped_data());
-  L.dn_nu = static_cast<uint32_t*>(b.dn_nu->untyped_data());
-  L.has_mirror = has_mirror;
-  L.p_mirror = b.p_m->untyped_data();
-  L.master_mirror = static_cast<uint16_t*>(b.master_m->untyped_data());
-  L.mu_mirror = static_cast<float*>(b.mu_m->untyped_data());
-  L.nu_mirror = static_cast<float*>(b.nu_m->untyped_data());
-  L.dm_p = static_cast<uint32_t*>(b.dm_p->untyped_data());
-  L.dm_master = static_cast<uint32_t*>(b.dm_master->untyped_data());
-  L.dm_mu = static_cast<uint32_t*>(b.dm_mu->untyped_data());
-  L.dm_nu = static_cast<uint32_t*>(b.dm_nu->untyped_data());
-  L.faults = static_cast<int32_t*>(b.faults->untyped_data());
-  L.grad_nonfinite = static_cast<int32_t*>(b.grad_nonfinite->untyped_data());
-  // The write side must not be the read side: the read side is what a skipped step keeps.
-  if (n != 0 && (L.p_out == L.p || L.mu_out == L.mu || L.nu_out == L.nu ||
-                 (has_master && L.master_out == L.master))) {
-    return invalid(kAdamW, "the write side of the state is the read side (the same buffer)");
+// Every buffer of the leaf against its row's rules.
+ffi::Error check_leaf(const LeafBuffers& b, const LeafShape& s) {
+  for (int row = 0; row < kLeafRows; ++row) {
+    const LeafBuffer& r = kLeafBuffers[row];
+    const bool absent =
+        (r.tensor == Tensor::kMaster && !s.master) || (r.role == Role::kCopy && !s.copy);
+    const int64_t count = absent ? 0 : r.count == Count::kChunks ? s.nchunks : s.n;
+    if (r.dtype == Dtype::kDigests) {
+      PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_digest_table(kAdamW, r.name, b.used[row], count));
+      continue;
+    }
+    const ffi::DataType want = r.dtype == Dtype::kParam ? s.param
+                               : r.dtype == Dtype::kU16 ? ffi::DataType::U16
+                               : r.dtype == Dtype::kF32 ? ffi::DataType::F32
+                                                        : ffi::DataType::S32;
+    PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(kAdamW, r.name, b.used[row], want, count));
   }
   return ffi::Error::Success();
 }
 
-ffi::Error validate_adamw_call(const ffi::AnyBuffer& step, const ffi::RemainingArgs& args,
-                               const ffi::RemainingRets& rets, const AdamWAttrs& a,
-                               std::vector<AdamWLeaf>* leaves,
-                               std::vector<ffi_util::Unaliased>* copies, uint64_t** totals_out) {
-  if (a.kernel < -2 || a.kernel > 0) {
-    return invalid(kAdamW,
-                   "kernel must be 0 (default), -1 (evict-first loads) or -2 (plain loads), got " +
-                       std::to_string(a.kernel));
+// The kernels' view of a checked leaf.
+AdamWLeaf leaf_of(const LeafBuffers& b, const LeafShape& s, int64_t chunk_elems) {
+  using R = Role;
+  using T = Tensor;
+  AdamWLeaf L;
+  L.n = s.n;
+  L.chunk_elems = chunk_elems;
+  L.param_bf16 = s.param == ffi::DataType::BF16;
+  L.has_master = s.master;
+  L.has_copy = s.copy;
+  // A side's tensors and digest tables, into the leaf's fields of that side.
+  const auto side = [&b](Role r, auto& p, auto& master, auto& mu, auto& nu, auto& d_p,
+                         auto& d_master, auto& d_mu, auto& d_nu) {
+    p = b.data(r, T::kP);
+    master = b.data<uint16_t>(r, T::kMaster);
+    mu = b.data<float>(r, T::kMu);
+    nu = b.data<float>(r, T::kNu);
+    d_p = b.data<uint32_t>(r, T::kP, true);
+    d_master = b.data<uint32_t>(r, T::kMaster, true);
+    d_mu = b.data<uint32_t>(r, T::kMu, true);
+    d_nu = b.data<uint32_t>(r, T::kNu, true);
+  };
+  side(R::kRead, L.p, L.master, L.mu, L.nu, L.d_p, L.d_master, L.d_mu, L.d_nu);
+  side(R::kWrite, L.p_out, L.master_out, L.mu_out, L.nu_out, L.dn_p, L.dn_master, L.dn_mu, L.dn_nu);
+  side(R::kCopy, L.p_copy, L.master_copy, L.mu_copy, L.nu_copy, L.dc_p, L.dc_master, L.dc_mu,
+       L.dc_nu);
+  L.g = b.data(R::kRead, T::kGradient);
+  L.faults = b.data<int32_t>(R::kReport, T::kFaults);
+  L.grad_nonfinite = b.data<int32_t>(R::kReport, T::kGradNonfinite);
+  return L;
+}
+
+// Leaf `i` of the call, checked, its results XLA did not alias listed in *copies.
+ffi::ErrorOr<AdamWLeaf> checked_leaf(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+                                     size_t i, int64_t chunk_elems,
+                                     std::vector<ffi_util::Unaliased>* copies) {
+  PIMHBM_FFI_ASSIGN_OR_RETURN(const LeafBuffers b, leaf_buffers(args, rets, i));
+  PIMHBM_FFI_ASSIGN_OR_RETURN(const LeafShape s, leaf_shape(b, chunk_elems));
+  PIMHBM_FFI_RETURN_IF_ERROR(check_leaf(b, s));
+  const AdamWLeaf L = leaf_of(b, s, chunk_elems);
+  // The write side must not be the read side: the read side is what a skipped step keeps.
+  if (s.n != 0 && (L.p_out == L.p || L.mu_out == L.mu || L.nu_out == L.nu ||
+                   (s.master && L.master_out == L.master))) {
+    return invalid(kAdamW, "the write side of the state is the read side (the same buffer)");
   }
-  if (args.size() % kArgsPerLeaf != 0 ||
-      rets.size() != args.size() / kArgsPerLeaf * kRetsPerLeaf + 1) {
-    return invalid(kAdamW, "expected " + std::to_string(kArgsPerLeaf) + " arguments and " +
-                               std::to_string(kRetsPerLeaf) +
-                               " results per leaf after the step scalars, and the totals "
-                               "as the last result; got " +
+  for (const auto& [operand, result] : b.aliased) {
+    ffi_util::note_unaliased(kAdamW, copies, operand, result);
+  }
+  return L;
+}
+
+// The step scalars, then kLeafOperands per leaf -> kLeafResults per leaf, then the totals.
+template <typename Platform>
+ffi::Error adamw_handler(Platform on, ffi::Buffer<ffi::F32, 1> step, ffi::RemainingArgs args,
+                         ffi::RemainingRets rets, int64_t chunk_elems, float b1, float b2,
+                         float omb1, float omb2, float eps, float eps_root, float wd) {
+  PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_chunk_size(kAdamW, "chunk_elems", chunk_elems));
+  PIMHBM_FFI_RETURN_IF_ERROR(check_count(kAdamW, "step scalars", step, 3));
+  if (args.size() % kLeafOperands != 0 ||
+      rets.size() != args.size() / kLeafOperands * kLeafResults + 1) {
+    return invalid(kAdamW, "expected " + std::to_string(kLeafOperands) + " arguments and " +
+                               std::to_string(kLeafResults) +
+                               " results per leaf after the step scalars, and the totals as the "
+                               "last result; got " +
                                std::to_string(args.size()) + " arguments and " +
                                std::to_string(rets.size()) + " results");
   }
-  const size_t count = args.size() / kArgsPerLeaf;
   auto totals = rets.get<ffi::AnyBuffer>(rets.size() - 1);
   if (!totals) return invalid(kAdamW, "the totals (last result) are not a buffer");
-  if (auto err = check_buffer(kAdamW, "totals", **totals, ffi::DataType::U32, 4); err.failure()) {
-    return err;
-  }
-  *totals_out = static_cast<uint64_t*>((*totals)->untyped_data());
-  leaves->assign(count, AdamWLeaf{});
-  copies->clear();
+  PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(kAdamW, "totals", **totals, ffi::DataType::U32, 4));
+  AdamWCall call{{},
+                 AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd},
+                 step.typed_data(),
+                 static_cast<uint64_t*>((*totals)->untyped_data()),
+                 {}};
+  const size_t count = args.size() / kLeafOperands;
   for (size_t i = 0; i < count; ++i) {
-    const std::string where = "leaf " + std::to_string(i) + ": ";
-    std::vector<ffi::AnyBuffer> in;
-    for (size_t k = 0; k < kArgsPerLeaf; ++k) {
-      auto b = args.get<ffi::AnyBuffer>(i * kArgsPerLeaf + k);
-      if (!b) return invalid(kAdamW, where + "argument " + std::to_string(k) + " is not a buffer");
-      in.push_back(*b);
+    ffi::ErrorOr<AdamWLeaf> leaf = checked_leaf(args, rets, i, chunk_elems, &call.copies);
+    if (leaf.has_error()) {
+      if (count == 1) return leaf.error();
+      return ffi_util::in_context(kAdamW, "leaf " + std::to_string(i) + ": ", leaf.error());
     }
-    std::vector<ffi::Result<ffi::AnyBuffer>> out;
-    for (size_t k = 0; k < kRetsPerLeaf; ++k) {
-      auto r = rets.get<ffi::AnyBuffer>(i * kRetsPerLeaf + k);
-      if (!r) return invalid(kAdamW, where + "result " + std::to_string(k) + " is not a buffer");
-      out.push_back(*r);
-    }
-    // Arguments 9..24 are the write side and the mirror as they were (aliased with results
-    // 0..15): the handler writes through the results.
-    const AdamWBuffers b{in[0],   in[1],   in[2],   in[3],   in[4],   in[5],   in[6],
-                         in[7],   in[8],   step,    out[0],  out[1],  out[2],  out[3],
-                         out[4],  out[5],  out[6],  out[7],  out[8],  out[9],  out[10],
-                         out[11], out[12], out[13], out[14], out[15], out[16], out[17]};
-    if (auto err = validate_adamw(b, a, &(*leaves)[i]); err.failure()) {
-      return count == 1 ? err : ffi_util::in_context(kAdamW, where, err);
-    }
-    (*leaves)[i].totals = *totals_out;
-    for (size_t k = 0; k < 16; ++k) ffi_util::note_unaliased(kAdamW, copies, in[9 + k], *out[k]);
+    call.leaves.push_back(*leaf);
+    call.leaves.back().totals = call.totals;
   }
+  PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::copy_unaliased(on, call.copies));
+  return launch(on, call);
+}
+
+// Pair i of pimhbm_restore: the source and the destination (as passed in, and as the result).
+ffi::Error restore_pair(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets, size_t i,
+                        RestoreCall* call) {
+  const size_t k = rets.size();
+  auto src = args.get<ffi::AnyBuffer>(i);
+  auto dst_in = args.get<ffi::AnyBuffer>(k + i);
+  auto dst = rets.get<ffi::AnyBuffer>(i);
+  if (!src || !dst_in || !dst) {
+    return invalid(kRestore, "buffer " + std::to_string(i) + " is not a buffer");
+  }
+  if (src->size_bytes() != (*dst)->size_bytes() || src->element_type() != (*dst)->element_type()) {
+    return invalid(kRestore,
+                   "pair " + std::to_string(i) + ": source " + dtype_name(src->element_type()) +
+                       ffi_util::shape_str(src->dimensions()) + " does not match destination " +
+                       dtype_name((*dst)->element_type()) +
+                       ffi_util::shape_str((*dst)->dimensions()));
+  }
+  call->pairs.push_back(
+      {src->untyped_data(), (*dst)->untyped_data(), static_cast<int64_t>(src->size_bytes())});
+  ffi_util::note_unaliased(kRestore, &call->copies, *dst_in, **dst);
   return ffi::Error::Success();
 }
 
-ffi::Error validate_restore(const ffi::AnyBuffer& commit, const ffi::RemainingArgs& args,
-                            const ffi::RemainingRets& rets, std::vector<CopyPair>* pairs,
-                            std::vector<ffi_util::Unaliased>* copies) {
-  if (auto err = check_buffer(kRestore, "commit flag", commit, ffi::DataType::S32, 1);
-      err.failure()) {
-    return err;
-  }
+// commit flag, sources..., destinations... -> destinations (aliased): the sources copied over
+// the destinations unless the step commits.
+template <typename Platform>
+ffi::Error restore_handler(Platform on, ffi::Buffer<ffi::S32> commit, ffi::RemainingArgs args,
+                           ffi::RemainingRets rets) {
+  PIMHBM_FFI_RETURN_IF_ERROR(check_count(kRestore, "commit flag", commit, 1));
   const size_t k = rets.size();
   if (args.size() != 2 * k) {
     return invalid(kRestore, "expected " + std::to_string(k) + " sources and " + std::to_string(k) +
                                  " destinations, got " + std::to_string(args.size()) + " buffers");
   }
-  pairs->clear();
-  copies->clear();
-  for (size_t i = 0; i < k; ++i) {
-    auto src = args.get<ffi::AnyBuffer>(i);
-    auto dst_in = args.get<ffi::AnyBuffer>(k + i);
-    auto dst = rets.get<ffi::AnyBuffer>(i);
-    if (!src || !dst_in || !dst)
-      return invalid(kRestore, "buffer " + std::to_string(i) + " is not a buffer");
-    if (src->size_bytes() != (*dst)->size_bytes() ||
-        src->element_type() != (*dst)->element_type()) {
-      return invalid(kRestore,
-                     "pair " + std::to_string(i) + ": source " + dtype_name(src->element_type()) +
-                         ffi_util::shape_str(src->dimensions()) + " does not match destination " +
-                         dtype_name((*dst)->element_type()) +
-                         ffi_util::shape_str((*dst)->dimensions()));
-    }
-    pairs->push_back(
-        {src->untyped_data(), (*dst)->untyped_data(), static_cast<int64_t>(src->size_bytes())});
-    ffi_util::note_unaliased(kRestore, copies, *dst_in, **dst);
-  }
-  return ffi::Error::Success();
-}
-
-AdamWLaunch launch_for(int64_t kernel) {
-  if (kernel == 0) return default_launch();
-  AdamWLaunch launch;
-  launch.plain_loads = kernel == -2;
-  return launch;
-}
-
-namespace {
-
-ffi::Error adamw_cpu_impl(ffi::AnyBuffer step, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                          int64_t chunk_elems, float b1, float b2, float omb1, float omb2,
-                          float eps, float eps_root, float wd, int64_t kernel) {
-  const AdamWAttrs a{chunk_elems, AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd}, kernel};
-  std::vector<AdamWLeaf> leaves;
-  std::vector<ffi_util::Unaliased> copies;
-  uint64_t* totals = nullptr;
-  if (auto err = validate_adamw_call(step, args, rets, a, &leaves, &copies, &totals);
-      err.failure()) {
-    return err;
-  }
-  ffi_util::copy_unaliased_cpu(copies);
-  totals[0] = totals[1] = 0;
-  for (const AdamWLeaf& leaf : leaves) {
-    adamw_cpu(leaf, a.hyper, static_cast<const float*>(step.untyped_data()));
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error restore_cpu_impl(ffi::AnyBuffer commit, ffi::RemainingArgs args,
-                            ffi::RemainingRets rets) {
-  std::vector<CopyPair> pairs;
-  std::vector<ffi_util::Unaliased> copies;
-  if (auto err = validate_restore(commit, args, rets, &pairs, &copies); err.failure()) return err;
-  ffi_util::copy_unaliased_cpu(copies);
-  restore_cpu(static_cast<const int32_t*>(commit.untyped_data()), pairs);
-  return ffi::Error::Success();
+  RestoreCall call{commit.typed_data(), {}, {}};
+  for (size_t i = 0; i < k; ++i) PIMHBM_FFI_RETURN_IF_ERROR(restore_pair(args, rets, i, &call));
+  PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::copy_unaliased(on, call.copies));
+  return launch(on, call);
 }
 
 }  // namespace
 }  // namespace pimhbm::update
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmAdamWCpu, pimhbm::update::adamw_cpu_impl,
-                              PIMHBM_ADAMW_BINDING(xla::ffi::Ffi::Bind()));
+#define PIMHBM_ADAMW_BINDING(bind)                         \
+  bind.Arg<::xla::ffi::Buffer<::xla::ffi::F32, 1>>()       \
+      .RemainingArgs() /* kLeafOperands per leaf */        \
+      .RemainingRets() /* kLeafResults per leaf, totals */ \
+      .Attr<int64_t>("chunk_elems")                        \
+      .Attr<float>("b1")                                   \
+      .Attr<float>("b2")                                   \
+      .Attr<float>("one_minus_b1")                         \
+      .Attr<float>("one_minus_b2")                         \
+      .Attr<float>("eps")                                  \
+      .Attr<float>("eps_root")                             \
+      .Attr<float>("weight_decay")
+PIMHBM_FFI_HANDLERS(PimhbmAdamW, pimhbm::update::adamw_handler, PIMHBM_ADAMW_BINDING,
+                    PIMHBM_FFI_CAPTURABLE);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    PimhbmRestoreCpu, pimhbm::update::restore_cpu_impl,
-    xla::ffi::Ffi::Bind().Arg<xla::ffi::AnyBuffer>().RemainingArgs().RemainingRets());
+#define PIMHBM_RESTORE_BINDING(bind) \
+  bind.Arg<::xla::ffi::Buffer<::xla::ffi::S32>>().RemainingArgs().RemainingRets()
+PIMHBM_FFI_HANDLERS(PimhbmRestore, pimhbm::update::restore_handler, PIMHBM_RESTORE_BINDING,
+                    PIMHBM_FFI_CAPTURABLE);

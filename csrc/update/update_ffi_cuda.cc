@@ -1,62 +1,20 @@
-// CUDA handlers of pimhbm_adamw / pimhbm_restore: the same checks as on the CPU, kernels on
-// XLA's stream, no synchronisation, no allocation.
-#include <string>
-#include <vector>
-
-#include "pimhbm/ffi_alias_cuda.h"
+// The CUDA launches of pimhbm_adamw / pimhbm_restore: kernels on XLA's stream, no
+// synchronisation, no allocation.
+#include "pimhbm/ffi_error.h"
 #include "update/update_ffi.h"
 
 namespace pimhbm::update {
-namespace {
 
-ffi::Error cuda_error(const char* op, cudaError_t err) {
-  return ffi::Error::Internal(std::string(op) + ": CUDA error: " + cudaGetErrorString(err));
+ffi::Error launch(const ffi_util::OnCuda& on, const AdamWCall& c) {
+  constexpr const char* kOp = "pimhbm.adamw";
+  PIMHBM_FFI_RETURN_IF_ERROR(
+      ffi_util::cuda_status(kOp, cudaMemsetAsync(c.totals, 0, 2 * sizeof(uint64_t), on.stream)));
+  return ffi_util::cuda_status(
+      kOp, adamw_cuda(c.leaves.data(), c.leaves.size(), c.hyper, c.step, on.stream));
 }
 
-ffi::Error adamw_cuda_impl(cudaStream_t stream, ffi::AnyBuffer step, ffi::RemainingArgs args,
-                           ffi::RemainingRets rets, int64_t chunk_elems, float b1, float b2,
-                           float omb1, float omb2, float eps, float eps_root, float wd,
-                           int64_t kernel) {
-  const AdamWAttrs a{chunk_elems, AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd}, kernel};
-  std::vector<AdamWLeaf> leaves;
-  std::vector<ffi_util::Unaliased> copies;
-  uint64_t* totals = nullptr;
-  if (auto err = validate_adamw_call(step, args, rets, a, &leaves, &copies, &totals);
-      err.failure()) {
-    return err;
-  }
-  cudaError_t err = ffi_util::copy_unaliased_cuda(copies, stream);
-  if (err == cudaSuccess) err = cudaMemsetAsync(totals, 0, 2 * sizeof(uint64_t), stream);
-  if (err == cudaSuccess) {
-    err = adamw_cuda(leaves.data(), leaves.size(), a.hyper,
-                     static_cast<const float*>(step.untyped_data()), stream, launch_for(a.kernel));
-  }
-  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.adamw", err);
+ffi::Error launch(const ffi_util::OnCuda& on, const RestoreCall& c) {
+  return ffi_util::cuda_status("pimhbm.restore", restore_cuda(c.commit, c.pairs, on.stream));
 }
 
-ffi::Error restore_cuda_impl(cudaStream_t stream, ffi::AnyBuffer commit, ffi::RemainingArgs args,
-                             ffi::RemainingRets rets) {
-  std::vector<CopyPair> pairs;
-  std::vector<ffi_util::Unaliased> copies;
-  if (auto err = validate_restore(commit, args, rets, &pairs, &copies); err.failure()) return err;
-  cudaError_t err = ffi_util::copy_unaliased_cuda(copies, stream);
-  if (err == cudaSuccess)
-    err = restore_cuda(static_cast<const int32_t*>(commit.untyped_data()), pairs, stream);
-  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("pimhbm.restore", err);
-}
-
-}  // namespace
 }  // namespace pimhbm::update
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    PimhbmAdamWCuda, pimhbm::update::adamw_cuda_impl,
-    PIMHBM_ADAMW_BINDING(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
-    {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PimhbmRestoreCuda, pimhbm::update::restore_cuda_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .RemainingArgs()
-                                  .RemainingRets(),
-                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -52,16 +52,14 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                   inject_gradients: bool = False, devices: Any = None,
                   attention_impl: str | None = None, params: Any = None,
                   replica_transport: str = "collective", shard: int = 1,
-                  device_copy: bool = True, update_calls: int = 1) -> Trainer:
+                  device_copy: bool = True) -> Trainer:
     """A protected trainer of the Llama-3 ``cfg`` on byte-level ``data``: bf16 parameters with
     fp32 master weights and moments, a device copy for chunk repair (device_copy=False: repairs
-    from the other replicas only), and (with ``shm_name``) host snapshots in shared memory.
-    ``update_calls``: see pimhbm.AdamW.update_calls."""
+    from the other replicas only), and (with ``shm_name``) host snapshots in shared memory."""
     if params is None:
         params = llama3.init(jax.random.key(seed), cfg)
     opt = pimhbm.adamw(peak_lr, weight_decay=0.01, master_weights=cfg.dtype == "bfloat16",
-                       device_copy=device_copy, chunk_elems=chunk_elems,
-                       update_calls=update_calls)
+                       device_copy=device_copy, chunk_elems=chunk_elems)
     loss = lambda p, b: llama3.loss(p, b, cfg, attention_impl)
     return Trainer(loss, opt, params, text_batches(data, batch, seq, seed),
                    learning_rate=warmup_cosine(peak_lr, warmup, steps), shm_name=shm_name,

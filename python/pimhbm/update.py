@@ -30,12 +30,14 @@ extra copy of the optimizer state in memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pimhbm import _core
 from pimhbm._ffi import ensure_registered
 from pimhbm.scan import scan, verify
 
@@ -151,7 +153,6 @@ class UpdateReport(NamedTuple):
     local_counts: jax.Array  # int32 (2,): this device's faulty chunks, NaN/Inf gradient values
 
 
-_RETS_PER_LEAF = 18  # results of pimhbm_adamw per leaf (csrc/update/update_ffi.h)
 _INT32_MAX = np.iinfo(np.int32).max
 
 
@@ -160,32 +161,6 @@ def _counts_of(totals: jax.Array) -> jax.Array:
     words), each saturating at INT32_MAX."""
     lo, hi = totals[:, 0], totals[:, 1]
     return jnp.where((hi != 0) | (lo > _INT32_MAX), _INT32_MAX, lo.astype(jnp.int32))
-
-
-def _add_saturating(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a + b for non-negative int32 counts, saturating at INT32_MAX."""
-    return jnp.where(a > _INT32_MAX - b, _INT32_MAX, a + b)
-
-
-MIN_CALL_PARAMS = 1 << 24  # an update call of fewer parameters is not split further
-
-
-def call_groups(sizes: list[int], calls: int) -> list[tuple[int, int]]:
-    """Consecutive ranges [lo, hi) of leaves (by their element counts) for at most ``calls``
-    update calls of about equal size; a range of fewer than MIN_CALL_PARAMS elements is merged
-    into the one before it (a call's launch costs more than it could overlap)."""
-    groups, lo, acc, left = [], 0, 0, sum(sizes)
-    for i, n in enumerate(sizes):
-        acc += n
-        target = max(-(-left // (calls - len(groups))), MIN_CALL_PARAMS)
-        if acc >= target and len(groups) < calls - 1:
-            groups.append((lo, i + 1))
-            lo, left, acc = i + 1, left - acc, 0
-    if lo < len(sizes):
-        groups.append((lo, len(sizes)))
-    if len(groups) > 1 and sum(sizes[groups[-1][0]:]) < MIN_CALL_PARAMS:
-        groups[-2:] = [(groups[-2][0], len(sizes))]
-    return groups
 
 
 def _num_chunks(n: int, chunk_elems: int) -> int:
@@ -245,24 +220,10 @@ class AdamW:
     master_weights: bool = False
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
     device_copy: bool = False
-    # Update calls a step makes at most (consecutive leaves of the tree, ~equal parameter counts,
-    # at least MIN_CALL_PARAMS each), so that a call could start as soon as its leaves' gradients
-    # are reduced across devices. Measured on two H200s (bench/NOTES.md, v11): no gain in the
-    # data-parallel step, and the update bench with 8 calls ran 0.13-0.16 ms slower than with
-    # one (two runs). Default: one call.
-    update_calls: int = 1
-    # Which CUDA kernel runs the update (for benchmarks): 0 the default, -1 the chunk loop with
-    # evict-first loads, -2 with plain loads. Results are identical bit for bit.
-    kernel: int = 0
 
     def __post_init__(self):
         if self.chunk_elems <= 0 or self.chunk_elems % 16:
             raise ValueError(f"chunk_elems must be a positive multiple of 16, got {self.chunk_elems}")
-        if self.update_calls < 1:
-            raise ValueError(f"update_calls must be at least 1, got {self.update_calls}")
-        if self.kernel not in (0, -1, -2):
-            raise ValueError(f"kernel must be 0 (default), -1 (evict-first loads) or -2 (plain "
-                             f"loads), got {self.kernel}")
 
     def chunk_bytes(self, dtype: Any) -> int:
         """Digest chunk of a state tensor of this dtype: chunk_elems elements."""
@@ -331,13 +292,9 @@ class AdamW:
         reads = slot_tensors(read, treedef)
         writes = slot_tensors(write, treedef)
         copies = slot_tensors(state.device_copy, treedef) if state.device_copy is not None else [None] * len(reads)
-        flat_grads = treedef.flatten_up_to(grads)
-        outs, local = [], jnp.zeros((2,), jnp.int32)
-        for lo, hi in call_groups([r["p"][0].size for r in reads], self.update_calls):
-            call_outs, totals = self._update_call(reads[lo:hi], flat_grads[lo:hi], writes[lo:hi],
-                                                  copies[lo:hi], scalars)
-            outs += call_outs
-            local = _add_saturating(local, _counts_of(totals))
+        outs, totals = self._update_call(reads, treedef.flatten_up_to(grads), writes, copies,
+                                         scalars)
+        local = _counts_of(totals)
 
         faults = [o["faults"] for o in outs]
         bad = [o["grad_nonfinite"] for o in outs]
@@ -386,39 +343,32 @@ class AdamW:
 
     def _update_call(self, reads, grads, writes, copies, scalars):
         """One pimhbm_adamw call for the given leaves (the kernel runs over the chunks of all of
-        them). reads/writes/copies: per leaf {name: (tensor, table)} (device copy None: absent).
-        Returns, per leaf, {"write": {...}, "faults", "grad_nonfinite"[, "device_copy": {...}]}, and
-        the call's totals: faulty chunks and NaN/Inf gradient values as uint32 (2, 2), each a
-        64-bit count's low and high words."""
-        order = ["p", "master", "mu", "nu"]
-        args, out_types, aliases, layout = [], [], {}, []
-        # Absent tensors (no master weights, no device copy) are empty placeholders in the call.
-        no_table = jnp.zeros((0, 2), jnp.uint32)
+        them), laid out by the handler's own description of a leaf (adamw_layout). reads/writes/
+        copies: per leaf {name: (tensor, table)} (device copy None: absent). Returns, per leaf,
+        {"write": {...}, "faults", "grad_nonfinite"[, "device_copy": {...}]}, and the call's
+        totals: faulty chunks and NaN/Inf gradient values as uint32 (2, 2), each a 64-bit
+        count's low and high words."""
+        layout = adamw_layout()
+        operands = sorted((b for b in layout["leaf"] if b["operand"] is not None),
+                          key=lambda b: b["operand"])
+        results = sorted((b for b in layout["leaf"] if b["result"] is not None),
+                         key=lambda b: b["result"])
+        args, out_types, aliases = [], [], {}
         for read, g, write, copy in zip(reads, grads, writes, copies):
+            sides = {"read": read, "write": write, "copy": copy}
             p = read["p"][0]
-            nchunks = _num_chunks(p.size, self.chunk_elems)
-            present = {"p": True, "master": "master" in read, "mu": True, "nu": True}
-            empty = {k: (jnp.zeros((0,), tensor_dtype(k, p.dtype)), no_table) for k in order}
-
-            def side(tensors):
-                if tensors is None:
-                    return [empty[k] for k in order]
-                return [tensors.get(k, empty[k]) for k in order]
-
-            r, w, m = side(read), side(write), side(copy)
-            leaf_args = ([t[0] for t in r] + [g] + [t[1] for t in r] + [t[0] for t in w] +
-                         [t[1] for t in w] + [t[0] for t in m] + [t[1] for t in m])
+            leaf = {_key(b): _leaf_operand(b, sides, g, p.dtype) for b in operands}
             arg0, ret0 = 1 + len(args), len(out_types)  # the step scalars come first
-            for side_at, side_present in ((9, True), (17, copy is not None)):
-                for j, k in enumerate(order):
-                    if side_present and present[k]:
-                        aliases[arg0 + side_at + j] = ret0 + side_at - 9 + j          # tensor
-                        aliases[arg0 + side_at + 4 + j] = ret0 + side_at - 9 + 4 + j  # table
-            args += leaf_args
-            out_types += [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in leaf_args[9:25]] + [
-                jax.ShapeDtypeStruct((nchunks,), jnp.int32),
-                jax.ShapeDtypeStruct((nchunks,), jnp.int32)]
-            layout.append(([k for k in order if present[k]], copy is not None))
+            args += [leaf[_key(b)][0] for b in operands]
+            for b in results:
+                if b["operand"] is None:  # a report: one value per chunk
+                    out_types.append(jax.ShapeDtypeStruct(
+                        (_num_chunks(p.size, self.chunk_elems),), _dtype_of(b, p.dtype)))
+                    continue
+                value, present = leaf[_key(b)]
+                out_types.append(jax.ShapeDtypeStruct(value.shape, value.dtype))
+                if present:  # updated in place: the result is the operand's buffer
+                    aliases[arg0 + b["operand"]] = ret0 + b["result"]
         if not args:
             return [], jnp.zeros((2, 2), jnp.uint32)
         out_types.append(jax.ShapeDtypeStruct((2, 2), jnp.uint32))  # the totals
@@ -426,37 +376,64 @@ class AdamW:
             scalars, *args, chunk_elems=np.int64(self.chunk_elems), b1=np.float32(self.b1),
             b2=np.float32(self.b2), one_minus_b1=np.float32(1 - self.b1),
             one_minus_b2=np.float32(1 - self.b2), eps=np.float32(self.eps),
-            eps_root=np.float32(self.eps_root), weight_decay=np.float32(self.weight_decay),
-            kernel=np.int64(self.kernel))
-        results = []
-        for i, (names, has_copy) in enumerate(layout):
-            o = outs[_RETS_PER_LEAF * i:_RETS_PER_LEAF * (i + 1)]
-            result = {"write": {k: (o[order.index(k)], o[4 + order.index(k)]) for k in names},
-                      "faults": o[16], "grad_nonfinite": o[17]}
-            if has_copy:
-                result["device_copy"] = {k: (o[8 + order.index(k)], o[12 + order.index(k)])
-                                    for k in names}
-            results.append(result)
-        return results, outs[-1]
+            eps_root=np.float32(self.eps_root), weight_decay=np.float32(self.weight_decay))
+        per_leaf = layout["leaf_results"]
+        leaves = []
+        for i, (read, copy) in enumerate(zip(reads, copies)):
+            got = {_key(b): outs[per_leaf * i + b["result"]] for b in results}
+            side = lambda role: {k: (got[role, k, False], got[role, k, True]) for k in read}
+            leaf = {"write": side("write"), "faults": got["report", "faults", False],
+                    "grad_nonfinite": got["report", "grad_nonfinite", False]}
+            if copy is not None:
+                leaf["device_copy"] = side("copy")
+            leaves.append(leaf)
+        return leaves, outs[-1]
+
+
+@functools.cache
+def adamw_layout() -> dict:
+    """The buffers of one leaf of a pimhbm_adamw call, as the handler describes them
+    (csrc/update/adamw_layout.h): {"leaf": rows, "leaf_operands": n, "leaf_results": m}, each
+    row {"name", "role" (read, write, copy, report), "tensor" (p, master, mu, nu, g, faults,
+    grad_nonfinite), "table" (the tensor's digest table), "dtype", "count", "operand",
+    "result" (its positions in the leaf's group, or None)}."""
+    return _core.adamw_layout()
+
+
+def _key(b: dict) -> tuple[str, str, bool]:
+    return b["role"], b["tensor"], b["table"]
+
+
+def _dtype_of(b: dict, param_dtype: Any) -> Any:
+    return param_dtype if b["dtype"] == "param" else jnp.dtype(b["dtype"])
+
+
+def _leaf_operand(b: dict, sides: dict, g: jax.Array, param_dtype: Any) -> tuple[jax.Array, bool]:
+    """The operand of layout row ``b`` for one leaf, and whether it is there: without master
+    weights or a device copy their rows get empty placeholders of the row's dtype."""
+    if b["tensor"] == "g":
+        return g, True
+    tensors = sides[b["role"]]
+    if tensors is not None and b["tensor"] in tensors:
+        return tensors[b["tensor"]][1 if b["table"] else 0], True
+    return jnp.zeros((0, 2) if b["table"] else (0,), _dtype_of(b, param_dtype)), False
 
 
 def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0.9,
           b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
           weight_decay: float = 1e-4, *, master_weights: bool = False,
-          chunk_elems: int | None = None, device_copy: bool = False, update_calls: int = 1,
-          kernel: int = 0) -> AdamW:
+          chunk_elems: int | None = None, device_copy: bool = False) -> AdamW:
     """Guarded fused AdamW; arguments as ``optax.adamw`` (``learning_rate`` may be a schedule
     of the step count). ``master_weights``: keep fp32 master weights for bf16 parameters (stored
     as the parameters and a uint16 remainder each: ``AdamWState.master_weights`` joins them).
     ``device_copy``: keep a current copy of the state on the device, written in the same pass,
     for chunk-level repair. ``chunk_elems``: elements per digest chunk (default 16384, or 4096
     with a device copy: the update then reads each chunk twice and the second read must come
-    from L2). ``update_calls``: at most this many update calls a step, over consecutive leaves
-    (see AdamW.update_calls). ``kernel``: which CUDA kernel (benchmarks; see AdamW.kernel)."""
+    from L2)."""
     if chunk_elems is None:
         chunk_elems = DEVICE_COPY_CHUNK_ELEMS if device_copy else DEFAULT_CHUNK_ELEMS
     return AdamW(learning_rate, b1, b2, eps, eps_root, weight_decay, master_weights, chunk_elems,
-                 device_copy, update_calls, kernel)
+                 device_copy)
 
 
 def restore_unless(commit: jax.Array, sources: list[jax.Array],

@@ -16,6 +16,8 @@
 #include <utility>
 #include <vector>
 
+#include "pimhbm/ffi_error.h"
+#include "pimhbm/ffi_platform.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace pimhbm::ffi_util {
@@ -77,8 +79,30 @@ inline std::vector<Unaliased> unaliased(
   return out;
 }
 
-inline void copy_unaliased_cpu(const std::vector<Unaliased>& copies) {
+// The copies, before the op's kernels: on the host ...
+inline ffi::Error copy_unaliased(OnCpu, const std::vector<Unaliased>& copies) {
   for (const Unaliased& c : copies) std::memcpy(c.to, c.from, c.bytes);
+  return ffi::Error::Success();
 }
+
+#if defined(PIMHBM_WITH_CUDA)
+// ... or on the op's stream, device to device. Recorded into a command buffer, the copies run
+// on every replay of it: the tally says so.
+inline ffi::Error copy_unaliased(const OnCuda& on, const std::vector<Unaliased>& copies) {
+  if (copies.empty()) return ffi::Error::Success();
+  const char* op = copies.front().op;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  PIMHBM_FFI_RETURN_IF_ERROR(cuda_status(op, cudaStreamIsCapturing(on.stream, &capture)));
+  if (capture == cudaStreamCaptureStatusActive) {
+    std::lock_guard<std::mutex> lock(unaliased_mutex);
+    for (const Unaliased& c : copies) unaliased_by_op[c.op].in_command_buffer += 1;
+  }
+  for (const Unaliased& c : copies) {
+    PIMHBM_FFI_RETURN_IF_ERROR(cuda_status(
+        op, cudaMemcpyAsync(c.to, c.from, c.bytes, cudaMemcpyDeviceToDevice, on.stream)));
+  }
+  return ffi::Error::Success();
+}
+#endif
 
 }  // namespace pimhbm::ffi_util

@@ -10,101 +10,69 @@
 
 #include "pimhbm/digest.h"
 #include "pimhbm/elem.h"
+#include "pimhbm/ffi_error.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace pimhbm::ffi_util {
 
 namespace ffi = xla::ffi;
 
-inline std::string dtype_name(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::PRED:
-      return "bool";
-    case ffi::DataType::S8:
-      return "int8";
-    case ffi::DataType::S16:
-      return "int16";
-    case ffi::DataType::S32:
-      return "int32";
-    case ffi::DataType::S64:
-      return "int64";
-    case ffi::DataType::U8:
-      return "uint8";
-    case ffi::DataType::U16:
-      return "uint16";
-    case ffi::DataType::U32:
-      return "uint32";
-    case ffi::DataType::U64:
-      return "uint64";
-    case ffi::DataType::F16:
-      return "float16";
-    case ffi::DataType::F32:
-      return "float32";
-    case ffi::DataType::F64:
-      return "float64";
-    case ffi::DataType::BF16:
-      return "bfloat16";
-    case ffi::DataType::F8E4M3FN:
-      return "float8_e4m3fn";
-    case ffi::DataType::F8E5M2:
-      return "float8_e5m2";
-    case ffi::DataType::C64:
-      return "complex64";
-    case ffi::DataType::C128:
-      return "complex128";
-    default:
-      return "dtype #" + std::to_string(static_cast<int>(t));
+// The dtypes handlers name in messages, by their NumPy names, and the element class of those
+// we protect (elem.h; the others have none).
+struct DtypeInfo {
+  ffi::DataType type;
+  const char* name;
+  std::optional<Elem> elem;
+};
+inline constexpr DtypeInfo kDtypes[] = {
+    {ffi::DataType::PRED, "bool", Elem::kRaw},
+    {ffi::DataType::S8, "int8", Elem::kRaw},
+    {ffi::DataType::S16, "int16", Elem::kRaw},
+    {ffi::DataType::S32, "int32", Elem::kRaw},
+    {ffi::DataType::S64, "int64", Elem::kRaw},
+    {ffi::DataType::U8, "uint8", Elem::kRaw},
+    {ffi::DataType::U16, "uint16", Elem::kRaw},
+    {ffi::DataType::U32, "uint32", Elem::kRaw},
+    {ffi::DataType::U64, "uint64", Elem::kRaw},
+    {ffi::DataType::F16, "float16", Elem::kF16},
+    {ffi::DataType::F32, "float32", Elem::kF32},
+    {ffi::DataType::F64, "float64", Elem::kF64},
+    {ffi::DataType::BF16, "bfloat16", Elem::kBF16},
+    {ffi::DataType::F8E4M3FN, "float8_e4m3fn", Elem::kF8E4M3FN},
+    {ffi::DataType::F8E5M2, "float8_e5m2", Elem::kF8E5M2},
+    {ffi::DataType::C64, "complex64", std::nullopt},
+    {ffi::DataType::C128, "complex128", std::nullopt},
+};
+
+inline const DtypeInfo* dtype_info(ffi::DataType t) {
+  for (const DtypeInfo& d : kDtypes) {
+    if (d.type == t) return &d;
   }
+  return nullptr;
+}
+
+inline std::string dtype_name(ffi::DataType t) {
+  const DtypeInfo* d = dtype_info(t);
+  return d ? d->name : "dtype #" + std::to_string(static_cast<int>(t));
 }
 
 // The element class of a protected dtype, or nothing for dtypes we do not protect.
 inline std::optional<Elem> elem_of(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::PRED:
-    case ffi::DataType::S8:
-    case ffi::DataType::S16:
-    case ffi::DataType::S32:
-    case ffi::DataType::S64:
-    case ffi::DataType::U8:
-    case ffi::DataType::U16:
-    case ffi::DataType::U32:
-    case ffi::DataType::U64:
-      return Elem::kRaw;
-    case ffi::DataType::F64:
-      return Elem::kF64;
-    case ffi::DataType::F32:
-      return Elem::kF32;
-    case ffi::DataType::F16:
-      return Elem::kF16;
-    case ffi::DataType::BF16:
-      return Elem::kBF16;
-    case ffi::DataType::F8E4M3FN:
-      return Elem::kF8E4M3FN;
-    case ffi::DataType::F8E5M2:
-      return Elem::kF8E5M2;
-    default:
-      return std::nullopt;
+  const DtypeInfo* d = dtype_info(t);
+  return d ? d->elem : std::nullopt;
+}
+
+// A chunk size (chunk_bytes, or the update's chunk_elems): a positive multiple of 16.
+inline ffi::Error check_chunk_size(std::string_view op, std::string_view name, int64_t size) {
+  if (size <= 0 || size % kChunkAlign != 0) {
+    return invalid(
+        op, std::string(name) + " must be a positive multiple of 16, got " + std::to_string(size));
   }
-}
-
-inline ffi::Error invalid(std::string_view op, const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
-}
-
-// `err` (an invalid() of `op`) with `where` ("leaf 3: ") put after the op's name.
-inline ffi::Error in_context(std::string_view op, const std::string& where, const ffi::Error& err) {
-  const std::string head = std::string(op) + ": ";
-  std::string msg = err.message();
-  if (msg.rfind(head, 0) == 0) msg = msg.substr(head.size());
-  return invalid(op, where + msg);
+  return ffi::Error::Success();
 }
 
 inline ffi::Error check_chunk_bytes(std::string_view op, int64_t chunk_bytes) {
-  if (chunk_bytes <= 0 || chunk_bytes % kChunkAlign != 0) {
-    return invalid(
-        op, "chunk_bytes must be a positive multiple of 16, got " + std::to_string(chunk_bytes));
-  }
-  return ffi::Error::Success();
+  return check_chunk_size(op, "chunk_bytes", chunk_bytes);
 }
 
 // Plain string building: no iostreams in handlers (a process may have loaded another
@@ -115,6 +83,18 @@ inline std::string shape_str(ffi::AnyBuffer::Dimensions dims) {
   return out + (dims.size() == 1 ? ",)" : ")");
 }
 
+// Checks that `buf` (any buffer: its dtype checked already, by the FFI's typed decoding or by
+// check_buffer) has exactly `count` elements (any shape).
+template <typename Buffer>
+ffi::Error check_count(std::string_view op, std::string_view name, const Buffer& buf,
+                       int64_t count) {
+  if (static_cast<int64_t>(buf.element_count()) != count) {
+    return invalid(op, std::string(name) + " must have " + std::to_string(count) +
+                           " elements, got shape " + shape_str(buf.dimensions()));
+  }
+  return ffi::Error::Success();
+}
+
 // Checks that `buf` has dtype `want` and exactly `count` elements (any shape).
 inline ffi::Error check_buffer(std::string_view op, std::string_view name,
                                const ffi::AnyBuffer& buf, ffi::DataType want, int64_t count) {
@@ -122,11 +102,7 @@ inline ffi::Error check_buffer(std::string_view op, std::string_view name,
     return invalid(op, std::string(name) + " must be " + dtype_name(want) + ", got " +
                            dtype_name(buf.element_type()));
   }
-  if (static_cast<int64_t>(buf.element_count()) != count) {
-    return invalid(op, std::string(name) + " must have " + std::to_string(count) +
-                           " elements, got shape " + shape_str(buf.dimensions()));
-  }
-  return ffi::Error::Success();
+  return check_count(op, name, buf, count);
 }
 
 // The digest table of a buffer with n chunks: uint32 of shape (n, 2).
