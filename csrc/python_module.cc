@@ -193,10 +193,16 @@ template <typename... Framework>
 nb::ndarray<Framework...> region_view(std::shared_ptr<ShmRegion> region, int64_t offset,
                                       std::vector<size_t> shape, const std::string& dtype) {
   const nb::dlpack::dtype dt = parse_dtype(dtype);
-  int64_t count = 1;
-  for (size_t d : shape) count *= static_cast<int64_t>(d);
-  const int64_t bytes = count * dt.bits / 8;
-  if (offset < 0 || offset + bytes > region->nbytes()) {
+  // Sizes multiplied without overflow: a view larger than the region is refused before that.
+  int64_t bytes = dt.bits / 8;
+  for (size_t d : shape) {
+    if (d != 0 && static_cast<uint64_t>(bytes) > static_cast<uint64_t>(region->nbytes()) / d) {
+      throw std::out_of_range("a view of shape larger than the region of " +
+                              std::to_string(region->nbytes()) + " bytes");
+    }
+    bytes *= static_cast<int64_t>(d);
+  }
+  if (offset < 0 || bytes > region->nbytes() || offset > region->nbytes() - bytes) {
     throw std::out_of_range("view of " + std::to_string(bytes) + " bytes at offset " +
                             std::to_string(offset) + " is outside the region of " +
                             std::to_string(region->nbytes()) + " bytes");

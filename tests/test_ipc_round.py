@@ -162,3 +162,37 @@ def test_an_unforeseen_error_inside_the_pull_call_is_fatal_in_both_processes(mon
         monkeypatch, TypeError("ipc_pull(): incompatible function arguments"))
     assert all(isinstance(o, ipc.Fatal) and "incompatible function" in str(o) for o in out), out
     assert took < 1.0
+
+
+def nonces(monkeypatch, silent=(), timeout_ms=300):
+    """Each 'process's run_nonce (or what it raised), with one store for both."""
+    store, me = Store(), threading.local()
+    monkeypatch.setattr(ipc, "_client", lambda: store)
+    monkeypatch.setattr(ipc.jax, "process_index", lambda: me.i)
+    out = [None, None]
+
+    def process(i):
+        me.i = i
+        if i not in silent:
+            try:
+                out[i] = ipc.run_nonce("t", timeout_ms)
+            except Exception as err:  # noqa: BLE001
+                out[i] = err
+
+    threads = [threading.Thread(target=process, args=(i,)) for i in (1, 0)]  # 1 asks first
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=5)
+    return out
+
+
+def test_every_process_of_a_run_gets_the_same_fresh_nonce(monkeypatch):
+    first, again = nonces(monkeypatch), nonces(monkeypatch)
+    assert first[0] == first[1] and len(first[0]) == 32 and int(first[0], 16) >= 0
+    assert again[0] == again[1] and again[0] != first[0]  # drawn anew for each run
+
+
+def test_without_process_0_the_nonce_is_a_clear_error(monkeypatch):
+    out = nonces(monkeypatch, silent=(0,))
+    assert isinstance(out[1], ipc.Fatal) and "no run nonce from process 0" in str(out[1])

@@ -809,3 +809,42 @@ def test_a_closed_trainer_is_freed(shm_name):
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
         HostBackup.unlink(shm_name + "k")
+
+
+# -- the engine's own device state ------------------------------------------------------------------
+
+def _per_device(tr, values, like):
+    """A replicated int32 array whose copy on device d holds values[d] (as a flip on one
+    device leaves it)."""
+    parts = [jax.device_put(np.asarray(v, np.int32), d) for v, d in zip(values, tr.devices)]
+    return jax.make_array_from_single_device_arrays(like.shape, like.sharding, parts)
+
+
+@pytest.mark.parametrize("what", ["halted", "step"])
+def test_a_flipped_bit_in_the_engines_counters_ends_in_the_same_run(shm_name, fault_free, what):
+    """A bit of the halt flag set on one device holds every device's step back (the gate is
+    global) and the steps are replayed; a bit of one step-counter copy is outvoted. Either way
+    the run ends bit-identical."""
+    from pimhbm.recovery.traced import TrainState
+    tr = make_trainer(shm_name)
+    tr.run(12)
+    state = tr.state
+    n = len(tr.devices)
+    if what == "halted":
+        flags = [0] * n
+        flags[n - 1] = 1 << 7
+        state = TrainState(state.opt, _per_device(tr, flags, state.halted))
+    else:
+        copies = np.asarray(state.opt.step_copies.addressable_shards[0].data)
+        flipped = [copies.copy() for _ in range(n)]
+        flipped[0][1] ^= 1 << 12
+        opt = state.opt
+        state = TrainState(pimhbm.AdamWState(opt.slots, opt.current,
+                                             _per_device(tr, flipped, opt.step_copies),
+                                             opt.device_copy), state.halted)
+    tr.state = state
+    tr.run(30)
+    assert same_state(tr.current_state(), fault_free[30])
+    # The flag was seen (steps held back and replayed); the outvoted copy held nothing back.
+    assert (tr.stats.steps_skipped > 0) == (what == "halted")
+    tr.close()

@@ -2,6 +2,7 @@
 can be wrong -- tampered, from another run, another user's, in use, damaged at a random byte --
 ends in a clear error or in a run bit-identical to the uninterrupted one."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -229,3 +230,39 @@ def test_a_bit_flipped_anywhere_in_the_region_never_ends_in_another_state(shm_na
     tr.close()
     assert {k for k, _ in outcomes} == set(kinds)
     assert ("header", "error") in outcomes  # the header is the one place nothing stands in for
+
+
+# -- the snapshot op's checks ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("offset", [2**63 - 8, 2**62, 4096 - 15, -1])
+def test_a_snapshot_offset_outside_the_region_is_an_error(shm_name, offset):
+    region = pimhbm._core.ShmRegion.create(shm_name, 4096)
+    x = jnp.arange(4, dtype=jnp.float32)  # 16 bytes
+    with pytest.raises(Exception, match="does not fit in the region of 4096 bytes"):
+        jax.block_until_ready(pimhbm.backup_snapshot([x], region, [offset]))
+    # Positive control: the last offset that fits is copied, bit for bit.
+    jax.block_until_ready(pimhbm.backup_snapshot([x], region, [4096 - 16]))
+    pimhbm._core.snapshot_wait()
+    assert region.numpy(4096 - 16, [4], "float32").tobytes() == np.asarray(x).tobytes()
+
+
+def test_a_view_larger_than_the_region_is_refused(shm_name):
+    region = pimhbm._core.ShmRegion.create(shm_name, 4096)
+    for offset, shape in [(0, [2**62, 4]), (8, [1024]), (2**63 - 8, [2])]:
+        with pytest.raises(IndexError, match="region of 4096 bytes"):
+            region.numpy(offset, shape, "float32")
+    assert region.numpy(8, [1022], "float32").shape == (1022,)  # the largest that fits
+
+
+def test_a_snapshot_program_whose_region_is_gone_is_an_error(shm_name):
+    region = pimhbm._core.ShmRegion.create(shm_name, 4096)
+    x = jnp.arange(4, dtype=jnp.float32)
+    snap = jax.jit(lambda a: pimhbm.backup_snapshot([a], region, [64]))
+    jax.block_until_ready(snap(x))  # while the region lives, the program copies
+    pimhbm._core.snapshot_wait()
+    assert region.numpy(64, [4], "float32").tobytes() == np.asarray(x).tobytes()
+    gone = region.id
+    del region
+    gc.collect()
+    with pytest.raises(Exception, match=f"region \\(id {gone}\\) is gone"):
+        jax.block_until_ready(snap(x + 1))

@@ -214,7 +214,7 @@ def test_a_flipped_bit_in_the_state_skips_and_reports_its_chunk(rng, target, bit
     slot = slot._replace(**{target: dict(tree, **{name: flipped})})
     slots = list(state.slots)
     slots[state.current] = slot
-    state = pimhbm.AdamWState(tuple(slots), state.current, state.step)
+    state = pimhbm.AdamWState(tuple(slots), state.current, state.step_copies)
     before = bits(current_view(state))
     state, report = step(random_grads(rng, params), state, jnp.float32(LR))
     assert not bool(report.committed)
@@ -522,3 +522,39 @@ def test_restore_clean_puts_back_only_clean_chunks_of_every_tensor_when_not_comm
         jax.block_until_ready(restore_clean(jnp.int32(0), [
             (jnp.asarray(f), tuple(map(jnp.asarray, s)), tuple(map(jnp.asarray, d)), cb)
             for f, s, d, cb in bad]))
+
+
+# -- the step counter -------------------------------------------------------------------------------
+
+def _with_step_copies(state, copies):
+    return pimhbm.AdamWState(state.slots, state.current, jnp.asarray(copies, jnp.int32),
+                             state.device_copy)
+
+
+@pytest.mark.parametrize("copy,bit", [(0, 12), (1, 0), (2, 30), (1, 31)])
+def test_a_flipped_bit_of_the_step_counter_changes_nothing(rng, copy, bit):
+    """Bit 12 of the counter flipped: the bias corrections would use step 4096 + t. The three
+    copies outvote it, and the next update writes all three again."""
+    params = random_params(rng, shapes=((33, 7), (129,)))
+    grads = [random_grads(rng, params) for _ in range(6)]
+    opt = pimhbm.adamw(LR)
+    step = make_step(opt)
+
+    def run(flip):
+        state = opt.init(params)
+        for i, g in enumerate(grads):
+            if i == 3 and flip is not None:
+                copies = np.asarray(state.step_copies).copy()
+                for c in flip:
+                    copies[c] ^= np.int32(np.uint32(1 << bit).view(np.int32))
+                state = _with_step_copies(state, copies)
+            state, report = step(g, state, jnp.float32(LR))
+            assert bool(report.committed)
+        return state
+
+    clean, flipped = run(None), run([copy])
+    assert int(flipped.step) == 6 and np.asarray(flipped.step_copies).tolist() == [6, 6, 6]
+    assert bits(current_view(flipped)) == bits(current_view(clean))
+    # Positive control: the same bit flipped in two copies is believed, and the run differs.
+    twice = run([copy, (copy + 1) % 3])
+    assert int(twice.step) != 6 and bits(current_view(twice)) != bits(current_view(clean))

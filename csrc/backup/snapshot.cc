@@ -1,7 +1,10 @@
-// "pimhbm_snapshot": (buffers...) -> ticket int32[1]; attributes: the region's address and
-// size, and one byte offset per buffer. The Python side lays the region out and passes only
-// offsets inside it; the handler checks every copy stays inside the region.
+// "pimhbm_snapshot": (buffers...) -> ticket int32[1]; attributes: the region's id and one byte
+// offset per buffer. The handler finds the region through ShmRegion's registry (an id is never
+// reused, so a program whose region is gone gets an error, never a stale address) and checks,
+// without overflow, that every copy lies inside it.
 #include "backup/snapshot.h"
+
+#include "backup/shm_region.h"
 
 #include <cstring>
 #include <map>
@@ -31,10 +34,14 @@ struct Copy {
 
 constexpr const char* kOp = "pimhbm.snapshot";
 
+// Whether `bytes` at `offset` lie inside `size` bytes, computed without overflow.
+bool fits(int64_t offset, int64_t bytes, int64_t size) {
+  return offset >= 0 && bytes >= 0 && bytes <= size && offset <= size - bytes;
+}
+
 // The copies into the region, each checked to lie inside it.
-ffi::Error plan(const ffi::RemainingArgs& args, int64_t region, int64_t region_bytes,
+ffi::Error plan(const ffi::RemainingArgs& args, const ShmRegion& region,
                 ffi::Span<const int64_t> offsets, std::vector<Copy>* copies) {
-  if (region == 0) return ffi_util::invalid(kOp, "no region");
   if (offsets.size() != args.size()) {
     return ffi_util::invalid(kOp, std::to_string(args.size()) + " buffers but " +
                                       std::to_string(offsets.size()) + " offsets");
@@ -44,15 +51,13 @@ ffi::Error plan(const ffi::RemainingArgs& args, int64_t region, int64_t region_b
     auto buf = args.get<ffi::AnyBuffer>(i);
     if (!buf) return ffi_util::invalid(kOp, "argument " + std::to_string(i) + " is not a buffer");
     const int64_t bytes = static_cast<int64_t>(buf->size_bytes());
-    if (offsets[i] < 0 || offsets[i] + bytes > region_bytes) {
+    if (!fits(offsets[i], bytes, region.nbytes())) {
       return ffi_util::invalid(kOp, "buffer " + std::to_string(i) + " (" + std::to_string(bytes) +
                                         " bytes at offset " + std::to_string(offsets[i]) +
                                         ") does not fit in the region of " +
-                                        std::to_string(region_bytes) + " bytes");
+                                        std::to_string(region.nbytes()) + " bytes");
     }
-    copies->push_back({buf->untyped_data(),
-                       reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(region)) + offsets[i],
-                       bytes});
+    copies->push_back({buf->untyped_data(), region.data() + offsets[i], bytes});
   }
   return ffi::Error::Success();
 }
@@ -115,10 +120,17 @@ ffi::Error copy_to_region(const ffi_util::OnCuda& on, const std::vector<Copy>& c
 // (buffers...) -> ticket int32[1]: the buffers copied into the region at the offsets.
 template <typename Platform>
 ffi::Error snapshot_handler(Platform on, ffi::RemainingArgs args,
-                            ffi::ResultBuffer<ffi::S32> ticket, int64_t region,
-                            int64_t region_bytes, ffi::Span<const int64_t> offsets) {
+                            ffi::ResultBuffer<ffi::S32> ticket, int64_t region_id,
+                            ffi::Span<const int64_t> offsets) {
+  // Held until the copies are issued; a region that goes afterwards waits for them first.
+  const std::shared_ptr<ShmRegion> region = ShmRegion::find(region_id);
+  if (!region) {
+    return ffi_util::invalid(kOp, "the region (id " + std::to_string(region_id) +
+                                      ") is gone: the program outlived the backup it was "
+                                      "compiled for; make it again for the new region");
+  }
   std::vector<Copy> copies;
-  PIMHBM_FFI_RETURN_IF_ERROR(plan(args, region, region_bytes, offsets, &copies));
+  PIMHBM_FFI_RETURN_IF_ERROR(plan(args, *region, offsets, &copies));
   PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_count(kOp, "ticket", *ticket, 1));
   return copy_to_region(on, copies, ticket->typed_data());
 }
@@ -157,7 +169,6 @@ bool snapshot_pending() {
   bind.RemainingArgs()                            \
       .Ret<::xla::ffi::Buffer<::xla::ffi::S32>>() \
       .Attr<int64_t>("region")                    \
-      .Attr<int64_t>("region_bytes")              \
       .Attr<::xla::ffi::Span<const int64_t>>("offsets")
 // Not capturable into a command buffer: the copies run on a side stream, ordered by events.
 PIMHBM_FFI_HANDLERS(PimhbmSnapshot, pimhbm::backup::snapshot_handler, PIMHBM_SNAPSHOT_BINDING,

@@ -1,5 +1,6 @@
 #include "peer/ipc.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstddef>
@@ -18,9 +19,9 @@
 #if defined(PIMHBM_WITH_CUDA)
 #include <cuda.h>  // the driver API's types only: its functions come through the runtime
 #include <cuda_runtime_api.h>
-#include <sys/prctl.h>
-#include <sys/syscall.h>
 #include <unistd.h>
+
+#include "peer/fd_passing.h"
 #endif
 
 namespace pimhbm::peer::ipc {
@@ -86,10 +87,14 @@ const Driver& driver() {
 }
 
 std::mutex mu;
-// (allocation base, size) -> the descriptor peers take. XLA's allocator keeps its allocation
-// for the process's life; one freed and made again at the same base with the same size would
-// be sent with the old descriptor (close_all forgets them).
-std::map<std::pair<uint64_t, uint64_t>, int> exported_fds;
+// (allocation base, size) -> the descriptor peers take, and its ticket. XLA's allocator keeps
+// its allocation for the process's life; one freed and made again at the same base with the
+// same size would be sent with the old descriptor (close_all forgets them).
+struct Offered {
+  int fd;
+  fd_passing::Ticket ticket;
+};
+std::map<std::pair<uint64_t, uint64_t>, Offered> exported;
 struct Mapping {
   void* base;
   uint32_t kind;
@@ -98,9 +103,9 @@ struct Mapping {
 std::map<std::string, Mapping> opened;  // (device, export) -> a peer allocation mapped here
 std::map<int, cudaStream_t> streams;    // per device: the stream pulls run on
 
-// A descriptor of the virtual-memory allocation at `base` that another process can take.
-int descriptor_of(uint64_t base, uint64_t size) {
-  if (auto it = exported_fds.find({base, size}); it != exported_fds.end()) return it->second;
+// How another process takes a descriptor of the virtual-memory allocation at `base`.
+fd_passing::Ticket ticket_of(uint64_t base, uint64_t size) {
+  if (auto it = exported.find({base, size}); it != exported.end()) return it->second.ticket;
   const Driver& d = driver();
   CUmemGenericAllocationHandle h{};
   if (CUresult r = d.retain(&h, reinterpret_cast<void*>(base)); r != CUDA_SUCCESS) {
@@ -115,36 +120,28 @@ int descriptor_of(uint64_t base, uint64_t size) {
   if (r != CUDA_SUCCESS) {
     unavailable_cu("this allocation was not created shareable as a file descriptor", r);
   }
-  // Under Yama's ptrace scope 1 only an ancestor may take a process's descriptors; peers are
-  // siblings. This lets any process of the same user do so until close_all takes it back.
-  // Where Yama is absent this fails harmlessly.
-  prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0);
-  exported_fds.emplace(std::make_pair(base, size), fd);
-  return fd;
+  fd_passing::Ticket ticket;
+  try {
+    ticket = fd_passing::offer(fd);
+  } catch (const std::exception& err) {
+    close(fd);
+    throw Unavailable(std::string("pimhbm IPC pull: ") + err.what());
+  }
+  exported.emplace(std::make_pair(base, size), Offered{fd, ticket});
+  return ticket;
 }
 
-#ifndef SYS_pidfd_open
-#define SYS_pidfd_open 434
-#endif
-#ifndef SYS_pidfd_getfd
-#define SYS_pidfd_getfd 438
-#endif
-
-// Maps a peer's virtual-memory allocation (its descriptor taken from the exporting process)
-// into this process's address space, readable by `device`.
-void* map_descriptor(const Export& e, int device) {
-  const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, e.pid, 0));
-  if (pidfd < 0) {
-    throw Unavailable("pimhbm IPC pull: process " + std::to_string(e.pid) +
-                      " cannot be reached (pidfd_open: " + std::strerror(errno) + ")");
-  }
-  const int fd = static_cast<int>(syscall(SYS_pidfd_getfd, pidfd, e.fd, 0));
-  const int getfd_errno = errno;
-  close(pidfd);
-  if (fd < 0) {
-    throw Unavailable("pimhbm IPC pull: the allocation's descriptor cannot be taken from process " +
-                      std::to_string(e.pid) + " (pidfd_getfd: " + std::strerror(getfd_errno) +
-                      "; it needs ptrace permission over the peer)");
+// Maps a peer's virtual-memory allocation (its descriptor handed over by the exporting
+// process) into this process's address space, readable by `device`.
+void* map_descriptor(const Export& e, int device, int timeout_ms) {
+  fd_passing::Ticket ticket;
+  std::memcpy(&ticket, e.handle, sizeof(ticket));
+  ticket.socket[sizeof(ticket.socket) - 1] = '\0';  // read from another process: terminated here
+  int fd;
+  try {
+    fd = fd_passing::take(ticket, e.pid, timeout_ms);
+  } catch (const fd_passing::Refused& err) {
+    throw Unavailable(std::string("pimhbm IPC pull: ") + err.what());
   }
   const Driver& d = driver();
   CUmemGenericAllocationHandle h{};
@@ -176,7 +173,7 @@ void* map_descriptor(const Export& e, int device) {
 }
 
 // The peer memory an export names, mapped here; `bytes` from it must lie in its allocation.
-void* open_export(const std::string& blob, int device, uint64_t bytes) {
+void* open_export(const std::string& blob, int device, uint64_t bytes, int timeout_ms) {
   if (blob.size() != kExportBytes) {
     throw std::runtime_error("pimhbm IPC pull: an export is " + std::to_string(kExportBytes) +
                              " bytes, got " + std::to_string(blob.size()));
@@ -197,7 +194,7 @@ void* open_export(const std::string& blob, int device, uint64_t bytes) {
         unavailable("the peer's memory cannot be mapped here (cudaIpcOpenMemHandle)", err);
       }
     } else if (e.kind == kFileDescriptor) {
-      base = map_descriptor(e, device);
+      base = map_descriptor(e, device, timeout_ms);
     } else {
       throw std::runtime_error("pimhbm IPC pull: an export of unknown kind " +
                                std::to_string(e.kind));
@@ -267,7 +264,8 @@ std::string export_pointer(uint64_t ptr, int device) {
     cudaGetLastError();
     e.kind = kFileDescriptor;
     e.pid = static_cast<int32_t>(getpid());
-    e.fd = descriptor_of(base, size);
+    const fd_passing::Ticket ticket = ticket_of(base, size);
+    std::memcpy(e.handle, &ticket, sizeof(ticket));
   }
   std::string blob(kExportBytes, '\0');
   std::memcpy(blob.data(), &e, sizeof(e));
@@ -285,14 +283,17 @@ std::vector<int32_t> pull(int device, const std::vector<int32_t>& chunks, uint64
   if (chunks.empty()) return status;
   std::lock_guard<std::mutex> lock(mu);
   use_device(device);
+  // Each exchange of a descriptor hand-off is bounded too.
+  const int wait_ms = static_cast<int>(std::clamp<int64_t>(timeout_ms, 1, 600000));
   repair::Sources sources{};
   sources.count = 1;
   sources.self = -1;
   sources.which = nullptr;
   const auto table_bytes = static_cast<uint64_t>(num_chunks(nbytes, chunk_bytes)) * 8;
   sources.tensor[0] = {
-      static_cast<const uint8_t*>(open_export(src, device, static_cast<uint64_t>(nbytes))), nbytes,
-      chunk_bytes, static_cast<const uint32_t*>(open_export(src_table, device, table_bytes))};
+      static_cast<const uint8_t*>(open_export(src, device, static_cast<uint64_t>(nbytes), wait_ms)),
+      nbytes, chunk_bytes,
+      static_cast<const uint32_t*>(open_export(src_table, device, table_bytes, wait_ms))};
   const repair::MutableChunkedTensor target{reinterpret_cast<uint8_t*>(dst), nbytes, chunk_bytes,
                                             reinterpret_cast<uint32_t*>(dst_table)};
   const size_t bytes = chunks.size() * sizeof(int32_t);
@@ -344,9 +345,9 @@ void close_all() {
     }
   }
   opened.clear();
-  for (auto& [allocation, fd] : exported_fds) close(fd);
-  if (!exported_fds.empty()) prctl(PR_SET_PTRACER, 0, 0, 0, 0);  // as before the first export
-  exported_fds.clear();
+  fd_passing::withdraw_all();  // no peer takes a descriptor from here on
+  for (auto& [allocation, offered] : exported) close(offered.fd);
+  exported.clear();
   (void)cudaGetLastError();
 }
 

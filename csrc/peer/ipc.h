@@ -26,16 +26,16 @@ class Unavailable : public std::runtime_error {
 // A device pointer made shareable: how another process maps the allocation it lies in, and
 // the pointer's offset from that allocation's base (XLA hands out pieces of larger
 // allocations). Memory from cudaMalloc/cuMemAlloc travels as a CUDA IPC handle; memory from the
-// virtual memory management API (cuMemCreate, which XLA's allocator uses) as this process's id
-// and a POSIX file descriptor of the allocation, which the puller takes with pidfd_getfd.
+// virtual memory management API (cuMemCreate, which XLA's allocator uses) as a POSIX file
+// descriptor of the allocation, which this process hands to the puller over a Unix socket
+// (peer/fd_passing.h: each side checks the other's credentials).
 struct Export {
   uint32_t kind;  // kLegacyHandle or kFileDescriptor
-  int32_t pid;    // kFileDescriptor: the exporting process and its descriptor
-  int32_t fd;
-  uint32_t reserved;
+  int32_t pid;    // the exporting process (kFileDescriptor: the socket's peer must be it)
+  uint64_t reserved;
   uint64_t size;    // of the allocation
   uint64_t offset;  // of the pointer in it
-  char handle[64];  // kLegacyHandle: the cudaIpcMemHandle_t
+  char handle[64];  // kLegacyHandle: the cudaIpcMemHandle_t; kFileDescriptor: a Ticket
 };
 constexpr uint32_t kLegacyHandle = 1, kFileDescriptor = 2;
 constexpr size_t kExportBytes = sizeof(Export);

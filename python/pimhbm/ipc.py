@@ -5,9 +5,11 @@ summary). For each (source device, target device, tensor) pair of those repairs:
 
 1. the process that holds the source exports the source tensor's and digest table's memory
    (``pimhbm._core.ipc_export``: for cudaMalloc'd memory the CUDA IPC handle of the
-   allocation; for a cuMemCreate allocation, as XLA's allocator makes them, this process's id
-   and a file descriptor of the allocation, which the puller takes with pidfd_getfd; and the
-   offset in the allocation) and publishes them in jax.distributed's key-value store;
+   allocation; for a cuMemCreate allocation, as XLA's allocator makes them, a ticket for a
+   file descriptor of the allocation, which this process hands over a Unix socket to a process
+   of its own user -- each side checks the other's credentials; and the offset in the
+   allocation) and publishes them in jax.distributed's key-value store, under keys that hold a
+   random nonce of the run;
 2. the process that holds the target reads them (bounded wait), maps the peer's memory once
    (cached) and runs the chunk-repair kernel on its own stream, reading the peer GPU directly
    (``pimhbm._core.ipc_pull``: each chunk checked against the source's digest before it is
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -105,6 +108,19 @@ def _pull(p: Pull, blob: bytes, timeout_ms: int) -> bytes:
         return b"unavailable " + str(err).encode()
     bad = [c for c, s in zip(p.chunks, status) if s != pimhbm.REPAIRED]
     return b"ok" if not bad else f"failed chunks {bad} did not verify".encode()
+
+
+def run_nonce(run_id: str, timeout_ms: int) -> str:
+    """A random nonce of this run, the same in every process (process 0 draws it): the keys of
+    the rounds hold it, so that they cannot be known, or written, before the run is going."""
+    client = _client()
+    key = f"{PREFIX}/{run_id}/nonce"
+    if jax.process_index() == 0:
+        client.key_value_set_bytes(key, secrets.token_hex(16).encode())
+    try:
+        return client.blocking_key_value_get_bytes(key, timeout_ms).decode()
+    except Exception as err:  # the store's timeout (an XLA runtime error)
+        raise Fatal(f"no run nonce from process 0 within {timeout_ms} ms: {err}") from err
 
 
 def run_round(run_id: str, round_id: int, pulls: list[Pull], timeout_ms: int) -> int:

@@ -60,11 +60,14 @@ def repair_packed(chunks: jax.Array, rows: tuple[jax.Array, jax.Array],
 def backup_snapshot(tensors: list[jax.Array], region: Any, offsets: list[int]) -> jax.Array:
     """Copies ``tensors`` into the shared-memory ``region`` at ``offsets`` (on the GPU on a side
     stream, after everything before it on XLA's stream). Returns a ticket (int32[1]) that is
-    ready once the copies were issued; ``pimhbm._core.snapshot_wait()`` waits for them."""
+    ready once the copies were issued; ``pimhbm._core.snapshot_wait()`` waits for them.
+
+    The program names the region by its id: once the region is gone, running it again is an
+    error (not a write through a stale address)."""
     ensure_registered()
     if len(tensors) != len(offsets):
         raise ValueError(f"{len(tensors)} tensors but {len(offsets)} offsets")
     return jax.ffi.ffi_call("pimhbm_snapshot", jax.ShapeDtypeStruct((1,), jnp.int32),
                             has_side_effect=True)(
-        *tensors, region=np.int64(region.address), region_bytes=np.int64(region.nbytes),
+        *tensors, region=np.int64(region.id),
         offsets=np.asarray(offsets, np.int64))

@@ -52,10 +52,11 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                   inject_gradients: bool = False, devices: Any = None,
                   attention_impl: str | None = None, params: Any = None,
                   replica_transport: str = "collective", shard: int = 1,
-                  device_copy: bool = True) -> Trainer:
+                  device_copy: bool = True, recheck_every: int | None = None) -> Trainer:
     """A protected trainer of the Llama-3 ``cfg`` on byte-level ``data``: bf16 parameters with
     fp32 master weights and moments, a device copy for chunk repair (device_copy=False: repairs
-    from the other replicas only), and (with ``shm_name``) host snapshots in shared memory."""
+    from the other replicas only), and (with ``shm_name``) host snapshots in shared memory.
+    ``recheck_every``: the Trainer's sampled re-execution (None: its default)."""
     if params is None:
         params = llama3.init(jax.random.key(seed), cfg)
     opt = pimhbm.adamw(peak_lr, weight_decay=0.01, master_weights=cfg.dtype == "bfloat16",
@@ -65,4 +66,4 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                    learning_rate=warmup_cosine(peak_lr, warmup, steps), shm_name=shm_name,
                    snapshot_every=snapshot_every, scrub_every=scrub_every,
                    inject_gradients=inject_gradients, devices=devices,
-                   replica_transport=replica_transport, shard=shard)
+                   replica_transport=replica_transport, shard=shard, recheck_every=recheck_every)

@@ -86,15 +86,21 @@ class Slot(NamedTuple):
 @jax.tree_util.register_pytree_node_class
 class AdamWState:
     """Both slots, which one is current (static: part of the tree structure), the number of
-    committed steps (a device scalar), and the device copy (``device_copy``: a third slot that
-    holds the current state, or None)."""
+    committed steps (``step_copies``: int32 (3,), the count three times -- see ``step``), and
+    the device copy (``device_copy``: a third slot that holds the current state, or None)."""
 
-    def __init__(self, slots: tuple[Slot, Slot], current: int, step: jax.Array,
+    def __init__(self, slots: tuple[Slot, Slot], current: int, step_copies: jax.Array,
                  device_copy: Slot | None = None):
         self.slots = slots
         self.current = current
-        self.step = step
+        self.step_copies = step_copies
         self.device_copy = device_copy
+
+    @property
+    def step(self) -> jax.Array:
+        """The number of committed steps: the bitwise majority of the three copies, so that a
+        flipped bit in one copy changes nothing (each update writes all three again)."""
+        return step_majority(self.step_copies)
 
     @property
     def params(self) -> Any:
@@ -129,15 +135,26 @@ class AdamWState:
 
     def replace_current(self, slot: Slot) -> "AdamWState":
         slots = (slot, self.slots[1]) if self.current == 0 else (self.slots[0], slot)
-        return AdamWState(slots, self.current, self.step, self.device_copy)
+        return AdamWState(slots, self.current, self.step_copies, self.device_copy)
 
     def tree_flatten(self):
-        return (self.slots, self.step, self.device_copy), self.current
+        return (self.slots, self.step_copies, self.device_copy), self.current
 
     @classmethod
     def tree_unflatten(cls, current, children):
-        slots, step, device_copy = children
-        return cls(tuple(slots), current, step, device_copy)
+        slots, step_copies, device_copy = children
+        return cls(tuple(slots), current, step_copies, device_copy)
+
+
+def step_majority(copies: jax.Array) -> jax.Array:
+    """The bitwise majority of three int32 copies (a bit is set where two of them set it)."""
+    a, b, c = copies[0], copies[1], copies[2]
+    return (a & b) | (b & c) | (a & c)
+
+
+def step_copies_of(step: Any) -> jax.Array:
+    """A step count as the three copies an AdamWState holds."""
+    return jnp.full((3,), step, jnp.int32)
 
 
 class UpdateReport(NamedTuple):
@@ -261,7 +278,7 @@ class AdamW:
 
         copies = 3 if self.device_copy else 2
         slots = jax.jit(lambda p: tuple(one_slot(p) for _ in range(copies)))(params)
-        return AdamWState((slots[0], slots[1]), 0, jnp.zeros((), jnp.int32),
+        return AdamWState((slots[0], slots[1]), 0, step_copies_of(0),
                           slots[2] if self.device_copy else None)
 
     # -- one step ------------------------------------------------------------------------------
@@ -272,8 +289,8 @@ class AdamW:
         state (the other slot is now current) and the report. ``learning_rate`` (a device
         scalar, or None for the configured one) can change every step without recompiling.
         Inside ``shard_map``, pass the data-parallel ``axis_name``: the verdict is global.
-        ``gate`` (a device bool): when false the step does not commit either (the recovery
-        engine holds steps back this way until a skipped one has been replayed)."""
+        ``gate`` (a device bool): when false on any device the step does not commit either (the
+        recovery engine holds steps back this way until a skipped one has been replayed)."""
         ensure_registered()
         if (state.device_copy is not None) != self.device_copy:
             raise ValueError("the state was made with device_copy="
@@ -301,14 +318,16 @@ class AdamW:
         # The kernels counted this device's faulty chunks and NaN/Inf gradients as they went
         # (no reduction over the maps here). Across devices, the verdict sums a flag per device
         # (a sum of counts could wrap); the counts are summed for the report.
-        counts = jnp.concatenate([local, (local != 0).any().astype(jnp.int32)[None]])
+        # A closed gate on any device holds the step back on every device (the flag is summed
+        # with the others), so that the replicas never part.
+        hold = (local != 0).any()
+        if gate is not None:
+            hold |= ~jnp.asarray(gate, jnp.bool_)
+        counts = jnp.concatenate([local, hold.astype(jnp.int32)[None]])
         if axis_name is not None:
             counts = jax.lax.psum(counts, axis_name)
         n_faults, n_bad = counts[0], counts[1]
-        commit = counts[2] == 0
-        if gate is not None:
-            commit &= jnp.asarray(gate, jnp.bool_)
-        commit = commit.astype(jnp.int32)
+        commit = (counts[2] == 0).astype(jnp.int32)
 
         # Commit or skip: when skipping, the read slot goes back into the written slot, and
         # into the device copy where the read side verified (elsewhere the copy was not written).
@@ -326,7 +345,10 @@ class AdamW:
             new_copy = slot_from_tensors([{k: next(cleaned) for k in names} for _ in outs],
                                            treedef)
         slots = (read, new_slot) if cur == 0 else (new_slot, read)
-        new_state = AdamWState(slots, nxt, state.step + commit, new_copy)
+        # The count leaves the copies' majority first (the barrier): written from a fusion that
+        # read them, the new copies could not take the donated buffer's place.
+        done = jax.lax.optimization_barrier(count - 1) + commit
+        new_state = AdamWState(slots, nxt, step_copies_of(done), new_copy)
         unflat = lambda xs: jax.tree.unflatten(treedef, xs)
         report = UpdateReport(commit.astype(bool), n_bad, n_faults, unflat(faults), unflat(bad),
                               local)

@@ -40,7 +40,7 @@ def run(args: Any) -> int:
     before = dev.memory_stats() or {}
     t0 = time.perf_counter()
     compiled = [jax.jit(step, donate_argnums=0).lower(
-        pimhbm.AdamWState(state_shapes.slots, c, state_shapes.step, state_shapes.device_copy), batch).compile()
+        pimhbm.AdamWState(state_shapes.slots, c, state_shapes.step_copies, state_shapes.device_copy), batch).compile()
         for c in (0, 1)]
     seconds = time.perf_counter() - t0
     after = dev.memory_stats() or {}

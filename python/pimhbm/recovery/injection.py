@@ -33,6 +33,6 @@ def inject(state: TrainState, compiler: Compiler, path: str, tensor: str, fault:
     placement.settle(t, table)
     leaves[i][tensor] = (t, table)
     new = slot_from_tensors(leaves, t_.treedef)
-    opt = (AdamWState(opt.slots, opt.current, opt.step, new) if into_copy
+    opt = (AdamWState(opt.slots, opt.current, opt.step_copies, new) if into_copy
            else opt.replace_current(new))
     return TrainState(opt, state.halted)

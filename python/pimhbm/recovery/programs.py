@@ -88,7 +88,7 @@ class Compiler:
     def abstract_state(self, current: int) -> TrainState:
         """The state's global shapes with their shardings."""
         shapes = jax.eval_shape(self.init, self.params_sds)
-        opt = AdamWState(shapes.slots, current, shapes.step, shapes.device_copy)
+        opt = AdamWState(shapes.slots, current, shapes.step_copies, shapes.device_copy)
         put = lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                    sharding=self.placement.sharding(spec))
         state = TrainState(opt, jax.ShapeDtypeStruct((), jnp.int32))

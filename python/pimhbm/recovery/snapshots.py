@@ -173,7 +173,7 @@ class SnapshotManager:
                            for k in layout.names})
         first = slot_from_tensors(leaves, treedef)
         other, copy = self.compiler.clone()(first)
-        opt = AdamWState((first, other), 0, placement.put(np.int32(step)), copy)
+        opt = AdamWState((first, other), 0, placement.put(np.full(3, step, np.int32)), copy)
         return TrainState(opt, placement.put(np.int32(0)))
 
 

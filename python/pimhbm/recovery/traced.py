@@ -17,12 +17,18 @@ from pimhbm.recovery.layout import Damage, StateLayout, Vote
 from pimhbm.recovery.placement import AXES, Placement, Transport
 from pimhbm.recovery.summary import ScrubSummary, fault_list, step_summary
 from pimhbm.update import (AdamW, AdamWState, Slot, restore_unless, slot_from_tensors,
-                           slot_tensors)
+                           slot_tensors, step_copies_of)
 
 
 class TrainState(NamedTuple):
     opt: AdamWState
-    halted: jax.Array  # int32: a step was skipped and not yet replayed; later steps skip too
+    # int32: a step was skipped and not yet replayed, and later steps skip too. Set, it holds
+    # HALTED (every bit), so that no single flipped bit clears it; a flip that sets a bit of a
+    # clear flag only skips steps the engine then replays.
+    halted: jax.Array
+
+
+HALTED = -1
 
 
 def _after(x: jax.Array, previous: jax.Array | None) -> jax.Array:
@@ -34,7 +40,7 @@ def _after(x: jax.Array, previous: jax.Array | None) -> jax.Array:
 
 
 def _with_copy(opt: AdamWState, device_copy: Slot | None) -> AdamWState:
-    return AdamWState(opt.slots, opt.current, opt.step, device_copy)
+    return AdamWState(opt.slots, opt.current, opt.step_copies, device_copy)
 
 
 def _copy_of_rebuilt(slot: Slot, device_copy: Slot | None, take: jax.Array) -> Slot | None:
@@ -101,7 +107,7 @@ class Traced:
             count = sum(jnp.sum(m != 0, dtype=jnp.int32) for m in disagree)
             gate &= jax.lax.psum(count, AXES) == 0
         opt, report = self.opt.update(grads, state.opt, lr, gate=gate, axis_name=AXES)
-        halted = state.halted | (~report.committed).astype(jnp.int32)
+        halted = state.halted | jnp.where(report.committed, 0, HALTED)
         summary = step_summary(report, self.treedef, self.fault_capacity, disagree)
         out = TrainState(opt, halted), jax.lax.psum(loss, AXES), self.placement.per_device(summary)
         return out if own is None else (*out, own)
@@ -216,9 +222,9 @@ class Traced:
                                                 for k in self.layout.names}
                                                for _ in self.layout.paths], self.treedef))
         copy = restored[1] if opt.device_copy else None
-        step = jnp.where(undo, opt.step - committed.astype(opt.step.dtype), opt.step)
-        opt = AdamWState(opt.slots, opt.current, step, copy).replace_current(restored[0])
-        return TrainState(opt, state.halted | undo.astype(jnp.int32))
+        step = jnp.where(undo, opt.step - committed.astype(jnp.int32), opt.step)
+        opt = AdamWState(opt.slots, opt.current, step_copies_of(step), copy).replace_current(restored[0])
+        return TrainState(opt, state.halted | jnp.where(undo, HALTED, 0))
 
     # -- repairs -----------------------------------------------------------------------------------
 

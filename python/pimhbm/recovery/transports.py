@@ -106,6 +106,7 @@ class IpcTransport:
         self.fallback, self.treedef, self.run_id = fallback, treedef, run_id
         self.timeout_s = timeout_s  # the bound on every wait of a round
         self.rounds = 0  # numbered alike in every process
+        self.nonce: str | None = None  # drawn at the first round (ipc.run_nonce)
         self.off: str | None = None  # why IPC was given up
 
     def pull(self, state: TrainState, pulls: list[ReplicaPull]) -> Pulled:
@@ -164,7 +165,10 @@ class IpcTransport:
             work.append(ipc.Pull(f"{row}.{target}.{col}.{leaf}.{tensor}", mesh.devices[row, col],
                                  mesh.devices[target, col], chunks, t, t,
                                  layout.chunk_bytes(tensor, li)))
-        return ipc.run_round(self.run_id, self.rounds, work, int(self.timeout_s * 1000))
+        timeout_ms = int(self.timeout_s * 1000)
+        if self.nonce is None:
+            self.nonce = ipc.run_nonce(self.run_id, timeout_ms)
+        return ipc.run_round(f"{self.run_id}/{self.nonce}", self.rounds, work, timeout_ms)
 
 
 def transport_for(kind: Transport, programs: Programs, placement: Placement, layout: StateLayout,
