@@ -184,10 +184,19 @@ inline void expect_same_but_nan_patterns(const HostLeaf& gpu, const HostLeaf& cp
   }
 }
 
+// A vector's bytes: float vectors compared by value would call two equal NaN patterns unequal.
+template <class T>
+std::vector<uint8_t> bytes_of(const std::vector<T>& v) {
+  std::vector<uint8_t> out(v.size() * sizeof(T));
+  if (!v.empty()) std::memcpy(out.data(), v.data(), out.size());
+  return out;
+}
+
 // The whole write side, bit for bit (tensors, then digest tables).
 inline void expect_same_bits(const HostLeaf& gpu, const HostLeaf& cpu, const std::string& what) {
   const auto tensors = [](const HostLeaf& h) {
-    return std::tie(h.p_out, h.w_out, h.mu_out, h.nu_out);
+    return std::make_tuple(bytes_of(h.p_out), bytes_of(h.w_out), bytes_of(h.mu_out),
+                           bytes_of(h.nu_out));
   };
   const auto tables = [](const HostLeaf& h) { return std::tie(h.dn_p, h.dn_w, h.dn_mu, h.dn_nu); };
   EXPECT_EQ(tensors(gpu), tensors(cpu)) << what;
@@ -196,7 +205,9 @@ inline void expect_same_bits(const HostLeaf& gpu, const HostLeaf& cpu, const std
 
 // The device copy, bit for bit (tensors, then digest tables).
 inline void expect_same_copy(const HostCopy& gpu, const HostCopy& cpu, const std::string& what) {
-  const auto tensors = [](const HostCopy& c) { return std::tie(c.p, c.w, c.mu, c.nu); };
+  const auto tensors = [](const HostCopy& c) {
+    return std::make_tuple(bytes_of(c.p), bytes_of(c.w), bytes_of(c.mu), bytes_of(c.nu));
+  };
   const auto tables = [](const HostCopy& c) { return std::tie(c.dp, c.dw, c.dmu, c.dnu); };
   EXPECT_EQ(tensors(gpu), tensors(cpu)) << what;
   EXPECT_EQ(tables(gpu), tables(cpu)) << what;
