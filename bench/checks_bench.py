@@ -1,7 +1,7 @@
 """What the checks for finite wrong values cost, at Llama-3-8B-layer scale, side by side in one
 run: plain optax.adamw, the protected step without sampled re-execution, and the protected step
 with every step re-executed (recheck_every=1). A sampled step's extra time, divided by the
-default interval (100 steps), is the re-execution's cost per step.
+default interval (RECHECK_EVERY steps), is the re-execution's cost per step.
 
 Sampled re-execution compares gradients bit for bit, so it runs in exact mode: XLA's
 deterministic ops on (set here), and XLA's attention for all three steps (cuDNN's fused
@@ -33,11 +33,12 @@ from rich.table import Table  # noqa: E402
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import write_json  # noqa: E402
 
+from pimhbm.recovery.trainer import RECHECK_EVERY  # noqa: E402
 from pimhbm.train import llama_trainer  # noqa: E402
 from pimhbm_cli import llama3  # noqa: E402
 
 ROUNDS = 5
-INTERVAL = 100  # the Trainer's default recheck_every
+INTERVAL = RECHECK_EVERY  # the Trainer's default
 
 
 def protected(job, recheck_every):

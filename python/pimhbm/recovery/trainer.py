@@ -75,6 +75,11 @@ def _check_options(opt: AdamW, transport: Transport, devices: list, shard: int, 
                          "one process use 'peer' or 'collective'")
 
 
+# A re-executed step costs 1.5 steps at 8B-layer scale on the H200 (bench/checks_bench.py):
+# every 200 steps that is 0.76 % of a step, within the 1 % the check may cost.
+RECHECK_EVERY = 200
+
+
 class Trainer:
     """Protected training of ``loss_fn(params, batch) -> scalar`` with ``opt``
     (pimhbm.adamw: a device copy for chunk repair unless ``device_copy=False``) and, with
@@ -100,7 +105,7 @@ class Trainer:
     second time, each device's slice on the next device, and compared bit for bit (sampled
     re-execution: finite wrong values no digest can see); a step whose gradients differ is
     undone and replayed, and a device whose gradients differ twice ends the run. It needs a
-    repeatable step: by default every 100 steps where the step is (CPUs; GPUs with XLA's
+    repeatable step: by default every 200 steps where the step is (CPUs; GPUs with XLA's
     deterministic ops), else never."""
 
     def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], opt: AdamW, params: Any,
@@ -124,7 +129,7 @@ class Trainer:
                    for p in jax.tree.leaves(params)]
         self.layout = StateLayout.of(params, opt, sharded, shard)
         self.recheck_every = (recheck_every if recheck_every is not None else
-                              100 if repeatable(devices) else 0)
+                              RECHECK_EVERY if repeatable(devices) else 0)
         self.traced = Traced(loss_fn, opt, self.treedef, self.layout, self.placement,
                              fault_capacity, inject_gradients,
                              inject_gradients and self.recheck_every > 0, replica_transport)
