@@ -1,5 +1,8 @@
+import atexit
 import os
 import random
+import shutil
+import tempfile
 import zlib
 
 # Four virtual CPU devices, for the data-parallel tests; on GPUs, XLA's deterministic ops
@@ -12,6 +15,17 @@ os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=4")
 import jax  # noqa: E402
 import numpy as np
 import pytest
+
+# One persistent compilation cache for the session (its workers too, through the environment):
+# the many Trainers of the suite compile the same programs, and each takes them from the cache
+# after the first. A Trainer counts a program taken from the cache after its prewarm as a
+# compilation, so "0 compilations" keeps its meaning.
+if "PIMHBM_TEST_JAX_CACHE" not in os.environ:
+    os.environ["PIMHBM_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="pimhbm-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["PIMHBM_TEST_JAX_CACHE"], ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", os.environ["PIMHBM_TEST_JAX_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_report_header(config):
