@@ -12,20 +12,20 @@ if "xla_gpu_deterministic_ops" not in _flags:
     _flags += " --xla_gpu_deterministic_ops=true"
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=4").strip()
 
+# One persistent compilation cache for the session -- its workers and the processes the tests
+# start too, through the environment (JAX reads these variables when it starts): the many
+# Trainers of the suite compile the same programs, and each takes them from the cache after the
+# first. A Trainer counts a program taken from the cache after its prewarm as a compilation, so
+# "0 compilations" keeps its meaning.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="pimhbm-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import jax  # noqa: E402
 import numpy as np
 import pytest
-
-# One persistent compilation cache for the session (its workers too, through the environment):
-# the many Trainers of the suite compile the same programs, and each takes them from the cache
-# after the first. A Trainer counts a program taken from the cache after its prewarm as a
-# compilation, so "0 compilations" keeps its meaning.
-if "PIMHBM_TEST_JAX_CACHE" not in os.environ:
-    os.environ["PIMHBM_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="pimhbm-jax-cache-")
-    atexit.register(shutil.rmtree, os.environ["PIMHBM_TEST_JAX_CACHE"], ignore_errors=True)
-jax.config.update("jax_compilation_cache_dir", os.environ["PIMHBM_TEST_JAX_CACHE"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_report_header(config):
