@@ -12,20 +12,23 @@ if "xla_gpu_deterministic_ops" not in _flags:
     _flags += " --xla_gpu_deterministic_ops=true"
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=4").strip()
 
-# One persistent compilation cache for the session -- its workers and the processes the tests
-# start too, through the environment (JAX reads these variables when it starts): the many
-# Trainers of the suite compile the same programs, and each takes them from the cache after the
-# first. A Trainer counts a program taken from the cache after its prewarm as a compilation, so
-# "0 compilations" keeps its meaning.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="pimhbm-jax-cache-")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# One persistent compilation cache for the session and its workers (pytest-xdist; they inherit
+# the environment): the many Trainers of the suite compile the same programs, and each takes them
+# from the cache after the first. JAX reports a load from the cache as a compilation, so "0
+# compilations after prewarm" keeps its meaning. Not for the processes the tests start: the
+# processes of one multi-process run would then prewarm at different speeds (one from the
+# cache, one compiling), and the first collective's 30 s rendezvous on the CPU times out.
+if "PIMHBM_TEST_JAX_CACHE" not in os.environ:
+    os.environ["PIMHBM_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="pimhbm-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["PIMHBM_TEST_JAX_CACHE"], ignore_errors=True)
 
 import jax  # noqa: E402
 import numpy as np
 import pytest
+
+jax.config.update("jax_compilation_cache_dir", os.environ["PIMHBM_TEST_JAX_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_report_header(config):
