@@ -3,6 +3,7 @@ import os
 import random
 import shutil
 import tempfile
+import uuid
 import zlib
 
 # Four virtual CPU devices, for the data-parallel tests; on GPUs, XLA's deterministic ops
@@ -57,3 +58,32 @@ def has_gpu() -> bool:
 
 
 requires_gpu = pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
+
+
+def new_shm_name() -> str:
+    """A fresh shared-memory region name for one test."""
+    return f"pimhbm_test_{uuid.uuid4().hex[:12]}"
+
+
+def uninterrupted_state(make_trainer, steps: int) -> dict:
+    """The state after ``steps`` of a run without faults (its region removed afterwards); the run
+    must report nothing and compile nothing after its prewarm."""
+    from pimhbm.backup import HostBackup
+    name = new_shm_name()
+    try:
+        tr = make_trainer(name)
+        stats = tr.run(steps)
+        assert stats.incidents == [] and tr.compiles == 0
+        return tr.current_state()
+    finally:
+        HostBackup.unlink(name)
+
+
+@pytest.fixture
+def shm_name():
+    """A region name for the test; the region (and its "_ref" twin) removed afterwards."""
+    from pimhbm.backup import HostBackup
+    name = new_shm_name()
+    yield name
+    HostBackup.unlink(name)
+    HostBackup.unlink(name + "_ref")

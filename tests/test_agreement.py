@@ -2,26 +2,16 @@
 leaves it) matches its own digest, so only another replica can tell. The step compares the
 replicas' digests; a replica that disagrees with the majority is repaired from it."""
 
-import uuid
 
 import jax
 import pytest
 
 import pimhbm
 from pimhbm import faults
-from pimhbm.backup import HostBackup
 from pimhbm.models import mlp
 from pimhbm.recovery import Action, IncidentKind, Trainer
 
 STEPS = 20
-
-
-@pytest.fixture
-def shm_name():
-    name = f"pimhbm_test_{uuid.uuid4().hex[:12]}"
-    yield name
-    HostBackup.unlink(name)
-    HostBackup.unlink(name + "_ref")
 
 
 def make_trainer(name, devices):

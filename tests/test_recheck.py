@@ -2,25 +2,17 @@
 reaches every replica alike (no digest, no replica can see it). On a sampled step each
 device's slice is computed again on the next device and the digests compared bit for bit."""
 
-import uuid
 
 import jax
 import pytest
 
 import pimhbm
+from conftest import uninterrupted_state
 from pimhbm import faults
-from pimhbm.backup import HostBackup
 from pimhbm.models import mlp
 from pimhbm.recovery import Action, DeviceFailure, IncidentKind, Trainer
 
 STEPS, EVERY = 16, 5
-
-
-@pytest.fixture
-def shm_name():
-    name = f"pimhbm_test_{uuid.uuid4().hex[:12]}"
-    yield name
-    HostBackup.unlink(name)
 
 
 def make_trainer(name):
@@ -34,14 +26,7 @@ def make_trainer(name):
 
 @pytest.fixture(scope="module")
 def uninterrupted():
-    name = f"pimhbm_test_{uuid.uuid4().hex[:12]}"
-    try:
-        tr = make_trainer(name)
-        stats = tr.run(STEPS)
-        assert stats.incidents == [] and tr.compiles == 0
-        return tr.current_state()
-    finally:
-        HostBackup.unlink(name)
+    return uninterrupted_state(make_trainer, STEPS)
 
 
 class FiniteFlip:

@@ -25,13 +25,6 @@ from pimhbm.recovery import Action, IncidentKind, Trainer
 HERE = os.path.dirname(__file__)
 
 
-@pytest.fixture
-def shm_name():
-    name = f"pimhbm_test_{uuid.uuid4().hex[:12]}"
-    yield name
-    HostBackup.unlink(name)
-
-
 def make_trainer(name, inject=False, resume=False, device_copy=True, **kwargs):
     opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=device_copy, chunk_elems=256)
     tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=name, snapshot_every=10,

@@ -6,7 +6,6 @@ import gc
 import os
 import subprocess
 import sys
-import uuid
 
 import jax
 import jax.numpy as jnp
@@ -14,18 +13,12 @@ import numpy as np
 import pytest
 
 import pimhbm
+from conftest import uninterrupted_state
 from pimhbm.backup import HostBackup, RegionError
 from pimhbm.models import mlp
 from pimhbm.recovery import Trainer
 
 STEPS = 30
-
-
-@pytest.fixture
-def shm_name():
-    name = f"pimhbm_test_{uuid.uuid4().hex[:12]}"
-    yield name
-    HostBackup.unlink(name)
 
 
 def make_trainer(name, resume=False, seed=0, prewarm=True):
@@ -40,13 +33,7 @@ def make_trainer(name, resume=False, seed=0, prewarm=True):
 
 @pytest.fixture(scope="module")
 def uninterrupted():
-    name = f"pimhbm_test_{uuid.uuid4().hex[:12]}"
-    try:
-        tr = make_trainer(name)
-        tr.run(STEPS)
-        return tr.current_state()
-    finally:
-        HostBackup.unlink(name)
+    return uninterrupted_state(make_trainer, STEPS)
 
 
 def same_state(a, b):

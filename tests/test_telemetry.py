@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import time
-import uuid
 
 import jax
 import numpy as np
@@ -159,13 +158,6 @@ def test_monitor_reports_events_and_counter_increases(standin):
 
 
 # -- the recovery engine ----------------------------------------------------------------------
-
-@pytest.fixture
-def shm_name():
-    name = f"pimhbm_test_{uuid.uuid4().hex[:12]}"
-    yield name
-    HostBackup.unlink(name)
-
 
 def trainer(name, telemetry, resume=False):
     # The stand-in's devices are the four virtual CPU devices, by position (on a GPU machine
