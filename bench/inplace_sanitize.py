@@ -29,7 +29,9 @@ def case(rng, kind, n, chunk_elems, group):
     state, report = opt.update(grads, state)
     state, fixed = opt.repair(state, report)
     if not bool(fixed.complete):
-        raise SystemExit(f"{kind} n={n} chunk={chunk_elems} group={group}: repair not complete")
+        raise SystemExit(f"{kind} n={n} chunk={chunk_elems} group={group}: repair not complete: "
+                         f"stash {np.asarray(report.stash.index)[:2].tolist()}, faults "
+                         f"{int(fixed.faults)}, rebuilt {np.asarray(fixed.rebuilt['a'])[:2].tolist()}")
     cb = opt.chunk_bytes("p", dtype)
     rows = parity.parity(state.params["a"], cb, group)
     parity.rebuild(jnp.array([0, -1, 10**6]), state.params["a"], state.digests["a"]["p"], rows,

@@ -36,6 +36,7 @@ import numpy as np
 
 from pimhbm import _core, parity
 from pimhbm._ffi import ensure_registered
+from pimhbm.repair import REPAIRED
 from pimhbm.scan import scan, verify
 from pimhbm.update import (FAULT_MASTER, FAULT_MU, FAULT_NU, FAULT_PARAM, join_master,
                            step_copies_of, step_majority)
@@ -315,7 +316,7 @@ class AdamW:
         tables = treedef.flatten_up_to(state.digests)
         rows = treedef.flatten_up_to(state.parity)
         index = report.stash.index
-        statuses, rebuilt = [], []
+        statuses, rebuilt, unrepaired = [], [], jnp.bool_(False)
         for i, (leaf, table, r) in enumerate(zip(leaves, tables, rows)):
             chunks = jnp.where(index[:, 0] == i, index[:, 1], -1)
             new, st = {}, []
@@ -325,6 +326,7 @@ class AdamW:
                     continue
                 new[k], s = parity.rebuild(chunks, leaf[k], table[k], r[k],
                                            self.chunk_bytes(k, leaf["p"].dtype), self.group)
+                unrepaired |= jnp.any((chunks >= 0) & (s != REPAIRED))
                 st.append(s)
             rebuilt.append(new)
             statuses.append(jnp.stack(st, axis=1))
@@ -334,9 +336,7 @@ class AdamW:
         # The redo commits a chunk's step: the count stays (the step was counted when applied).
         new_state = self._state_from(outs, treedef, state.master is not None, True,
                                      state.step_copies)
-        listed = index[:, 0] >= 0
-        ok = jnp.all(jnp.where(listed[:, None], jnp.stack(statuses).max(axis=0) >= 0, True))
-        complete = (faults == 0) & (report.stashed <= self.stash_capacity) & ok
+        complete = (faults == 0) & (report.stashed <= self.stash_capacity) & ~unrepaired
         return new_state, RepairReport(jax.tree.unflatten(treedef, statuses), faults, complete)
 
 
