@@ -1,0 +1,31 @@
+"""A few steps of the in-place update (and of the two-slot one beside it) at 268 M fp32
+parameters, for Nsight Compute: `ncu --kernel-name regex:inplace_kernel ... python
+bench/inplace_profile.py`. Prints nothing of its own but the steps' verdicts."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import pimhbm
+from pimhbm import inplace
+
+
+def main() -> int:
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 1 << 28
+    params = {f"w{i}": jnp.full((n // 8,), 0.01, jnp.float32) for i in range(8)}
+    grads = jax.tree.map(lambda p: p * 0.5, params)
+    for opt in (inplace.adamw(1e-4), inplace.adamw(1e-4, group=0), pimhbm.adamw(1e-4)):
+        step = jax.jit(lambda g, s: opt.update(g, s), donate_argnums=1)
+        state = opt.init(params)
+        for _ in range(3):
+            state, report = step(grads, state)
+        print(type(opt).__module__, bool(report.committed))
+        del state
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
