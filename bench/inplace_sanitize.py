@@ -1,5 +1,5 @@
 """The in-place update's CUDA kernels on ragged sizes, for compute-sanitizer: every parameter
-kind, chunk sizes 16 to 4096, groups 1 to 5, damage in every tensor, a repair, parity rebuilds.
+kind, chunk sizes 128 to 512, groups 1 to 16, damage in every tensor, a repair, parity rebuilds.
 Checks nothing itself beyond the repair's verdict (the bit-for-bit comparison with the CPU is
 tests/test_inplace.py); run it under `compute-sanitizer --tool memcheck|racecheck`."""
 
@@ -41,8 +41,8 @@ def case(rng, kind, n, chunk_elems, group):
 def main() -> int:
     rng = np.random.default_rng(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
     for kind in ("fp32", "bf16", "bf16_master"):
-        for n, chunk_elems, group in ((1, 16, 1), (17, 16, 2), (1001, 64, 3), (4097, 4096, 1),
-                                      (9000, 1024, 5), (33, 32, 4)):
+        for n, chunk_elems, group in ((1, 128, 1), (129, 128, 2), (1001, 128, 3), (4097, 512, 1),
+                                      (9000, 256, 5), (33, 512, 4), (70001, 512, 16)):
             case(rng, kind, n, chunk_elems, group)
     print("in-place update, repair and rebuild ran on every case")
     return 0

@@ -145,6 +145,8 @@ def bench_case(kind, n_params, leaves, profile_dir=None):
     # digests, the gradients' finiteness), the update, and the parity of every 16 chunks.
     out["pimhbm.inplace (checks + update + parity)"] = time_guarded(
         inplace.adamw(LR, master_weights=bf16), "pimhbm.inplace", profile=True)
+    out["pimhbm.inplace, chunks of 256"] = time_guarded(
+        inplace.adamw(LR, master_weights=bf16, chunk_elems=256), "pimhbm.inplace, 256")
     out["pimhbm.inplace, no parity"] = time_guarded(
         inplace.adamw(LR, master_weights=bf16, group=0), "pimhbm.inplace, no parity")
     upd = jax.jit(lambda s, g, lr: opt.update(g, s, lr)[0], donate_argnums=0)

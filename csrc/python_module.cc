@@ -118,7 +118,10 @@ nb::dict inplace_layout() {
   out["operands"] = operands;
   out["results"] = results;
   out["totals"] = pimhbm::update::kInPlaceTotals;
-  out["max_parity_chunk_elems"] = pimhbm::update::kMaxParityChunkElems;
+  nb::list sizes;
+  for (int64_t c : pimhbm::update::kInPlaceChunkElems) sizes.append(c);
+  out["chunk_elems"] = sizes;
+  out["stash_columns"] = pimhbm::update::kStashIndexColumns;
   return out;
 }
 

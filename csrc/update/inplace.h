@@ -7,18 +7,18 @@
 // local to a chunk:
 //
 // * A chunk whose state does not match its digests (damage to the master weights, the moments,
-//   or a parameter after the backward pass read it) is written like any other, but it does not
-//   commit: its digest rows keep their old values (so every later check sees it as damaged),
-//   its change is left out of its group's parity, and its gradient goes into the stash. Its old
-//   state is then its group's parity XOR the group's other chunks (parity/parity.h rebuilds
-//   it), and the redo call updates it from there with the stashed gradient -- the step is
-//   complete without a replay. Two such chunks of one group cannot both be rebuilt.
+//   or a parameter after the backward pass read it) is not written: it keeps its state, digests
+//   and place in the parity, and its gradient goes into the stash. The damaged tensors' old
+//   state is then their group's parity XOR the group's other chunks (parity/parity.h rebuilds
+//   them), and the redo call updates the chunk from there with the stashed gradient -- the step
+//   is complete without a replay. Two chunks of one group damaged in the same tensor cannot both
+//   be rebuilt.
 // * An element whose new values are not all finite (a learning rate or eps that makes the
 //   update divide by zero or overflow) keeps its old values; the chunk counts it (`kept`).
 //
 // Parity: the rows of each tensor of a leaf (parity.h: the XOR of `group` consecutive chunks),
-// updated by the XOR of each committed chunk's old and new bytes. One block handles a whole
-// group, so a row has one writer. group 0: no parity (data-parallel replicas are the
+// updated by the XOR of each committed chunk's old and new bytes. One warp handles a whole
+// group on the GPU, so a row has one writer. group 0: no parity (data-parallel replicas are the
 // redundancy).
 //
 // go == 0: nothing is written; every report is zero.
@@ -36,9 +36,15 @@
 
 namespace pimhbm::update {
 
-// Largest chunk the GPU kernel takes with parity: it keeps a group's parity and a chunk's change
-// in shared memory (24 bytes an element: 96 KiB).
-inline constexpr int64_t kMaxParityChunkElems = 4096;
+// The chunk sizes the GPU kernel takes: a warp holds a whole chunk in registers (4, 8 or 16
+// elements a lane) so that the chunk verifies before its first write.
+inline constexpr int64_t kInPlaceChunkElems[] = {128, 256, 512};
+inline bool inplace_chunk_ok(int64_t chunk_elems) {
+  for (int64_t c : kInPlaceChunkElems) {
+    if (c == chunk_elems) return true;
+  }
+  return false;
+}
 
 struct InPlaceLeaf {
   int64_t n = 0;
@@ -66,8 +72,10 @@ struct InPlaceLeaf {
   int32_t* kept = nullptr;    // per chunk: elements kept because their new values were not finite
 };
 
-// The gradients of the chunks that did not commit: row k holds chunk index[k] = (leaf, chunk)'s
-// gradient bytes (chunk_elems words a row, zero-padded); unused rows have index (-1, -1).
+// The gradients of the chunks that did not commit: row k holds chunk (leaf, chunk) = index[k][0..1]
+// -- its gradient bytes, chunk_elems words a row, zero-padded -- and index[k][2], the FaultBits of
+// its damaged tensors; unused rows have index (-1, -1, 0).
+inline constexpr int kStashIndexColumns = 3;
 struct Stash {
   uint32_t* rows = nullptr;
   int32_t* index = nullptr;
@@ -84,9 +92,6 @@ struct StashIn {  // the same, read by a redo
 // to the stash (more than its capacity: some could not be stashed).
 inline constexpr int kInPlaceTotals = 3;
 
-// A redo entry another entry shares a parity group with is not processed (FaultBits beside).
-inline constexpr int32_t kFaultConflict = 16;
-
 PIMHBM_HD int64_t inplace_chunks(const InPlaceLeaf& leaf) {
   return leaf.n == 0 ? 0 : (leaf.n + leaf.chunk_elems - 1) / leaf.chunk_elems;
 }
@@ -99,7 +104,8 @@ PIMHBM_HD int64_t inplace_groups(const InPlaceLeaf& leaf) {
 // CPU reference. step: lr, 1 - b1^t, 1 - b2^t; go: the verdict (host memory).
 void inplace_cpu(const InPlaceLeaf* leaves, size_t count, const AdamWHyper& hyper,
                  const float* step, const int32_t* go, const Stash& stash, uint64_t* totals);
-// The stashed chunks updated (their state rebuilt first), each committing where it verifies.
+// The stashed chunks updated (their damaged tensors rebuilt first), each committing where it
+// verifies. Entries of one parity group are taken in order by one writer (on the GPU, a warp).
 void redo_cpu(const InPlaceLeaf* leaves, size_t count, const AdamWHyper& hyper, const float* step,
               const StashIn& stash, uint64_t* totals);
 

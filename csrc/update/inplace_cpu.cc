@@ -65,9 +65,9 @@ struct ChunkResult {
   int32_t kept;
 };
 
-// Chunk c of leaf L: checked, updated (gradient `g`, indexed from the chunk's first element),
-// its digests written where it verified, and its change XORed into `acc` (a byte row per
-// tensor) where it verified.
+// Chunk c of leaf L: checked and, where it verifies, updated (gradient `g`, indexed from the
+// chunk's first element), its digests rewritten and its change XORed into `acc` (a byte row per
+// tensor). A chunk that does not verify is left as it is.
 ChunkResult update_chunk(const InPlaceLeaf& L, int64_t c, const void* g, const AdamWHyper& h,
                          const AdamWStep& s, std::vector<std::vector<uint8_t>>* acc) {
   const int64_t first = c * L.chunk_elems;
@@ -82,12 +82,12 @@ ChunkResult update_chunk(const InPlaceLeaf& L, int64_t c, const void* g, const A
     const uint64_t d = scan::chunk_digest(at, len, c);
     if (d != digest_join(ts[t].table[2 * c], ts[t].table[2 * c + 1])) r.faults |= fault_bit(t);
   }
+  if (r.faults != 0) return r;
   for (int64_t i = 0; i < count; ++i) {
     ElemState x = load_elem(L, first + i);
     if (!update_elem(x, grad_at(L, g, i), L.param_bf16, L.has_master, h, s)) ++r.kept;
     store_elem(L, first + i, x);
   }
-  if (r.faults != 0) return r;
   for (size_t t = 0; t < ts.size(); ++t) {
     const uint8_t* at = ts[t].data + first * ts[t].size;
     const int64_t len = count * ts[t].size;
@@ -130,7 +130,8 @@ void record(const InPlaceLeaf& L, int64_t c, const ChunkResult& r, uint64_t* tot
 }
 
 // Chunk c's gradient into the next stash row, if there is one.
-void stash_chunk(const InPlaceLeaf& L, int64_t c, const Stash& stash, uint64_t* totals) {
+void stash_chunk(const InPlaceLeaf& L, int64_t c, int32_t faults, const Stash& stash,
+                 uint64_t* totals) {
   const int64_t slot = static_cast<int64_t>(totals[2]++);
   if (slot >= stash.capacity) return;
   const int size = L.param_bf16 ? 2 : 4;
@@ -138,13 +139,19 @@ void stash_chunk(const InPlaceLeaf& L, int64_t c, const Stash& stash, uint64_t* 
   const int64_t count = std::min(L.chunk_elems, L.n - first);
   std::memcpy(stash.rows + slot * L.chunk_elems, static_cast<const uint8_t*>(L.g) + first * size,
               static_cast<size_t>(count * size));
-  stash.index[2 * slot] = L.index;
-  stash.index[2 * slot + 1] = static_cast<int32_t>(c);
+  int32_t* row = stash.index + kStashIndexColumns * slot;
+  row[0] = L.index;
+  row[1] = static_cast<int32_t>(c);
+  row[2] = faults;
 }
 
 void clear_stash(const Stash& stash, int64_t row_words) {
   std::fill(stash.rows, stash.rows + stash.capacity * row_words, 0u);
-  std::fill(stash.index, stash.index + 2 * stash.capacity, -1);
+  for (int64_t k = 0; k < stash.capacity; ++k) {
+    int32_t* row = stash.index + kStashIndexColumns * k;
+    row[0] = row[1] = -1;
+    row[2] = 0;
+  }
 }
 
 }  // namespace
@@ -166,26 +173,12 @@ void inplace_cpu(const InPlaceLeaf* leaves, size_t count, const AdamWHyper& hype
         const void* g = static_cast<const uint8_t*>(L.g) + c * L.chunk_elems * size;
         const ChunkResult r = update_chunk(L, c, g, hyper, s, L.group > 0 ? &acc : nullptr);
         record(L, c, r, totals);
-        if (r.faults != 0) stash_chunk(L, c, stash, totals);
+        if (r.faults != 0) stash_chunk(L, c, r.faults, stash, totals);
       }
       if (L.group > 0) fold_parity(L, grp, acc);
     }
   }
 }
-
-namespace {
-
-// Does another entry of the stash name the same leaf and parity group as entry k?
-bool shares_group(const StashIn& stash, int64_t k, int64_t group) {
-  const int32_t* e = stash.index + 2 * k;
-  for (int64_t j = 0; j < stash.entries; ++j) {
-    const int32_t* o = stash.index + 2 * j;
-    if (j != k && o[0] == e[0] && o[1] >= 0 && o[1] / group == e[1] / group) return true;
-  }
-  return false;
-}
-
-}  // namespace
 
 void redo_cpu(const InPlaceLeaf* leaves, size_t count, const AdamWHyper& hyper, const float* step,
               const StashIn& stash, uint64_t* totals) {
@@ -193,16 +186,12 @@ void redo_cpu(const InPlaceLeaf* leaves, size_t count, const AdamWHyper& hyper, 
   const AdamWStep s = adamw_step(step);
   for (size_t i = 0; i < count; ++i) clear_reports(leaves[i]);
   for (int64_t k = 0; k < stash.entries; ++k) {
-    const int32_t leaf = stash.index[2 * k], c = stash.index[2 * k + 1];
+    const int32_t leaf = stash.index[kStashIndexColumns * k];
+    const int32_t c = stash.index[kStashIndexColumns * k + 1];
     const InPlaceLeaf* L = nullptr;
     for (size_t i = 0; i < count; ++i) L = leaves[i].index == leaf ? &leaves[i] : L;
     if (L == nullptr || c < 0 || c >= inplace_chunks(*L)) continue;  // unused or foreign rows
     const int64_t per = L->group > 0 ? L->group : 1;
-    if (shares_group(stash, k, per)) {
-      L->faults[c] = kFaultConflict;
-      ++totals[0];
-      continue;
-    }
     std::vector<std::vector<uint8_t>> acc = zero_rows(*L);
     const ChunkResult r = update_chunk(*L, c, stash.rows + k * L->chunk_elems, hyper, s,
                                        L->group > 0 ? &acc : nullptr);

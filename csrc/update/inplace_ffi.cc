@@ -119,9 +119,9 @@ ffi::ErrorOr<int64_t> check_stash(const Options& o, const ffi::AnyBuffer& rows,
   auto rd = rows.dimensions(), id = index.dimensions();
   if (rows.element_type() != ffi::DataType::U32 || rd.size() != 2 || rd[1] != o.chunk_elems ||
       index.element_type() != ffi::DataType::S32 || id.size() != 2 || id[0] != rd[0] ||
-      id[1] != 2) {
+      id[1] != kStashIndexColumns) {
     return invalid(o.op, "the stash must be uint32 (rows, " + std::to_string(o.chunk_elems) +
-                             ") and int32 (rows, 2); got " +
+                             ") and int32 (rows, 3); got " +
                              ffi_util::dtype_name(rows.element_type()) + ffi_util::shape_str(rd) +
                              " and " + ffi_util::dtype_name(index.element_type()) +
                              ffi_util::shape_str(id));
@@ -132,9 +132,8 @@ ffi::ErrorOr<int64_t> check_stash(const Options& o, const ffi::AnyBuffer& rows,
 ffi::Error check_options(const Options& o) {
   PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_chunk_size(o.op, "chunk_elems", o.chunk_elems));
   if (o.group < 0) return invalid(o.op, "group must be 0 (no parity) or more, got " + std::to_string(o.group));
-  if (o.group > 0 && o.chunk_elems > kMaxParityChunkElems) {
-    return invalid(o.op, "with parity, chunk_elems must be at most " +
-                             std::to_string(kMaxParityChunkElems) + ", got " +
+  if (!inplace_chunk_ok(o.chunk_elems)) {
+    return invalid(o.op, "chunk_elems must be 128, 256 or 512 (a warp holds a chunk), got " +
                              std::to_string(o.chunk_elems));
   }
   return ffi::Error::Success();

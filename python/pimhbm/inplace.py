@@ -41,20 +41,21 @@ from pimhbm.scan import scan, verify
 from pimhbm.update import (FAULT_MASTER, FAULT_MU, FAULT_NU, FAULT_PARAM, join_master,
                            step_copies_of, step_majority)
 
-DEFAULT_CHUNK_ELEMS = 2048  # 8 KiB of an fp32 tensor; the GPU keeps a group's parity in 48 KiB
+DEFAULT_CHUNK_ELEMS = 512  # a warp holds a chunk in registers, 16 elements a lane
 DEFAULT_GROUP = 16  # chunks a parity row covers: 1/16 of the state's bytes
 DEFAULT_STASH = 16  # gradients of chunks a step can leave for a redo
 TENSORS = ("p", "master", "mu", "nu")
-FAULT_CONFLICT = 16  # a redo entry that shares a parity group with another (not processed)
+FAULT_BIT = {"p": FAULT_PARAM, "master": FAULT_MASTER, "mu": FAULT_MU, "nu": FAULT_NU}
 # |g| beyond this overflows g * g in float32 (the second moment): such a step does not commit.
 GRAD_LIMIT = float(np.sqrt(np.finfo(np.float32).max))
 
 
 class Stash(NamedTuple):
-    """Gradients of chunks that did not commit: row k is chunk index[k] = (leaf, chunk)."""
+    """Gradients of chunks that did not commit: row k is chunk (leaf, chunk) = index[k, :2],
+    index[k, 2] the FAULT_* bits of its damaged tensors."""
 
     rows: jax.Array  # uint32 (capacity, chunk_elems): the chunk's gradient bytes, zero-padded
-    index: jax.Array  # int32 (capacity, 2); (-1, -1) for unused rows
+    index: jax.Array  # int32 (capacity, 3); (-1, -1, 0) for unused rows
 
 
 class AdamWState(NamedTuple):
@@ -286,7 +287,8 @@ class AdamW:
                     out_types.append(jax.ShapeDtypeStruct((nchunks,), jnp.int32))
         if stash is None:
             out_types += [jax.ShapeDtypeStruct((self.stash_capacity, self.chunk_elems), jnp.uint32),
-                          jax.ShapeDtypeStruct((self.stash_capacity, 2), jnp.int32)]
+                          jax.ShapeDtypeStruct((self.stash_capacity, layout["stash_columns"]),
+                                               jnp.int32)]
         out_types.append(jax.ShapeDtypeStruct((layout["totals"], 2), jnp.uint32))
         target = "pimhbm_adamw_inplace" if stash is None else "pimhbm_adamw_redo"
         outs = jax.ffi.ffi_call(target, out_types, input_output_aliases=aliases)(
@@ -304,8 +306,9 @@ class AdamW:
     # -- after an update that left chunks -------------------------------------------------------
 
     def repair(self, state: AdamWState, report: UpdateReport) -> tuple[AdamWState, RepairReport]:
-        """This device's chunks the update left (the stash): every tensor of each rebuilt from
-        the parity, then updated with its stashed gradient and the step's scalars -- in place,
+        """This device's chunks the update left (the stash): the damaged tensors of each rebuilt
+        from the parity, then the chunk updated with its stashed gradient and the step's scalars
+        -- in place,
         under ``jax.jit`` with the state donated. Does nothing for an empty stash. Needs parity
         (with replicas, copy the chunks from a healthy replica instead)."""
         ensure_registered()
@@ -318,9 +321,10 @@ class AdamW:
         index = report.stash.index
         statuses, rebuilt, unrepaired = [], [], jnp.bool_(False)
         for i, (leaf, table, r) in enumerate(zip(leaves, tables, rows)):
-            chunks = jnp.where(index[:, 0] == i, index[:, 1], -1)
             new, st = {}, []
             for k in TENSORS:
+                chunks = jnp.where((index[:, 0] == i) & (index[:, 2] & FAULT_BIT[k] != 0),
+                                   index[:, 1], -1)
                 if k not in leaf:
                     st.append(jnp.zeros(chunks.shape, jnp.int32))
                     continue
@@ -378,13 +382,12 @@ def _check_hyper(o: AdamW) -> None:
     real("weight_decay", o.weight_decay)
     if not callable(o.learning_rate):
         real("learning_rate", o.learning_rate)
-    limit = inplace_layout()["max_parity_chunk_elems"]
-    if o.chunk_elems <= 0 or o.chunk_elems % 16:
-        raise ValueError(f"chunk_elems must be a positive multiple of 16, got {o.chunk_elems}")
+    sizes = tuple(inplace_layout()["chunk_elems"])
+    if o.chunk_elems not in sizes:
+        raise ValueError(f"chunk_elems must be one of {sizes} (a warp holds a chunk), got "
+                         f"{o.chunk_elems}")
     if o.group < 0:
         raise ValueError(f"group must be 0 (no parity: replicas are the redundancy) or more, got {o.group}")
-    if o.group > 0 and o.chunk_elems > limit:
-        raise ValueError(f"with parity, chunk_elems must be at most {limit}, got {o.chunk_elems}")
     if o.stash_capacity < 0:
         raise ValueError(f"stash_capacity must be 0 or more, got {o.stash_capacity}")
 
