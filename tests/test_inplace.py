@@ -337,10 +337,11 @@ def test_the_verdict_is_global_across_devices(rng):
 
 
 def canonical(report):
-    """A report with its stash rows in (leaf, chunk) order: the GPU's chunks take their rows in
-    the order they finish, the CPU's in chunk order."""
-    if not isinstance(report, inplace.UpdateReport):
-        return report
+    """A report with its stash rows in (leaf, chunk) order (a repair's statuses sorted): the GPU's
+    chunks take their rows in the order they finish, the CPU's in chunk order."""
+    if isinstance(report, inplace.RepairReport):  # its statuses are by stash row: as a multiset
+        return report._replace(rebuilt=jax.tree.map(
+            lambda st: np.asarray(st)[np.lexsort(np.asarray(st).T[::-1])], report.rebuilt))
     index, rows = np.asarray(report.stash.index), np.asarray(report.stash.rows)
     order = np.lexsort((index[:, 1], index[:, 0], index[:, 0] < 0))
     return report._replace(stash=inplace.Stash(rows[order], index[order]))
