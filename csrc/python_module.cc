@@ -11,6 +11,7 @@
 #include "backup/shm_region.h"
 #include "backup/snapshot.h"
 #include "faults/inject_ffi.h"
+#include "parity/parity_ffi.h"
 #include "peer/ipc.h"
 #include "peer/peer_ffi.h"
 #include "pimhbm/digest.h"
@@ -19,6 +20,7 @@
 #include "scan/scan_ffi.h"
 #include "telemetry/telemetry.h"
 #include "update/adamw_layout.h"
+#include "update/inplace_ffi.h"
 #include "update/update_ffi.h"
 
 #if defined(PIMHBM_WITH_CUDA)
@@ -57,6 +59,10 @@ constexpr Target kTargets[] = {
     PIMHBM_TARGET("pimhbm_peer_all_gather", PimhbmPeerAllGather),
     PIMHBM_TARGET("pimhbm_peer_all_to_all", PimhbmPeerAllToAll),
     PIMHBM_TARGET("pimhbm_peer_pull", PimhbmPeerPull),
+    PIMHBM_TARGET("pimhbm_parity", PimhbmParity),
+    PIMHBM_TARGET("pimhbm_adamw_inplace", PimhbmAdamWInPlace),
+    PIMHBM_TARGET("pimhbm_adamw_redo", PimhbmAdamWRedo),
+    PIMHBM_TARGET("pimhbm_parity_rebuild", PimhbmParityRebuild),
 };
 #undef PIMHBM_TARGET
 
@@ -100,6 +106,22 @@ nb::dict adamw_layout() {
   out["leaf"] = rows;
   out["leaf_operands"] = kLeafOperands;
   out["leaf_results"] = kLeafResults;
+  return out;
+}
+
+// The operands and results of one leaf of a pimhbm_adamw_inplace / _redo call, by name, in order.
+nb::dict inplace_layout() {
+  nb::list operands, results;
+  for (const char* n : pimhbm::update::kInPlaceOperands) operands.append(n);
+  for (const char* n : pimhbm::update::kInPlaceResults) results.append(n);
+  nb::dict out;
+  out["operands"] = operands;
+  out["results"] = results;
+  out["totals"] = pimhbm::update::kInPlaceTotals;
+  nb::list sizes;
+  for (int64_t c : pimhbm::update::kInPlaceChunkElems) sizes.append(c);
+  out["chunk_elems"] = sizes;
+  out["stash_columns"] = pimhbm::update::kStashIndexColumns;
   return out;
 }
 
@@ -351,6 +373,7 @@ NB_MODULE(_core, m) {
         "the tensor's digest table, its dtype and count rules, and its positions among the "
         "leaf's operands and results (None: none). The step scalars come before the leaves' "
         "operands, the call's totals after their results.");
+  m.def("inplace_layout", &inplace_layout, "The buffers of a leaf of pimhbm_adamw_inplace.");
 
   def_regions(m);
   def_telemetry(m);

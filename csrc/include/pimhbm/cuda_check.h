@@ -12,5 +12,7 @@
     }                                     \
   } while (0)
 
-// After a kernel launch: configuration errors surface here, not at the launch itself.
-#define PIMHBM_CUDA_RETURN_LAUNCH_ERROR() PIMHBM_CUDA_RETURN_IF_ERROR(cudaPeekAtLastError())
+// After a kernel launch: configuration errors surface here, not at the launch itself. Taken
+// (cudaGetLastError), not peeked: a launch refused for its configuration is reported by its own
+// op, not again by every later op of the process.
+#define PIMHBM_CUDA_RETURN_LAUNCH_ERROR() PIMHBM_CUDA_RETURN_IF_ERROR(cudaGetLastError())

@@ -1,0 +1,119 @@
+// Parity rows and rebuilds on the GPU: one block per group (parity) or per listed chunk
+// (rebuild), threads over the row's 32-bit words. A chunk's bytes past the tensor's end read as
+// zero and are never loaded: the word that holds the end is read byte by byte.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "parity/parity.h"
+#include "pimhbm/block_digest.cuh"
+#include "pimhbm/cuda_check.h"
+#include "repair/repair.h"
+
+namespace pimhbm::parity {
+namespace {
+
+constexpr int kThreads = 256;
+
+// Word w (bytes 4w .. 4w + 3) of the bytes [0, len) at p, zero past len. p is 4-byte aligned
+// (chunks are multiples of 16 bytes into an XLA buffer).
+__device__ __forceinline__ uint32_t word_at(const uint8_t* p, int64_t len, int64_t w) {
+  const int64_t b = 4 * w;
+  if (b + 4 <= len) return reinterpret_cast<const uint32_t*>(p)[w];
+  uint32_t v = 0;
+  for (int64_t i = b; i < len; ++i) v |= static_cast<uint32_t>(p[i]) << (8 * (i - b));
+  return v;
+}
+
+__device__ __forceinline__ void store_word(uint8_t* p, int64_t len, int64_t w, uint32_t v) {
+  const int64_t b = 4 * w;
+  if (b + 4 <= len) {
+    reinterpret_cast<uint32_t*>(p)[w] = v;
+    return;
+  }
+  for (int64_t i = b; i < len; ++i) p[i] = static_cast<uint8_t>(v >> (8 * (i - b)));
+}
+
+__device__ __forceinline__ int64_t chunk_len(int64_t nbytes, int64_t chunk_bytes, int64_t c) {
+  return min(chunk_bytes, nbytes - c * chunk_bytes);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    parity_kernel(const uint8_t* __restrict__ data, int64_t nbytes, int64_t chunk_bytes,
+                  int64_t group, int64_t groups, uint32_t* __restrict__ rows) {
+  const int64_t chunks = (nbytes + chunk_bytes - 1) / chunk_bytes;
+  const int64_t words = chunk_bytes / 4;
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
+    const int64_t last = min(chunks, (g + 1) * group);
+    for (int64_t w = threadIdx.x; w < words; w += blockDim.x) {
+      uint32_t acc = 0;
+      for (int64_t c = g * group; c < last; ++c) {
+        acc ^= word_at(data + c * chunk_bytes, chunk_len(nbytes, chunk_bytes, c), w);
+      }
+      rows[g * words + w] = acc;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    rebuild_kernel(Grouped t, const uint32_t* __restrict__ rows, const int32_t* __restrict__ list,
+                   int64_t count, int32_t* __restrict__ status) {
+  __shared__ uint64_t scratch[32];
+  const int64_t chunks = (t.nbytes + t.chunk_bytes - 1) / t.chunk_bytes;
+  const int64_t words = t.chunk_bytes / 4;
+  for (int64_t k = blockIdx.x; k < count; k += gridDim.x) {
+    const int64_t c = list[k];  // block-uniform
+    bool conflict = false;
+    for (int64_t j = 0; j < count && c >= 0; ++j) {
+      conflict |= j != k && list[j] >= 0 && list[j] / t.group == c / t.group;
+    }
+    int32_t result;
+    if (c < 0) {
+      result = repair::kNotListed;
+    } else if (c >= chunks) {
+      result = repair::kOutOfRange;
+    } else if (conflict) {
+      result = kGroupConflict;
+    } else {
+      const int64_t g = c / t.group, last = min(chunks, (g + 1) * t.group);
+      const int64_t len = chunk_len(t.nbytes, t.chunk_bytes, c);
+      uint8_t* to = t.data + c * t.chunk_bytes;
+      for (int64_t w = threadIdx.x; w < words; w += blockDim.x) {
+        uint32_t acc = rows[g * words + w];
+        for (int64_t j = g * t.group; j < last; ++j) {
+          if (j != c) acc ^= word_at(t.data + j * t.chunk_bytes, chunk_len(t.nbytes, t.chunk_bytes, j), w);
+        }
+        store_word(to, len, w, acc);
+      }
+      __syncthreads();
+      const uint64_t d = block_chunk_digest(to, len, static_cast<uint64_t>(c), scratch);
+      result = d == digest_join(t.table[2 * c], t.table[2 * c + 1]) ? repair::kRepaired
+                                                                    : repair::kStillDamaged;
+    }
+    if (threadIdx.x == 0) status[k] = result;
+  }
+}
+
+int grid_for(int64_t work) { return static_cast<int>(std::min<int64_t>(work, 65535)); }
+
+}  // namespace
+
+cudaError_t parity_cuda(const uint8_t* data, int64_t nbytes, int64_t chunk_bytes, int64_t group,
+                        uint32_t* rows, cudaStream_t stream) {
+  const int64_t groups = num_groups(nbytes, chunk_bytes, group);
+  if (groups == 0) return cudaSuccess;
+  parity_kernel<<<grid_for(groups), kThreads, 0, stream>>>(data, nbytes, chunk_bytes, group, groups,
+                                                           rows);
+  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
+  return cudaSuccess;
+}
+
+cudaError_t rebuild_cuda(const Grouped& t, const uint32_t* rows, const int32_t* list,
+                         int64_t count, int32_t* status, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  rebuild_kernel<<<grid_for(count), kThreads, 0, stream>>>(t, rows, list, count, status);
+  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
+  return cudaSuccess;
+}
+
+}  // namespace pimhbm::parity

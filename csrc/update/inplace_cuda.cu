@@ -1,0 +1,551 @@
+// The in-place update on the GPU (inplace.h): one warp per parity group, its chunks in order.
+//
+// A lane holds its part of a chunk in registers -- groups gi = lane + 32 j (j < kG) of four
+// elements of every tensor, 4 kG elements a lane, chunks of 128 kG elements -- so the warp sums
+// the chunk's old digest terms (shuffles, no block barrier) and knows the chunk's verdict before
+// its first write: a chunk that does not verify is never written. A verified chunk is updated
+// in registers and stored, its new digests summed the same way, and its change XORed into the
+// warp's parity change for the group, which the lane keeps for its own positions in shared
+// memory (no other lane touches them: no barrier either). At the group's end each lane XORs its
+// positions into the parity rows. The math is inplace_math.h's, bit for bit the CPU reference's.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "pimhbm/cuda_check.h"
+#include "pimhbm/digest.h"
+#include "update/adamw_kernel.cuh"
+#include "update/inplace.h"
+#include "update/inplace_math.h"
+
+namespace pimhbm::update {
+namespace {
+
+constexpr int kWarps = 4;  // a block: 128 threads
+constexpr int kMaxLeaves = 64;
+
+struct Table {
+  InPlaceLeaf leaf[kMaxLeaves];
+  int64_t first_group[kMaxLeaves + 1];
+  int count;
+};
+static_assert(sizeof(Table) < 32000, "the leaf table must fit the kernel parameters");
+
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+
+__device__ __forceinline__ uint64_t warp_sum(uint64_t v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+  return v;
+}
+
+// A lane's part of a chunk: four elements of every tensor for each of its kG groups.
+template <int kG>
+struct Part {
+  uint32_t p[kG][4];  // fp32 bits, or bf16 bits
+  uint32_t r[kG][4];  // master remainders
+  uint32_t g[kG][4];  // gradient bits (as p)
+  float mu[kG][4], nu[kG][4];
+  int live[kG];  // elements of the group inside the chunk: 4, fewer at a ragged end, or 0
+};
+
+// Loads group j of the lane (group gi of the chunk, elements e .. e + 3 of the tensors, gradient
+// from `g` at chunk offset 4 gi): vector loads when whole, else element by element, zero past
+// the end (never a load past it).
+template <bool kBF16, bool kMaster, int kG>
+__device__ __forceinline__ void load_group(const InPlaceLeaf& L, const void* g, int64_t e,
+                                           int64_t ge, int j, Part<kG>& x) {
+  const int live = x.live[j];
+  if (live == 4) {
+    if constexpr (kBF16) {
+      const uint2 pv = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(L.p) + e));
+      const uint2 gv = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(g) + ge));
+      x.p[j][0] = pv.x & 0xFFFFu, x.p[j][1] = pv.x >> 16, x.p[j][2] = pv.y & 0xFFFFu, x.p[j][3] = pv.y >> 16;
+      x.g[j][0] = gv.x & 0xFFFFu, x.g[j][1] = gv.x >> 16, x.g[j][2] = gv.y & 0xFFFFu, x.g[j][3] = gv.y >> 16;
+    } else {
+      const uint4 pv = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(L.p) + e));
+      const uint4 gv = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(g) + ge));
+      x.p[j][0] = pv.x, x.p[j][1] = pv.y, x.p[j][2] = pv.z, x.p[j][3] = pv.w;
+      x.g[j][0] = gv.x, x.g[j][1] = gv.y, x.g[j][2] = gv.z, x.g[j][3] = gv.w;
+    }
+    if constexpr (kMaster) {
+      const uint2 rv = __ldg(reinterpret_cast<const uint2*>(L.master + e));
+      x.r[j][0] = rv.x & 0xFFFFu, x.r[j][1] = rv.x >> 16, x.r[j][2] = rv.y & 0xFFFFu, x.r[j][3] = rv.y >> 16;
+    }
+    const float4 mu = __ldg(reinterpret_cast<const float4*>(L.mu + e));
+    const float4 nu = __ldg(reinterpret_cast<const float4*>(L.nu + e));
+    x.mu[j][0] = mu.x, x.mu[j][1] = mu.y, x.mu[j][2] = mu.z, x.mu[j][3] = mu.w;
+    x.nu[j][0] = nu.x, x.nu[j][1] = nu.y, x.nu[j][2] = nu.z, x.nu[j][3] = nu.w;
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    x.p[j][k] = x.r[j][k] = x.g[j][k] = 0;
+    x.mu[j][k] = x.nu[j][k] = 0.0f;
+    if (k >= live) continue;
+    if constexpr (kBF16) {
+      x.p[j][k] = static_cast<const uint16_t*>(L.p)[e + k];
+      x.g[j][k] = static_cast<const uint16_t*>(g)[ge + k];
+    } else {
+      x.p[j][k] = static_cast<const uint32_t*>(L.p)[e + k];
+      x.g[j][k] = static_cast<const uint32_t*>(g)[ge + k];
+    }
+    if constexpr (kMaster) x.r[j][k] = L.master[e + k];
+    x.mu[j][k] = L.mu[e + k];
+    x.nu[j][k] = L.nu[e + k];
+  }
+}
+
+template <bool kBF16, bool kMaster, int kG>
+__device__ __forceinline__ void store_group(const InPlaceLeaf& L, int64_t e, int j,
+                                            const Part<kG>& x) {
+  const int live = x.live[j];
+  if (live == 4) {
+    if constexpr (kBF16) {
+      *reinterpret_cast<uint2*>(static_cast<uint16_t*>(L.p) + e) =
+          make_uint2(x.p[j][0] | x.p[j][1] << 16, x.p[j][2] | x.p[j][3] << 16);
+    } else {
+      *reinterpret_cast<uint4*>(static_cast<uint32_t*>(L.p) + e) =
+          make_uint4(x.p[j][0], x.p[j][1], x.p[j][2], x.p[j][3]);
+    }
+    if constexpr (kMaster) {
+      *reinterpret_cast<uint2*>(L.master + e) =
+          make_uint2(x.r[j][0] | x.r[j][1] << 16, x.r[j][2] | x.r[j][3] << 16);
+    }
+    *reinterpret_cast<float4*>(L.mu + e) = make_float4(x.mu[j][0], x.mu[j][1], x.mu[j][2], x.mu[j][3]);
+    *reinterpret_cast<float4*>(L.nu + e) = make_float4(x.nu[j][0], x.nu[j][1], x.nu[j][2], x.nu[j][3]);
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if (k >= live) continue;
+    if constexpr (kBF16) {
+      static_cast<uint16_t*>(L.p)[e + k] = static_cast<uint16_t>(x.p[j][k]);
+    } else {
+      static_cast<uint32_t*>(L.p)[e + k] = x.p[j][k];
+    }
+    if constexpr (kMaster) L.master[e + k] = static_cast<uint16_t>(x.r[j][k]);
+    L.mu[e + k] = x.mu[j][k];
+    L.nu[e + k] = x.nu[j][k];
+  }
+}
+
+struct Terms {  // digest sums of a chunk's tensors
+  uint64_t p = 0, r = 0, mu = 0, nu = 0;
+};
+
+// The lane's digest terms of its part (missing elements are zero, as the digest pads).
+template <bool kBF16, bool kMaster, int kG>
+__device__ __forceinline__ Terms terms_of(const Part<kG>& x, uint64_t key0) {
+  Terms t;
+#pragma unroll
+  for (int j = 0; j < kG; ++j) {
+    const int64_t gi = lane_id() + 32 * j;
+    const int live = x.live[j];
+    const int units32 = (live + 1) / 2, units16 = live > 0 ? 1 : 0;
+    const uint64_t key32 = key0 + static_cast<uint64_t>(2 * gi) * kUnitStride;
+    const uint64_t key16 = key0 + static_cast<uint64_t>(gi) * kUnitStride;
+    uint32_t mu[4], nu[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) mu[k] = __float_as_uint(x.mu[j][k]), nu[k] = __float_as_uint(x.nu[j][k]);
+    t.p += kBF16 ? kernel::terms_bf16(x.p[j], key16, units16) : kernel::terms_f32(x.p[j], key32, units32);
+    if constexpr (kMaster) t.r += kernel::terms_bf16(x.r[j], key16, units16);
+    t.mu += kernel::terms_f32(mu, key32, units32);
+    t.nu += kernel::terms_f32(nu, key32, units32);
+  }
+  t.p = warp_sum(t.p), t.mu = warp_sum(t.mu), t.nu = warp_sum(t.nu);
+  if constexpr (kMaster) t.r = warp_sum(t.r);
+  return t;
+}
+
+// Which tensors of chunk c fail their digests (every lane gets the same answer).
+template <bool kBF16, bool kMaster>
+__device__ __forceinline__ int32_t faults_of(const InPlaceLeaf& L, int64_t c, int64_t count,
+                                             const Terms& t) {
+  const uint64_t cc = static_cast<uint64_t>(c);
+  const auto len = [&](int size) { return static_cast<uint64_t>(count * size); };
+  int32_t f = 0;
+  f |= kernel::table_matches(L.d_p, c, finalize(t.p, len(kBF16 ? 2 : 4), cc)) ? 0 : kFaultParam;
+  f |= kernel::table_matches(L.d_mu, c, finalize(t.mu, len(4), cc)) ? 0 : kFaultMu;
+  f |= kernel::table_matches(L.d_nu, c, finalize(t.nu, len(4), cc)) ? 0 : kFaultNu;
+  if constexpr (kMaster) {
+    f |= kernel::table_matches(L.d_master, c, finalize(t.r, len(2), cc)) ? 0 : kFaultMaster;
+  }
+  return f;
+}
+
+template <bool kBF16, bool kMaster>
+__device__ __forceinline__ void write_tables(const InPlaceLeaf& L, int64_t c, int64_t count,
+                                             const Terms& t) {
+  if (lane_id() != 0) return;
+  const uint64_t cc = static_cast<uint64_t>(c);
+  const auto len = [&](int size) { return static_cast<uint64_t>(count * size); };
+  kernel::table_write(L.d_p, c, finalize(t.p, len(kBF16 ? 2 : 4), cc));
+  kernel::table_write(L.d_mu, c, finalize(t.mu, len(4), cc));
+  kernel::table_write(L.d_nu, c, finalize(t.nu, len(4), cc));
+  if constexpr (kMaster) kernel::table_write(L.d_master, c, finalize(t.r, len(2), cc));
+}
+
+// The warp's parity change for a group: word w of element i at acc[w][i] (the lane's own i).
+template <int kG>
+struct Acc {
+  uint4 (*rows)[32 * kG];  // [3][32 kG] groups of four words
+};
+
+template <bool kBF16>
+__device__ __forceinline__ uint32_t word0(uint32_t p, uint32_t r) {
+  return kBF16 ? (p & 0xFFFFu) | (r << 16) : p;
+}
+
+struct ChunkVerdict {
+  int32_t faults;
+  uint32_t kept;
+};
+
+// Chunk c: loaded, checked, and where it verifies updated, stored, its tables rewritten and its
+// change XORed into acc. Warp-uniform result. `x` keeps the chunk's gradient for the stash.
+template <bool kBF16, bool kMaster, bool kParity, int kG>
+__device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* g,
+                                   const AdamWHyper& h, const AdamWStep& s, Acc<kG> acc,
+                                   Part<kG>& x) {
+  const int64_t first = c * L.chunk_elems;
+  const int64_t count = min(L.chunk_elems, L.n - first);
+  const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
+#pragma unroll
+  for (int j = 0; j < kG; ++j) {
+    const int64_t e = 4 * (lane_id() + 32 * j);
+    const int64_t left = count - e;
+    x.live[j] = left >= 4 ? 4 : (left > 0 ? static_cast<int>(left) : 0);
+    load_group<kBF16, kMaster, kG>(L, g, first + e, e, j, x);
+  }
+  const int32_t faults = faults_of<kBF16, kMaster>(L, c, count, terms_of<kBF16, kMaster, kG>(x, key0));
+  if (faults != 0) return {faults, 0};
+  uint32_t kept = 0;
+#pragma unroll
+  for (int j = 0; j < kG; ++j) {
+    uint32_t d[3][4] = {};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (k >= x.live[j]) continue;
+      ElemState e{x.p[j][k], x.r[j][k], x.mu[j][k], x.nu[j][k]};
+      const ElemState before = e;
+      const float gk = kernel::param_value(x.g[j][k], kBF16);
+      kept += update_elem(e, gk, kBF16, kMaster, h, s) ? 0u : 1u;
+      x.p[j][k] = e.p, x.r[j][k] = e.r, x.mu[j][k] = e.mu, x.nu[j][k] = e.nu;
+      d[0][k] = word0<kBF16>(before.p, before.r) ^ word0<kBF16>(e.p, e.r);
+      d[1][k] = __float_as_uint(before.mu) ^ __float_as_uint(e.mu);
+      d[2][k] = __float_as_uint(before.nu) ^ __float_as_uint(e.nu);
+    }
+    store_group<kBF16, kMaster, kG>(L, first + 4 * (lane_id() + 32 * j), j, x);
+    if constexpr (kParity) {
+      const int gi = lane_id() + 32 * j;
+#pragma unroll
+      for (int w = 0; w < 3; ++w) {
+        uint4& a = acc.rows[w][gi];
+        a.x ^= d[w][0], a.y ^= d[w][1], a.z ^= d[w][2], a.w ^= d[w][3];
+      }
+    }
+  }
+  write_tables<kBF16, kMaster>(L, c, count, terms_of<kBF16, kMaster, kG>(x, key0));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) kept += __shfl_xor_sync(0xFFFFFFFFu, kept, off);
+  return {0, kept};
+}
+
+template <int kG>
+__device__ __forceinline__ void zero_acc(Acc<kG> acc) {
+#pragma unroll
+  for (int w = 0; w < 3; ++w) {
+#pragma unroll
+    for (int j = 0; j < kG; ++j) acc.rows[w][lane_id() + 32 * j] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// The group's parity rows XORed with the warp's change (each lane its own positions).
+template <bool kBF16, bool kMaster, int kG>
+__device__ __forceinline__ void fold_parity(const InPlaceLeaf& L, int64_t grp, Acc<kG> acc) {
+  constexpr int64_t ce = 128 * kG;
+#pragma unroll
+  for (int j = 0; j < kG; ++j) {
+    const int gi = lane_id() + 32 * j;
+    const uint4 a = acc.rows[0][gi];
+    if constexpr (kBF16) {
+      uint2* qp = reinterpret_cast<uint2*>(L.q_p + grp * (ce / 2)) + gi;
+      const uint2 pv = make_uint2((a.x & 0xFFFFu) | (a.y << 16), (a.z & 0xFFFFu) | (a.w << 16));
+      const uint2 old = *qp;
+      *qp = make_uint2(old.x ^ pv.x, old.y ^ pv.y);
+      if constexpr (kMaster) {
+        uint2* qr = reinterpret_cast<uint2*>(L.q_master + grp * (ce / 2)) + gi;
+        const uint2 rv = make_uint2((a.x >> 16) | (a.y & 0xFFFF0000u), (a.z >> 16) | (a.w & 0xFFFF0000u));
+        const uint2 o = *qr;
+        *qr = make_uint2(o.x ^ rv.x, o.y ^ rv.y);
+      }
+    } else {
+      uint4* qp = reinterpret_cast<uint4*>(L.q_p + grp * ce) + gi;
+      const uint4 o = *qp;
+      *qp = make_uint4(o.x ^ a.x, o.y ^ a.y, o.z ^ a.z, o.w ^ a.w);
+    }
+    uint4* qs[2] = {reinterpret_cast<uint4*>(L.q_mu + grp * ce) + gi,
+                    reinterpret_cast<uint4*>(L.q_nu + grp * ce) + gi};
+#pragma unroll
+    for (int w = 1; w < 3; ++w) {
+      const uint4 b = acc.rows[w][gi];
+      const uint4 o = *qs[w - 1];
+      *qs[w - 1] = make_uint4(o.x ^ b.x, o.y ^ b.y, o.z ^ b.z, o.w ^ b.w);
+    }
+  }
+}
+
+__device__ __forceinline__ void record(const InPlaceLeaf& L, int64_t c, const ChunkVerdict& v,
+                                       uint64_t* totals) {
+  if (lane_id() != 0) return;
+  L.faults[c] = v.faults;
+  L.kept[c] = static_cast<int32_t>(v.kept);
+  auto* t = reinterpret_cast<unsigned long long*>(totals);
+  if (v.faults != 0) atomicAdd(&t[0], 1ull);
+  if (v.kept != 0) atomicAdd(&t[1], static_cast<unsigned long long>(v.kept));
+}
+
+// Chunk c's gradient (held by the lanes) into a stash row, if one is left.
+template <bool kBF16, int kG>
+__device__ void stash_chunk(const InPlaceLeaf& L, int64_t c, int32_t faults, const Part<kG>& x,
+                            const Stash& stash, uint64_t* totals) {
+  unsigned long long slot = 0;
+  if (lane_id() == 0) slot = atomicAdd(reinterpret_cast<unsigned long long*>(totals) + 2, 1ull);
+  slot = __shfl_sync(0xFFFFFFFFu, slot, 0);
+  if (slot >= static_cast<unsigned long long>(stash.capacity)) return;
+  uint32_t* row = stash.rows + static_cast<int64_t>(slot) * L.chunk_elems;
+#pragma unroll
+  for (int j = 0; j < kG; ++j) {
+    const int64_t e = 4 * (lane_id() + 32 * j);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (k >= x.live[j]) continue;
+      if constexpr (kBF16) {
+        reinterpret_cast<uint16_t*>(row)[e + k] = static_cast<uint16_t>(x.g[j][k]);
+      } else {
+        row[e + k] = x.g[j][k];
+      }
+    }
+  }
+  if (lane_id() == 0) {
+    int32_t* index = stash.index + kStashIndexColumns * static_cast<int64_t>(slot);
+    index[0] = L.index;
+    index[1] = static_cast<int32_t>(c);
+    index[2] = faults;
+  }
+}
+
+__device__ __forceinline__ int leaf_of(const Table& T, int64_t gg) {
+  int i = 0;
+  while (i + 1 < T.count && gg >= T.first_group[i + 1]) ++i;
+  return i;
+}
+
+template <bool kBF16, bool kMaster, bool kParity, int kG>
+__global__ void __launch_bounds__(32 * kWarps)
+    inplace_kernel(const __grid_constant__ Table T, const AdamWHyper h, const float* step,
+                   const int32_t* go, Stash stash, uint64_t* totals) {
+  __shared__ uint4 shared_acc[kParity ? kWarps : 1][3][32 * kG];
+  if (*go == 0) return;
+  const AdamWStep s = adamw_step(step);
+  const int warp = threadIdx.x >> 5;
+  const Acc<kG> acc{shared_acc[kParity ? warp : 0]};
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t gg = static_cast<int64_t>(blockIdx.x) * kWarps + warp; gg < T.first_group[T.count];
+       gg += warps) {
+    const int i = leaf_of(T, gg);
+    const InPlaceLeaf& L = T.leaf[i];
+    const int64_t grp = gg - T.first_group[i];
+    const int64_t per = kParity ? L.group : 1;
+    const int64_t last = min(inplace_chunks(L), (grp + 1) * per);
+    if constexpr (kParity) zero_acc<kG>(acc);
+    for (int64_t c = grp * per; c < last; ++c) {
+      Part<kG> x;
+      const void* g = static_cast<const uint8_t*>(L.g) + c * L.chunk_elems * (kBF16 ? 2 : 4);
+      const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG>(L, c, g, h, s, acc, x);
+      record(L, c, v, totals);
+      if (v.faults != 0) stash_chunk<kBF16, kG>(L, c, v.faults, x, stash, totals);
+    }
+    if constexpr (kParity) fold_parity<kBF16, kMaster, kG>(L, grp, acc);
+  }
+}
+
+// A redo: entry k's warp takes every entry of its (leaf, parity group), in order, if k is the
+// first of them (one writer a parity row).
+template <bool kBF16, bool kMaster, bool kParity, int kG>
+__global__ void __launch_bounds__(32 * kWarps)
+    redo_kernel(const __grid_constant__ Table T, const AdamWHyper h, const float* step,
+                StashIn stash, uint64_t* totals) {
+  __shared__ uint4 shared_acc[kParity ? kWarps : 1][3][32 * kG];
+  const AdamWStep s = adamw_step(step);
+  const int warp = threadIdx.x >> 5;
+  const Acc<kG> acc{shared_acc[kParity ? warp : 0]};
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const auto at = [&](int64_t k, int col) { return stash.index[kStashIndexColumns * k + col]; };
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * kWarps + warp; k < stash.entries; k += warps) {
+    int i = -1;
+    for (int j = 0; j < T.count; ++j) i = T.leaf[j].index == at(k, 0) ? j : i;
+    if (i < 0 || at(k, 1) < 0 || at(k, 1) >= inplace_chunks(T.leaf[i])) continue;
+    const InPlaceLeaf& L = T.leaf[i];
+    const int64_t per = kParity ? L.group : 1;
+    const auto same_group = [&](int64_t j) {
+      return at(j, 0) == at(k, 0) && at(j, 1) >= 0 && at(j, 1) / per == at(k, 1) / per;
+    };
+    bool first = true;
+    for (int64_t j = 0; j < k; ++j) first &= !same_group(j);
+    if (!first) continue;
+    for (int64_t j = k; j < stash.entries; ++j) {
+      if (!same_group(j)) continue;
+      const int64_t c = at(j, 1);
+      if constexpr (kParity) zero_acc<kG>(acc);
+      Part<kG> x;
+      const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG>(
+          L, c, stash.rows + j * L.chunk_elems, h, s, acc, x);
+      record(L, c, v, totals);
+      if constexpr (kParity) {
+        if (v.faults == 0) fold_parity<kBF16, kMaster, kG>(L, c / per, acc);
+      }
+    }
+  }
+}
+
+struct Kind {
+  bool bf16, master, parity;
+  int g;  // groups of four a lane: chunk_elems / 128
+  bool operator==(const Kind& o) const {
+    return bf16 == o.bf16 && master == o.master && parity == o.parity && g == o.g;
+  }
+};
+
+Kind kind_of(const InPlaceLeaf& L) {
+  return {L.param_bf16, L.has_master, L.group > 0, static_cast<int>(L.chunk_elems / 128)};
+}
+
+struct Launch {
+  const AdamWHyper& h;
+  const float* step;
+  const int32_t* go;
+  const Stash* stash;
+  const StashIn* redo;
+  uint64_t* totals;
+  cudaStream_t stream;
+};
+
+int blocks_for(int64_t warps) {
+  return static_cast<int>(std::min<int64_t>((warps + kWarps - 1) / kWarps, 1 << 20));
+}
+
+template <bool kBF16, bool kMaster, bool kParity, int kG>
+cudaError_t launch_kind(const Table& T, const Launch& l) {
+  if (l.redo != nullptr) {
+    if (l.redo->entries == 0) return cudaSuccess;
+    redo_kernel<kBF16, kMaster, kParity, kG><<<blocks_for(l.redo->entries), 32 * kWarps, 0,
+                                               l.stream>>>(T, l.h, l.step, *l.redo, l.totals);
+  } else {
+    inplace_kernel<kBF16, kMaster, kParity, kG><<<blocks_for(T.first_group[T.count]), 32 * kWarps,
+                                                  0, l.stream>>>(T, l.h, l.step, l.go, *l.stash,
+                                                                 l.totals);
+  }
+  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
+  return cudaSuccess;
+}
+
+template <bool kBF16, bool kMaster, bool kParity>
+cudaError_t launch_groups(const Table& T, int g, const Launch& l) {
+  if (g == 1) return launch_kind<kBF16, kMaster, kParity, 1>(T, l);
+  if (g == 2) return launch_kind<kBF16, kMaster, kParity, 2>(T, l);
+  if (g == 4) return launch_kind<kBF16, kMaster, kParity, 4>(T, l);
+  return cudaErrorInvalidValue;  // the handler takes chunks of 128, 256 or 512 elements only
+}
+
+template <bool kBF16, bool kMaster>
+cudaError_t launch_parity(const Table& T, const Kind& k, const Launch& l) {
+  return k.parity ? launch_groups<kBF16, kMaster, true>(T, k.g, l)
+                  : launch_groups<kBF16, kMaster, false>(T, k.g, l);
+}
+
+cudaError_t launch_table(const Table& T, const Kind& k, const Launch& l) {
+  if (k.bf16 && k.master) return launch_parity<true, true>(T, k, l);
+  if (k.bf16) return launch_parity<true, false>(T, k, l);
+  return launch_parity<false, false>(T, k, l);
+}
+
+// Leaves of one kind in tables of up to kMaxLeaves, one launch each.
+cudaError_t launch_all(const InPlaceLeaf* leaves, size_t count, const Launch& l) {
+  std::vector<bool> done(count, false);
+  for (size_t i = 0; i < count; ++i) {
+    if (done[i]) continue;
+    const Kind kind = kind_of(leaves[i]);
+    Table T{};
+    T.count = 0;
+    T.first_group[0] = 0;
+    for (size_t j = i; j < count; ++j) {
+      if (done[j] || !(kind_of(leaves[j]) == kind)) continue;
+      done[j] = true;
+      if (inplace_chunks(leaves[j]) == 0) continue;
+      T.leaf[T.count] = leaves[j];
+      T.first_group[T.count + 1] = T.first_group[T.count] + inplace_groups(leaves[j]);
+      if (++T.count == kMaxLeaves) {
+        PIMHBM_CUDA_RETURN_IF_ERROR(launch_table(T, kind, l));
+        T.count = 0;
+      }
+    }
+    if (T.count > 0) PIMHBM_CUDA_RETURN_IF_ERROR(launch_table(T, kind, l));
+  }
+  return cudaSuccess;
+}
+
+// Every report of every leaf zero, the totals zero (and the stash cleared: rows 0, index
+// (-1, -1, 0)).
+cudaError_t clear(const InPlaceLeaf* leaves, size_t count, uint64_t* totals, const Stash* stash,
+                  cudaStream_t stream);
+
+}  // namespace
+
+cudaError_t inplace_cuda(const InPlaceLeaf* leaves, size_t count, const AdamWHyper& hyper,
+                         const float* step, const int32_t* go, const Stash& stash,
+                         uint64_t* totals, cudaStream_t stream) {
+  PIMHBM_CUDA_RETURN_IF_ERROR(clear(leaves, count, totals, &stash, stream));
+  return launch_all(leaves, count, Launch{hyper, step, go, &stash, nullptr, totals, stream});
+}
+
+cudaError_t redo_cuda(const InPlaceLeaf* leaves, size_t count, const AdamWHyper& hyper,
+                      const float* step, const StashIn& stash, uint64_t* totals,
+                      cudaStream_t stream) {
+  PIMHBM_CUDA_RETURN_IF_ERROR(clear(leaves, count, totals, nullptr, stream));
+  return launch_all(leaves, count, Launch{hyper, step, nullptr, nullptr, &stash, totals, stream});
+}
+
+namespace {
+
+__global__ void clear_stash_index(int32_t* index, int64_t rows) {
+  for (int64_t k = blockIdx.x * blockDim.x + threadIdx.x; k < rows; k += gridDim.x * blockDim.x) {
+    index[kStashIndexColumns * k] = -1;
+    index[kStashIndexColumns * k + 1] = -1;
+    index[kStashIndexColumns * k + 2] = 0;
+  }
+}
+
+cudaError_t clear(const InPlaceLeaf* leaves, size_t count, uint64_t* totals, const Stash* stash,
+                  cudaStream_t stream) {
+  PIMHBM_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(totals, 0, kInPlaceTotals * sizeof(uint64_t), stream));
+  for (size_t i = 0; i < count; ++i) {
+    const size_t bytes = static_cast<size_t>(inplace_chunks(leaves[i])) * sizeof(int32_t);
+    if (bytes == 0) continue;
+    PIMHBM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(leaves[i].faults, 0, bytes, stream));
+    PIMHBM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(leaves[i].kept, 0, bytes, stream));
+  }
+  if (stash != nullptr && stash->capacity > 0 && count > 0) {
+    const size_t rows = static_cast<size_t>(stash->capacity * leaves[0].chunk_elems) * 4;
+    PIMHBM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(stash->rows, 0, rows, stream));
+    clear_stash_index<<<1, 128, 0, stream>>>(stash->index, stash->capacity);
+    PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+}  // namespace pimhbm::update

@@ -1,0 +1,412 @@
+"""The guarded optimizer update in place: one copy of the state, kept redundant by parity.
+
+``adamw`` is AdamW (the mathematics of ``optax.adamw``) fused with integrity checks, on a state
+that is held once -- parameters (bf16 or fp32), optional fp32 master weights (stored split: the
+bf16 parameter is their upper half, a uint16 tensor the rest, see ``pimhbm.update``), fp32
+moments, a digest table per tensor -- plus, unless the redundancy comes from data-parallel
+replicas, the parity of every group of ``group`` chunks of every tensor (1/group of the state).
+
+A step may be cancelled only by what is known before the first write. So ``update`` first checks,
+in passes that read only the gradients and the parameters (4 bytes a bf16 parameter): every
+gradient finite (and its square), every parameter chunk intact after the backward pass read it,
+the step's scalars (learning rate, bias corrections) finite, and the caller's gate open -- across
+devices with ``axis_name``. Only then does the update run (else it writes nothing), reading and
+writing every chunk once, in place. What it finds from there is local to one chunk
+(csrc/update/inplace.h): a chunk whose master weights or moments (or parameters, damaged after
+the backward pass) fail their digests does not commit -- its digests keep their old values, its
+change stays out of the parity, its gradient goes into a small stash -- and ``repair`` then
+rebuilds its old state from the parity and redoes its update from the stash, in place: the step
+is complete without a replay. An element whose new values would not be finite keeps its old ones
+(``UpdateReport.kept``): the update never writes NaN or Inf into the state.
+
+The state is a NamedTuple of fixed structure (no slot to flip): ``lax.scan`` over steps and
+checkpoints restored into ``jax.eval_shape(opt.init, params)`` see the same tree every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pimhbm import _core, parity
+from pimhbm._ffi import ensure_registered
+from pimhbm.repair import REPAIRED
+from pimhbm.scan import scan, verify
+from pimhbm.update import (FAULT_MASTER, FAULT_MU, FAULT_NU, FAULT_PARAM, join_master,
+                           step_copies_of, step_majority)
+
+DEFAULT_CHUNK_ELEMS = 512  # a warp holds a chunk in registers, 16 elements a lane
+DEFAULT_GROUP = 16  # chunks a parity row covers: 1/16 of the state's bytes
+DEFAULT_STASH = 16  # gradients of chunks a step can leave for a redo
+TENSORS = ("p", "master", "mu", "nu")
+FAULT_BIT = {"p": FAULT_PARAM, "master": FAULT_MASTER, "mu": FAULT_MU, "nu": FAULT_NU}
+# |g| beyond this overflows g * g in float32 (the second moment): such a step does not commit.
+GRAD_LIMIT = float(np.sqrt(np.finfo(np.float32).max))
+
+
+class Stash(NamedTuple):
+    """Gradients of chunks that did not commit: row k is chunk (leaf, chunk) = index[k, :2],
+    index[k, 2] the FAULT_* bits of its damaged tensors."""
+
+    rows: jax.Array  # uint32 (capacity, chunk_elems): the chunk's gradient bytes, zero-padded
+    index: jax.Array  # int32 (capacity, 3); (-1, -1, 0) for unused rows
+
+
+class AdamWState(NamedTuple):
+    """The protected state, once. Pytrees of the parameters' structure, but ``digests`` and
+    ``parity``: per leaf a dict by tensor name (p, master, mu, nu) of uint32 tables
+    (chunks, 2) and parity rows (groups, chunk_bytes // 4)."""
+
+    params: Any  # bf16 or fp32
+    master: Any  # uint16 remainders of the fp32 master weights, or None
+    mu: Any
+    nu: Any
+    digests: Any
+    parity: Any  # None without parity
+    step_copies: jax.Array  # int32 (3,): the committed steps three times (see step)
+
+    @property
+    def step(self) -> jax.Array:
+        """Committed steps: the bitwise majority of the three copies (one flipped bit in one
+        copy changes nothing; every update writes all three)."""
+        return step_majority(self.step_copies)
+
+    @property
+    def master_weights(self) -> Any:
+        if self.master is None:
+            return None
+        return jax.tree.map(join_master, self.params, self.master)
+
+
+class UpdateReport(NamedTuple):
+    """What an update saw, as device values (fetch them asynchronously, never in the step)."""
+
+    applied: jax.Array  # bool: the update ran (every check before it passed, on every device)
+    committed: jax.Array  # bool: applied, and every chunk committed with no element kept
+    grad_nonfinite: jax.Array  # int32: NaN/Inf (or overflowing) gradient values, all devices
+    digest_faults: jax.Array  # int32: damaged chunks found (before the update, and by it)
+    kept: jax.Array  # int32: elements whose new values were not finite (kept as they were)
+    fault_maps: Any  # per leaf int32 (chunks,): FAULT_* bits of the chunks found damaged
+    grad_nonfinite_maps: Any  # per leaf int32 (chunks,)
+    stash: Stash  # this device's gradients of the chunks the update left for a redo
+    stashed: jax.Array  # int32: chunks offered to this device's stash (> capacity: not all fit)
+    scalars: jax.Array  # float32 (3,): lr, 1 - b1^t, 1 - b2^t of this step (a redo needs them)
+
+
+class RepairReport(NamedTuple):
+    """What ``repair`` did with an update's left chunks (this device's)."""
+
+    rebuilt: Any  # per leaf int32 (capacity, 4): rebuild status per stash row and tensor
+    faults: jax.Array  # int32: redone chunks that still do not verify (to the next source)
+    complete: jax.Array  # bool: every left chunk rebuilt and redone
+
+
+def _tensors(state: AdamWState, treedef) -> list[dict[str, jax.Array]]:
+    flat = treedef.flatten_up_to
+    masters = flat(state.master) if state.master is not None else [None] * treedef.num_leaves
+    out = []
+    for p, m, mu, nu in zip(flat(state.params), masters, flat(state.mu), flat(state.nu)):
+        leaf = {"p": p, "mu": mu, "nu": nu}
+        if m is not None:
+            leaf["master"] = m
+        out.append(leaf)
+    return out
+
+
+def _chunk_maps(bad: jax.Array, chunk_elems: int) -> jax.Array:
+    """int32 (chunks,): True elements of a flat bool array per chunk."""
+    n = bad.size
+    chunks = -(-n // chunk_elems)
+    padded = jnp.pad(bad.reshape(-1), (0, chunks * chunk_elems - n))
+    return jnp.sum(padded.reshape(chunks, chunk_elems), axis=1, dtype=jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamW:
+    """Guarded, fused, in-place AdamW. Build it with :func:`adamw`."""
+
+    learning_rate: float | Callable[[jax.Array], jax.Array]
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    eps_root: float = 0.0
+    weight_decay: float = 1e-4
+    master_weights: bool = False
+    chunk_elems: int = DEFAULT_CHUNK_ELEMS
+    group: int = DEFAULT_GROUP  # 0: no parity
+    stash_capacity: int = DEFAULT_STASH
+
+    def __post_init__(self):
+        _check_hyper(self)
+
+    def chunk_bytes(self, name: str, param_dtype: Any) -> int:
+        size = jnp.dtype(param_dtype).itemsize if name == "p" else (2 if name == "master" else 4)
+        return self.chunk_elems * size
+
+    # -- setting up --------------------------------------------------------------------------
+
+    def init(self, params: Any) -> AdamWState:
+        """The state from the parameters (copies: the state's buffers are donated and written
+        in place): moments zero, master weights (if any) from the parameters, digests and
+        parity of everything."""
+        ensure_registered()
+        for path, p in jax.tree_util.tree_leaves_with_path(params):
+            dtype = jnp.asarray(p).dtype
+            if dtype not in (jnp.float32, jnp.bfloat16):
+                raise TypeError(f"parameter {jax.tree_util.keystr(path)} is {dtype}: pimhbm.adamw "
+                                "updates float32 or bfloat16 parameters")
+            if self.master_weights and dtype != jnp.bfloat16:
+                raise TypeError(f"parameter {jax.tree_util.keystr(path)} is {dtype}: master "
+                                "weights are for bfloat16 parameters")
+        return jax.jit(self._init)(params)
+
+    def _init(self, params: Any) -> AdamWState:
+        params = jax.tree.map(lambda p: jnp.copy(jnp.asarray(p)), params)
+        # A bf16 parameter taken as its fp32 master: p itself, remainder 0x8000.
+        master = (jax.tree.map(lambda p: jnp.full(p.shape, 0x8000, jnp.uint16), params)
+                  if self.master_weights else None)
+        mu = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        nu = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        state = AdamWState(params, master, mu, nu, None, None, step_copies_of(0))
+        treedef = jax.tree.structure(params)
+        leaves = _tensors(state, treedef)
+        dtypes = [leaf["p"].dtype for leaf in leaves]
+        digests = [{k: scan(x, self.chunk_bytes(k, dt)).digests for k, x in leaf.items()}
+                   for leaf, dt in zip(leaves, dtypes)]
+        rows = None
+        if self.group > 0:
+            rows = jax.tree.unflatten(treedef, [
+                {k: parity.parity(x, self.chunk_bytes(k, dt), self.group) for k, x in leaf.items()}
+                for leaf, dt in zip(leaves, dtypes)])
+        return state._replace(digests=jax.tree.unflatten(treedef, digests), parity=rows)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def update(self, grads: Any, state: AdamWState, learning_rate: Any = None, *,
+               axis_name: str | None = None, gate: Any = None) -> tuple[AdamWState, UpdateReport]:
+        """One guarded step, in place: call it inside ``jax.jit`` with the state donated.
+        ``learning_rate``: a device scalar (or None for the configured one). ``axis_name``: the
+        data-parallel axis inside ``shard_map`` (the verdict is global). ``gate`` (a device
+        bool): false on any device, the step does not run on any."""
+        ensure_registered()
+        treedef = jax.tree.structure(state.params)
+        _check_grads(grads, state.params)
+        count = state.step + 1
+        if learning_rate is None:
+            learning_rate = (self.learning_rate(count) if callable(self.learning_rate)
+                             else self.learning_rate)
+        scalars = _step_scalars(learning_rate, count, self.b1, self.b2)
+        leaves = _tensors(state, treedef)
+        tables = treedef.flatten_up_to(state.digests)
+        flat_grads = treedef.flatten_up_to(grads)
+
+        # Before any write: the parameters as the backward pass read them, the gradients.
+        p_faults = [verify(leaf["p"], t["p"], self.chunk_bytes("p", leaf["p"].dtype))
+                    for leaf, t in zip(leaves, tables)]
+        g_bad = [_chunk_maps(~jnp.isfinite(jnp.square(g.astype(jnp.float32))), self.chunk_elems)
+                 for g in flat_grads]
+        local = jnp.stack([sum((jnp.sum(m, dtype=jnp.int32) for m in p_faults), jnp.int32(0)),
+                           sum((jnp.sum(b) for b in g_bad), jnp.int32(0))])
+        hold = (local != 0).any() | ~jnp.all(jnp.isfinite(scalars)) | (scalars[1] <= 0) | (scalars[2] <= 0)
+        if gate is not None:
+            hold |= ~jnp.asarray(gate, jnp.bool_)
+        counts = jnp.concatenate([local, hold.astype(jnp.int32)[None]])
+        if axis_name is not None:
+            counts = jax.lax.psum(counts, axis_name)
+        go = counts[2] == 0
+
+        outs, stash, totals = self._call(go, scalars, leaves, tables, state.parity, treedef,
+                                         flat_grads)
+        kept, faulty = _saturated(totals[1]), _saturated(totals[0])
+        committed_here = go & (kept == 0)
+        if axis_name is not None:
+            summed = jax.lax.psum(jnp.stack([faulty, kept]), axis_name)
+            faulty, kept = summed[0], summed[1]
+            committed = go & (kept == 0)
+        else:
+            committed = committed_here
+        # The count leaves the copies' majority first (the barrier): written from a fusion that
+        # read them, the new copies could not take the donated buffer's place.
+        done = jax.lax.optimization_barrier(count - 1) + committed.astype(jnp.int32)
+        new_state = self._state_from(outs, treedef, state.master is not None, state.parity is not None,
+                                     step_copies_of(done))
+        unflat = lambda xs: jax.tree.unflatten(treedef, xs)
+        fault_maps = [o["faults"] | jnp.where(go, 0, m.astype(jnp.int32) * FAULT_PARAM)
+                      for o, m in zip(outs, p_faults)]
+        report = UpdateReport(go, committed, counts[1], counts[0] + faulty, kept, unflat(fault_maps),
+                              unflat(g_bad), stash, _saturated(totals[2]), scalars)
+        return new_state, report
+
+    def _state_from(self, outs: list[dict], treedef, has_master: bool, has_parity: bool,
+                    step_copies: jax.Array) -> AdamWState:
+        unflat = lambda xs: jax.tree.unflatten(treedef, xs)
+        names = [k for k in TENSORS if has_master or k != "master"]
+        return AdamWState(
+            unflat([o["p"] for o in outs]),
+            unflat([o["master"] for o in outs]) if has_master else None,
+            unflat([o["mu"] for o in outs]), unflat([o["nu"] for o in outs]),
+            unflat([{k: o["d_" + k] for k in names} for o in outs]),
+            unflat([{k: o["q_" + k] for k in names} for o in outs]) if has_parity else None,
+            step_copies)
+
+    def _operands(self, leaf: dict, table: dict, rows: dict | None, g: jax.Array | None) -> dict:
+        p = leaf["p"]
+        empty = lambda shape, dt=jnp.uint32: jnp.zeros(shape, dt)
+        ops = {"p": p, "mu": leaf["mu"], "nu": leaf["nu"],
+               "master": leaf.get("master", empty((0,), jnp.uint16)),
+               "g": g if g is not None else empty((0,), p.dtype)}
+        for k in TENSORS:
+            ops["d_" + k] = table.get(k, empty((0, 2)))
+            ops["q_" + k] = rows.get(k, empty((0, 1))) if rows is not None else empty((0, 1))
+        return ops
+
+    def _call(self, go, scalars, leaves, tables, rows, treedef, grads=None, stash=None):
+        """One pimhbm_adamw_inplace call (grads given) or pimhbm_adamw_redo call (stash given)
+        over every leaf, laid out by the handler's own list of a leaf's buffers."""
+        layout = inplace_layout()
+        flat_rows = treedef.flatten_up_to(rows) if rows is not None else [None] * len(leaves)
+        lead = ([scalars, go.astype(jnp.int32).reshape(1)] if stash is None
+                else [scalars, stash.rows, stash.index])
+        args, out_types, aliases = list(lead), [], {}
+        for i, (leaf, table, r) in enumerate(zip(leaves, tables, flat_rows)):
+            ops = self._operands(leaf, table, r, grads[i] if grads is not None else None)
+            base_arg, base_ret = len(args), len(out_types)
+            args += [ops[name] for name in layout["operands"]]
+            nchunks = table["p"].shape[0]
+            for j, name in enumerate(layout["results"]):
+                if name in ops:
+                    out_types.append(jax.ShapeDtypeStruct(ops[name].shape, ops[name].dtype))
+                    aliases[base_arg + layout["operands"].index(name)] = base_ret + j
+                else:
+                    out_types.append(jax.ShapeDtypeStruct((nchunks,), jnp.int32))
+        if stash is None:
+            out_types += [jax.ShapeDtypeStruct((self.stash_capacity, self.chunk_elems), jnp.uint32),
+                          jax.ShapeDtypeStruct((self.stash_capacity, layout["stash_columns"]),
+                                               jnp.int32)]
+        out_types.append(jax.ShapeDtypeStruct((layout["totals"], 2), jnp.uint32))
+        target = "pimhbm_adamw_inplace" if stash is None else "pimhbm_adamw_redo"
+        outs = jax.ffi.ffi_call(target, out_types, input_output_aliases=aliases)(
+            *args, chunk_elems=np.int64(self.chunk_elems), group=np.int64(self.group),
+            b1=np.float32(self.b1), b2=np.float32(self.b2),
+            one_minus_b1=np.float32(1 - self.b1), one_minus_b2=np.float32(1 - self.b2),
+            eps=np.float32(self.eps), eps_root=np.float32(self.eps_root),
+            weight_decay=np.float32(self.weight_decay))
+        per = len(layout["results"])
+        results = [dict(zip(layout["results"], outs[per * i:per * (i + 1)]))
+                   for i in range(len(leaves))]
+        new_stash = Stash(outs[-3], outs[-2]) if stash is None else None
+        return results, new_stash, outs[-1]
+
+    # -- after an update that left chunks -------------------------------------------------------
+
+    def repair(self, state: AdamWState, report: UpdateReport) -> tuple[AdamWState, RepairReport]:
+        """This device's chunks the update left (the stash): the damaged tensors of each rebuilt
+        from the parity, then the chunk updated with its stashed gradient and the step's scalars
+        -- in place,
+        under ``jax.jit`` with the state donated. Does nothing for an empty stash. Needs parity
+        (with replicas, copy the chunks from a healthy replica instead)."""
+        ensure_registered()
+        if state.parity is None:
+            raise ValueError("repair rebuilds from parity; this state has none (group=0)")
+        treedef = jax.tree.structure(state.params)
+        leaves = _tensors(state, treedef)
+        tables = treedef.flatten_up_to(state.digests)
+        rows = treedef.flatten_up_to(state.parity)
+        index = report.stash.index
+        statuses, rebuilt, unrepaired = [], [], jnp.bool_(False)
+        for i, (leaf, table, r) in enumerate(zip(leaves, tables, rows)):
+            new, st = {}, []
+            for k in TENSORS:
+                chunks = jnp.where((index[:, 0] == i) & (index[:, 2] & FAULT_BIT[k] != 0),
+                                   index[:, 1], -1)
+                if k not in leaf:
+                    st.append(jnp.zeros(chunks.shape, jnp.int32))
+                    continue
+                new[k], s = parity.rebuild(chunks, leaf[k], table[k], r[k],
+                                           self.chunk_bytes(k, leaf["p"].dtype), self.group)
+                unrepaired |= jnp.any((chunks >= 0) & (s != REPAIRED))
+                st.append(s)
+            rebuilt.append(new)
+            statuses.append(jnp.stack(st, axis=1))
+        outs, _, totals = self._call(None, report.scalars, rebuilt, tables, state.parity, treedef,
+                                     stash=report.stash)
+        faults = _saturated(totals[0])
+        # The redo commits a chunk's step: the count stays (the step was counted when applied).
+        new_state = self._state_from(outs, treedef, state.master is not None, True,
+                                     state.step_copies)
+        complete = (faults == 0) & (report.stashed <= self.stash_capacity) & ~unrepaired
+        return new_state, RepairReport(jax.tree.unflatten(treedef, statuses), faults, complete)
+
+
+def _saturated(words: jax.Array) -> jax.Array:
+    """int32 from a 64-bit counter as (low, high) uint32 words, saturating at INT32_MAX."""
+    lo, hi = words[0], words[1]
+    big = (hi != 0) | (lo > np.iinfo(np.int32).max)
+    return jnp.where(big, np.iinfo(np.int32).max, lo.astype(jnp.int32))
+
+
+def _step_scalars(lr, count, b1, b2) -> jax.Array:
+    bc1 = 1 - b1 ** count
+    bc2 = 1 - b2 ** count
+    return jnp.stack([jnp.asarray(lr, jnp.float32), bc1.astype(jnp.float32),
+                      bc2.astype(jnp.float32)])
+
+
+def _check_grads(grads: Any, params: Any) -> None:
+    if jax.tree.structure(grads) != jax.tree.structure(params):
+        raise ValueError("gradients must have the structure of the parameters: "
+                         f"{jax.tree.structure(params)}, got {jax.tree.structure(grads)}")
+    for (path, g), p in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(params)):
+        if g.shape != p.shape or g.dtype != p.dtype:
+            raise ValueError(f"gradient {jax.tree_util.keystr(path)} is {g.dtype}{tuple(g.shape)}; "
+                             f"it must match its parameter, {p.dtype}{tuple(p.shape)}")
+
+
+def _check_hyper(o: AdamW) -> None:
+    def real(name, v, lo=-math.inf, hi=math.inf, lo_open=False, hi_open=False):
+        ok = isinstance(v, (int, float, np.floating, np.integer)) and math.isfinite(float(v))
+        ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+        if not ok:
+            raise ValueError(f"pimhbm.adamw: {name} must be a finite number in "
+                             f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}, got {v!r}")
+    real("b1", o.b1, 0.0, 1.0, hi_open=True)
+    real("b2", o.b2, 0.0, 1.0, hi_open=True)
+    real("eps", o.eps, 0.0)
+    real("eps_root", o.eps_root, 0.0)
+    real("weight_decay", o.weight_decay)
+    if not callable(o.learning_rate):
+        real("learning_rate", o.learning_rate)
+    sizes = tuple(inplace_layout()["chunk_elems"])
+    if o.chunk_elems not in sizes:
+        raise ValueError(f"chunk_elems must be one of {sizes} (a warp holds a chunk), got "
+                         f"{o.chunk_elems}")
+    if o.group < 0:
+        raise ValueError(f"group must be 0 (no parity: replicas are the redundancy) or more, got {o.group}")
+    if o.stash_capacity < 0:
+        raise ValueError(f"stash_capacity must be 0 or more, got {o.stash_capacity}")
+
+
+@functools.cache
+def inplace_layout() -> dict:
+    """A leaf's buffers of a pimhbm_adamw_inplace call by name, in order
+    (csrc/update/inplace_ffi.h)."""
+    return _core.inplace_layout()
+
+
+def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0.9,
+          b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
+          weight_decay: float = 1e-4, *, master_weights: bool = False,
+          chunk_elems: int = DEFAULT_CHUNK_ELEMS, group: int = DEFAULT_GROUP,
+          stash_capacity: int = DEFAULT_STASH) -> AdamW:
+    """Guarded, fused, in-place AdamW; arguments as ``optax.adamw``. ``master_weights``: fp32
+    master weights for bf16 parameters. ``group``: chunks a parity row covers (0: no parity,
+    for data-parallel replicas that are each other's redundancy). ``stash_capacity``: chunks a
+    step can leave for ``repair`` (more: the next source, a replica or a snapshot)."""
+    return AdamW(learning_rate, b1, b2, eps, eps_root, weight_decay, master_weights, chunk_elems,
+                 group, stash_capacity)

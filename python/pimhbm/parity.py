@@ -1,0 +1,57 @@
+"""Parity over groups of chunks: one damaged chunk of a group rebuilt in place from the others.
+
+A tensor's bytes are cut into chunks of ``chunk_bytes`` (as its digests are) and the chunks into
+groups of ``group`` consecutive chunks; a group's parity row is the XOR of its chunks (each
+zero-padded to ``chunk_bytes``), stored as uint32 words: (groups, chunk_bytes // 4). A tensor's
+parity costs 1/group of its bytes. See csrc/parity/parity.h.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pimhbm._ffi import ensure_registered
+from pimhbm.scan import _check_chunk_bytes, _check_dtype, num_chunks
+
+GROUP_CONFLICT = -4  # a rebuild status beside pimhbm.repair's: two entries in one group
+
+
+def num_groups(x: jax.Array, chunk_bytes: int, group: int) -> int:
+    return -(-num_chunks(x, chunk_bytes) // group)
+
+
+def _check_group(group: int) -> int:
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1:
+        raise ValueError(f"group must be a positive int, got {group!r}")
+    return int(group)
+
+
+def parity(x: jax.Array, chunk_bytes: int, group: int) -> jax.Array:
+    """The parity rows of ``x``: uint32 (groups, chunk_bytes // 4)."""
+    ensure_registered()
+    chunk_bytes, group = _check_chunk_bytes(chunk_bytes), _check_group(group)
+    x = jnp.asarray(x)
+    _check_dtype(x.dtype)
+    shape = (num_groups(x, chunk_bytes, group), chunk_bytes // 4)
+    return jax.ffi.ffi_call("pimhbm_parity", jax.ShapeDtypeStruct(shape, jnp.uint32))(
+        x, chunk_bytes=np.int64(chunk_bytes), group=np.int64(group))
+
+
+def rebuild(chunks: jax.Array, x: jax.Array, table: jax.Array, rows: jax.Array,
+            chunk_bytes: int, group: int) -> tuple[jax.Array, jax.Array]:
+    """The listed ``chunks`` (int32, -1 = none) of ``x`` rebuilt in place from the parity
+    ``rows`` and the other chunks of their groups, each checked against its digest row in
+    ``table`` afterwards. Returns the new ``x`` and a status per entry: REPAIRED, STILL_DAMAGED
+    (another chunk of the group or the parity is damaged too), NOT_LISTED, OUT_OF_RANGE or
+    GROUP_CONFLICT (two entries of one group: neither is rebuilt)."""
+    ensure_registered()
+    chunk_bytes, group = _check_chunk_bytes(chunk_bytes), _check_group(group)
+    chunks = jnp.asarray(chunks, jnp.int32).reshape(-1)
+    out, status = jax.ffi.ffi_call(
+        "pimhbm_parity_rebuild",
+        (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(chunks.shape, jnp.int32)),
+        input_output_aliases={1: 0})(chunks, x, table, rows, chunk_bytes=np.int64(chunk_bytes),
+                                     group=np.int64(group))
+    return out, status

@@ -1,0 +1,365 @@
+"""pimhbm.inplace: the in-place guarded update, its parity, its stash and its repair (CPU; the
+GPU against the CPU where there is one)."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import pimhbm
+from conftest import requires_gpu
+from pimhbm import inplace, parity
+from test_update import numpy_adamw
+
+LR = 1e-3
+KINDS = ["fp32", "bf16", "bf16_master"]
+
+
+def random_params(rng, dtype, shapes=((300, 77), (77,), (5, 3, 7), (4096,), (4097,), (1,), (513,))):
+    return {f"t{i}": jnp.asarray(rng.standard_normal(s).astype(dtype)) for i, s in enumerate(shapes)}
+
+
+def random_grads(rng, params):
+    return jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape).astype(p.dtype)), params)
+
+
+def bits(tree):
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def make(kind, **kw):
+    kw.setdefault("chunk_elems", 128)
+    kw.setdefault("group", 4)
+    opt = inplace.adamw(LR, master_weights=kind == "bf16_master", **kw)
+    return opt, (np.float32 if kind == "fp32" else ml_dtypes.bfloat16)
+
+
+def steps_of(opt):
+    return (jax.jit(opt.update, donate_argnums=1), jax.jit(opt.repair, donate_argnums=0))
+
+
+FIELD = {"p": "params", "master": "master", "mu": "mu", "nu": "nu"}
+
+
+def flip(state, tensor, leaf, index, bit):
+    """The state with one bit of one element flipped (a copy: the state is donated later)."""
+    tree = dict(getattr(state, FIELD[tensor]))
+    x = np.asarray(tree[leaf]).copy()
+    words = x.view(np.dtype(f"u{x.dtype.itemsize}")).reshape(-1)
+    words[index % words.size] ^= np.array(1 << (bit % (8 * x.dtype.itemsize))).astype(words.dtype)
+    tree[leaf] = jnp.asarray(x)
+    return state._replace(**{FIELD[tensor]: tree})
+
+
+def run(opt, params, grads, damage=None, at=1):
+    """The state after one update per gradient tree; ``damage`` (state -> state) before update
+    ``at``; left chunks repaired. Returns the state and the reports."""
+    update, repair = steps_of(opt)
+    state, reports = opt.init(params), []
+    for i, g in enumerate(grads):
+        if damage is not None and i == at:
+            state = damage(state)
+        state, report = update(g, state)
+        reports.append(report)
+        if bool(report.applied) and int(report.digest_faults):
+            state, fixed = repair(state, report)
+            reports.append(fixed)
+    return state, reports
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fault_free_updates_agree_with_the_optax_formula(rng, kind):
+    opt, dtype = make(kind)
+    params = random_params(rng, dtype)
+    grads = [random_grads(rng, params) for _ in range(3)]
+    state, reports = run(opt, params, grads)
+    assert all(bool(r.committed) and int(r.digest_faults) == 0 for r in reports)
+    assert int(state.step) == 3
+    w = {k: np.asarray(v, np.float32) for k, v in params.items()}
+    m = {k: np.zeros_like(v) for k, v in w.items()}
+    v_ = {k: np.zeros_like(x) for k, x in w.items()}
+    for t, g in enumerate(grads, 1):
+        for k in w:
+            w[k], m[k], v_[k] = numpy_adamw(np.asarray(g[k], np.float32), w[k], m[k], v_[k], t)
+    got = state.master_weights if kind == "bf16_master" else state.params
+    for k in w:
+        if kind == "bf16":  # the update rounds w to bf16 every step; the formula does not
+            np.testing.assert_allclose(np.asarray(got[k], np.float32), w[k], rtol=2e-2, atol=2e-3)
+        else:
+            assert np.asarray(got[k], np.float32).tobytes() == w[k].tobytes(), k
+        assert np.asarray(state.mu[k]).tobytes() == m[k].tobytes() or kind == "bf16"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_parity_and_digests_the_update_keeps_are_those_made_from_scratch(rng, kind):
+    opt, dtype = make(kind, group=int(rng.integers(1, 6)))
+    params = random_params(rng, dtype)
+    state, _ = run(opt, params, [random_grads(rng, params) for _ in range(2)])
+    for k in params:
+        for t in inplace.TENSORS:
+            x = getattr(state, FIELD[t])
+            if x is None:
+                continue
+            cb = opt.chunk_bytes(t, params[k].dtype)
+            assert bits(parity.parity(x[k], cb, opt.group)) == bits(state.parity[k][t]), (k, t)
+            assert bits(pimhbm.scan(x[k], cb).digests) == bits(state.digests[k][t]), (k, t)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tensor", ["mu", "nu", "master", "p_after_backward"])
+def test_a_damaged_chunk_is_rebuilt_from_its_group_and_its_update_redone(rng, kind, tensor,
+                                                                        monkeypatch):
+    """Damage the update finds (a moment, a master weight, or a parameter damaged after the
+    backward pass read it) leaves its chunk; repair rebuilds it from the parity and redoes its
+    update from the stash: bit-identical to the run without the fault, no replay."""
+    if tensor == "master" and kind != "bf16_master":
+        pytest.skip("no master weights")
+    opt, dtype = make(kind)
+    params = random_params(rng, dtype)
+    grads = [random_grads(rng, params) for _ in range(3)]
+    clean, _ = run(opt, params, grads)
+    leaf = f"t{int(rng.integers(0, len(params)))}"
+    index, bit = int(rng.integers(0, 1 << 20)), int(rng.integers(0, 32))
+    name = "p" if tensor == "p_after_backward" else tensor
+    update, repair = steps_of(opt)
+    state = opt.init(params)
+    state, _ = update(grads[0], state)
+    state = flip(state, name, leaf, index, bit)
+    if tensor == "p_after_backward":
+        # Damage after the check the update makes before writing (the parameters as the
+        # backward pass read them) is what the kernel finds: the check is made to see it intact.
+        monkeypatch.setattr(inplace, "verify", lambda x, table, cb: jnp.zeros(table.shape[:1], bool))
+        update, repair = steps_of(opt)
+    state, report = update(grads[1], state)
+    assert bool(report.applied) and int(report.digest_faults) == 1
+    chunk = (index % params[leaf].size) // opt.chunk_elems
+    leaf_i = sorted(params).index(leaf)
+    bit_of = {"p": 1, "master": 2, "mu": 4, "nu": 8}[name]
+    assert np.asarray(report.stash.index)[0].tolist() == [leaf_i, chunk, bit_of]
+    assert int(np.asarray(report.fault_maps[leaf])[chunk]) == bit_of
+    state, fixed = repair(state, report)
+    assert bool(fixed.complete) and int(fixed.faults) == 0
+    state, _ = update(grads[2], state)
+    assert bits(state) == bits(clean)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_parameter_damaged_before_the_update_cancels_the_step_and_is_rebuilt(rng, kind):
+    """A parameter chunk that fails its digest when the step starts may have reached the
+    gradients: nothing is written; rebuilt from the parity, the step is replayed."""
+    opt, dtype = make(kind)
+    params = random_params(rng, dtype)
+    grads = [random_grads(rng, params) for _ in range(3)]
+    clean, _ = run(opt, params, grads)
+    update, _ = steps_of(opt)
+    state = opt.init(params)
+    state, _ = update(grads[0], state)
+    leaf = "t0"
+    damaged = flip(state, "p", leaf, int(rng.integers(0, params[leaf].size)), int(rng.integers(0, 16)))
+    before = bits(damaged)
+    state, report = update(grads[1], damaged)
+    assert not bool(report.applied) and int(report.digest_faults) == 1
+    assert bits(state) == before  # nothing written, the count unchanged
+    chunk = int(np.flatnonzero(np.asarray(report.fault_maps[leaf]))[0])
+    p, status = parity.rebuild(jnp.array([chunk]), state.params[leaf], state.digests[leaf]["p"],
+                               state.parity[leaf]["p"], opt.chunk_bytes("p", dtype), opt.group)
+    assert int(status[0]) == pimhbm.REPAIRED
+    state = state._replace(params={**state.params, leaf: p})
+    for g in grads[1:]:
+        state, report = update(g, state)
+        assert bool(report.committed)
+    assert bits(state) == bits(clean)
+
+
+def test_two_damaged_chunks_of_one_group_go_to_the_next_source(rng):
+    """Two chunks of a group damaged in the same tensor cannot be rebuilt from its parity (the
+    repair says so: the next source); in different tensors, or in different groups, they are."""
+    opt, dtype = make("fp32", group=4)
+    ce = opt.chunk_elems
+    params = {"w": jnp.asarray(rng.standard_normal(ce * 8).astype(np.float32))}
+    grads = [random_grads(rng, params) for _ in range(2)]
+    clean, _ = run(opt, params, grads)
+    update, repair = steps_of(opt)
+    for (t1, t2), second, complete in ((("mu", "mu"), ce + 7, False), (("mu", "nu"), ce + 7, True),
+                                       (("nu", "nu"), 4 * ce + 7, True)):
+        state = opt.init(params)
+        state, _ = update(grads[0], state)
+        state = flip(flip(state, t1, "w", 5, 3), t2, "w", second, 30)
+        state, report = update(grads[1], state)
+        assert bool(report.applied) and int(report.digest_faults) == 2
+        state, fixed = repair(state, report)
+        assert bool(fixed.complete) == complete, (t1, t2, second)
+        if complete:
+            assert bits(state) == bits(clean)
+        else:
+            mu = np.asarray(fixed.rebuilt["w"])[:2, 2]
+            assert set(mu.tolist()) == {parity.GROUP_CONFLICT}
+
+
+def test_more_left_chunks_than_the_stash_holds_is_not_complete(rng):
+    opt, _ = make("fp32", group=2, stash_capacity=2)
+    ce = opt.chunk_elems
+    params = {"w": jnp.asarray(rng.standard_normal(ce * 12).astype(np.float32))}
+    update, repair = steps_of(opt)
+    state = opt.init(params)
+    for c in (0, 2, 4):  # three groups
+        state = flip(state, "mu", "w", ce * c * 2, 5)
+    state, report = update(random_grads(rng, params), state)
+    assert int(report.stashed) == 3 and int(report.digest_faults) == 3
+    state, fixed = repair(state, report)
+    assert not bool(fixed.complete)
+
+
+@pytest.mark.parametrize("case", ["lr_nan", "lr_inf", "schedule_nan", "huge_gradient", "gate"])
+def test_a_step_that_would_write_non_finite_values_commits_nothing(rng, case):
+    opt, dtype = make("bf16_master")
+    if case == "schedule_nan":
+        opt = inplace.adamw(lambda count: jnp.where(count > 1, jnp.nan, LR), master_weights=True,
+                            chunk_elems=256, group=4)
+    params = random_params(rng, dtype)
+    state = opt.init(params)
+    update = jax.jit(opt.update, donate_argnums=1, static_argnames=())
+    state, _ = update(random_grads(rng, params), state)
+    before = bits(state)
+    grads = random_grads(rng, params)
+    lr, gate = None, None
+    if case == "lr_nan":
+        lr = jnp.float32(np.nan)
+    elif case == "lr_inf":
+        lr = jnp.float32(np.inf)
+    elif case == "huge_gradient":  # finite in bf16, but its square overflows the second moment
+        grads = {**grads, "t0": grads["t0"].at[3, 4].set(jnp.bfloat16(1e30))}
+    elif case == "gate":
+        gate = jnp.bool_(False)
+    state, report = jax.jit(lambda g, s: opt.update(g, s, lr, gate=gate), donate_argnums=1)(grads, state)
+    assert not bool(report.applied) and not bool(report.committed)
+    assert bits(state) == before
+
+
+def test_eps_zero_with_zero_gradients_commits_nothing(rng):
+    """0 / (sqrt(0) + 0): every element's update is NaN, so every element keeps its value."""
+    opt = inplace.adamw(LR, eps=0.0, chunk_elems=256, group=4)
+    params = random_params(rng, np.float32)
+    state = opt.init(params)
+    before = bits(state)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    state, report = jax.jit(opt.update, donate_argnums=1)(zeros, state)
+    assert bool(report.applied) and not bool(report.committed)
+    assert int(report.kept) == sum(p.size for p in params.values())
+    assert bits(state) == before and int(state.step) == 0
+
+
+@pytest.mark.parametrize("bad", [dict(b1=np.nan), dict(b2=1.0), dict(eps=-1.0), dict(eps=np.inf),
+                                 dict(learning_rate=np.nan), dict(weight_decay=np.nan),
+                                 dict(chunk_elems=1024), dict(group=-1), dict(chunk_elems=100)])
+def test_bad_hyperparameters_are_refused_when_the_optimizer_is_made(bad):
+    kw = dict(learning_rate=LR) | bad
+    with pytest.raises(ValueError):
+        inplace.adamw(**kw)
+
+
+def test_lax_scan_over_updates_equals_the_updates_one_by_one(rng):
+    opt, dtype = make("bf16_master")
+    params = random_params(rng, dtype)
+    grads = [random_grads(rng, params) for _ in range(3)]
+    stacked = jax.tree.map(lambda *g: jnp.stack(g), *grads)
+    scanned = jax.jit(lambda s, gs: jax.lax.scan(
+        lambda s, g: (opt.update(g, s)[0], None), s, gs)[0])(opt.init(params), stacked)
+    one_by_one, _ = run(opt, params, grads)
+    assert bits(scanned) == bits(one_by_one)
+
+
+def test_the_state_is_held_once_at_most_optax_bytes(rng):
+    """bf16 parameters with fp32 master weights, at the defaults: no larger than optax.adamw's
+    state with its fp32 master copy (14 bytes a parameter)."""
+    params = {"w": jnp.zeros((1024, 4096), jnp.bfloat16), "b": jnp.zeros((4096,), jnp.bfloat16),
+              "e": jnp.zeros((32000, 512), jnp.bfloat16)}
+    opt = inplace.adamw(LR, master_weights=True)
+    shapes = jax.eval_shape(opt.init, params)
+    ours = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    theirs = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+        (params, master, jax.eval_shape(optax.adamw(LR).init, master))))
+    n = sum(p.size for p in params.values())
+    assert ours <= theirs, (ours / n, theirs / n)
+    assert ours / n < 12.9  # 12 bytes of state, 0.75 of parity, the digests
+
+
+def test_the_compiled_update_is_in_place_with_no_conditional_and_no_host_transfer(rng):
+    opt, dtype = make("bf16_master")
+    params = random_params(rng, dtype)
+    state = opt.init(params)
+    grads = random_grads(rng, params)
+    step = jax.jit(opt.update, donate_argnums=1)
+    hlo = step.lower(grads, state).compile().as_text()
+    assert "pimhbm_adamw_inplace" in hlo
+    forbidden = re.findall(r"\b(conditional|send|recv|outfeed|infeed|host_callback|"
+                           r"xla_python_cpu_callback|xla_ffi_python_cpu_callback)\b", hlo)
+    assert forbidden == [], forbidden
+    state, _ = step(grads, state)
+    before = pimhbm._core.unaliased_copies()
+    for _ in range(3):
+        state, report = step(random_grads(rng, params), state)
+    assert bool(report.committed) and pimhbm._core.unaliased_copies() == before
+
+
+def test_the_verdict_is_global_across_devices(rng):
+    """Four devices in shard_map: a parameter damaged on one cancels the step on all; a moment
+    damaged on one leaves that device's chunk (its repair is local) and the others commit."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    devices = jax.devices("cpu")[:4]
+    mesh = Mesh(np.array(devices), ("dp",))
+    opt, dtype = make("fp32")
+    params = random_params(rng, dtype, shapes=((600,), (300,)))
+    state = opt.init(params)
+    grads = random_grads(rng, params)
+    replicate = lambda x: jnp.stack([x] * 4)
+    many = jax.tree.map(replicate, state)
+    g4 = jax.tree.map(replicate, grads)
+    step = jax.jit(jax.shard_map(
+        lambda s, g: (lambda out: (jax.tree.map(lambda x: x[None], out[0]),
+                                   jax.tree.map(lambda x: x[None], out[1])))(
+            opt.update(jax.tree.map(lambda g: g[0], g), jax.tree.map(lambda x: x[0], s),
+                       axis_name="dp")),
+        mesh=mesh, in_specs=(P("dp"), P("dp")), out_specs=(P("dp"), P("dp"))))
+    for tensor, applied in (("params", False), ("mu", True)):
+        damaged = jax.tree.map(jnp.copy, many)
+        x = np.asarray(getattr(damaged, tensor)["t0"]).copy()
+        x.view(np.uint32)[2, 17] ^= 1 << 9
+        damaged = damaged._replace(**{tensor: {**getattr(damaged, tensor), "t0": jnp.asarray(x)}})
+        _, report = step(damaged, g4)
+        assert np.asarray(report.applied).tolist() == [applied] * 4, tensor
+        assert np.asarray(report.digest_faults).tolist() == [1] * 4, tensor
+
+
+def canonical(report):
+    """A report with its stash rows in (leaf, chunk) order (a repair's statuses sorted): the GPU's
+    chunks take their rows in the order they finish, the CPU's in chunk order."""
+    if isinstance(report, inplace.RepairReport):  # its statuses are by stash row: as a multiset
+        return report._replace(rebuilt=jax.tree.map(
+            lambda st: np.asarray(st)[np.lexsort(np.asarray(st).T[::-1])], report.rebuilt))
+    index, rows = np.asarray(report.stash.index), np.asarray(report.stash.rows)
+    order = np.lexsort((index[:, 1], index[:, 0], index[:, 0] < 0))
+    return report._replace(stash=inplace.Stash(rows[order], index[order]))
+
+
+@requires_gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_equals_cpu_bit_for_bit_with_damage_and_repair(rng, kind):
+    """The CUDA kernels (update, parity, rebuild, redo) against the CPU reference."""
+    opt, dtype = make(kind, chunk_elems=int(rng.choice([128, 256, 512])), group=int(rng.integers(1, 9)))
+    params = random_params(rng, dtype)
+    grads = [random_grads(rng, params) for _ in range(4)]
+    damage = lambda s: flip(flip(s, "mu", "t0", 999, 7), "nu", "t4", 4096, 31)
+    results = {}
+    for platform in ("cpu", "gpu"):
+        dev = jax.devices(platform)[0]
+        with jax.default_device(dev):
+            state, reports = run(opt, jax.device_put(params, dev), jax.device_put(grads, dev), damage)
+            results[platform] = (bits(state), [bits(canonical(r)) for r in reports])
+    assert results["cpu"][0] == results["gpu"][0]
+    assert results["cpu"][1] == results["gpu"][1]
