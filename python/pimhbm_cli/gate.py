@@ -6,12 +6,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pimhbm_cli.options import non_negative_int, positive_int
+
 
 def add_arguments(p) -> None:
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--nonfinite", type=int, default=7, help="NaN/Inf to inject (default 7)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=positive_int, default=2, help="decoder layers")
+    p.add_argument("--hidden", type=positive_int, default=64, help="model width")
+    p.add_argument("--nonfinite", type=non_negative_int, default=7, help="NaN/Inf to inject")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
 
 
 def run(args: Any) -> int:

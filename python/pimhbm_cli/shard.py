@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from pimhbm_cli.options import positive_int
+
 
 def add_arguments(p) -> None:
-    p.add_argument("--rows", type=int, default=4096)
-    p.add_argument("--cols", type=int, default=1024)
-    p.add_argument("--chunk-bytes", type=int, default=65536)
+    p.add_argument("--rows", type=positive_int, default=4096, help="rows of the sharded tensor")
+    p.add_argument("--cols", type=positive_int, default=1024, help="columns of the sharded tensor")
+    p.add_argument("--chunk-bytes", type=positive_int, default=65536,
+                   help="digest chunk size in bytes (a multiple of 16)")
 
 
 def run(args: Any) -> int:
