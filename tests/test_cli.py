@@ -66,3 +66,20 @@ def test_each_command_runs_and_its_verdict_is_its_exit_code(argv, capsys):
 def test_recover_refuses_more_devices_than_there_are(capsys):
     assert cli.main(["recover", "--devices", "64"]) == 2
     assert "--devices 64" in capsys.readouterr().out
+
+
+def test_run_stats_serialise_to_json_with_every_field():
+    import json
+
+    from pimhbm.recovery.events import Action, Incident, IncidentKind, RunStats
+    from pimhbm.recovery.layout import ChunkRef
+    stats = RunStats(steps_committed=3, losses={1: 2.5, 2: 2.25}, suspect_devices={3, 1})
+    stats.incidents.append(Incident(2, IncidentKind.STATE, (ChunkRef(0, "w", "mu", 7),),
+                                    Action.REPAIRED_FROM_REPLICA, sources=(1,)))
+    back = json.loads(stats.to_json())
+    assert back["losses"] == {"1": 2.5, "2": 2.25} and back["suspect_devices"] == [1, 3]
+    assert back["incidents"][0]["kind"] == "state"
+    assert back["incidents"][0]["locations"] == [{"device": 0, "leaf": "w", "tensor": "mu",
+                                                  "chunk": 7}]
+    assert "healthy replica (device 1)" in back["incidents"][0]["description"]
+    assert set(back) == {f for f in RunStats.__dataclass_fields__}

@@ -270,14 +270,7 @@ def _metrics(args, cfg, device, runs: Runs, verdict: Verdict, plain: float) -> d
         "seconds_per_protected_step": runs.ref_seconds / args.steps,
         "seconds_per_plain_step": plain,
         "bit_identical": verdict.identical, "differing_tensors": verdict.differing,
-        "telemetry": stats.telemetry,
-        "telemetry_events": [e.__dict__ | {"run": run} for run, st in
-                             (("without faults", ref), ("under faults", stats))
-                             for e in st.telemetry_events],
-        "suspect_devices": sorted(ref.suspect_devices | stats.suspect_devices),
-        "losses_without_faults": ref.losses, "losses_under_faults": stats.losses,
-        "incidents": [{"step": i.step, "kind": str(i.kind), "action": i.describe(),
-                       "locations": [list(l) for l in i.locations]} for i in stats.incidents],
+        "run_without_faults": ref.to_dict(), "run_under_faults": stats.to_dict(),
         "faults_planned": [{"step": f.step, "kind": f.kind, "tensor": f"{f.path}/{f.tensor}",
                             "chunks": list(f.chunks), "detected": f.detected,
                             "repaired": f.repaired} for f in runs.campaign.plan],
