@@ -83,3 +83,10 @@ def test_run_stats_serialise_to_json_with_every_field():
                                                   "chunk": 7}]
     assert "healthy replica (device 1)" in back["incidents"][0]["description"]
     assert set(back) == {f for f in RunStats.__dataclass_fields__}
+
+
+def test_output_to_a_file_is_not_wrapped_at_80_columns(tmp_path, capsys):
+    from pimhbm_cli import options
+    line = "x" * 150
+    options.console().print(line)
+    assert line in capsys.readouterr().out  # pytest captures: not a terminal

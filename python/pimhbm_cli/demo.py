@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -32,6 +31,7 @@ from pimhbm.models import llama3
 from pimhbm.train import llama_trainer, text_batches, warmup_cosine
 from pimhbm_cli.data import corpus_bytes
 
+from pimhbm_cli import options
 from pimhbm_cli.options import add_device, non_negative_int, positive_int
 
 
@@ -298,7 +298,7 @@ def _print_verdict(console, verdict: Verdict) -> None:
 
 
 def run(args: Any) -> int:
-    console = Console()
+    console = options.console()
     if args.device:
         jax.config.update("jax_default_device", jax.devices(args.device)[0])
     device = jax.devices(args.device)[0] if args.device else jax.devices()[0]

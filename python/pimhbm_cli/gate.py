@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pimhbm_cli import options
 from pimhbm_cli.options import non_negative_int, positive_int
 
 
@@ -20,12 +21,11 @@ def run(args: Any) -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from rich.console import Console
 
     import pimhbm
     from pimhbm.models import llama3
 
-    console = Console()
+    console = options.console()
     dev = jax.devices()[0]
     cfg = llama3.tiny(layers=args.layers, hidden=args.hidden)
     opt = pimhbm.adamw(1e-3, master_weights=True, device_copy=True)

@@ -14,6 +14,7 @@ import json
 import time
 from typing import Any
 
+from pimhbm_cli import options
 from pimhbm_cli.options import positive_float, positive_int
 
 
@@ -75,11 +76,10 @@ def _print(console, h) -> None:
 
 
 def run(args: Any) -> int:
-    from rich.console import Console
 
     from pimhbm.telemetry import Monitor, health
 
-    console = Console()
+    console = options.console()
     h = health(args.library)
     if not h.available:
         if args.json:

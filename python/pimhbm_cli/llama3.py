@@ -30,6 +30,7 @@ import numpy as np
 
 from pimhbm_cli import llama3_report as report
 from pimhbm_cli import processes
+from pimhbm_cli import options
 from pimhbm_cli.options import non_negative_int, positive_int
 
 ROUNDS = 5  # timed rounds of each step, alternating plain and protected
@@ -109,8 +110,7 @@ def run(args: Any) -> int:
 
 def job_console(args: Any):
     import jax
-    from rich.console import Console
-    return Console(quiet=jax.process_index() != 0)  # process 0 prints and writes the figures
+    return options.console(quiet=jax.process_index() != 0)  # process 0 prints and writes the figures
 
 
 class Job(NamedTuple):

@@ -4,6 +4,8 @@ with the reason, never a traceback later) and help that shows each default."""
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Any
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -59,3 +61,18 @@ def plain(docstring: str | None) -> str | None:
     """A module docstring as a command's description: without reStructuredText's double
     backquotes."""
     return None if docstring is None else docstring.replace("``", "")
+
+
+# Lines written to a file or a pipe (a log) are not cut at 80 columns as rich would cut them.
+LOG_WIDTH = 200
+
+
+def console(**kwargs: Any):
+    """The command's console: a terminal's width on a terminal; elsewhere lines as long as they
+    are (up to LOG_WIDTH), not wrapped."""
+    from rich.console import Console
+
+    if not sys.stdout.isatty():
+        kwargs.setdefault("width", LOG_WIDTH)
+        kwargs.setdefault("soft_wrap", True)
+    return Console(**kwargs)

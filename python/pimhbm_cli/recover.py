@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from pimhbm_cli import options
 from pimhbm_cli.options import non_negative_int, positive_int
 
 
@@ -69,7 +70,6 @@ def _print_fault_map(console, stats: Any) -> None:
 
 def run(args: Any) -> int:
     import jax
-    from rich.console import Console
 
     import pimhbm
     from pimhbm.backup import HostBackup
@@ -77,7 +77,7 @@ def run(args: Any) -> int:
     from pimhbm.models import mlp
     from pimhbm.recovery import Trainer
 
-    console = Console()
+    console = options.console()
     devices = jax.devices()
     if args.devices is not None:
         if args.devices > len(devices):

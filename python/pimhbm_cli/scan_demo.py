@@ -15,13 +15,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 import pimhbm
 from pimhbm import faults
 
+from pimhbm_cli import options
 from pimhbm_cli.options import add_device, non_negative_int, positive_int
 
 
@@ -160,7 +160,7 @@ def _nonfinite_table(console, damage: Damage, found: Found, leaves: dict, chunk:
 
 
 def run(args: Any) -> int:
-    console = Console()
+    console = options.console()
     if args.device:
         jax.config.update("jax_default_device", jax.devices(args.device)[0])
     chunk = args.chunk_bytes or pimhbm.DEFAULT_CHUNK_BYTES

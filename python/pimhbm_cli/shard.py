@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pimhbm_cli import options
 from pimhbm_cli.options import positive_int
 
 
@@ -20,12 +21,11 @@ def run(args: Any) -> int:
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from rich.console import Console
     from rich.table import Table
 
     import pimhbm
 
-    console = Console()
+    console = options.console()
     devices = jax.devices()
     n = len(devices)
     if args.rows % n:

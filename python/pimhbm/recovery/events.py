@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 from typing import Any
 
 from pimhbm.recovery.layout import ChunkRef
+
+log = logging.getLogger("pimhbm.recovery")
 
 
 class IncidentKind(enum.StrEnum):
@@ -80,6 +83,19 @@ class Incident:
                 "locations": [loc._asdict() for loc in self.locations],
                 "sources": list(self.sources), "snapshot_step": self.snapshot_step,
                 "detail": self.detail, "devices": list(self.devices), "unlisted": self.unlisted}
+
+
+def record(stats: "RunStats", incidents: list[Incident]) -> None:
+    """Incidents into the run's statistics, each logged once as it is written: a warning where
+    the damage stays, else information."""
+    for inc in incidents:
+        where = ", ".join(f"device {l.device} {l.leaf}/{l.tensor} chunk {l.chunk}"
+                          for l in inc.locations[:3])
+        more = f" and {len(inc.locations) - 3} more" if len(inc.locations) > 3 else ""
+        level = logging.INFO if inc.action.repaired or inc.kind is IncidentKind.TELEMETRY else logging.WARNING
+        log.log(level, "step %d: %s%s: %s", inc.step, inc.kind.value,
+                f" at {where}{more}" if where else "", inc.describe())
+        stats.incidents.append(inc)
 
 
 @dataclasses.dataclass
