@@ -11,6 +11,7 @@ computed from the two final states; a missed fault or a mismatch exits non-zero.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -260,7 +261,7 @@ def _print_what_the_cost_means(console, cfg, device) -> None:
 def _metrics(args, cfg, device, runs: Runs, verdict: Verdict, plain: float) -> dict:
     stats, ref = runs.stats, runs.ref_stats
     return {
-        "model": cfg.__dict__, "steps": args.steps, "batch": args.batch, "seq": args.seq,
+        "model": dataclasses.asdict(cfg), "steps": args.steps, "batch": args.batch, "seq": args.seq,
         "seed": args.seed, "device": f"{device.platform} ({device.device_kind})",
         "faults": verdict.table, "steps_committed": stats.steps_committed,
         "steps_skipped": stats.steps_skipped, "steps_replayed": stats.steps_replayed,
