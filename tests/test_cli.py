@@ -90,3 +90,33 @@ def test_output_to_a_file_is_not_wrapped_at_80_columns(tmp_path, capsys):
     line = "x" * 150
     options.console().print(line)
     assert line in capsys.readouterr().out  # pytest captures: not a terminal
+
+
+def test_the_progress_line_never_counts_a_later_fault_as_found():
+    from types import SimpleNamespace
+
+    from pimhbm_cli.demo import progress_counts
+
+    class Planned(SimpleNamespace):
+        pass
+
+    class FakeCampaign:
+        plan = [Planned(step=3), Planned(step=9)]
+
+        def check(self, stats):
+            for f in self.plan:  # both found: the step-9 fault by a step in flight
+                f.detected = f.repaired = True
+
+    assert progress_counts(FakeCampaign(), None, 5) == (1, 1, 1)
+    assert progress_counts(FakeCampaign(), None, 9) == (2, 2, 2)
+
+
+def test_report_plot_writes_a_picture_of_a_run(tmp_path):
+    import pimhbm
+    from pimhbm.recovery.events import Action, Incident, IncidentKind, RunStats
+    stats = RunStats(losses={s: 3.0 / s for s in range(1, 30)})
+    stats.incidents.append(Incident(7, IncidentKind.STATE, (), Action.REPAIRED_FROM_REPLICA))
+    path = pimhbm.report.plot(stats, str(tmp_path / "loss.png"), reference=stats)
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no losses"):
+        pimhbm.report.plot(RunStats(), str(tmp_path / "empty.png"))

@@ -26,13 +26,13 @@ import optax
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from pimhbm import report
 from pimhbm.backup import HostBackup
 from pimhbm.campaign import KINDS, Campaign, unlocated_note
 from pimhbm.models import llama3
 from pimhbm.train import llama_trainer, text_batches, warmup_cosine
-from pimhbm_cli.data import corpus_bytes
-
 from pimhbm_cli import options
+from pimhbm_cli.data import corpus_bytes
 from pimhbm_cli.options import add_device, non_negative_int, positive_int
 
 
@@ -64,10 +64,7 @@ def _run(console, title, trainer, steps, campaign=None):
         def update(step, stats):
             faults = ""
             if campaign is not None and (step % 5 == 0 or step == steps):
-                table = campaign.check(stats)
-                inj = sum(f.step <= step for f in campaign.plan)
-                det = sum(r["detected"] for r in table.values())
-                rep = sum(r["repaired"] for r in table.values())
+                inj, det, rep = progress_counts(campaign, stats, step)
                 faults = f"faults injected {inj:>3} detected {det:>3} repaired {rep:>3}"
             progress.update(task, completed=step, loss=f"{stats.losses[step]:.3f}",
                             **({"faults": faults} if faults else {}))
@@ -77,6 +74,15 @@ def _run(console, title, trainer, steps, campaign=None):
 
         stats = trainer.run(steps, campaign=campaign, progress=update)
         return stats, time.perf_counter() - t0
+
+
+def progress_counts(campaign: Campaign, stats: Any, step: int) -> tuple[int, int, int]:
+    """Faults injected up to ``step``, and of those, how many were detected and repaired: a
+    fault of a later step (already met by a step in flight, or on a replay) is not counted
+    before its step is, so the line never shows more found than injected."""
+    campaign.check(stats)  # marks each planned fault
+    due = [f for f in campaign.plan if f.step <= step]
+    return len(due), sum(f.detected for f in due), sum(f.repaired for f in due)
 
 
 def _attention() -> str | None:
@@ -116,32 +122,6 @@ def _plain_step_seconds(cfg, data, args, device) -> float:
         state, loss = step(state, jax.device_put(batch_fn(s), device), np.float32(lr_of(s)))
     jax.block_until_ready(loss)
     return (time.perf_counter() - t0) / args.steps
-
-
-def _plot(path, ref_losses, losses, campaign, kinds, identical):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 5), dpi=120)
-    steps = sorted(ref_losses)
-    ax.plot(steps, [ref_losses[s] for s in steps], lw=2.5, color="#9ecae1", label="without faults")
-    steps = sorted(losses)
-    ax.plot(steps, [losses[s] for s in steps], lw=1, color="#08519c", label="under the fault campaign")
-    colors = dict(zip(KINDS, ["#e41a1c", "#ff7f00", "#984ea3", "#4daf4a", "#f781bf", "#a65628"]))
-    ymax = max(max(ref_losses.values()), max(losses.values()))
-    for kind in kinds:
-        xs = [f.step for f in campaign.plan if f.kind == kind]
-        ax.scatter(xs, [ymax * 1.02] * len(xs), marker="v", s=18, color=colors[kind],
-                   label=f"{kind} ({len(xs)})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats per byte)")
-    ax.set_title("Llama-3 (tiny) under protection: the two runs end " +
-                 ("bit-identical" if identical else "DIFFERENT"))
-    ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
 
 
 class Runs(NamedTuple):
@@ -322,7 +302,9 @@ def run(args: Any) -> int:
     with open(os.path.join(args.out, "metrics.json"), "w") as f:
         json.dump(_metrics(args, cfg, device, runs, verdict, plain), f, indent=1)
     plot = os.path.join(args.out, "loss.png")
-    _plot(plot, runs.ref_stats.losses, runs.stats.losses, runs.campaign, kinds, verdict.identical)
+    report.plot(runs.stats, plot, reference=runs.ref_stats, campaign=runs.campaign,
+                title="Llama-3 (tiny) under protection: the two runs end " +
+                      ("bit-identical" if verdict.identical else "DIFFERENT"))
     console.print(f"metrics: {os.path.join(args.out, 'metrics.json')}; plot: {plot}")
     _print_verdict(console, verdict)
     return 0 if verdict.ok else 1
