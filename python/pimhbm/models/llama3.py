@@ -262,11 +262,20 @@ def hf_names(cfg: Config) -> dict[str, tuple]:
     return names
 
 
+def _safetensors():
+    try:
+        from safetensors import numpy as st
+    except ImportError:
+        raise ImportError("reading and writing checkpoints needs the safetensors package: "
+                          "pip install safetensors (or pim-hbm-bypass[hf])") from None
+    return st
+
+
 def load_safetensors(paths: str | list[str], cfg: Config) -> dict[str, Any]:
     """Weights from Hugging Face safetensors file(s), checked against ``cfg`` by name, shape
     and completeness, cast to the parameter dtype. (With tied embeddings a file's
     lm_head.weight, which some checkpoints keep, is not used.)"""
-    from safetensors.numpy import load_file
+    load_file = _safetensors().load_file
 
     tensors: dict[str, np.ndarray] = {}
     for path in [paths] if isinstance(paths, str) else paths:
@@ -295,7 +304,7 @@ def load_safetensors(paths: str | list[str], cfg: Config) -> dict[str, Any]:
 
 def save_safetensors(params: dict[str, Any], path: str, cfg: Config) -> None:
     """Writes the parameters under their Hugging Face names (float32)."""
-    from safetensors.numpy import save_file
+    save_file = _safetensors().save_file
 
     out = {}
     for name, tree_path in hf_names(cfg).items():
