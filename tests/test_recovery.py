@@ -865,3 +865,15 @@ def test_what_the_engine_does_is_logged(shm_name, fault_free, caplog):
     assert "replaying steps 12-" in text
     assert "snapshot in slot" in text
     assert tr.current_state().keys() == fault_free[20].keys()
+
+
+def test_prewarm_says_how_many_programs_of_how_many(shm_name):
+    seen = []
+    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+    tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=shm_name, devices=jax.devices()[:1])
+    tr.prewarm(progress=lambda done, total, what: seen.append((done, total, what)))
+    total = len(tr.programs)
+    assert [d for d, _, _ in seen] == list(range(1, total + 1))
+    assert {t for _, t, _ in seen} == {total}
+    assert {"the step", "the scrub", "a repair", "a snapshot"} <= {w for _, _, w in seen}
+    tr.close(unlink=True)

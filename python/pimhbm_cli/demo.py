@@ -157,6 +157,25 @@ class Verdict(NamedTuple):
         return self.identical and not (self.missed or self.unrepaired or self.compiles)
 
 
+def _prewarm(console, trainer, title: str) -> dict:
+    """The trainer's prewarm with a bar of its programs (on a terminal; a line a quarter of the
+    way in a log)."""
+    with Progress(TextColumn(f"  {title}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TextColumn("{task.fields[what]}"), console=console, transient=True,
+                  disable=not console.is_terminal) as bar:
+        task = bar.add_task(title, total=None, what="")
+        quarters = set()
+
+        def tick(done, total, what):
+            bar.update(task, completed=done, total=total, what=what)
+            quarter = 4 * done // total
+            if not console.is_terminal and quarter not in quarters and quarter:
+                quarters.add(quarter)
+                console.print(f"  {title}: {done}/{total} programs", highlight=False)
+
+        return trainer.prewarm(progress=tick)
+
+
 def _both_runs(console, cfg, data, args, device, kinds) -> Runs:
     """Run 1 without faults, run 2 the same under the campaign: the same compiled programs
     (fault hooks included), host snapshots in shared memory (removed at the end)."""
@@ -165,13 +184,13 @@ def _both_runs(console, cfg, data, args, device, kinds) -> Runs:
                   inject_gradients=True, devices=[device], attention_impl=_attention())
     try:
         clean = llama_trainer(cfg, data, **common, shm_name=names[0])
-        pre = clean.prewarm()
+        pre = _prewarm(console, clean, "prewarm")
         console.print(f"prewarm: {pre['programs']} programs compiled from shapes in "
                       f"{pre['seconds']:.1f} s")
         ref_stats, ref_seconds = _run(console, "without faults", clean, args.steps)
         ref_state = clean.current_state()
         faulty = llama_trainer(cfg, data, **common, shm_name=names[1])
-        faulty.prewarm()
+        _prewarm(console, faulty, "prewarm (the same programs, from the cache)")
         campaign = Campaign(faulty, {k: args.faults for k in kinds}, last_step=args.steps,
                             seed=args.seed + 1)
         stats, _ = _run(console, "under faults", faulty, args.steps, campaign)

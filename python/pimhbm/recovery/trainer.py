@@ -212,12 +212,14 @@ class Trainer:
 
     # -- before and between runs -----------------------------------------------------------------
 
-    def prewarm(self, cache_dir: str | None = None) -> dict[str, int]:
+    def prewarm(self, cache_dir: str | None = None,
+                progress: Callable[[int, int, str], None] | None = None) -> dict[str, int]:
         """Compiles every program the run can need -- the step, the repairs, the scrub, the
         snapshots, fault injection -- from shapes alone (no device memory is touched), and
         starts counting compilations. ``cache_dir``: a persistent compilation cache, keyed by
-        this library's version (a sub-folder per version)."""
-        _, self.prewarm_seconds = prewarm(self.compiler, self.backup, cache_dir)
+        this library's version (a sub-folder per version). ``progress(done, total, what)`` is
+        called after each program."""
+        _, self.prewarm_seconds = prewarm(self.compiler, self.backup, cache_dir, progress)
         self.counter.count = 0
         return {"programs": len(self.programs), "seconds": round(self.prewarm_seconds, 2)}
 
