@@ -252,3 +252,148 @@ def test_llama3_tool_as_two_processes_with_fsdp(tmp_path):
     assert all(row["missed"] == 0 and row["repaired"] == row["injected"]
                for row in r["campaign"]["faults"].values())
     assert r["campaign"]["reference_incidents"] == 0
+
+
+# -- a Hugging Face model directory: config.json, shards and their index -------------------------
+
+def np_inv_freq(d, theta, scaling=None):
+    """Llama 3.1's scaled rotary frequencies, written from its definition."""
+    inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
+    if scaling is None:
+        return inv
+    factor, low, high, old = (scaling["factor"], scaling["low_freq_factor"],
+                              scaling["high_freq_factor"], scaling["original_max_position_embeddings"])
+    out = []
+    for f in inv:
+        wavelen = 2 * np.pi / f
+        if wavelen < old / high:
+            out.append(f)
+        elif wavelen > old / low:
+            out.append(f / factor)
+        else:
+            s = (old / wavelen - low) / (high - low)
+            out.append((1 - s) * f / factor + s * f)
+    return np.array(out)
+
+
+def np_forward_hf(tensors, config, tokens):
+    """Logits of a Hugging Face Llama checkpoint (tensors by their names, config.json's dict)."""
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    d = config["hidden_size"] // heads
+    inv = np_inv_freq(d, config["rope_theta"], config.get("rope_scaling"))
+    eps = config["rms_norm_eps"]
+
+    def rope(x):
+        ang = np.arange(x.shape[0])[:, None] * inv[None, :]
+        cos = np.concatenate([np.cos(ang)] * 2, -1)[:, None, :]
+        sin = np.concatenate([np.sin(ang)] * 2, -1)[:, None, :]
+        return x * cos + np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1) * sin
+
+    w = {k: np.asarray(v, np.float64) for k, v in tensors.items()}
+    outs = []
+    for seq in tokens:
+        x, t = w["model.embed_tokens.weight"][seq], len(seq)
+        for i in range(config["num_hidden_layers"]):
+            pre = f"model.layers.{i}."
+            h = np_rms(x, w[pre + "input_layernorm.weight"], eps)
+            q = rope((h @ w[pre + "self_attn.q_proj.weight"].T).reshape(t, heads, d))
+            k = rope((h @ w[pre + "self_attn.k_proj.weight"].T).reshape(t, kv_heads, d))
+            v = (h @ w[pre + "self_attn.v_proj.weight"].T).reshape(t, kv_heads, d)
+            out = np.zeros((t, heads, d))
+            for hd in range(heads):
+                s = q[:, hd] @ k[:, hd // (heads // kv_heads)].T / np.sqrt(d)
+                s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+                p = np.exp(s - s.max(-1, keepdims=True))
+                out[:, hd] = (p / p.sum(-1, keepdims=True)) @ v[:, hd // (heads // kv_heads)]
+            x = x + out.reshape(t, -1) @ w[pre + "self_attn.o_proj.weight"].T
+            h = np_rms(x, w[pre + "post_attention_layernorm.weight"], eps)
+            g = h @ w[pre + "mlp.gate_proj.weight"].T
+            x = x + ((g / (1 + np.exp(-g))) * (h @ w[pre + "mlp.up_proj.weight"].T)) @ \
+                w[pre + "mlp.down_proj.weight"].T
+        head = w["lm_head.weight"] if not config["tie_word_embeddings"] else w["model.embed_tokens.weight"]
+        outs.append(np_rms(x, w["model.norm.weight"], eps) @ head.T)
+    return np.stack(outs)
+
+
+def write_hf_directory(path, rng, config, shards=2):
+    """A model directory as Hugging Face writes it: config.json, the weights split over shards
+    and model.safetensors.index.json naming them."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    d = hidden // heads
+    tensors = {"model.embed_tokens.weight": (config["vocab_size"], hidden),
+               "model.norm.weight": (hidden,)}
+    if not config["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = (config["vocab_size"], hidden)
+    for i in range(config["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        tensors |= {pre + "self_attn.q_proj.weight": (heads * d, hidden),
+                    pre + "self_attn.k_proj.weight": (kv * d, hidden),
+                    pre + "self_attn.v_proj.weight": (kv * d, hidden),
+                    pre + "self_attn.o_proj.weight": (hidden, heads * d),
+                    pre + "mlp.gate_proj.weight": (inter, hidden),
+                    pre + "mlp.up_proj.weight": (inter, hidden),
+                    pre + "mlp.down_proj.weight": (hidden, inter),
+                    pre + "input_layernorm.weight": (hidden,),
+                    pre + "post_attention_layernorm.weight": (hidden,)}
+    tensors = {k: (0.3 * rng.standard_normal(s)).astype(np.float32) for k, s in tensors.items()}
+    names = sorted(tensors)
+    weight_map = {}
+    for j in range(shards):
+        file = f"model-{j + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[j::shards]
+        save_file({k: tensors[k] for k in part}, str(path / file))
+        weight_map |= {k: file for k in part}
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(config))
+    return tensors
+
+
+HF_CONFIG = {"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 160,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+             "hidden_act": "silu",
+             "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_hugging_face_directory_loads_and_computes_what_its_definition_says(tmp_path, rng, tied):
+    config = HF_CONFIG | {"tie_word_embeddings": tied}
+    tensors = write_hf_directory(tmp_path, rng, config)
+    params, cfg = llama3.load_hf(str(tmp_path), dtype="float32")
+    assert cfg.tie_embeddings is tied and ("lm_head" in params) is not tied
+    assert cfg.rope_scaling == llama3.RopeScaling(4.0, 1.0, 4.0, 64)
+    assert (cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.vocab) == (4, 2, 16, 96)
+    tokens = rng.integers(0, cfg.vocab, size=(2, 23)).astype(np.int32)
+    got = np.asarray(llama3.forward(params, tokens, cfg))
+    want = np_forward_hf(tensors, config, tokens)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
+    # Without the scaling the logits differ: the test sees the frequencies.
+    plain = np_forward_hf(tensors, config | {"rope_scaling": None}, tokens)
+    assert np.linalg.norm(got - plain) / np.linalg.norm(want) > 1e-3
+
+
+def test_what_a_model_directory_may_not_say_is_refused_by_name(tmp_path, rng):
+    import json
+    write_hf_directory(tmp_path, rng, HF_CONFIG)
+    index = tmp_path / "model.safetensors.index.json"
+    good = json.loads(index.read_text())
+    index.write_text(json.dumps({"weight_map": {"model.norm.weight": "../elsewhere.safetensors"}}))
+    with pytest.raises(ValueError, match="shards must be .safetensors files in the model's directory"):
+        llama3.load_hf(str(tmp_path))
+    index.write_text(json.dumps(good))
+    for bad, match in (({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+                       ({"model_type": "mistral"}, "not a Llama"),
+                       ({"num_attention_heads": "4"}, "num_attention_heads must be int")):
+        (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG | bad))
+        with pytest.raises(ValueError, match=match):
+            llama3.load_hf(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not JSON"):
+        llama3.load_hf(str(tmp_path))

@@ -558,3 +558,13 @@ def test_a_flipped_bit_of_the_step_counter_changes_nothing(rng, copy, bit):
     # Positive control: the same bit flipped in two copies is believed, and the run differs.
     twice = run([copy, (copy + 1) % 3])
     assert int(twice.step) != 6 and bits(current_view(twice)) != bits(current_view(clean))
+
+
+@pytest.mark.parametrize("api", ["optax.chain", "as_transformation"])
+def test_used_as_an_optax_transformation_it_says_what_to_use_instead(rng, api):
+    params = random_params(rng)
+    opt = pimhbm.adamw(LR)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), opt) if api == "optax.chain" else opt
+    state = tx.init(params)  # construction and init cannot tell
+    with pytest.raises(TypeError, match="not an optax GradientTransformation.*pimhbm.guard"):
+        tx.update(random_grads(rng, params), state, params)

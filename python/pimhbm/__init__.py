@@ -66,3 +66,4 @@ from pimhbm.telemetry import Health, DeviceHealth, Monitor, health  # noqa: E402
 
 __all__ += ["Health", "DeviceHealth", "Monitor", "health"]
 from pimhbm import peer  # noqa: E402,F401
+from pimhbm import report  # noqa: E402,F401

@@ -146,6 +146,25 @@ class AdamWState:
         return cls(tuple(slots), current, step_copies, device_copy)
 
 
+def _check_learning_rate(learning_rate: Any) -> None:
+    """A learning rate is a number or a scalar. Anything else is most likely the parameters, passed
+    by an API that takes this optimizer for an optax GradientTransformation
+    (``update(updates, state, params)``): say so, and what to use."""
+    if learning_rate is None or isinstance(learning_rate, (int, float, np.number)):
+        return
+    shape = getattr(learning_rate, "shape", None)
+    if shape == ():
+        return
+    raise TypeError(
+        f"pimhbm.adamw: update's third argument is the learning rate, got "
+        f"{type(learning_rate).__name__}{'' if shape is None else tuple(shape)}. If an optax or "
+        "flax API called it as update(updates, state, params): pimhbm.adamw is not an optax "
+        "GradientTransformation -- it updates the parameters its state holds and returns "
+        "(state, report), not updates to apply. Call it in your step (state, report = "
+        "opt.update(grads, state)), or wrap an optax transformation with pimhbm.guard(tx) for "
+        "commit-or-skip in optax's form.")
+
+
 def step_majority(copies: jax.Array) -> jax.Array:
     """The bitwise majority of three int32 copies (a bit is set where two of them set it)."""
     a, b, c = copies[0], copies[1], copies[2]
@@ -292,6 +311,7 @@ class AdamW:
         ``gate`` (a device bool): when false on any device the step does not commit either (the
         recovery engine holds steps back this way until a skipped one has been replayed)."""
         ensure_registered()
+        _check_learning_rate(learning_rate)
         if (state.device_copy is not None) != self.device_copy:
             raise ValueError("the state was made with device_copy="
                              f"{state.device_copy is not None}, this optimizer has {self.device_copy}")

@@ -9,6 +9,8 @@ import importlib
 import os
 import sys
 
+from pimhbm_cli import options
+
 # name -> (module, one line of help); `pimhbm NAME --help` shows the module's docstring too
 COMMANDS = {
     "demo": ("demo", "the main job: train a Llama-3 twice, with and without a fault campaign, "
@@ -38,13 +40,15 @@ def _needs_exact_replay(args: argparse.Namespace) -> bool:
 def _parser() -> argparse.ArgumentParser:
     import pimhbm
 
-    parser = argparse.ArgumentParser(prog="pimhbm", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pimhbm", description=options.plain(__doc__),
+                                     formatter_class=options.HelpFormatter)
     parser.add_argument("--version", action="version", version=f"pimhbm {pimhbm.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
         module = _module(name)
-        module.add_arguments(sub.add_parser(name, help=help_text, description=module.__doc__,
-                                            formatter_class=argparse.RawDescriptionHelpFormatter))
+        module.add_arguments(sub.add_parser(name, help=help_text,
+                                            description=options.plain(module.__doc__),
+                                            formatter_class=options.HelpFormatter))
     return parser
 
 

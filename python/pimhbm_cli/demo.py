@@ -11,6 +11,7 @@ computed from the two final states; a missed fault or a mismatch exits non-zero.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -22,30 +23,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from pimhbm import report
 from pimhbm.backup import HostBackup
 from pimhbm.campaign import KINDS, Campaign, unlocated_note
 from pimhbm.models import llama3
 from pimhbm.train import llama_trainer, text_batches, warmup_cosine
+from pimhbm_cli import options
 from pimhbm_cli.data import corpus_bytes
+from pimhbm_cli.options import add_device, non_negative_int, positive_int
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
-    p.add_argument("--faults", type=int, default=12, help="faults of each kind (default 12)")
-    p.add_argument("--kinds", nargs="*", default=None,
-                   help="fault kinds (default: all of param_flip master_flip moment_flip "
-                        "row_burst grad_nonfinite double_fault)")
-    p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
-    p.add_argument("--hidden", type=int, default=64, help="model width (default 64)")
-    p.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
-    p.add_argument("--seq", type=int, default=64, help="bytes per sequence (default 64)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--steps", type=positive_int, default=300, help="training steps")
+    p.add_argument("--faults", type=non_negative_int, default=12, help="faults of each kind")
+    p.add_argument("--kinds", nargs="*", default=None, choices=list(KINDS), metavar="KIND",
+                   help="fault kinds (default: all of " + " ".join(KINDS) + ")")
+    p.add_argument("--layers", type=positive_int, default=2, help="decoder layers")
+    p.add_argument("--hidden", type=positive_int, default=64, help="model width")
+    p.add_argument("--batch", type=positive_int, default=16, help="sequences per step")
+    p.add_argument("--seq", type=positive_int, default=64, help="bytes per sequence")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--out", default="demo-out", help="folder for metrics.json and loss.png")
-    p.add_argument("--device", default=None, help="cpu or gpu (default: JAX's default)")
+    add_device(p)
 
 def _run(console, title, trainer, steps, campaign=None):
     """Runs with a live progress bar (a line every tenth of the run when the output is not a
@@ -62,10 +64,7 @@ def _run(console, title, trainer, steps, campaign=None):
         def update(step, stats):
             faults = ""
             if campaign is not None and (step % 5 == 0 or step == steps):
-                table = campaign.check(stats)
-                inj = sum(f.step <= step for f in campaign.plan)
-                det = sum(r["detected"] for r in table.values())
-                rep = sum(r["repaired"] for r in table.values())
+                inj, det, rep = progress_counts(campaign, stats, step)
                 faults = f"faults injected {inj:>3} detected {det:>3} repaired {rep:>3}"
             progress.update(task, completed=step, loss=f"{stats.losses[step]:.3f}",
                             **({"faults": faults} if faults else {}))
@@ -75,6 +74,15 @@ def _run(console, title, trainer, steps, campaign=None):
 
         stats = trainer.run(steps, campaign=campaign, progress=update)
         return stats, time.perf_counter() - t0
+
+
+def progress_counts(campaign: Campaign, stats: Any, step: int) -> tuple[int, int, int]:
+    """Faults injected up to ``step``, and of those, how many were detected and repaired: a
+    fault of a later step (already met by a step in flight, or on a replay) is not counted
+    before its step is, so the line never shows more found than injected."""
+    campaign.check(stats)  # marks each planned fault
+    due = [f for f in campaign.plan if f.step <= step]
+    return len(due), sum(f.detected for f in due), sum(f.repaired for f in due)
 
 
 def _attention() -> str | None:
@@ -116,32 +124,6 @@ def _plain_step_seconds(cfg, data, args, device) -> float:
     return (time.perf_counter() - t0) / args.steps
 
 
-def _plot(path, ref_losses, losses, campaign, kinds, identical):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 5), dpi=120)
-    steps = sorted(ref_losses)
-    ax.plot(steps, [ref_losses[s] for s in steps], lw=2.5, color="#9ecae1", label="without faults")
-    steps = sorted(losses)
-    ax.plot(steps, [losses[s] for s in steps], lw=1, color="#08519c", label="under the fault campaign")
-    colors = dict(zip(KINDS, ["#e41a1c", "#ff7f00", "#984ea3", "#4daf4a", "#f781bf", "#a65628"]))
-    ymax = max(max(ref_losses.values()), max(losses.values()))
-    for kind in kinds:
-        xs = [f.step for f in campaign.plan if f.kind == kind]
-        ax.scatter(xs, [ymax * 1.02] * len(xs), marker="v", s=18, color=colors[kind],
-                   label=f"{kind} ({len(xs)})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats per byte)")
-    ax.set_title("Llama-3 (tiny) under protection: the two runs end " +
-                 ("bit-identical" if identical else "DIFFERENT"))
-    ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 class Runs(NamedTuple):
     """The two runs of the demo: without faults, and under the campaign."""
 
@@ -175,6 +157,25 @@ class Verdict(NamedTuple):
         return self.identical and not (self.missed or self.unrepaired or self.compiles)
 
 
+def _prewarm(console, trainer, title: str) -> dict:
+    """The trainer's prewarm with a bar of its programs (on a terminal; a line a quarter of the
+    way in a log)."""
+    with Progress(TextColumn(f"  {title}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TextColumn("{task.fields[what]}"), console=console, transient=True,
+                  disable=not console.is_terminal) as bar:
+        task = bar.add_task(title, total=None, what="")
+        quarters = set()
+
+        def tick(done, total, what):
+            bar.update(task, completed=done, total=total, what=what)
+            quarter = 4 * done // total
+            if not console.is_terminal and quarter not in quarters and quarter:
+                quarters.add(quarter)
+                console.print(f"  {title}: {done}/{total} programs", highlight=False)
+
+        return trainer.prewarm(progress=tick)
+
+
 def _both_runs(console, cfg, data, args, device, kinds) -> Runs:
     """Run 1 without faults, run 2 the same under the campaign: the same compiled programs
     (fault hooks included), host snapshots in shared memory (removed at the end)."""
@@ -183,13 +184,13 @@ def _both_runs(console, cfg, data, args, device, kinds) -> Runs:
                   inject_gradients=True, devices=[device], attention_impl=_attention())
     try:
         clean = llama_trainer(cfg, data, **common, shm_name=names[0])
-        pre = clean.prewarm()
+        pre = _prewarm(console, clean, "prewarm")
         console.print(f"prewarm: {pre['programs']} programs compiled from shapes in "
                       f"{pre['seconds']:.1f} s")
         ref_stats, ref_seconds = _run(console, "without faults", clean, args.steps)
         ref_state = clean.current_state()
         faulty = llama_trainer(cfg, data, **common, shm_name=names[1])
-        faulty.prewarm()
+        _prewarm(console, faulty, "prewarm (the same programs, from the cache)")
         campaign = Campaign(faulty, {k: args.faults for k in kinds}, last_step=args.steps,
                             seed=args.seed + 1)
         stats, _ = _run(console, "under faults", faulty, args.steps, campaign)
@@ -259,7 +260,7 @@ def _print_what_the_cost_means(console, cfg, device) -> None:
 def _metrics(args, cfg, device, runs: Runs, verdict: Verdict, plain: float) -> dict:
     stats, ref = runs.stats, runs.ref_stats
     return {
-        "model": cfg.__dict__, "steps": args.steps, "batch": args.batch, "seq": args.seq,
+        "model": dataclasses.asdict(cfg), "steps": args.steps, "batch": args.batch, "seq": args.seq,
         "seed": args.seed, "device": f"{device.platform} ({device.device_kind})",
         "faults": verdict.table, "steps_committed": stats.steps_committed,
         "steps_skipped": stats.steps_skipped, "steps_replayed": stats.steps_replayed,
@@ -269,14 +270,7 @@ def _metrics(args, cfg, device, runs: Runs, verdict: Verdict, plain: float) -> d
         "seconds_per_protected_step": runs.ref_seconds / args.steps,
         "seconds_per_plain_step": plain,
         "bit_identical": verdict.identical, "differing_tensors": verdict.differing,
-        "telemetry": stats.telemetry,
-        "telemetry_events": [e.__dict__ | {"run": run} for run, st in
-                             (("without faults", ref), ("under faults", stats))
-                             for e in st.telemetry_events],
-        "suspect_devices": sorted(ref.suspect_devices | stats.suspect_devices),
-        "losses_without_faults": ref.losses, "losses_under_faults": stats.losses,
-        "incidents": [{"step": i.step, "kind": str(i.kind), "action": i.describe(),
-                       "locations": [list(l) for l in i.locations]} for i in stats.incidents],
+        "run_without_faults": ref.to_dict(), "run_under_faults": stats.to_dict(),
         "faults_planned": [{"step": f.step, "kind": f.kind, "tensor": f"{f.path}/{f.tensor}",
                             "chunks": list(f.chunks), "detected": f.detected,
                             "repaired": f.repaired} for f in runs.campaign.plan],
@@ -304,14 +298,11 @@ def _print_verdict(console, verdict: Verdict) -> None:
 
 
 def run(args: Any) -> int:
-    console = Console()
+    console = options.console()
     if args.device:
         jax.config.update("jax_default_device", jax.devices(args.device)[0])
     device = jax.devices(args.device)[0] if args.device else jax.devices()[0]
-    kinds = args.kinds or list(KINDS)
-    if unknown := set(kinds) - set(KINDS):
-        console.print(f"[red]unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}[/]")
-        return 2
+    kinds = args.kinds or list(KINDS)  # the parser took only known kinds
     os.makedirs(args.out, exist_ok=True)
     cfg = llama3.tiny(layers=args.layers, hidden=args.hidden)
     data = corpus_bytes()
@@ -330,7 +321,9 @@ def run(args: Any) -> int:
     with open(os.path.join(args.out, "metrics.json"), "w") as f:
         json.dump(_metrics(args, cfg, device, runs, verdict, plain), f, indent=1)
     plot = os.path.join(args.out, "loss.png")
-    _plot(plot, runs.ref_stats.losses, runs.stats.losses, runs.campaign, kinds, verdict.identical)
+    report.plot(runs.stats, plot, reference=runs.ref_stats, campaign=runs.campaign,
+                title="Llama-3 (tiny) under protection: the two runs end " +
+                      ("bit-identical" if verdict.identical else "DIFFERENT"))
     console.print(f"metrics: {os.path.join(args.out, 'metrics.json')}; plot: {plot}")
     _print_verdict(console, verdict)
     return 0 if verdict.ok else 1

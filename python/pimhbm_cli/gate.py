@@ -6,24 +6,26 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pimhbm_cli import options
+from pimhbm_cli.options import non_negative_int, positive_int
+
 
 def add_arguments(p) -> None:
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--nonfinite", type=int, default=7, help="NaN/Inf to inject (default 7)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=positive_int, default=2, help="decoder layers")
+    p.add_argument("--hidden", type=positive_int, default=64, help="model width")
+    p.add_argument("--nonfinite", type=non_negative_int, default=7, help="NaN/Inf to inject")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
 
 
 def run(args: Any) -> int:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from rich.console import Console
 
     import pimhbm
     from pimhbm.models import llama3
 
-    console = Console()
+    console = options.console()
     dev = jax.devices()[0]
     cfg = llama3.tiny(layers=args.layers, hidden=args.hidden)
     opt = pimhbm.adamw(1e-3, master_weights=True, device_copy=True)

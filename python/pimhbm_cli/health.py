@@ -14,15 +14,18 @@ import json
 import time
 from typing import Any
 
+from pimhbm_cli import options
+from pimhbm_cli.options import positive_float, positive_int
+
 
 def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document per reading")
-    p.add_argument("--watch", type=float, default=None, metavar="N",
+    p.add_argument("--watch", type=positive_float, default=None, metavar="N",
                    help="read again every N seconds, and list driver events as they come "
                         "(Ctrl-C ends)")
     p.add_argument("--library", default=None,
                    help="NVML's path (default libnvidia-ml.so.1, or $PIMHBM_NVML_LIBRARY)")
-    p.add_argument("--count", type=int, default=None,
+    p.add_argument("--count", type=positive_int, default=None,
                    help="with --watch: stop after this many readings")
 
 
@@ -73,11 +76,10 @@ def _print(console, h) -> None:
 
 
 def run(args: Any) -> int:
-    from rich.console import Console
 
     from pimhbm.telemetry import Monitor, health
 
-    console = Console()
+    console = options.console()
     h = health(args.library)
     if not h.available:
         if args.json:

@@ -30,28 +30,30 @@ import numpy as np
 
 from pimhbm_cli import llama3_report as report
 from pimhbm_cli import processes
+from pimhbm_cli import options
+from pimhbm_cli.options import non_negative_int, positive_int
 
 ROUNDS = 5  # timed rounds of each step, alternating plain and protected
 PROFILE_STEPS = 6  # steps traced of each kind (fewer when --steps is smaller)
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--layers", type=int, default=2, help="decoder layers of 8B dimensions (default 2)")
-    p.add_argument("--tokens", type=int, default=16384, help="tokens per step (default 16384)")
-    p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
-    p.add_argument("--vocab", type=int, default=8192,
-                   help="vocabulary (default 8192: the layers, not the LM head, are measured)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
-    p.add_argument("--campaign-steps", type=int, default=30, help="steps of the fault campaign")
-    p.add_argument("--faults", type=int, default=2, help="faults of each kind in the campaign")
+    p.add_argument("--layers", type=positive_int, default=2, help="decoder layers of 8B dimensions")
+    p.add_argument("--tokens", type=positive_int, default=16384, help="tokens per step")
+    p.add_argument("--seq", type=positive_int, default=4096, help="sequence length")
+    p.add_argument("--vocab", type=positive_int, default=8192,
+                   help="vocabulary (small: the layers, not the LM head, are measured)")
+    p.add_argument("--steps", type=positive_int, default=20, help="timed steps")
+    p.add_argument("--campaign-steps", type=positive_int, default=30, help="steps of the fault campaign")
+    p.add_argument("--faults", type=non_negative_int, default=2, help="faults of each kind in the campaign")
     p.add_argument("--no-campaign", action="store_true", help="only the timings")
     p.add_argument("--deterministic", action="store_true",
                    help="set XLA_FLAGS=--xla_gpu_deterministic_ops=true (needed for bit-identical "
                         "replays on GPUs)")
-    p.add_argument("--devices", type=int, default=1,
-                   help="data parallel over this many GPUs (default 1); both steps sharded alike")
-    p.add_argument("--shard", type=int, default=1,
-                   help="FSDP: each replica's parameters split over this many devices (default 1)")
+    p.add_argument("--devices", type=positive_int, default=1,
+                   help="data parallel over this many GPUs; both steps sharded alike")
+    p.add_argument("--shard", type=positive_int, default=1,
+                   help="FSDP: each replica's parameters split over this many devices")
     p.add_argument("--tiny", action="store_true",
                    help="the tiny configuration of the same code instead of 8B dimensions (a "
                         "check of the tool on a CPU)")
@@ -63,9 +65,9 @@ def add_arguments(p) -> None:
                    help="keep no device copy of the state: every damaged chunk is pulled from "
                         "another replica (needs more devices than --shard); the update writes "
                         "12 bytes a parameter less with bf16 parameters and fp32 master weights")
-    p.add_argument("--processes", type=int, default=1,
+    p.add_argument("--processes", type=positive_int, default=1,
                    help="run as this many processes (jax.distributed on localhost), the devices "
-                        "split evenly between them (default 1: one process sees them all)")
+                        "split evenly between them (1: one process sees them all)")
     p.add_argument("--json", default=None, help="write the figures here")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also trace 6 steps of each kind with jax.profiler into DIR and print "
@@ -108,8 +110,7 @@ def run(args: Any) -> int:
 
 def job_console(args: Any):
     import jax
-    from rich.console import Console
-    return Console(quiet=jax.process_index() != 0)  # process 0 prints and writes the figures
+    return options.console(quiet=jax.process_index() != 0)  # process 0 prints and writes the figures
 
 
 class Job(NamedTuple):

@@ -9,13 +9,18 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from pimhbm_cli import options
+from pimhbm_cli.options import non_negative_int, positive_int
+
 
 def add_arguments(p) -> None:
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--faults", type=int, default=4, help="faults of each kind (default 4)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shard", type=int, default=1,
-                   help="devices each replica's parameters are split over (FSDP; default 1)")
+    p.add_argument("--steps", type=positive_int, default=60, help="training steps")
+    p.add_argument("--faults", type=non_negative_int, default=4, help="faults of each kind")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--devices", type=positive_int, default=None,
+                   help="how many of the devices to use (default: all)")
+    p.add_argument("--shard", type=positive_int, default=1,
+                   help="devices each replica's parameters are split over (FSDP)")
     p.add_argument("--replica-transport", choices=("collective", "peer"), default="collective",
                    help="how a chunk travels from a healthy replica")
 
@@ -33,11 +38,13 @@ def _per_device_campaign(trainer: Any, counts: dict, steps: int, seed: int, devi
                 return None
             inject, chosen = trainer.inject, {}
 
-            def one_device(path, tensor, fault, **k):
+            def one_device(path, tensor, fault, device=None, **k):
+                # The campaign names a device where the fault must be on one (a double
+                # fault's two halves); the others go to one device of our choosing.
                 key = (path, tensor, tuple(np.asarray(fault).tolist()))
-                if key not in chosen:
-                    chosen[key] = int(self.rng.integers(devices))
-                return inject(path, tensor, fault, **k, device=chosen[key])
+                if device is None:
+                    device = chosen.setdefault(key, int(self.rng.integers(devices)))
+                return inject(path, tensor, fault, device=device, **k)
 
             trainer.inject = one_device
             try:
@@ -63,7 +70,6 @@ def _print_fault_map(console, stats: Any) -> None:
 
 def run(args: Any) -> int:
     import jax
-    from rich.console import Console
 
     import pimhbm
     from pimhbm.backup import HostBackup
@@ -71,9 +77,14 @@ def run(args: Any) -> int:
     from pimhbm.models import mlp
     from pimhbm.recovery import Trainer
 
-    console = Console()
+    console = options.console()
     devices = jax.devices()
-    if args.shard < 1 or len(devices) % args.shard:
+    if args.devices is not None:
+        if args.devices > len(devices):
+            console.print(f"[red]--devices {args.devices}: there are {len(devices)}[/]")
+            return 2
+        devices = devices[:args.devices]
+    if len(devices) % args.shard:
         console.print(f"[red]--shard {args.shard} must divide the {len(devices)} devices[/]")
         return 2
     name = f"pimhbm_recover_{uuid.uuid4().hex[:8]}"
@@ -82,7 +93,7 @@ def run(args: Any) -> int:
         opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
         t = Trainer(mlp.loss, opt, mlp.init(args.seed), mlp.batches(args.seed, batch=16 * len(devices)),
                     shm_name=name, snapshot_every=10, scrub_every=5, inject_gradients=True,
-                    shard=args.shard, replica_transport=args.replica_transport)
+                    shard=args.shard, replica_transport=args.replica_transport, devices=devices)
         t.prewarm()
         return t
 

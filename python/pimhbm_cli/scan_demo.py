@@ -15,23 +15,26 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 import pimhbm
 from pimhbm import faults
 
+from pimhbm_cli import options
+from pimhbm_cli.options import add_device, non_negative_int, positive_int
+
 
 def add_arguments(p) -> None:
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--flips", type=int, default=32)
-    p.add_argument("--nonfinite", type=int, default=6)
-    p.add_argument("--chunk-bytes", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
+    p.add_argument("--hidden", type=positive_int, default=512, help="model width")
+    p.add_argument("--layers", type=positive_int, default=4, help="decoder layers")
+    p.add_argument("--vocab", type=positive_int, default=8192, help="vocabulary size")
+    p.add_argument("--flips", type=non_negative_int, default=32, help="single-bit flips to write")
+    p.add_argument("--nonfinite", type=non_negative_int, default=6, help="NaN/Inf values to write")
+    p.add_argument("--chunk-bytes", type=positive_int, default=None,
+                   help="digest chunk size in bytes (a multiple of 16; default: the library's)")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    add_device(p)
 
 def llama_like_tree(key: jax.Array, hidden: int, layers: int, vocab: int) -> dict[str, Any]:
     """Parameters (bf16) and AdamW state (fp32) with Llama-3 proportions (GQA 4:1, SwiGLU)."""
@@ -157,7 +160,7 @@ def _nonfinite_table(console, damage: Damage, found: Found, leaves: dict, chunk:
 
 
 def run(args: Any) -> int:
-    console = Console()
+    console = options.console()
     if args.device:
         jax.config.update("jax_default_device", jax.devices(args.device)[0])
     chunk = args.chunk_bytes or pimhbm.DEFAULT_CHUNK_BYTES

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from pimhbm_cli import options
+from pimhbm_cli.options import positive_int
+
 
 def add_arguments(p) -> None:
-    p.add_argument("--rows", type=int, default=4096)
-    p.add_argument("--cols", type=int, default=1024)
-    p.add_argument("--chunk-bytes", type=int, default=65536)
+    p.add_argument("--rows", type=positive_int, default=4096, help="rows of the sharded tensor")
+    p.add_argument("--cols", type=positive_int, default=1024, help="columns of the sharded tensor")
+    p.add_argument("--chunk-bytes", type=positive_int, default=65536,
+                   help="digest chunk size in bytes (a multiple of 16)")
 
 
 def run(args: Any) -> int:
@@ -17,12 +21,11 @@ def run(args: Any) -> int:
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from rich.console import Console
     from rich.table import Table
 
     import pimhbm
 
-    console = Console()
+    console = options.console()
     devices = jax.devices()
     n = len(devices)
     if args.rows % n:

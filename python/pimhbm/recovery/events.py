@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 from typing import Any
 
 from pimhbm.recovery.layout import ChunkRef
+
+log = logging.getLogger("pimhbm.recovery")
 
 
 class IncidentKind(enum.StrEnum):
@@ -73,6 +76,27 @@ class Incident:
             text += f" @{self.snapshot_step}"
         return f"{self.detail}; {text}" if self.detail else text
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values: the enums by their value, each location as a mapping."""
+        return {"step": self.step, "kind": self.kind.value, "action": self.action.value,
+                "description": self.describe(),
+                "locations": [loc._asdict() for loc in self.locations],
+                "sources": list(self.sources), "snapshot_step": self.snapshot_step,
+                "detail": self.detail, "devices": list(self.devices), "unlisted": self.unlisted}
+
+
+def record(stats: "RunStats", incidents: list[Incident]) -> None:
+    """Incidents into the run's statistics, each logged once as it is written: a warning where
+    the damage stays, else information."""
+    for inc in incidents:
+        where = ", ".join(f"device {l.device} {l.leaf}/{l.tensor} chunk {l.chunk}"
+                          for l in inc.locations[:3])
+        more = f" and {len(inc.locations) - 3} more" if len(inc.locations) > 3 else ""
+        level = logging.INFO if inc.action.repaired or inc.kind is IncidentKind.TELEMETRY else logging.WARNING
+        log.log(level, "step %d: %s%s: %s", inc.step, inc.kind.value,
+                f" at {where}{more}" if where else "", inc.describe())
+        stats.incidents.append(inc)
+
 
 @dataclasses.dataclass
 class RunStats:
@@ -93,11 +117,26 @@ class RunStats:
     telemetry_events: list[Any] = dataclasses.field(default_factory=list)  # TelemetryEvent
     suspect_devices: set[int] = dataclasses.field(default_factory=set)  # positions in devices
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON values (``json.dumps(stats.to_dict())``): losses by step (as JSON's string
+        keys), incidents and telemetry events as mappings, the suspect devices sorted."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["losses"] = {str(step): float(loss) for step, loss in self.losses.items()}
+        out["incidents"] = [i.to_dict() for i in self.incidents]
+        out["telemetry_events"] = [dataclasses.asdict(e) if dataclasses.is_dataclass(e) else
+                                   dict(e.__dict__) for e in self.telemetry_events]
+        out["suspect_devices"] = sorted(self.suspect_devices)
+        return out
+
+    def to_json(self, **kwargs: Any) -> str:
+        import json
+        return json.dumps(self.to_dict(), **kwargs)
+
 
 class DeviceFailure(RuntimeError):
     """A device failed in a way this process cannot go on from (a poisoned CUDA context, a GPU
     lost): restart the process and resume from the host snapshot in shared memory
-    (``Trainer(..., shm_name=<same>, resume=True)``, or ``pimhbm recover --resume``)."""
+    (``Trainer(..., shm_name=<same>, resume=True)``)."""
 
     def __init__(self, message: str, device: int | None, snapshot_step: int | None):
         super().__init__(message)

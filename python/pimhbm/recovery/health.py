@@ -9,7 +9,8 @@ from typing import Any, Callable
 import jax
 
 import pimhbm
-from pimhbm.recovery.events import Action, DeviceFailure, Incident, IncidentKind, RunStats
+from pimhbm.recovery.events import (Action, DeviceFailure, Incident, IncidentKind, RunStats,
+                                    record)
 
 
 class HealthWatch:
@@ -57,8 +58,8 @@ class HealthWatch:
                 continue
             stats.suspect_devices.add(pos)
             suspect = True
-            stats.incidents.append(Incident(step, IncidentKind.TELEMETRY, (), Action.SCRUBBED,
-                                            detail=f"{where}: {e.describe()}"))
+            record(stats, [Incident(step, IncidentKind.TELEMETRY, (), Action.SCRUBBED,
+                                    detail=f"{where}: {e.describe()}")])
         return suspect
 
     def close(self) -> None:

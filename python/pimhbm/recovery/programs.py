@@ -79,6 +79,19 @@ class Compiler:
         self.batch_specs, self.repair_capacity = batch_specs, repair_capacity
         self.with_recheck = recheck  # sampled re-execution: the sampled step and the recheck
         self.programs = Programs()
+        # Progress: compile_all first lists the programs (a pass that compiles nothing), then
+        # compiles them, telling `progress(done, total, what)` after each.
+        self._listing, self._done, self._total = False, 0, 0
+        self.progress: Callable[[int, int, str], None] | None = None
+
+    def _built(self, what: str, build: Callable[[], Any]) -> Any:
+        if self._listing:
+            return what
+        program = build()
+        self._done += 1
+        if self.progress is not None:
+            self.progress(self._done, self._total, what)
+        return program
 
     @property
     def placement(self):
@@ -106,11 +119,30 @@ class Compiler:
         return jax.tree.map(put, self.abstract_state(current), self.t.state_specs(current))
 
     def _compile(self, fn: Callable, in_specs: Any, out_specs: Any, *args: Any,
-                 donate: bool = True) -> Any:
-        program = self.placement.manual(fn, in_specs, out_specs)
-        return jax.jit(program, donate_argnums=0 if donate else ()).lower(*args).compile()
+                 donate: bool = True, what: str = "program") -> Any:
+        def build():
+            program = self.placement.manual(fn, in_specs, out_specs)
+            return jax.jit(program, donate_argnums=0 if donate else ()).lower(*args).compile()
+        return self._built(what, build)
 
-    def compile_all(self, backup: Any) -> Programs:
+    def compile_all(self, backup: Any,
+                    progress: Callable[[int, int, str], None] | None = None) -> Programs:
+        """Every program the run can need; ``progress(done, total, what)`` after each. (The
+        programs go into the same Programs the trainer's parts hold.)"""
+        kept, self.programs = self.programs, Programs()
+        self._listing = True
+        try:
+            self._compile_all(backup)  # lists them: compiles nothing
+        finally:
+            self._total, self._done, self._listing = len(self.programs), 0, False
+            self.programs = kept
+        self.progress = progress
+        try:
+            return self._compile_all(backup)
+        finally:
+            self.progress = None
+
+    def _compile_all(self, backup: Any) -> Programs:
         for current in (0, 1):
             self._step(current)
             self._repairs(current)
@@ -147,18 +179,19 @@ class Compiler:
         outs = (self.t.state_specs(1 - current), P(), each)
         args = (self.abstract_state(current), self._batch(), self._sds((), jnp.float32),
                 self._sds((10,), jnp.int32))
-        self.programs.step[current] = self._compile(self.t.step, ins, outs, *args)
+        self.programs.step[current] = self._compile(self.t.step, ins, outs, *args, what="the step")
         if not self.with_recheck:
             return
         sampled = lambda *a: self.t.step(*a, digests=True)
-        self.programs.sampled[current] = self._compile(sampled, ins, (*outs, P(AXES)), *args)
+        self.programs.sampled[current] = self._compile(sampled, ins, (*outs, P(AXES)), *args,
+                                                       what="the sampled step")
         # The recheck reads the step's output: the other parity's state.
         st, ss = self.abstract_state(1 - current), self.t.state_specs(1 - current)
         n, leaves = len(p.devices), len(self.t.layout.paths)
         self.programs.recheck[1 - current] = self._compile(
             self.t.recheck, (ss, p.by_device.spec, each, P(AXES)), (ss, each), st, self._batch(),
             self._sds((n,), jnp.int32, p.sharding(each)),
-            self._sds((n, leaves, 2), jnp.uint32, p.by_device))
+            self._sds((n, leaves, 2), jnp.uint32, p.by_device), what="the re-execution")
 
     def _repairs(self, current: int) -> None:
         ss, st = self.t.state_specs(current), self.abstract_state(current)
@@ -167,7 +200,7 @@ class Compiler:
         for into_copy in ((False, True) if self.t.opt.device_copy else ()):
             fn = lambda s, l, c=into_copy: self.t.repair(s, l, into_copy=c)
             self.programs.repair[current, into_copy] = self._compile(
-                fn, (ss, P()), (ss, self.placement.report_spec), st, lists)
+                fn, (ss, P()), (ss, self.placement.report_spec), st, lists, what="a repair")
 
     def _replicas(self, current: int) -> None:
         """Repairs from another replica, whole devices rebuilt from one, the vote where the
@@ -178,21 +211,22 @@ class Compiler:
                            self.repair_capacity), jnp.int32, p.by_column)
         grid = self._sds(p.mesh.devices.shape, jnp.int32, p.grid)
         self.programs.replica[current] = self._compile(
-            self.t.replica, (ss, P("shard"), P("shard")), (ss, each), st, lists, lists)
+            self.t.replica, (ss, P("shard"), P("shard")), (ss, each), st, lists, lists,
+            what="a repair from a replica")
         self.programs.rebuild[current] = self._compile(
             self.t.rebuild, (ss, P("shard"), P("dp", "shard")), (ss, each), st,
-            self._sds((shard,), jnp.int32, p.by_column), grid)
+            self._sds((shard,), jnp.int32, p.by_column), grid, what="a device rebuilt")
         self.programs.vote[current] = self._compile(self.t.vote, (ss, P("shard")), each, st,
-                                                    lists, donate=False)
+                                                    lists, donate=False, what="the vote")
         if self.t.transport is Transport.IPC and self.t.opt.device_copy:
             self.programs.recopy[current] = self._compile(
-                self.t.recopy, (ss, P("dp", "shard")), ss, st, grid)
+                self.t.recopy, (ss, P("dp", "shard")), ss, st, grid, what="the device copy anew")
 
     def scrub(self, current: int) -> Any:
         if current not in self.programs.scrub:
             self.programs.scrub[current] = self._compile(
                 self.t.scrub, (self.t.state_specs(current),), self.placement.report_spec,
-                self.abstract_state(current), donate=False)
+                self.abstract_state(current), donate=False, what="the scrub")
         return self.programs.scrub[current]
 
     def _snapshots(self, current: int, backup: Any) -> None:
@@ -201,7 +235,8 @@ class Compiler:
             for slot in (0, 1):
                 fn = lambda s, slot=slot, part=part: self.t.snapshot(s, backup=backup, slot=slot,
                                                                      part=part)
-                self.programs.snapshot[current, slot, part] = jax.jit(fn).lower(one).compile()
+                self.programs.snapshot[current, slot, part] = self._built(
+                    "a snapshot", lambda fn=fn, one=one: jax.jit(fn).lower(one).compile())
 
     def inject(self, shape, dtype, spec=P()) -> Any:
         """Fault injection into some devices' copies (or shards) of a tensor, in place: one
@@ -212,7 +247,8 @@ class Compiler:
             self.programs.inject[key] = self._compile(
                 Traced.inject, (spec, P(AXES)), spec,
                 jax.ShapeDtypeStruct(shape, dtype, sharding=p.sharding(spec)),
-                jax.ShapeDtypeStruct((len(p.devices), 8), jnp.int32, sharding=p.by_device))
+                jax.ShapeDtypeStruct((len(p.devices), 8), jnp.int32, sharding=p.by_device),
+                what="fault injection")
         return self.programs.inject[key]
 
     def inject_rehashed(self, x: Any, table: Any, spec: P, chunk_bytes: int) -> Any:
@@ -221,12 +257,12 @@ class Compiler:
         if key not in self.programs.inject:
             p = self.placement
             fn = lambda x, t, f: Traced.inject_rehashed(x, t, f, chunk_bytes)
-            self.programs.inject[key] = jax.jit(p.manual(fn, (spec, spec, P(AXES)), (spec, spec)),
-                                                donate_argnums=(0, 1)).lower(
+            self.programs.inject[key] = self._built("fault injection", lambda: jax.jit(
+                p.manual(fn, (spec, spec, P(AXES)), (spec, spec)), donate_argnums=(0, 1)).lower(
                 jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding(spec)),
                 jax.ShapeDtypeStruct(table.shape, table.dtype, sharding=p.sharding(spec)),
                 jax.ShapeDtypeStruct((len(p.devices), 8), jnp.int32,
-                                     sharding=p.by_device)).compile()
+                                     sharding=p.by_device)).compile())
         return self.programs.inject[key]
 
     def clone(self) -> Any:
@@ -234,7 +270,8 @@ class Compiler:
         devices once and makes the other slot and the device copy from it there)."""
         if self.programs.clone is None:
             slot = self.abstract_state(0).opt.slots[0]
-            self.programs.clone = jax.jit(self.t.clone).lower(slot).compile()
+            self.programs.clone = self._built(
+                "the restore's copies", lambda: jax.jit(self.t.clone).lower(slot).compile())
         return self.programs.clone
 
 
@@ -245,10 +282,11 @@ def use_compilation_cache(cache_dir: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def prewarm(compiler: Compiler, backup: Any, cache_dir: str | None) -> tuple[Programs, float]:
+def prewarm(compiler: Compiler, backup: Any, cache_dir: str | None,
+            progress: Callable[[int, int, str], None] | None = None) -> tuple[Programs, float]:
     """Every program, and the seconds it took."""
     if cache_dir is not None:
         use_compilation_cache(cache_dir)
     t0 = time.perf_counter()
-    programs = compiler.compile_all(backup)
+    programs = compiler.compile_all(backup, progress)
     return programs, time.perf_counter() - t0

@@ -107,6 +107,7 @@ class SnapshotManager:
     def _complete(self, slot: int, stats: RunStats) -> None:
         self.backup.complete(slot)
         stats.snapshots += 1
+        log.info("/%s: the snapshot in slot %d is complete and trusted", self.backup.name, slot)
 
     def confirm(self, step: int, committed: bool, stats: RunStats) -> None:
         """The verdict of ``step`` is known: a snapshot of it becomes trusted once the step

@@ -22,7 +22,7 @@ from pimhbm._ffi import ensure_registered
 from pimhbm.faults import NO_GRADIENT_FAULT, GradientFault
 from pimhbm.backup import HostBackup
 from pimhbm.recovery.events import (Action, DeviceFailure, Incident, IncidentKind, RunStats,
-                                    persistent_fault)
+                                    log, persistent_fault, record)
 from pimhbm.recovery.health import HealthWatch
 from pimhbm.recovery.injection import inject
 from pimhbm.recovery.layout import StateLayout
@@ -212,12 +212,14 @@ class Trainer:
 
     # -- before and between runs -----------------------------------------------------------------
 
-    def prewarm(self, cache_dir: str | None = None) -> dict[str, int]:
+    def prewarm(self, cache_dir: str | None = None,
+                progress: Callable[[int, int, str], None] | None = None) -> dict[str, int]:
         """Compiles every program the run can need -- the step, the repairs, the scrub, the
         snapshots, fault injection -- from shapes alone (no device memory is touched), and
         starts counting compilations. ``cache_dir``: a persistent compilation cache, keyed by
-        this library's version (a sub-folder per version)."""
-        _, self.prewarm_seconds = prewarm(self.compiler, self.backup, cache_dir)
+        this library's version (a sub-folder per version). ``progress(done, total, what)`` is
+        called after each program."""
+        _, self.prewarm_seconds = prewarm(self.compiler, self.backup, cache_dir, progress)
         self.counter.count = 0
         return {"programs": len(self.programs), "seconds": round(self.prewarm_seconds, 2)}
 
@@ -292,6 +294,7 @@ class Trainer:
                 raise persistent_fault(done.step, skips, report.nonfinite, report.faulty,
                                        self.stats.incidents[seen:])
             self.stats.steps_replayed += step - replay_from
+            log.info("replaying steps %d-%d from the batch log", replay_from, step - 1)
             step = replay_from
         self.snapshots.finish(self._current_slot_verifies, self.stats)
         return self.stats
@@ -378,7 +381,7 @@ class Trainer:
             else:
                 self.state, snap = self._restore_from_host()
                 recovery = recovery.restored(snap)
-        self.stats.incidents.extend(recovery.incidents(report))
+        record(self.stats, recovery.incidents(report))
         if recovery.damage.snapshot_step is not None:
             return recovery.damage.snapshot_step + 1
         self.state = TrainState(self.state.opt, self.placement.put(np.int32(0)))
@@ -402,9 +405,9 @@ class Trainer:
         locs = tuple(loc for e in entries for loc in self.layout.locate(e, in_copy=True))
         self.state, failures = self.repairer.rewrite(self.state, entries, self.stats,
                                                      into_copy=True)
-        self.stats.incidents.append(Incident(
+        record(self.stats, [Incident(
             step, IncidentKind.DEVICE_COPY, locs,
-            Action.DEVICE_COPY_NOT_REPAIRED if failures else Action.DEVICE_COPY_REPAIRED))
+            Action.DEVICE_COPY_NOT_REPAIRED if failures else Action.DEVICE_COPY_REPAIRED)])
 
     def _current_slot_verifies(self) -> bool:
         """A scrub of the current state: whether every chunk of the current slot verifies."""
