@@ -363,3 +363,12 @@ def test_gpu_equals_cpu_bit_for_bit_with_damage_and_repair(rng, kind):
             results[platform] = (bits(state), [bits(canonical(r)) for r in reports])
     assert results["cpu"][0] == results["gpu"][0]
     assert results["cpu"][1] == results["gpu"][1]
+
+
+def test_used_as_an_optax_transformation_it_says_what_to_use_instead(rng):
+    opt, dtype = make("fp32")
+    params = random_params(rng, dtype)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), opt)
+    state = tx.init(params)
+    with pytest.raises(TypeError, match="not an optax GradientTransformation"):
+        tx.update(random_grads(rng, params), state, params)

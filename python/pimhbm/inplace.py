@@ -38,8 +38,8 @@ from pimhbm import _core, parity
 from pimhbm._ffi import ensure_registered
 from pimhbm.repair import REPAIRED
 from pimhbm.scan import scan, verify
-from pimhbm.update import (FAULT_MASTER, FAULT_MU, FAULT_NU, FAULT_PARAM, join_master,
-                           step_copies_of, step_majority)
+from pimhbm.update import (FAULT_MASTER, FAULT_MU, FAULT_NU, FAULT_PARAM, _check_learning_rate,
+                           join_master, step_copies_of, step_majority)
 
 DEFAULT_CHUNK_ELEMS = 512  # a warp holds a chunk in registers, 16 elements a lane
 DEFAULT_GROUP = 16  # chunks a parity row covers: 1/16 of the state's bytes
@@ -195,6 +195,7 @@ class AdamW:
         data-parallel axis inside ``shard_map`` (the verdict is global). ``gate`` (a device
         bool): false on any device, the step does not run on any."""
         ensure_registered()
+        _check_learning_rate(learning_rate)
         treedef = jax.tree.structure(state.params)
         _check_grads(grads, state.params)
         count = state.step + 1
