@@ -843,9 +843,11 @@ def test_a_flipped_bit_in_the_engines_counters_ends_in_the_same_run(shm_name, fa
     tr.close()
 
 
-def test_what_the_engine_does_is_logged(shm_name, fault_free, caplog):
-    """Detection, repair, replay and each snapshot go to the "pimhbm.recovery" logger (and the
-    snapshots' own), never to stdout."""
+def test_what_the_engine_does_is_logged_and_prewarm_says_how_far_it_is(shm_name, fault_free,
+                                                                        caplog):
+    """Prewarm tells how many programs of how many it has compiled; detection, repair, replay
+    and each snapshot go to the "pimhbm.recovery" logger (and the snapshots' own), never to
+    stdout."""
     import logging
 
     class OneFlip:
@@ -857,7 +859,15 @@ def test_what_the_engine_does_is_logged(shm_name, fault_free, caplog):
         def before_scrub(self, trainer, step):
             pass
 
-    tr = make_trainer(shm_name)
+    seen = []
+    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+    tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=shm_name, snapshot_every=10,
+                 scrub_every=5)
+    tr.prewarm(progress=lambda done, total, what: seen.append((done, total, what)))
+    total = len(tr.programs)
+    assert [d for d, _, _ in seen] == list(range(1, total + 1))
+    assert {t for _, t, _ in seen} == {total}
+    assert {"the step", "the scrub", "a repair", "a snapshot"} <= {w for _, _, w in seen}
     with caplog.at_level(logging.INFO, logger="pimhbm"):
         stats = tr.run(20, campaign=OneFlip())
     text = "\n".join(r.getMessage() for r in caplog.records)
@@ -866,14 +876,3 @@ def test_what_the_engine_does_is_logged(shm_name, fault_free, caplog):
     assert "snapshot in slot" in text
     assert tr.current_state().keys() == fault_free[20].keys()
 
-
-def test_prewarm_says_how_many_programs_of_how_many(shm_name):
-    seen = []
-    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
-    tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=shm_name, devices=jax.devices()[:1])
-    tr.prewarm(progress=lambda done, total, what: seen.append((done, total, what)))
-    total = len(tr.programs)
-    assert [d for d, _, _ in seen] == list(range(1, total + 1))
-    assert {t for _, t, _ in seen} == {total}
-    assert {"the step", "the scrub", "a repair", "a snapshot"} <= {w for _, _, w in seen}
-    tr.close(unlink=True)
