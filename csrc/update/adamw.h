@@ -22,6 +22,17 @@
 #include <cuda_runtime_api.h>
 #endif
 
+// The hyperparameter attributes of every update op's FFI binding (AdamWHyper's fields, in
+// order): a suffix of the binding's chain, after its operands and results.
+#define PIMHBM_ADAMW_HYPER_ATTRS \
+  .Attr<float>("b1")             \
+      .Attr<float>("b2")         \
+      .Attr<float>("one_minus_b1") \
+      .Attr<float>("one_minus_b2") \
+      .Attr<float>("eps")        \
+      .Attr<float>("eps_root")   \
+      .Attr<float>("weight_decay")
+
 namespace pimhbm::update {
 
 // Bits of the per-chunk fault map: which state tensor failed its digest check.

@@ -230,14 +230,7 @@ ffi::Error redo_handler(Platform on, ffi::Buffer<ffi::F32, 1> step, ffi::AnyBuff
       .RemainingArgs()                                  \
       .RemainingRets()                                  \
       .Attr<int64_t>("chunk_elems")                     \
-      .Attr<int64_t>("group")                           \
-      .Attr<float>("b1")                                \
-      .Attr<float>("b2")                                \
-      .Attr<float>("one_minus_b1")                      \
-      .Attr<float>("one_minus_b2")                      \
-      .Attr<float>("eps")                               \
-      .Attr<float>("eps_root")                          \
-      .Attr<float>("weight_decay")
+      .Attr<int64_t>("group") PIMHBM_ADAMW_HYPER_ATTRS
 PIMHBM_FFI_HANDLERS(PimhbmAdamWInPlace, pimhbm::update::inplace_handler, PIMHBM_INPLACE_BINDING,
                     PIMHBM_FFI_CAPTURABLE);
 
@@ -249,13 +242,6 @@ PIMHBM_FFI_HANDLERS(PimhbmAdamWInPlace, pimhbm::update::inplace_handler, PIMHBM_
       .RemainingArgs()                                  \
       .RemainingRets()                                  \
       .Attr<int64_t>("chunk_elems")                     \
-      .Attr<int64_t>("group")                           \
-      .Attr<float>("b1")                                \
-      .Attr<float>("b2")                                \
-      .Attr<float>("one_minus_b1")                      \
-      .Attr<float>("one_minus_b2")                      \
-      .Attr<float>("eps")                               \
-      .Attr<float>("eps_root")                          \
-      .Attr<float>("weight_decay")
+      .Attr<int64_t>("group") PIMHBM_ADAMW_HYPER_ATTRS
 PIMHBM_FFI_HANDLERS(PimhbmAdamWRedo, pimhbm::update::redo_handler, PIMHBM_REDO_BINDING,
                     PIMHBM_FFI_CAPTURABLE);

@@ -251,14 +251,7 @@ ffi::Error restore_handler(Platform on, ffi::Buffer<ffi::S32> commit, ffi::Remai
   bind.Arg<::xla::ffi::Buffer<::xla::ffi::F32, 1>>()       \
       .RemainingArgs() /* kLeafOperands per leaf */        \
       .RemainingRets() /* kLeafResults per leaf, totals */ \
-      .Attr<int64_t>("chunk_elems")                        \
-      .Attr<float>("b1")                                   \
-      .Attr<float>("b2")                                   \
-      .Attr<float>("one_minus_b1")                         \
-      .Attr<float>("one_minus_b2")                         \
-      .Attr<float>("eps")                                  \
-      .Attr<float>("eps_root")                             \
-      .Attr<float>("weight_decay")
+      .Attr<int64_t>("chunk_elems") PIMHBM_ADAMW_HYPER_ATTRS
 PIMHBM_FFI_HANDLERS(PimhbmAdamW, pimhbm::update::adamw_handler, PIMHBM_ADAMW_BINDING,
                     PIMHBM_FFI_CAPTURABLE);
 

@@ -39,7 +39,8 @@ from pimhbm._ffi import ensure_registered
 from pimhbm.repair import REPAIRED
 from pimhbm.scan import scan, verify
 from pimhbm.update import (FAULT_MASTER, FAULT_MU, FAULT_NU, FAULT_PARAM, _check_learning_rate,
-                           join_master, step_copies_of, step_majority)
+                           _step_scalars, check_grads, join_master, step_copies_of,
+                           step_majority)
 
 DEFAULT_CHUNK_ELEMS = 512  # a warp holds a chunk in registers, 16 elements a lane
 DEFAULT_GROUP = 16  # chunks a parity row covers: 1/16 of the state's bytes
@@ -197,7 +198,7 @@ class AdamW:
         ensure_registered()
         _check_learning_rate(learning_rate)
         treedef = jax.tree.structure(state.params)
-        _check_grads(grads, state.params)
+        check_grads(grads, state.params)
         count = state.step + 1
         if learning_rate is None:
             learning_rate = (self.learning_rate(count) if callable(self.learning_rate)
@@ -350,23 +351,6 @@ def _saturated(words: jax.Array) -> jax.Array:
     lo, hi = words[0], words[1]
     big = (hi != 0) | (lo > np.iinfo(np.int32).max)
     return jnp.where(big, np.iinfo(np.int32).max, lo.astype(jnp.int32))
-
-
-def _step_scalars(lr, count, b1, b2) -> jax.Array:
-    bc1 = 1 - b1 ** count
-    bc2 = 1 - b2 ** count
-    return jnp.stack([jnp.asarray(lr, jnp.float32), bc1.astype(jnp.float32),
-                      bc2.astype(jnp.float32)])
-
-
-def _check_grads(grads: Any, params: Any) -> None:
-    if jax.tree.structure(grads) != jax.tree.structure(params):
-        raise ValueError("gradients must have the structure of the parameters: "
-                         f"{jax.tree.structure(params)}, got {jax.tree.structure(grads)}")
-    for (path, g), p in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(params)):
-        if g.shape != p.shape or g.dtype != p.dtype:
-            raise ValueError(f"gradient {jax.tree_util.keystr(path)} is {g.dtype}{tuple(g.shape)}; "
-                             f"it must match its parameter, {p.dtype}{tuple(p.shape)}")
 
 
 def _check_hyper(o: AdamW) -> None:

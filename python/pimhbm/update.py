@@ -212,6 +212,17 @@ def _leaf_digests(p, master, mu, nu, chunk_elems) -> dict[str, jax.Array]:
     return tables
 
 
+def check_grads(grads: Any, params: Any) -> None:
+    """Gradients of the parameters' structure, each of its parameter's shape and dtype."""
+    if jax.tree.structure(grads) != jax.tree.structure(params):
+        raise ValueError("gradients must have the structure of the parameters: "
+                         f"{jax.tree.structure(params)}, got {jax.tree.structure(grads)}")
+    for (path, g), p in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(params)):
+        if g.shape != p.shape or g.dtype != p.dtype:
+            raise ValueError(f"gradient {jax.tree_util.keystr(path)} is {g.dtype}{tuple(g.shape)}; "
+                             f"it must match its parameter, {p.dtype}{tuple(p.shape)}")
+
+
 def _step_scalars(lr, count, b1, b2) -> jax.Array:
     """lr, 1 - b1^t, 1 - b2^t in float32, computed exactly as optax computes them."""
     bc1 = 1 - b1 ** count
@@ -317,7 +328,7 @@ class AdamW:
                              f"{state.device_copy is not None}, this optimizer has {self.device_copy}")
         cur, nxt = state.current, 1 - state.current
         read, write = state.slots[cur], state.slots[nxt]
-        self._check_grads(grads, read.params)
+        check_grads(grads, read.params)
         treedef = jax.tree.structure(read.params)
 
         count = state.step + 1
@@ -373,15 +384,6 @@ class AdamW:
         report = UpdateReport(commit.astype(bool), n_bad, n_faults, unflat(faults), unflat(bad),
                               local)
         return new_state, report
-
-    def _check_grads(self, grads: Any, params: Any) -> None:
-        if jax.tree.structure(grads) != jax.tree.structure(params):
-            raise ValueError("gradients must have the structure of the parameters: "
-                             f"{jax.tree.structure(params)}, got {jax.tree.structure(grads)}")
-        for (path, g), p in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(params)):
-            if g.shape != p.shape or g.dtype != p.dtype:
-                raise ValueError(f"gradient {jax.tree_util.keystr(path)} is {g.dtype}{tuple(g.shape)}; "
-                                 f"it must match its parameter, {p.dtype}{tuple(p.shape)}")
 
     def _update_call(self, reads, grads, writes, copies, scalars):
         """One pimhbm_adamw call for the given leaves (the kernel runs over the chunks of all of
