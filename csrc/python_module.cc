@@ -56,6 +56,7 @@ constexpr Target kTargets[] = {
     PIMHBM_TARGET("pimhbm_repair_packed", PimhbmRepairPacked),
     PIMHBM_TARGET("pimhbm_inject", PimhbmInject),
     PIMHBM_TARGET("pimhbm_snapshot", PimhbmSnapshot),
+    PIMHBM_TARGET("pimhbm_snapshot_fence", PimhbmSnapshotFence),
     PIMHBM_TARGET("pimhbm_peer_all_gather", PimhbmPeerAllGather),
     PIMHBM_TARGET("pimhbm_peer_all_to_all", PimhbmPeerAllToAll),
     PIMHBM_TARGET("pimhbm_peer_pull", PimhbmPeerPull),

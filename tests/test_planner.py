@@ -57,7 +57,8 @@ def summary_of(rows, capacity):
         return FaultList(idx, val)
     faults = [r["faults"] for r in rows]
     grads = [r["grads"] for r in rows]
-    return StepSummary(np.array([r["committed"] for r in rows], np.int32),
+    committed = np.array([r["committed"] for r in rows], np.int32)
+    return StepSummary(committed, committed,
                        np.array([sum(c for _, c in g) + r.get("extra", 0)
                                  for g, r in zip(grads, rows)], np.int32),
                        np.array([len(f) for f in faults], np.int32), fl(faults), fl(grads),

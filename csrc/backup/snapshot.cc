@@ -135,6 +135,47 @@ ffi::Error snapshot_handler(Platform on, ffi::RemainingArgs args,
   return copy_to_region(on, copies, ticket->typed_data());
 }
 
+#if defined(PIMHBM_WITH_CUDA)
+// XLA's stream waits for this device's last snapshot copies (none issued: nothing to wait for).
+cudaError_t fence(cudaStream_t xla_stream) {
+  int dev;
+  PIMHBM_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(copiers_mutex);
+  const auto it = copiers().find(dev);
+  if (it == copiers().end()) return cudaSuccess;
+  return cudaStreamWaitEvent(xla_stream, it->second.done, 0);
+}
+
+ffi::Error fence_on(const ffi_util::OnCuda& on) {
+  return ffi_util::cuda_status("pimhbm.snapshot_fence", fence(on.stream));
+}
+#endif
+
+// On the host the copies were done inside the snapshot op: nothing is in flight.
+ffi::Error fence_on(ffi_util::OnCpu) { return ffi::Error::Success(); }
+
+// (buffers...) -> the same buffers (aliased): what reads them after this op runs only once the
+// snapshot copies issued before it are done. A state updated in place puts it before its first
+// write, so that a copy never reads a half-written state.
+template <typename Platform>
+ffi::Error fence_handler(Platform on, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  if (args.size() != rets.size()) {
+    return ffi_util::invalid("pimhbm.snapshot_fence", std::to_string(args.size()) +
+                                                          " buffers but " +
+                                                          std::to_string(rets.size()) + " results");
+  }
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto in = args.get<ffi::AnyBuffer>(i);
+    auto out = rets.get<ffi::AnyBuffer>(i);
+    if (!in || !out || (*in).untyped_data() != (*out)->untyped_data()) {
+      return ffi_util::invalid("pimhbm.snapshot_fence",
+                               "result " + std::to_string(i) + " must alias argument " +
+                                   std::to_string(i) + " (input_output_aliases)");
+    }
+  }
+  return fence_on(on);
+}
+
 }  // namespace
 
 void snapshot_wait() {
@@ -173,3 +214,8 @@ bool snapshot_pending() {
 // Not capturable into a command buffer: the copies run on a side stream, ordered by events.
 PIMHBM_FFI_HANDLERS(PimhbmSnapshot, pimhbm::backup::snapshot_handler, PIMHBM_SNAPSHOT_BINDING,
                     PIMHBM_FFI_NOT_CAPTURABLE);
+
+#define PIMHBM_SNAPSHOT_FENCE_BINDING(bind) bind.RemainingArgs().RemainingRets()
+// Not capturable: it waits on an event of the snapshot's side stream.
+PIMHBM_FFI_HANDLERS(PimhbmSnapshotFence, pimhbm::backup::fence_handler,
+                    PIMHBM_SNAPSHOT_FENCE_BINDING, PIMHBM_FFI_NOT_CAPTURABLE);

@@ -1,7 +1,8 @@
-// The snapshot op: copies device (or host) buffers into a shared-memory region, off the
+// The snapshot ops. pimhbm_snapshot copies device (or host) buffers into a shared-memory region, off the
 // critical path. On the GPU the copies run on a side stream that waits for XLA's stream;
 // snapshot_wait() blocks until the last copies are done (the caller does so before anything
-// may overwrite the buffers being copied), snapshot_pending() asks without blocking.
+// may overwrite the buffers being copied), snapshot_pending() asks without blocking;
+// pimhbm_snapshot_fence makes XLA's stream wait for them (before a write in place).
 #pragma once
 
 #include <cstdint>
@@ -18,3 +19,4 @@ bool snapshot_pending();
 }  // namespace pimhbm::backup
 
 PIMHBM_FFI_DECLARE_HANDLERS(PimhbmSnapshot);
+PIMHBM_FFI_DECLARE_HANDLERS(PimhbmSnapshotFence);

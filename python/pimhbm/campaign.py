@@ -5,12 +5,14 @@ Kinds:
   param_flip, master_flip, moment_flip  one bit of one element of the current state
   row_burst         1-2 KiB of one state tensor overwritten with random bytes (a failed row)
   grad_nonfinite    NaN/+Inf/-Inf written into one gradient value inside the step (transient)
-  double_fault      the same bit flipped in the current state and in the device copy; where
-                    replicas exist, on one device only (repaired from a healthy replica),
+  double_fault      the same bit flipped in the current state and in the device copy -- with
+                    one copy of the state (pimhbm.inplace), in two chunks of one parity group;
+                    where replicas exist, on one device only (repaired from a healthy replica),
                     otherwise on every device (the host snapshot)
 
-A run without device copies (pimhbm.adamw(device_copy=False), replicas only) has no double
-faults, and its state faults each damage one device: the others hold the healthy replicas.
+A run without its own redundancy (pimhbm.adamw(device_copy=False), pimhbm.inplace.adamw(group=0):
+replicas only) has no double faults, and its state faults each damage one device: the others
+hold the healthy replicas.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ import numpy as np
 
 from pimhbm import faults
 from pimhbm.recovery.events import Action, IncidentKind
+
+# Repairs that rewrite a damaged chunk whole (from a copy, its parity group or a replica).
+REWRITES = {Action.REPAIRED_FROM_DEVICE_COPY, Action.REPAIRED_FROM_PARITY, Action.REDONE_FROM_PARITY,
+            Action.REPAIRED_FROM_REPLICA, Action.REBUILT_FROM_REPLICA}
 
 KINDS = ("param_flip", "master_flip", "moment_flip", "row_burst", "grad_nonfinite", "double_fault")
 
@@ -61,7 +67,8 @@ class Campaign:
         if "master" not in by_tensor and counts.get("master_flip"):
             raise ValueError("master_flip needs master weights")
         self.plan: list[Planned] = []
-        self.one_device = not trainer.opt.device_copy  # every state fault on one device
+        self.one_device = not trainer.local_source  # every state fault on one device
+        self.group = trainer.opt.group if trainer.one_copy else 0  # double faults: in a group
         # One-device faults all land on one replica (row of the mesh), so that the same chunk
         # never is damaged on every replica at once: the others stay healthy sources.
         self.shard = trainer.shard
@@ -91,8 +98,11 @@ class Campaign:
             device = None
             if (kind == "double_fault" or self.one_device) and len(trainer.devices) > trainer.shard:
                 device = self._one_device()
+            chunks = (e // self.chunk_elems,)
+            if kind == "double_fault" and self.group:
+                chunks += (self._partner(chunks[0], n),)
             return Planned(step, kind, path, tensor, element=e, bit=int(rng.integers(8 * size)),
-                           chunks=(e // self.chunk_elems,), device=device)
+                           chunks=tuple(sorted(chunks)), device=device)
         if kind == "row_burst":
             tensor, path, n, size = pick(list(by_tensor))
             nbytes = n * size
@@ -112,6 +122,13 @@ class Campaign:
                            value=["nan", "inf", "-inf"][int(rng.integers(3))],
                            chunks=(e // self.chunk_elems,))
         raise ValueError(kind)
+
+    def _partner(self, chunk: int, n: int) -> int:
+        """Another chunk of ``chunk``'s parity group (the next one, else the one before); the
+        chunk itself where its group holds no other."""
+        first, count = chunk - chunk % self.group, -(-n // self.chunk_elems)
+        after = chunk + 1 if chunk + 1 < min(first + self.group, count) else chunk - 1
+        return after if after >= first else chunk
 
     def _one_device(self) -> int:
         """A device of the faulty replica (its position in the mesh, row-major)."""
@@ -152,7 +169,13 @@ class Campaign:
                 fault = faults.spec(faults.FLIP_BIT, offset=f.element * size + f.bit // 8,
                                     bit=f.bit % 8)
                 trainer.inject(f.path, f.tensor, fault, device=f.device)
-                if f.kind == "double_fault":
+                if f.kind == "double_fault" and self.group:  # the same bit of the partner
+                    for c in set(f.chunks) - {f.element // self.chunk_elems}:
+                        moved = (c - f.element // self.chunk_elems) * self.chunk_elems * size
+                        trainer.inject(f.path, f.tensor, faults.spec(
+                            faults.FLIP_BIT, offset=f.element * size + moved + f.bit // 8,
+                            bit=f.bit % 8), device=f.device)
+                elif f.kind == "double_fault":
                     trainer.inject(f.path, f.tensor, fault, into_copy=True, device=f.device)
         return grad
 
@@ -166,13 +189,19 @@ class Campaign:
         damaged) and repaired (that incident's action succeeded); counts by kind."""
         found: dict[tuple[int, str, str, int], Action] = {}
         unlisted: set[int] = set()  # steps whose non-finite gradients overflowed the list
+        # Steps whose state came back from a host snapshot: with one copy of the state, a step
+        # that damage to the parameters cancelled never ran the update, which is what checks
+        # the master weights and moments -- damage there, injected before that step, was
+        # overwritten by the restore before anything read it.
+        restored = {inc.step for inc in stats.incidents
+                    if inc.action is Action.RESTORED_FROM_SNAPSHOT}
         for inc in stats.incidents:
             for loc in inc.locations:
                 found[(inc.step, loc.leaf, loc.tensor, loc.chunk)] = inc.action
             if inc.kind is IncidentKind.GRADIENT and inc.unlisted:
                 unlisted.add(inc.step)
-        table = {k: {"injected": 0, "detected": 0, "repaired": 0, "missed": 0, "unlocated": 0}
-                 for k in KINDS}
+        table = {k: {"injected": 0, "detected": 0, "repaired": 0, "missed": 0, "unlocated": 0,
+                     "overwritten": 0} for k in KINDS}
         for f in self.plan:
             actions = [found.get((f.step, f.path, f.tensor, c)) for c in f.chunks]
             f.detected = all(a is not None for a in actions)
@@ -183,20 +212,34 @@ class Campaign:
                 # out of the update, but not told apart from the rest.
                 f.detected, actions = True, [Action.SKIPPED_AND_REPLAYED]
             f.repaired = f.detected and all(a.repaired for a in actions)
+            # Or the step before (still in flight when it was injected) found the same chunk
+            # damaged and rewrote it whole afterwards.
+            rewritten = any(found.get((f.step - 1, f.path, f.tensor, c)) in REWRITES
+                            for c in f.chunks)
+            overwritten = not f.detected and f.kind != "grad_nonfinite" and (
+                f.step in restored or rewritten)
             row = table[f.kind]
             row["injected"] += 1
             row["detected"] += f.detected
-            row["repaired"] += f.repaired
-            row["missed"] += not f.detected
+            row["repaired"] += f.repaired or overwritten
+            row["missed"] += not f.detected and not overwritten
+            row["overwritten"] += overwritten
             row["unlocated"] += f.detected and not f.located
         return {k: v for k, v in table.items() if v["injected"]}
 
 
 def unlocated_note(table: dict[str, dict[str, int]]) -> str | None:
-    """A line for a table from Campaign.check that counted faults detected but not located."""
+    """A line for a table from Campaign.check that counted faults detected but not located, or
+    overwritten by a host restore before any check read them."""
     unlocated = sum(r["unlocated"] for r in table.values())
-    if not unlocated:
-        return None
-    return (f"({unlocated} NaN/Inf gradient fault(s) fell on steps whose whole gradient was "
-            "non-finite from damaged state upstream: detected and kept out of the update, not "
-            "told apart from the rest)")
+    overwritten = sum(r.get("overwritten", 0) for r in table.values())
+    notes = []
+    if unlocated:
+        notes.append(f"{unlocated} NaN/Inf gradient fault(s) fell on steps whose whole gradient "
+                     "was non-finite from damaged state upstream: detected and kept out of the "
+                     "update, not told apart from the rest")
+    if overwritten:
+        notes.append(f"{overwritten} fault(s) were overwritten before any check read them -- by "
+                     "a host restore of damage found at the same step, or by the repair of the "
+                     "same chunk found by the step before: counted repaired, not detected")
+    return f"({'; '.join(notes)})" if notes else None

@@ -85,6 +85,15 @@ class AdamWState(NamedTuple):
         return jax.tree.map(join_master, self.params, self.master)
 
 
+class LeftChunks(NamedTuple):
+    """What ``repair`` needs of an update that left chunks: this device's stash, how many
+    chunks were offered to it (more than its capacity: not all fit), and the step's scalars."""
+
+    stash: Stash
+    stashed: jax.Array  # int32
+    scalars: jax.Array  # float32 (3,): lr, 1 - b1^t, 1 - b2^t
+
+
 class UpdateReport(NamedTuple):
     """What an update saw, as device values (fetch them asynchronously, never in the step)."""
 
@@ -98,6 +107,10 @@ class UpdateReport(NamedTuple):
     stash: Stash  # this device's gradients of the chunks the update left for a redo
     stashed: jax.Array  # int32: chunks offered to this device's stash (> capacity: not all fit)
     scalars: jax.Array  # float32 (3,): lr, 1 - b1^t, 1 - b2^t of this step (a redo needs them)
+
+    @property
+    def left(self) -> LeftChunks:
+        return LeftChunks(self.stash, self.stashed, self.scalars)
 
 
 class RepairReport(NamedTuple):
@@ -307,8 +320,10 @@ class AdamW:
 
     # -- after an update that left chunks -------------------------------------------------------
 
-    def repair(self, state: AdamWState, report: UpdateReport) -> tuple[AdamWState, RepairReport]:
-        """This device's chunks the update left (the stash): the damaged tensors of each rebuilt
+    def repair(self, state: AdamWState,
+               report: UpdateReport | LeftChunks) -> tuple[AdamWState, RepairReport]:
+        """This device's chunks the update left (``report.left``, or the LeftChunks kept from
+        it): the damaged tensors of each rebuilt
         from the parity, then the chunk updated with its stashed gradient and the step's scalars
         -- in place,
         under ``jax.jit`` with the state donated. Does nothing for an empty stash. Needs parity
@@ -316,6 +331,7 @@ class AdamW:
         ensure_registered()
         if state.parity is None:
             raise ValueError("repair rebuilds from parity; this state has none (group=0)")
+        report = report.left if isinstance(report, UpdateReport) else report
         treedef = jax.tree.structure(state.params)
         leaves = _tensors(state, treedef)
         tables = treedef.flatten_up_to(state.digests)

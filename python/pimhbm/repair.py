@@ -71,3 +71,19 @@ def backup_snapshot(tensors: list[jax.Array], region: Any, offsets: list[int]) -
                             has_side_effect=True)(
         *tensors, region=np.int64(region.id),
         offsets=np.asarray(offsets, np.int64))
+
+
+def snapshot_fence(tree: Any) -> Any:
+    """``tree`` unchanged (its arrays aliased), available to what reads it only once the
+    snapshot copies issued before it (:func:`backup_snapshot`) are done: a state updated in
+    place fences its update's inputs, so that a copy never reads a half-written state. On the
+    CPU the copies are done inside the snapshot op: nothing waits."""
+    ensure_registered()
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+        return tree
+    out = jax.ffi.ffi_call("pimhbm_snapshot_fence",
+                           [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves],
+                           input_output_aliases={i: i for i in range(len(leaves))},
+                           has_side_effect=True)(*leaves)
+    return jax.tree.unflatten(treedef, out)

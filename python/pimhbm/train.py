@@ -1,5 +1,6 @@
 """Training a Llama-3 under protection: the model, a byte-level text stream, the guarded update
-with a device copy, host snapshots, the asynchronous fault loop and prewarm, in one call.
+(one copy of the state updated in place, kept redundant by parity -- or two slots and a device
+copy), host snapshots, the asynchronous fault loop and prewarm, in one call.
 
     trainer = pimhbm.train.llama_trainer(llama3.tiny(), text, steps=300)
     trainer.prewarm()
@@ -10,6 +11,7 @@ Data parallel over every device there is (one included): see pimhbm.recovery.Tra
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import Any, Callable
 
@@ -17,8 +19,16 @@ import jax
 import numpy as np
 
 import pimhbm
+from pimhbm import inplace
 from pimhbm.models import llama3
 from pimhbm.recovery import Trainer
+
+
+class StateKind(enum.StrEnum):
+    """How the protected state is held."""
+
+    ONE_COPY = "one-copy"  # pimhbm.inplace: updated in place; parity, or the replicas
+    TWO_SLOTS = "two-slots"  # pimhbm.adamw: the step writes the other slot; a device copy
 
 
 def text_batches(data: bytes, batch: int, seq: int, seed: int) -> Callable[[int], dict[str, np.ndarray]]:
@@ -47,20 +57,31 @@ def warmup_cosine(peak: float, warmup: int, steps: int, floor: float = 0.1) -> C
 
 def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 16, seq: int = 64,
                   peak_lr: float = 3e-3, warmup: int = 20, seed: int = 0,
-                  chunk_elems: int = 1024, shm_name: str | None = None,
+                  chunk_elems: int | None = None, shm_name: str | None = None,
                   snapshot_every: int = 25, scrub_every: int = 10,
                   inject_gradients: bool = False, devices: Any = None,
                   attention_impl: str | None = None, params: Any = None,
                   replica_transport: str = "collective", shard: int = 1,
-                  device_copy: bool = True, recheck_every: int | None = None) -> Trainer:
+                  device_copy: bool = True, recheck_every: int | None = None,
+                  state: StateKind | str = StateKind.ONE_COPY) -> Trainer:
     """A protected trainer of the Llama-3 ``cfg`` on byte-level ``data``: bf16 parameters with
-    fp32 master weights and moments, a device copy for chunk repair (device_copy=False: repairs
-    from the other replicas only), and (with ``shm_name``) host snapshots in shared memory.
-    ``recheck_every``: the Trainer's sampled re-execution (None: its default)."""
+    fp32 master weights and moments, and (with ``shm_name``) host snapshots in shared memory.
+    ``state``: one copy updated in place (pimhbm.inplace; parity over groups of chunks repairs
+    a damaged chunk) or two slots (pimhbm.adamw; a device copy repairs it). ``device_copy``:
+    each device's own redundancy, parity or the device copy (False: damaged chunks come from
+    the other replicas only). ``chunk_elems``: None for the kind's default (512 in place, 1024
+    with two slots). ``recheck_every``: the Trainer's sampled re-execution (None: its
+    default)."""
     if params is None:
         params = llama3.init(jax.random.key(seed), cfg)
-    opt = pimhbm.adamw(peak_lr, weight_decay=0.01, master_weights=cfg.dtype == "bfloat16",
-                       device_copy=device_copy, chunk_elems=chunk_elems)
+    master = cfg.dtype == "bfloat16"
+    if StateKind(state) is StateKind.ONE_COPY:
+        opt = inplace.adamw(peak_lr, weight_decay=0.01, master_weights=master,
+                            chunk_elems=chunk_elems or inplace.DEFAULT_CHUNK_ELEMS,
+                            group=inplace.DEFAULT_GROUP if device_copy else 0)
+    else:
+        opt = pimhbm.adamw(peak_lr, weight_decay=0.01, master_weights=master,
+                           device_copy=device_copy, chunk_elems=chunk_elems or 1024)
     loss = lambda p, b: llama3.loss(p, b, cfg, attention_impl)
     return Trainer(loss, opt, params, text_batches(data, batch, seq, seed),
                    learning_rate=warmup_cosine(peak_lr, warmup, steps), shm_name=shm_name,

@@ -137,6 +137,10 @@ class AdamWState:
         slots = (slot, self.slots[1]) if self.current == 0 else (self.slots[0], slot)
         return AdamWState(slots, self.current, self.step_copies, self.device_copy)
 
+    def with_current(self, current: int) -> "AdamWState":
+        """The same arrays, with slot ``current`` the current one."""
+        return AdamWState(self.slots, current, self.step_copies, self.device_copy)
+
     def tree_flatten(self):
         return (self.slots, self.step_copies, self.device_copy), self.current
 

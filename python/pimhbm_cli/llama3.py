@@ -61,10 +61,17 @@ def add_arguments(p) -> None:
                    help="how a chunk is pulled from a healthy replica (several devices): an XLA "
                         "collective, our kernel reading a peer GPU of this process (peer), or "
                         "of another process over CUDA IPC (ipc, with --processes)")
+    p.add_argument("--state", choices=("one-copy", "two-slots"), default="one-copy",
+                   help="one copy of the state updated in place, kept redundant by parity; or "
+                        "two slots (the step writes the other) and a device copy")
     p.add_argument("--no-device-copy", action="store_true",
-                   help="keep no device copy of the state: every damaged chunk is pulled from "
-                        "another replica (needs more devices than --shard); the update writes "
-                        "12 bytes a parameter less with bf16 parameters and fp32 master weights")
+                   help="keep no redundancy of each device's own (no parity; with --state "
+                        "two-slots no device copy): every damaged chunk is pulled from another "
+                        "replica (needs more devices than --shard)")
+    p.add_argument("--snapshot-every", type=non_negative_int, default=25,
+                   help="host snapshot every this many steps (the Trainer's default; 0: none)")
+    p.add_argument("--scrub-every", type=non_negative_int, default=10,
+                   help="full scrub every this many steps (the Trainer's default; 0: none)")
     p.add_argument("--processes", type=positive_int, default=1,
                    help="run as this many processes (jax.distributed on localhost), the devices "
                         "split evenly between them (1: one process sees them all)")
@@ -176,7 +183,9 @@ def _setup(args: Any) -> Job | str:
     results = {"device": dev.device_kind, "devices": len(devices),
                "processes": jax.process_count(), "shard": args.shard, "tiny": args.tiny,
                "replica_transport": args.replica_transport, "layers": args.layers,
-               "device_copy": not args.no_device_copy, "tokens": args.tokens,
+               "device_copy": not args.no_device_copy, "state": args.state,
+               "snapshot_every": args.snapshot_every, "scrub_every": args.scrub_every,
+               "tokens": args.tokens,
                "params": cfg.num_params()}
     return Job(args, console, devices, dev, mesh, cfg, batch, attention, data, results)
 
@@ -247,11 +256,12 @@ def _protected(job: Job, shm_name: str) -> Any:
     from pimhbm.train import llama_trainer
     args = job.args
     return llama_trainer(job.cfg, job.data, steps=1000, batch=job.batch, seq=args.seq,
-                         peak_lr=3e-4, warmup=5, chunk_elems=4096, shm_name=shm_name,
-                         snapshot_every=0, scrub_every=0, inject_gradients=True,
-                         devices=job.devices, attention_impl=job.attention,
+                         peak_lr=3e-4, warmup=5, shm_name=shm_name,
+                         chunk_elems=4096 if args.state == "two-slots" else None,
+                         snapshot_every=args.snapshot_every, scrub_every=args.scrub_every,
+                         inject_gradients=True, devices=job.devices, attention_impl=job.attention,
                          params=_fresh_params(job), replica_transport=args.replica_transport,
-                         shard=args.shard, device_copy=not args.no_device_copy)
+                         shard=args.shard, device_copy=not args.no_device_copy, state=args.state)
 
 
 def _prewarm(job: Job, trainer: Any) -> None:

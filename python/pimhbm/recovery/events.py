@@ -19,6 +19,7 @@ class IncidentKind(enum.StrEnum):
     DISAGREEMENT = "replicas disagree"  # chunks that differ between replicas, digests and all
     COMPUTE = "compute"  # gradients computed again (sampled re-execution) came out different
     DEVICE_COPY = "device copy"  # device-copy chunks a scrub found damaged
+    PARITY = "parity"  # parity rows a scrub found out of step with their groups (one copy)
     TELEMETRY = "telemetry"  # news from the GPU's own signals (NVML)
     TRANSPORT = "replica transport"  # a replica transport that failed or is unavailable
 
@@ -27,12 +28,15 @@ class Action(enum.Enum):
     """What the engine did about an incident."""
 
     REPAIRED_FROM_DEVICE_COPY = "repaired from the device copy"
+    REPAIRED_FROM_PARITY = "rebuilt from its parity group"
+    REDONE_FROM_PARITY = "rebuilt from its parity group, its update redone"
     REPAIRED_FROM_REPLICA = "repaired from a healthy replica"
     REBUILT_FROM_REPLICA = "rebuilt whole from a healthy replica"
     RESTORED_FROM_SNAPSHOT = "restored from host snapshot"
     SKIPPED_AND_REPLAYED = "step skipped, replayed"
     DEVICE_COPY_REPAIRED = "device copy repaired from the current state"
     DEVICE_COPY_NOT_REPAIRED = "device copy repair failed"
+    PARITY_REMADE = "parity made anew from the state"
     SCRUBBED = "full scrub"  # a suspect device's state checked at once
     COLLECTIVE_FROM_NOW_ON = "the collective transport from now on"
     HOST_SNAPSHOT_INSTEAD = "falling back to the host snapshot"
@@ -43,9 +47,10 @@ class Action(enum.Enum):
         return self in _REPAIRED
 
 
-_REPAIRED = {Action.REPAIRED_FROM_DEVICE_COPY, Action.REPAIRED_FROM_REPLICA,
+_REPAIRED = {Action.REPAIRED_FROM_DEVICE_COPY, Action.REPAIRED_FROM_PARITY,
+             Action.REDONE_FROM_PARITY, Action.REPAIRED_FROM_REPLICA,
              Action.REBUILT_FROM_REPLICA, Action.RESTORED_FROM_SNAPSHOT,
-             Action.SKIPPED_AND_REPLAYED, Action.DEVICE_COPY_REPAIRED}
+             Action.SKIPPED_AND_REPLAYED, Action.DEVICE_COPY_REPAIRED, Action.PARITY_REMADE}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Faults written into the live state, in place, with the run's compiled programs (campaigns
-and tests): one tensor of the current slot or of the device copy, on one device or on all."""
+and tests): one tensor of the current state or of the device copy, on one device or on all."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ def inject(state: TrainState, compiler: Compiler, path: str, tensor: str, fault:
     (see Trainer.inject); its buffers are donated."""
     t_, placement, layout = compiler.t, compiler.placement, compiler.t.layout
     opt = state.opt
-    if into_copy and opt.device_copy is None:
-        raise ValueError("this run keeps no device copy (pimhbm.adamw(device_copy=False))")
-    leaves = slot_tensors(opt.device_copy if into_copy else opt.slots[opt.current], t_.treedef)
+    if into_copy and not t_.device_copy:
+        raise ValueError("this run keeps no device copy (pimhbm.adamw(device_copy=False), or "
+                         "one copy of the state: pimhbm.inplace)")
+    leaves = slot_tensors(opt.device_copy, t_.treedef) if into_copy else t_.tensors(opt)
     i = layout.leaf_index(path)
     t, table = leaves[i][tensor]
     rows = np.zeros((len(placement.devices), 8), np.int32)
@@ -32,7 +33,9 @@ def inject(state: TrainState, compiler: Compiler, path: str, tensor: str, fault:
         t = compiler.inject(t.shape, t.dtype, spec)(t, rows)
     placement.settle(t, table)
     leaves[i][tensor] = (t, table)
-    new = slot_from_tensors(leaves, t_.treedef)
-    opt = (AdamWState(opt.slots, opt.current, opt.step_copies, new) if into_copy
-           else opt.replace_current(new))
-    return TrainState(opt, state.halted)
+    if into_copy:
+        opt = AdamWState(opt.slots, opt.current, opt.step_copies,
+                         slot_from_tensors(leaves, t_.treedef))
+    else:
+        opt = t_.with_tensors(opt, leaves)
+    return state._replace(opt=opt)

@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import pimhbm
 from pimhbm.recovery.placement import AXES, Transport
+from pimhbm.recovery.one_copy import OneCopy
 from pimhbm.recovery.traced import Traced, TrainState
-from pimhbm.update import AdamWState, slot_tensors
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -55,6 +55,7 @@ class Programs:
     sampled: dict[int, Any] = dataclasses.field(default_factory=dict)  # the step, with digests
     recheck: dict[int, Any] = dataclasses.field(default_factory=dict)  # by its input's parity
     repair: dict[tuple[int, bool], Any] = dataclasses.field(default_factory=dict)  # into_copy
+    redo: dict[int, Any] = dataclasses.field(default_factory=dict)  # one copy: the left chunks
     replica: dict[int, Any] = dataclasses.field(default_factory=dict)
     rebuild: dict[int, Any] = dataclasses.field(default_factory=dict)
     vote: dict[int, Any] = dataclasses.field(default_factory=dict)
@@ -65,8 +66,8 @@ class Programs:
     clone: Any = None
 
     def __len__(self) -> int:
-        tables = (self.step, self.sampled, self.recheck, self.repair, self.replica, self.rebuild, self.vote, self.recopy,
-                  self.scrub, self.snapshot, self.inject)
+        tables = (self.step, self.sampled, self.recheck, self.repair, self.redo, self.replica,
+                  self.rebuild, self.vote, self.recopy, self.scrub, self.snapshot, self.inject)
         return sum(map(len, tables)) + (self.clone is not None)
 
 
@@ -103,10 +104,10 @@ class Compiler:
     def abstract_state(self, current: int) -> TrainState:
         """The state's global shapes with their shardings."""
         shapes = jax.eval_shape(self.init, self.params_sds)
-        opt = AdamWState(shapes.slots, current, shapes.step_copies, shapes.device_copy)
+        opt = shapes if isinstance(self.t, OneCopy) else shapes.with_current(current)
         put = lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                    sharding=self.placement.sharding(spec))
-        state = TrainState(opt, jax.ShapeDtypeStruct((), jnp.int32))
+        state = TrainState(opt, jax.ShapeDtypeStruct((), jnp.int32), self.t.pending_shapes())
         return jax.tree.map(put, state, self.t.state_specs(current))
 
     def local_state(self, current: int, device: Any) -> TrainState:
@@ -143,7 +144,7 @@ class Compiler:
             self.progress = None
 
     def _compile_all(self, backup: Any) -> Programs:
-        for current in (0, 1):
+        for current in self.t.slots:
             self._step(current)
             self._repairs(current)
             if len(self.placement.devices) > self.t.layout.shard:
@@ -152,13 +153,12 @@ class Compiler:
             if backup is not None:
                 self._snapshots(current, backup)
         # Fault injection on every state tensor shape (campaigns).
-        slot_specs = self.t.slot_specs()
-        for leaf, spec in zip(jax.tree.leaves(self.abstract_state(0).opt.slots[0]),
-                              jax.tree.leaves(slot_specs, is_leaf=lambda x: isinstance(x, P))):
-            self.inject(leaf.shape, leaf.dtype, spec)
+        tensors = self.t.tensors(self.abstract_state(0).opt)
+        for leaf, spec in zip(tensors, self.t.leaf_specs):
+            for x, _ in leaf.values():
+                self.inject(x.shape, x.dtype, spec)
         if self.placement.replicas > 1:  # wrong values only other replicas can tell
-            slot = self.abstract_state(0).opt.slots[0]
-            for i, leaf in enumerate(slot_tensors(slot, self.t.treedef)):
+            for i, leaf in enumerate(tensors):
                 for k, (x, table) in leaf.items():
                     self.inject_rehashed(x, table, self.t.leaf_specs[i],
                                          self.t.layout.chunk_bytes(k, i))
@@ -176,15 +176,20 @@ class Compiler:
         # batch is split over every device in every process layout; only the reports are
         # gathered whole where processes must all read them (report_spec).
         ins = (self.t.state_specs(current), p.by_device.spec, P(), P())
-        outs = (self.t.state_specs(1 - current), P(), each)
+        outs = (self.t.state_specs(self.t.after_step(current)), P(), each)
         args = (self.abstract_state(current), self._batch(), self._sds((), jnp.float32),
                 self._sds((10,), jnp.int32))
         self.programs.step[current] = self._compile(self.t.step, ins, outs, *args, what="the step")
         if not self.with_recheck:
             return
         sampled = lambda *a: self.t.step(*a, digests=True)
-        self.programs.sampled[current] = self._compile(sampled, ins, (*outs, P(AXES)), *args,
+        # Two slots: the step's own digests, for the re-execution after it; one copy: the
+        # re-execution's verdict per device (it ran inside the step).
+        extra = each if self.t.recheck_in_step else P(AXES)
+        self.programs.sampled[current] = self._compile(sampled, ins, (*outs, extra), *args,
                                                        what="the sampled step")
+        if self.t.recheck_in_step:
+            return
         # The recheck reads the step's output: the other parity's state.
         st, ss = self.abstract_state(1 - current), self.t.state_specs(1 - current)
         n, leaves = len(p.devices), len(self.t.layout.paths)
@@ -197,10 +202,13 @@ class Compiler:
         ss, st = self.t.state_specs(current), self.abstract_state(current)
         lists = self._sds((len(self.t.layout.paths), len(self.t.layout.names),
                            self.repair_capacity), jnp.int32)
-        for into_copy in ((False, True) if self.t.opt.device_copy else ()):
+        for into_copy in ((False, True) if self.t.local_source else ()):
             fn = lambda s, l, c=into_copy: self.t.repair(s, l, into_copy=c)
             self.programs.repair[current, into_copy] = self._compile(
                 fn, (ss, P()), (ss, self.placement.report_spec), st, lists, what="a repair")
+        if isinstance(self.t, OneCopy) and self.t.has_parity:
+            self.programs.redo[current] = self._compile(
+                self.t.redo, (ss,), (ss, self.placement.report_spec), st, what="a redo")
 
     def _replicas(self, current: int) -> None:
         """Repairs from another replica, whole devices rebuilt from one, the vote where the
@@ -218,7 +226,7 @@ class Compiler:
             self._sds((shard,), jnp.int32, p.by_column), grid, what="a device rebuilt")
         self.programs.vote[current] = self._compile(self.t.vote, (ss, P("shard")), each, st,
                                                     lists, donate=False, what="the vote")
-        if self.t.transport is Transport.IPC and self.t.opt.device_copy:
+        if self.t.transport is Transport.IPC and self.t.device_copy:
             self.programs.recopy[current] = self._compile(
                 self.t.recopy, (ss, P("dp", "shard")), ss, st, grid, what="the device copy anew")
 
@@ -231,7 +239,7 @@ class Compiler:
 
     def _snapshots(self, current: int, backup: Any) -> None:
         for part, device in self.placement.writers.items():
-            one = self.local_state(current, device)
+            one = self.local_state(current, device).opt
             for slot in (0, 1):
                 fn = lambda s, slot=slot, part=part: self.t.snapshot(s, backup=backup, slot=slot,
                                                                      part=part)
@@ -267,12 +275,21 @@ class Compiler:
 
     def clone(self) -> Any:
         """Two more copies of a slot, on the devices (a restore puts the snapshot on the
-        devices once and makes the other slot and the device copy from it there)."""
+        devices once and makes the other slot and the device copy from it there); with one
+        copy, the parity of the state put back."""
         if self.programs.clone is None:
-            slot = self.abstract_state(0).opt.slots[0]
-            self.programs.clone = self._built(
-                "the restore's copies", lambda: jax.jit(self.t.clone).lower(slot).compile())
+            self.programs.clone = self._built("the restore's copies", self._clone)
         return self.programs.clone
+
+    def _clone(self) -> Any:
+        opt = self.abstract_state(0).opt
+        if not isinstance(self.t, OneCopy):
+            return jax.jit(self.t.clone).lower(opt.slots[0]).compile()
+        # One copy: the parity of each device's own shards, from the tensors put back.
+        specs = self.t.state_specs().opt
+        bare = lambda o: o._replace(parity=None)
+        program = self.placement.manual(self.t.clone, (bare(specs),), specs)
+        return jax.jit(program, donate_argnums=0).lower(bare(opt)).compile()
 
 
 def use_compilation_cache(cache_dir: str) -> None:

@@ -22,7 +22,7 @@ from pimhbm.recovery.planner import (ReplicaPull, local_batches, local_work, pla
                                      plan_rebuild, plan_replica_pulls, pull_sources, vote_batches)
 from pimhbm.recovery.programs import Programs
 from pimhbm.recovery.summary import FaultReport
-from pimhbm.recovery.traced import TrainState
+from pimhbm.recovery.traced import TrainState, slot_of
 from pimhbm.recovery.transports import Pulled, ReplicaTransport, TransportFailed
 
 
@@ -87,21 +87,25 @@ class Repairer:
     """Runs the repair programs over the state (each donates it and returns the new one)."""
 
     def __init__(self, programs: Programs, placement: Placement, layout: StateLayout,
-                 transport: ReplicaTransport, capacity: int, device_copy: bool):
+                 transport: ReplicaTransport, capacity: int, device_copy: bool,
+                 local: Action | None):
         self.programs, self.placement, self.layout = programs, placement, layout
         self.transport, self.capacity, self.device_copy = transport, capacity, device_copy
+        # What a device's own redundancy repairs with (the device copy, or parity), or None.
+        self.local = local
 
-    def recover(self, state: TrainState, report: FaultReport,
-                stats: RunStats) -> tuple[TrainState | None, Recovery]:
+    def recover(self, state: TrainState, report: FaultReport, stats: RunStats, *,
+                local: bool = True) -> tuple[TrainState | None, Recovery]:
         """The state with every damaged chunk of ``report`` repaired, and how; the state is
-        None when a replica transfer failed and took it (it was donated)."""
+        None when a replica transfer failed and took it (it was donated). ``local=False``:
+        not from the devices' own redundancy (it was tried: the chunks need another source)."""
         notices: list[str] = []  # transports that changed on the way
         note = lambda action, detail: Incident(report.first_step, IncidentKind.TRANSPORT, (),
                                                action, detail=detail)
         damage, agreement, failed = _NOTHING, _NOTHING, []
         try:
             if report.state_damaged:
-                state, damage = self._from_devices(state, report, stats, notices)
+                state, damage = self._from_devices(state, report, stats, notices, local)
             if damage.repaired and report.disagree:
                 state, agreement = self._from_majority(state, report, stats, notices)
         except TransportFailed as err:
@@ -110,9 +114,10 @@ class Repairer:
         notes = [note(Action.COLLECTIVE_FROM_NOW_ON, n) for n in notices] + failed
         return state, Recovery(damage, agreement, tuple(notes))
 
-    def _from_devices(self, state, report, stats, notes) -> tuple[TrainState, RepairOutcome]:
+    def _from_devices(self, state, report, stats, notes,
+                      local: bool) -> tuple[TrainState, RepairOutcome]:
         outcome = _UNREPAIRED
-        if not report.overflow and not self.device_copy:  # every chunk from another replica
+        if not report.overflow and (self.local is None or not local):  # from another replica
             state, outcome = self._from_replicas(state, report.chunks, stats, notes)
         elif not report.overflow:
             entries = [ChunkDamage(0, i, d) for i, d in report.damage.items()]
@@ -122,7 +127,7 @@ class Repairer:
             if failures:
                 state, outcome = self._from_replicas(state, failures, stats, notes)
             else:
-                outcome = RepairOutcome(Action.REPAIRED_FROM_DEVICE_COPY)
+                outcome = RepairOutcome(self.local)
         if not outcome.repaired:
             # Too much damage to list (a lost shard) or no intact copy of some chunk: the
             # whole state from a device that saw no damage at all.
@@ -131,13 +136,13 @@ class Repairer:
 
     def rewrite(self, state: TrainState, entries: list[ChunkDamage], stats: RunStats, *,
                 into_copy: bool) -> tuple[TrainState, list[ChunkRef]]:
-        """The chunks of ``entries`` rewritten from the device copy (``into_copy``: in the
-        device copy, from the current slot) on every device; the chunks that did not verify
-        afterwards."""
+        """The chunks of ``entries`` rewritten from the device copy or rebuilt from parity
+        (``into_copy``: the device copy, or the parity, made anew from the current state) on
+        every device; the chunks that did not verify afterwards."""
         p, failures = self.placement, []
         work = local_work(entries, self.layout, in_copy=into_copy)
         for lists, _ in local_batches(work, self.layout, self.capacity):
-            program = self.programs.repair[state.opt.current, into_copy]
+            program = self.programs.repair[slot_of(state.opt), into_copy]
             state, status = program(state, p.put(lists))
             status = p.fetch(status)  # [devices, leaves, tensors, capacity]
             stats.repairs += int(np.sum(status[0] == pimhbm.REPAIRED))
@@ -166,7 +171,7 @@ class Repairer:
         p, pulls = self.placement, []
         for batch in vote_batches(report.disagree, self.layout, self.capacity):
             try:
-                votes = p.fetch(self.programs.vote[state.opt.current](
+                votes = p.fetch(self.programs.vote[slot_of(state.opt)](
                     state, p.put(batch.lists, p.by_column)))
             except jax.errors.JaxRuntimeError as err:
                 raise TransportFailed(f"failed ({str(err).splitlines()[0][:200]})") from err

@@ -24,8 +24,8 @@ from pimhbm.recovery.events import RunStats
 from pimhbm.recovery.layout import StateLayout
 from pimhbm.recovery.programs import Compiler
 from pimhbm.recovery.summary import decode_scrub
-from pimhbm.recovery.traced import TrainState
-from pimhbm.update import AdamWState, slot_from_tensors, tensor_dtype
+from pimhbm.recovery.traced import TrainState, slot_of
+from pimhbm.update import tensor_dtype
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +82,8 @@ class SnapshotManager:
         self.backup.begin(slot, step)
         placement, tickets = self.compiler.placement, []
         for part, device in placement.writers.items():
-            program = self.compiler.programs.snapshot[state.opt.current, slot, part]
-            tickets.append(program(placement.on_device(state, device)))
+            program = self.compiler.programs.snapshot[slot_of(state.opt), slot, part]
+            tickets.append(program(placement.on_device(state.opt, device)))
             placement.settle(tickets[-1])
         self._in_flight = InFlight(slot, step, tickets)
 
@@ -163,8 +163,9 @@ class SnapshotManager:
                            ("; ".join(problems) or "none is complete") + ")")
 
     def _load(self, slot: int, step: int, treedef: Any) -> TrainState:
-        """Each process puts the parts its devices hold, once; the other slot and the device
-        copy are made from it on the devices."""
+        """Each process puts the parts its devices hold, once; the rest of the state (two
+        slots: the other slot and the device copy; one copy: the parity) is made from them on
+        the devices."""
         placement, layout = self.compiler.placement, self.compiler.t.layout
         views = iter(self.backup.snapshot_arrays(slot))
         leaves = []
@@ -172,10 +173,8 @@ class SnapshotManager:
             where = placement.sharding(spec)
             leaves.append({k: tuple(placement.put(next(views), where, copy=True) for _ in (0, 1))
                            for k in layout.names})
-        first = slot_from_tensors(leaves, treedef)
-        other, copy = self.compiler.clone()(first)
-        opt = AdamWState((first, other), 0, placement.put(np.full(3, step, np.int32)), copy)
-        return TrainState(opt, placement.put(np.int32(0)))
+        traced = self.compiler.t
+        return traced.fresh(traced.restored(leaves, step, placement.put, self.compiler.clone()))
 
 
 class BatchLog:

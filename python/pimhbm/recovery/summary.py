@@ -43,7 +43,8 @@ class FaultList(NamedTuple):
 class StepSummary(NamedTuple):
     """One step's report: in the programs a device's own; fetched, a row per device."""
 
-    committed: jax.Array  # int32: the step was applied (the verdict is global)
+    committed: jax.Array  # int32: the step was applied whole (the verdict is global)
+    applied: jax.Array  # int32: the update ran (one copy: it may have left damaged chunks)
     grad_nonfinite: jax.Array  # int32: this device's NaN/Inf gradient values
     faulty_chunks: jax.Array  # int32: this device's chunks whose digest did not match
     faults: FaultList  # value: the chunk's Damage bits
@@ -69,13 +70,27 @@ def fault_list(maps: list[jax.Array], capacity: int) -> FaultList:
 
 def step_summary(report: Any, treedef: Any, capacity: int,
                  disagree: list[jax.Array]) -> StepSummary:
-    """This device's summary of an update's report (pimhbm.UpdateReport) and of the replicas'
-    disagreement maps (per leaf; none without replicas)."""
+    """This device's summary of a two-slot update's report (pimhbm.UpdateReport) and of the
+    replicas' disagreement maps (per leaf; none without replicas)."""
+    committed = report.committed.astype(jnp.int32)
     return StepSummary(
-        report.committed.astype(jnp.int32), report.local_counts[1], report.local_counts[0],
+        committed, committed, report.local_counts[1], report.local_counts[0],
         fault_list(treedef.flatten_up_to(report.fault_maps), capacity),
         fault_list(treedef.flatten_up_to(report.grad_nonfinite_maps), capacity),
         fault_list(disagree, capacity))
+
+
+def inplace_summary(report: Any, treedef: Any, capacity: int,
+                    disagree: list[jax.Array]) -> StepSummary:
+    """The same for an in-place update's report (pimhbm.inplace.UpdateReport): committed when
+    it ran and no device found damage; this device's counts from its own maps."""
+    faults = treedef.flatten_up_to(report.fault_maps)
+    grads = treedef.flatten_up_to(report.grad_nonfinite_maps)
+    mine = lambda maps, f: sum((jnp.sum(f(m), dtype=jnp.int32) for m in maps), jnp.int32(0))
+    return StepSummary(
+        (report.applied & (report.digest_faults == 0)).astype(jnp.int32),
+        report.applied.astype(jnp.int32), mine(grads, lambda m: m), mine(faults, lambda m: m != 0),
+        fault_list(faults, capacity), fault_list(grads, capacity), fault_list(disagree, capacity))
 
 
 # -- on the host ---------------------------------------------------------------------------------
@@ -90,6 +105,7 @@ class StepReport(NamedTuple):
 
     step: int
     committed: bool
+    applied: bool  # the update ran (one copy: committed, or it left damaged chunks to redo)
     damaged: tuple[ChunkDamage, ...]  # listed fault-list entries, every device
     state: tuple[ChunkRef, ...]  # the damaged chunks they name
     overflow: bool  # a device had more damaged chunks than its list holds
@@ -119,10 +135,24 @@ def decode_step(step: int, s: StepSummary, layout: StateLayout,
         unlisted |= int(s.grad_nonfinite[device]) > sum(c for _, c in counts)
         grads += [layout.gradient_chunk(device, i) for i, _ in counts]
     miscomputed = () if recheck is None else tuple(int(d) for d in np.flatnonzero(recheck))
-    return StepReport(step, bool(s.committed[0]) and not miscomputed, tuple(damaged),
+    committed = bool(s.committed[0]) and not miscomputed
+    # Undone by its re-execution (two slots), a step was not applied either.
+    applied = committed or (bool(s.applied[0]) and not miscomputed)
+    return StepReport(step, committed, applied, tuple(damaged),
                       tuple(state), overflow, tuple(grads), unlisted, int(s.grad_nonfinite.sum()),
                       int(s.faulty_chunks.sum()), np.asarray(s.faulty_chunks) > 0,
                       tuple(disagree), miscomputed)
+
+
+def whole_chunks(report: StepReport, layout: StateLayout) -> StepReport:
+    """``report`` with every tensor of each damaged chunk named: an in-place update leaves a
+    chunk it found damaged unwritten in every tensor, so all of them are a step behind."""
+    every = Damage(0)
+    for k in layout.names:
+        every |= Damage.of(k)
+    damaged = tuple(ChunkDamage(e.device, e.index, every) for e in report.damaged)
+    return report._replace(damaged=damaged,
+                           state=tuple(loc for e in damaged for loc in layout.locate(e)))
 
 
 class FaultReport(NamedTuple):

@@ -9,15 +9,14 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import pimhbm
 from pimhbm import faults, replica
 from pimhbm.recovery.layout import Damage, StateLayout, Vote
 from pimhbm.recovery.placement import AXES, Placement, Transport
-from pimhbm.recovery.summary import ScrubSummary, fault_list, step_summary
-from pimhbm.update import (AdamW, AdamWState, Slot, restore_unless, slot_from_tensors,
-                           slot_tensors, step_copies_of)
+from pimhbm.update import AdamW, AdamWState
 
 
 class TrainState(NamedTuple):
@@ -26,6 +25,15 @@ class TrainState(NamedTuple):
     # HALTED (every bit), so that no single flipped bit clears it; a flip that sets a bit of a
     # clear flag only skips steps the engine then replays.
     halted: jax.Array
+    # One copy of the state (pimhbm.inplace): the last step's chunks left for a redo
+    # (pimhbm.inplace.LeftChunks, this device's); None with two slots.
+    pending: Any = None
+
+
+def slot_of(opt: Any) -> int:
+    """The key of the programs that read ``opt``: its current slot's parity (two slots) or 0
+    (one copy, updated in place)."""
+    return opt.current if isinstance(opt, AdamWState) else 0
 
 
 HALTED = -1
@@ -39,21 +47,12 @@ def _after(x: jax.Array, previous: jax.Array | None) -> jax.Array:
     return x if previous is None else jax.lax.optimization_barrier((x, previous))[0]
 
 
-def _with_copy(opt: AdamWState, device_copy: Slot | None) -> AdamWState:
-    return AdamWState(opt.slots, opt.current, opt.step_copies, device_copy)
-
-
-def _copy_of_rebuilt(slot: Slot, device_copy: Slot | None, take: jax.Array) -> Slot | None:
-    """The device copy of a rebuilt device: the same as its new current slot (after a commit the
-    copy equals the state; nothing committed since); elsewhere unchanged."""
-    if device_copy is None:
-        return None
-    return jax.tree.map(lambda n, m: jnp.where(take, n, m), slot, device_copy)
-
-
 @dataclasses.dataclass(frozen=True)
 class Traced:
-    """What the traced functions close over (static for the life of a Trainer)."""
+    """What the traced functions close over (static for the life of a Trainer): what every kind
+    of state shares. A kind -- two slots (TwoSlots) or one copy (OneCopy) -- adds its state's
+    shapes and accessors (``slots``, ``tensors``, ``with_tensors``, ``state_specs``), its
+    step, its repairs from the device's own redundancy, its scrub and its restore."""
 
     loss_fn: Callable[[Any, Any], jax.Array]
     opt: AdamW
@@ -64,6 +63,38 @@ class Traced:
     inject_gradients: bool
     inject_local: bool  # the hook also before the reduction (a fault on one device's gradients)
     transport: Transport  # how a chunk comes from another replica
+    # -- the state ----------------------------------------------------------------------------
+
+    device_copy = False  # a third copy of the state on each device (TwoSlots only)
+
+    @property
+    def local_source(self) -> bool:
+        """Whether each device holds its own redundancy (a device copy, or parity)."""
+        raise NotImplementedError
+
+    def fresh(self, opt: Any) -> TrainState:
+        """``opt`` (on the devices) as a run's state: not halted, nothing pending."""
+        p, pending = self.placement, self.no_pending()
+        if pending is not None:
+            pending = jax.tree.map(lambda x, spec: p.put(x, p.sharding(spec)), pending,
+                                   self.state_specs().pending)
+        return TrainState(opt, p.put(np.int32(0)), pending)
+
+    def repaired(self, opt: Any, leaves: list[dict]) -> Any:
+        """``opt`` with its current tensors replaced by repaired ones."""
+        return self.with_tensors(opt, leaves)
+
+    def tensors(self, opt: Any) -> list[dict[str, tuple[jax.Array, jax.Array]]]:
+        """The current state's tensors and digest tables, per leaf by tensor name."""
+        raise NotImplementedError
+
+    def with_tensors(self, opt: Any, leaves: list[dict]) -> Any:
+        """``opt`` with its current tensors replaced (as they are: fault injection)."""
+        raise NotImplementedError
+
+    def _rebuilt(self, opt: Any, leaves: list[dict], take: jax.Array) -> Any:
+        """``opt`` with the tensors a rebuild pulled (where ``take``; elsewhere as they were)."""
+        raise NotImplementedError
 
     # -- shapes and shardings --------------------------------------------------------------------
 
@@ -75,42 +106,31 @@ class Traced:
     def param_specs(self) -> Any:
         return jax.tree.unflatten(self.treedef, self.leaf_specs)
 
-    def slot_specs(self) -> Slot:
-        """The PartitionSpecs of a Slot: each tensor and digest table as its parameter."""
-        ps = self.param_specs
-        tables = jax.tree.map(lambda spec: {k: spec for k in self.layout.names}, ps,
-                              is_leaf=lambda x: isinstance(x, P))
-        return Slot(ps, ps if self.opt.master_weights else None, ps, ps, tables)
+    # -- the gradients -----------------------------------------------------------------------------
 
-    def state_specs(self, current: int = 0) -> TrainState:
-        slot = self.slot_specs()
-        copy = slot if self.opt.device_copy else None
-        return TrainState(AdamWState((slot, slot), current, P(), copy), P())
-
-    # -- the step --------------------------------------------------------------------------------
-
-    def step(self, state: TrainState, batch: dict, lr: jax.Array, grad_fault: jax.Array, *,
-             digests: bool = False):
-        """Gradients of this device's slice of the batch, their mean over devices, the guarded
-        update with a global verdict; the loss and this device's summary -- and, ``digests``
-        (a sampled step), the digests of this device's own gradients before the reduction,
-        for :meth:`recheck` to compare with."""
-        local, loss = self._local_gradients(state.opt.params, batch, grad_fault)
-        own = self._digests(local)[None] if digests else None
+    def _reduced_and_gated(self, local: Any, grad_fault: jax.Array, opt: Any,
+                           gate: jax.Array) -> tuple[Any, jax.Array, list[jax.Array]]:
+        """The gradients summed over devices (with the campaign's fault, where it is meant for
+        every replica), the gate closed where the replicas' states disagree, and their maps."""
         grads = self._reduce(local)
         if self.inject_gradients:  # what every replica then sees (grad_fault[1] == -1)
             grads = self._hook(grads, grad_fault, grad_fault[1] < 0)
-        lr = None if callable(self.opt.learning_rate) else lr
-        gate = state.halted == 0
-        disagree = self._disagreement(state.opt)
+        disagree = self._disagreement(opt)
         if disagree:  # the replicas' states differ: nothing commits until they agree again
             count = sum(jnp.sum(m != 0, dtype=jnp.int32) for m in disagree)
             gate &= jax.lax.psum(count, AXES) == 0
-        opt, report = self.opt.update(grads, state.opt, lr, gate=gate, axis_name=AXES)
-        halted = state.halted | jnp.where(report.committed, 0, HALTED)
-        summary = step_summary(report, self.treedef, self.fault_capacity, disagree)
-        out = TrainState(opt, halted), jax.lax.psum(loss, AXES), self.placement.per_device(summary)
-        return out if own is None else (*out, own)
+        return grads, gate, disagree
+
+    def _recomputed_mismatches(self, params: Any, batch: dict, own: jax.Array) -> jax.Array:
+        """Each device computes the next device's slice of the batch again from ``params``; the
+        digests go back to the slice's device and are compared with ``own`` (its leaves'
+        digests, uint32 (leaves, 2)). This device's count of leaves that differ."""
+        n = len(self.placement.devices)
+        ahead = [((i + 1) % n, i) for i in range(n)]  # device i gets device i + 1's slice
+        theirs = jax.tree.map(lambda x: jax.lax.ppermute(x, AXES, ahead), batch)
+        grads, _ = self._local_gradients(params, theirs, None)
+        again = jax.lax.ppermute(self._digests(grads), AXES, [(b, a) for a, b in ahead])
+        return jnp.sum(jnp.any(again != own, axis=-1), dtype=jnp.int32)
 
     def _hook(self, grads: Any, grad_fault: jax.Array, here: jax.Array) -> Any:
         """The campaign's gradient fault (pimhbm.faults.GradientFault, encoded) where ``here``."""
@@ -138,7 +158,7 @@ class Traced:
         state."""
         if self.placement.replicas < 2:
             return []
-        leaves = slot_tensors(opt.slots[opt.current], self.treedef)
+        leaves = self.tensors(opt)
         flat = jnp.concatenate([leaf[k][1].reshape(-1) for leaf in leaves
                                 for k in self.layout.names])
         # One reduction for both ends: the max of ~x is ~(the min of x).
@@ -186,67 +206,7 @@ class Traced:
                          if sh else jax.lax.psum(g, "shard"), "dp")
             for g, sh in zip(self.treedef.flatten_up_to(grads), self.layout.sharded)])
 
-    def recheck(self, state: TrainState, batch: dict, committed: jax.Array,
-                digests: jax.Array) -> tuple[TrainState, jax.Array]:
-        """A sampled step computed again: each device recomputes the gradients of the next
-        device's slice of the batch (its own, alone) from the parameters the step read (the
-        other slot), and their digests go back to the slice's device to be compared with the
-        step's (``digests``). Where any differs the step is undone -- the state the step read
-        copied back into the current slot and the device copy, the step count put back, the
-        halt flag set -- and the slice's device reports it. Returns the state and, per device,
-        the gradient leaves whose digests differ."""
-        n = len(self.placement.devices)
-        ahead = [((i + 1) % n, i) for i in range(n)]  # device i gets device i + 1's slice
-        theirs = jax.tree.map(lambda x: jax.lax.ppermute(x, AXES, ahead), batch)
-        opt = state.opt
-        grads, _ = self._local_gradients(opt.slots[1 - opt.current].params, theirs, None)
-        again = jax.lax.ppermute(self._digests(grads), AXES, [(b, a) for a, b in ahead])
-        mismatched = jnp.sum(jnp.any(again != digests[0], axis=-1), dtype=jnp.int32)
-        undo = jax.lax.psum(mismatched, AXES) > 0
-        return self._undo(state, undo, committed[0]), self.placement.per_device(mismatched)
-
-    def _undo(self, state: TrainState, undo: jax.Array, committed: jax.Array) -> TrainState:
-        """Where ``undo``, the state as the step read it: the other slot copied back into the
-        current one and into the device copy (a predicated copy: nothing moves otherwise)."""
-        opt = state.opt
-        keep = (~undo).astype(jnp.int32)
-        read = [x for leaf in slot_tensors(opt.slots[1 - opt.current], self.treedef)
-                for k in self.layout.names for x in leaf[k]]
-        targets = [opt.slots[opt.current]] + ([opt.device_copy] if opt.device_copy else [])
-        restored = []
-        for slot in targets:
-            flat = [x for leaf in slot_tensors(slot, self.treedef)
-                    for k in self.layout.names for x in leaf[k]]
-            back = iter(restore_unless(keep, read, flat))
-            restored.append(slot_from_tensors([{k: (next(back), next(back))
-                                                for k in self.layout.names}
-                                               for _ in self.layout.paths], self.treedef))
-        copy = restored[1] if opt.device_copy else None
-        step = jnp.where(undo, opt.step - committed.astype(jnp.int32), opt.step)
-        opt = AdamWState(opt.slots, opt.current, step_copies_of(step), copy).replace_current(restored[0])
-        return TrainState(opt, state.halted | jnp.where(undo, HALTED, 0))
-
     # -- repairs -----------------------------------------------------------------------------------
-
-    def repair(self, state: TrainState, lists: jax.Array, *, into_copy: bool):
-        """Listed chunks (int32 (leaves, tensors, capacity)) of the current slot rewritten from
-        the device copy -- or, ``into_copy``, of the device copy from the current slot."""
-        opt = state.opt
-        cur = slot_tensors(opt.slots[opt.current], self.treedef)
-        copy = slot_tensors(opt.device_copy, self.treedef)
-        src, dst = (cur, copy) if into_copy else (copy, cur)
-        statuses, new = [], []
-        for i, (s_leaf, d_leaf) in enumerate(zip(src, dst)):
-            leaf = {}
-            for j, k in enumerate(self.layout.names):
-                leaf[k], status = pimhbm.repair(lists[i, j], s_leaf[k], d_leaf[k],
-                                                self.layout.chunk_bytes(k, i))
-                statuses.append(status)
-            new.append(leaf)
-        slot = slot_from_tensors(new, self.treedef)
-        opt = _with_copy(opt, slot) if into_copy else opt.replace_current(slot)
-        return TrainState(opt, state.halted), self.placement.per_device(
-            jnp.stack(statuses).reshape(lists.shape))
 
     def replica(self, state: TrainState, lists: jax.Array, src: jax.Array):
         """Listed chunks of the current slot rewritten from another device's copy of the state
@@ -260,7 +220,7 @@ class Traced:
         lists, src = lists[0], src[0]  # this device's shard column
         opt = state.opt
         statuses, new = [], []
-        for i, leaf in enumerate(slot_tensors(opt.slots[opt.current], self.treedef)):
+        for i, leaf in enumerate(self.tensors(opt)):
             out = {}
             for j, k in enumerate(self.layout.names):
                 cb = self.layout.chunk_bytes(k, i)
@@ -273,8 +233,7 @@ class Traced:
                                                              cb, "dp")
                 statuses.append(status)
             new.append(out)
-        opt = opt.replace_current(slot_from_tensors(new, self.treedef))
-        return TrainState(opt, state.halted), self.placement.per_device(
+        return state._replace(opt=self.repaired(opt, new)), self.placement.per_device(
             jnp.stack(statuses).reshape(lists.shape))
 
     def rebuild(self, state: TrainState, source: jax.Array, targets: jax.Array):
@@ -286,7 +245,7 @@ class Traced:
         state and, per device, the chunks of its current slot that are not good afterwards."""
         opt, source, take = state.opt, source[0], targets[0, 0] != 0
         new, bad, after = [], jnp.int32(0), None
-        for i, leaf in enumerate(slot_tensors(opt.slots[opt.current], self.treedef)):
+        for i, leaf in enumerate(self.tensors(opt)):
             out = {}
             for k in self.layout.names:
                 (t, table), cb = leaf[k], self.layout.chunk_bytes(k, i)
@@ -302,9 +261,8 @@ class Traced:
                     bad += jnp.sum(pimhbm.verify(t, table, cb), dtype=jnp.int32)
                 out[k] = (t, table)
             new.append(out)
-        slot = slot_from_tensors(new, self.treedef)
-        opt = _with_copy(opt, _copy_of_rebuilt(slot, opt.device_copy, take))
-        return TrainState(opt.replace_current(slot), state.halted), self.placement.per_device(bad)
+        return (state._replace(opt=self._rebuilt(opt, new, take)),
+                self.placement.per_device(bad))
 
     def vote(self, state: TrainState, lists: jax.Array) -> jax.Array:
         """Where the replicas disagree, which of them holds the majority's chunk. lists: int32
@@ -313,7 +271,7 @@ class Traced:
         Vote.MINORITY, or Vote.NONE (no digest is held by more than half)."""
         lists, replicas = lists[0], self.placement.replicas
         opt, votes = state.opt, []
-        for i, leaf in enumerate(slot_tensors(opt.slots[opt.current], self.treedef)):
+        for i, leaf in enumerate(self.tensors(opt)):
             for j, k in enumerate(self.layout.names):
                 table, chunks = leaf[k][1], lists[i, j]
                 rows = table[jnp.clip(chunks, 0, max(table.shape[0] - 1, 0))]
@@ -325,44 +283,16 @@ class Traced:
                     jnp.where(2 * mine > replicas, int(Vote.MAJORITY), int(Vote.MINORITY)))))
         return self.placement.per_device(jnp.stack(votes).reshape(lists.shape).astype(jnp.int32))
 
-    def recopy(self, state: TrainState, targets: jax.Array) -> TrainState:
-        """The device copy of the ``targets`` devices (int32 (dp, shard), 1 = yes) made anew
-        from their current slot (after a whole state was pulled into it over CUDA IPC)."""
-        opt, take = state.opt, targets[0, 0] != 0
-        copy = _copy_of_rebuilt(opt.slots[opt.current], opt.device_copy, take)
-        return TrainState(_with_copy(opt, copy), state.halted)
-
     # -- checks, snapshots, injection --------------------------------------------------------------
 
-    def scrub(self, state: TrainState) -> ScrubSummary:
-        """A full digest sweep of the current slot and the device copy: per chunk, the Damage
-        of the current slot's tensors and of the copy's."""
-        opt = state.opt
-        cur_leaves = slot_tensors(opt.slots[opt.current], self.treedef)
-        copies = ([None] * len(cur_leaves) if opt.device_copy is None
-                  else slot_tensors(opt.device_copy, self.treedef))
-        maps = []
-        for i, (cur, copy) in enumerate(zip(cur_leaves, copies)):
-            acc = jnp.zeros((cur["p"][1].shape[0],), jnp.int32)
-            for k in self.layout.names:
-                cb = self.layout.chunk_bytes(k, i)
-                acc |= pimhbm.verify(*cur[k], cb).astype(jnp.int32) * int(Damage.of(k))
-                if copy is not None:
-                    acc |= pimhbm.verify(*copy[k], cb).astype(jnp.int32) * int(
-                        Damage.of(k, in_copy=True))
-            maps.append(acc)
-        return self.placement.per_device(ScrubSummary(fault_list(maps, self.fault_capacity)))
-
-    def snapshot(self, state: TrainState, *, backup: Any, slot: int, part: int) -> jax.Array:
+    def snapshot(self, opt: Any, *, backup: Any, slot: int, part: int) -> jax.Array:
         """Runs on this process's writer of shard column ``part``: it writes its shard of every
         sharded tensor (and, the first writer only, the replicated ones) to its place in the
         region (one writer per byte)."""
-        opt = state.opt
         offsets = iter(backup.offsets(slot))
         first = part == min(self.placement.writers)
         tensors, where = [], []
-        for leaf, sharded in zip(slot_tensors(opt.slots[opt.current], self.treedef),
-                                 self.layout.sharded):
+        for leaf, sharded in zip(self.tensors(opt), self.layout.sharded):
             for k in self.layout.names:
                 for x in leaf[k]:
                     offset = next(offsets)
@@ -370,11 +300,6 @@ class Traced:
                         tensors.append(x)
                         where.append(offset + (part * x.size * x.dtype.itemsize if sharded else 0))
         return pimhbm.backup_snapshot(tensors, backup.region, where)
-
-    def clone(self, slot: Slot) -> tuple[Slot, Slot | None]:
-        """Two more copies of a slot: the other slot, and the device copy (if any)."""
-        return (jax.tree.map(jnp.copy, slot),
-                jax.tree.map(jnp.copy, slot) if self.opt.device_copy else None)
 
     @staticmethod
     def inject(x: jax.Array, fault: jax.Array) -> jax.Array:
@@ -389,3 +314,4 @@ class Traced:
         wrong computation would leave it (its digests match; only another replica's differ)."""
         x = faults.inject_in_graph(x, fault[0])
         return x, jnp.where(fault[0, 0] != 0, pimhbm.scan(x, chunk_bytes).digests, table)
+

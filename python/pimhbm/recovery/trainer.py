@@ -11,42 +11,34 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 import pimhbm
-from pimhbm import ipc
+from pimhbm import inplace, ipc
 from pimhbm._ffi import ensure_registered
 from pimhbm.faults import NO_GRADIENT_FAULT, GradientFault
 from pimhbm.backup import HostBackup
-from pimhbm.recovery.events import (Action, DeviceFailure, Incident, IncidentKind, RunStats,
-                                    log, persistent_fault, record)
+from pimhbm.recovery.events import Action, DeviceFailure, RunStats, log, persistent_fault
+from pimhbm.recovery.handling import FaultHandling, InFlight
 from pimhbm.recovery.health import HealthWatch
 from pimhbm.recovery.injection import inject
 from pimhbm.recovery.layout import StateLayout
+from pimhbm.recovery.one_copy import OneCopy
 from pimhbm.recovery.placement import Placement, Transport, fsdp_spec, repeatable
 from pimhbm.recovery.programs import CompileCounter, Compiler, prewarm
-from pimhbm.recovery.repairs import Recovery, Repairer
+from pimhbm.recovery.repairs import Repairer
 from pimhbm.recovery.snapshots import (BatchLog, SnapshotManager, run_binding, sample_batch,
                                        snapshot_specs)
-from pimhbm.recovery.summary import (FaultReport, StepReport, decode_scrub, decode_step, merge)
-from pimhbm.recovery.traced import Traced, TrainState
+from pimhbm.recovery.summary import decode_step
+from pimhbm.recovery.traced import slot_of
+from pimhbm.recovery.two_slots import TwoSlots
 from pimhbm.recovery.transports import transport_for
-from pimhbm.update import AdamW, slot_tensors
+from pimhbm.update import AdamW
 
 _TRAINERS = itertools.count()  # numbers each Trainer of a process (its IPC keys)
-
-
-class InFlight(NamedTuple):
-    """A dispatched step whose results the host has not read yet."""
-
-    step: int
-    loss: jax.Array
-    summary: Any  # StepSummary of device arrays
-    scrub: Any  # ScrubSummary of device arrays, or None
-    recheck: Any = None  # a sampled step's re-execution: per device, leaves that differed
 
 
 def _transport(name: str) -> Transport:
@@ -57,16 +49,22 @@ def _transport(name: str) -> Transport:
                          f"{name!r}") from None
 
 
-def _check_options(opt: AdamW, transport: Transport, devices: list, shard: int, max_skips: int,
-                   multiprocess: bool) -> None:
+def _check_options(opt: AdamW | inplace.AdamW, transport: Transport, devices: list, shard: int,
+                   max_skips: int, multiprocess: bool) -> None:
+    if not isinstance(opt, (AdamW, inplace.AdamW)):
+        raise TypeError(f"the Trainer takes pimhbm.adamw(...) or pimhbm.inplace.adamw(...), got "
+                        f"{type(opt).__name__}")
     if max_skips < 2:
         raise ValueError(f"max_skips={max_skips}: a step must be allowed at least one replay")
     if shard < 1 or len(devices) % shard:
         raise ValueError(f"shard={shard} must divide the {len(devices)} devices")
-    if not opt.device_copy and len(devices) == shard:
-        raise ValueError("without the device copy (pimhbm.adamw(device_copy=False)) damaged "
-                         "chunks are repaired from another replica: that needs more devices "
-                         f"than shard={shard} (a replica axis); got {len(devices)}")
+    local = opt.group > 0 if isinstance(opt, inplace.AdamW) else opt.device_copy
+    if not local and len(devices) == shard:
+        what = ("without parity (pimhbm.inplace.adamw(group=0))" if isinstance(opt, inplace.AdamW)
+                else "without the device copy (pimhbm.adamw(device_copy=False))")
+        raise ValueError(f"{what} damaged chunks are repaired from another replica: that "
+                         f"needs more devices than shard={shard} (a replica axis); got "
+                         f"{len(devices)}")
     if multiprocess and transport is Transport.PEER:
         raise ValueError("replica_transport='peer' reads peer memory inside one process; "
                          "with several processes use 'ipc' or 'collective'")
@@ -80,9 +78,11 @@ def _check_options(opt: AdamW, transport: Transport, devices: list, shard: int, 
 RECHECK_EVERY = 200
 
 
-class Trainer:
-    """Protected training of ``loss_fn(params, batch) -> scalar`` with ``opt``
-    (pimhbm.adamw: a device copy for chunk repair unless ``device_copy=False``) and, with
+class Trainer(FaultHandling):
+    """Protected training of ``loss_fn(params, batch) -> scalar`` with ``opt`` -- one copy of
+    the state updated in place (pimhbm.inplace.adamw: parity for chunk repair unless
+    ``group=0``), or two slots (pimhbm.adamw: a device copy unless ``device_copy=False``) --
+    and, with
     ``shm_name``, host snapshots in POSIX shared memory that survive the process.
 
     ``batch_fn(step) -> dict of numpy arrays`` gives the batch of a step (1-based); batches are
@@ -122,7 +122,7 @@ class Trainer:
         replica_transport = _transport(replica_transport)
         _check_options(opt, replica_transport, devices, shard, max_skips, jax.process_count() > 1)
         self.opt, self.max_skips, self.scrub_every = opt, max_skips, scrub_every
-        self.replica_transport, self.device_copy = replica_transport, opt.device_copy
+        self.replica_transport = replica_transport
         self.placement = Placement(devices, shard)
         self.treedef = jax.tree.structure(params)
         sharded = [fsdp_spec(np.shape(p), shard) != jax.sharding.PartitionSpec()
@@ -130,9 +130,11 @@ class Trainer:
         self.layout = StateLayout.of(params, opt, sharded, shard)
         self.recheck_every = (recheck_every if recheck_every is not None else
                               RECHECK_EVERY if repeatable(devices) else 0)
-        self.traced = Traced(loss_fn, opt, self.treedef, self.layout, self.placement,
-                             fault_capacity, inject_gradients,
-                             inject_gradients and self.recheck_every > 0, replica_transport)
+        kind = OneCopy if isinstance(opt, inplace.AdamW) else TwoSlots
+        self.traced = kind(loss_fn, opt, self.treedef, self.layout, self.placement,
+                           fault_capacity, inject_gradients,
+                           inject_gradients and self.recheck_every > 0, replica_transport)
+        self.device_copy = self.traced.device_copy
         given, params = params, self.placement.put_tree(params, self.traced.param_specs)
         # A learning rate per step: a host function of the step, or the optimizer's own (a
         # constant, or a schedule it evaluates on the device).
@@ -152,10 +154,12 @@ class Trainer:
         self.programs = self.compiler.programs
         self.snapshots = SnapshotManager(self.backup, snapshot_every, self.compiler)
         self.transport = transport_for(replica_transport, self.programs, self.placement,
-                                       self.layout, repair_capacity, self.treedef,
+                                       self.layout, repair_capacity, self.traced,
                                        str(next(_TRAINERS)))
+        local = (None if not self.traced.local_source else Action.REPAIRED_FROM_PARITY
+                 if self.one_copy else Action.REPAIRED_FROM_DEVICE_COPY)
         self.repairer = Repairer(self.programs, self.placement, self.layout, self.transport,
-                                 repair_capacity, opt.device_copy)
+                                 repair_capacity, self.device_copy, local)
         if isinstance(telemetry, str) and telemetry == "auto":
             telemetry = pimhbm.telemetry.Monitor()
         self.health = HealthWatch(telemetry, devices, self._failure)
@@ -167,7 +171,7 @@ class Trainer:
         if resume:
             self.resume()
         else:
-            self.state = TrainState(self._init(params), self.placement.put(np.int32(0)))
+            self.state = self.traced.fresh(self._init(params))
 
     def _open_backup(self, shm_name, params, batch_specs, snapshot_every, log_ring,
                      resume) -> HostBackup | None:
@@ -187,6 +191,10 @@ class Trainer:
     # -- what the run is made of ---------------------------------------------------------------
 
     devices = property(lambda self: self.placement.devices)
+    one_copy = property(lambda self: isinstance(self.traced, OneCopy),
+                        doc="One copy of the state, updated in place (pimhbm.inplace).")
+    local_source = property(lambda self: self.traced.local_source,
+                            doc="Each device holds its own redundancy (device copy or parity).")
     mesh = property(lambda self: self.placement.mesh)
     shard = property(lambda self: self.layout.shard)
     multiprocess = property(lambda self: self.placement.multiprocess)
@@ -232,7 +240,7 @@ class Trainer:
             self.backup.rebind(self._binding(params, self.backup.tensors))
             self.snapshots.reset()
         params = self.placement.put_tree(params, self.traced.param_specs)
-        self.state = TrainState(self._init(params), self.placement.put(np.int32(0)))
+        self.state = self.traced.fresh(self._init(params))
         self.stats = RunStats(telemetry=self.health.status())
         self.next_step, self.counter.count = 1, 0
 
@@ -287,6 +295,11 @@ class Trainer:
                 skipped_step = None
                 self._commit(done, progress)
                 continue
+            if report.applied:  # one copy: the step ran, and left damaged chunks
+                skipped_step, resume = None, self._left(report, flight, done, progress)
+                self.stats.steps_replayed += step - resume
+                step = resume
+                continue
             skips = skips + 1 if skipped_step == done.step else 1
             skipped_step, seen = done.step, len(self.stats.incidents)
             replay_from = self._skip(report, flight, done)
@@ -310,7 +323,7 @@ class Trainer:
             if campaign and scheduled:
                 campaign.before_scrub(self, step)
             self._scrub_due = False
-            scrub = self.programs.scrub[self.state.opt.current](self.state)
+            scrub = self.programs.scrub[slot_of(self.state.opt)](self.state)
             self.placement.settle(scrub)
             jax.tree.map(lambda x: x.copy_to_host_async(), scrub)
         if self.snapshots.should_save(step):
@@ -325,14 +338,18 @@ class Trainer:
         lr = p.put(np.float32(self.learning_rate(step)))
         gf = p.put(NO_GRADIENT_FAULT if grad_fault is None else grad_fault.encode())
         recheck = None
+        key = slot_of(self.state.opt)
         if self.recheck_every and step % self.recheck_every == 0:
-            program = self.programs.sampled[self.state.opt.current]
-            self.state, loss, summary, digests = program(self.state, batch, lr, gf)
-            p.settle(self.state, digests)
-            self.state, recheck = self.programs.recheck[self.state.opt.current](
-                self.state, batch, summary.committed, digests)
+            program = self.programs.sampled[key]
+            if self.traced.recheck_in_step:  # one copy: it ran before the update
+                self.state, loss, summary, recheck = program(self.state, batch, lr, gf)
+            else:
+                self.state, loss, summary, digests = program(self.state, batch, lr, gf)
+                p.settle(self.state, digests)
+                self.state, recheck = self.programs.recheck[slot_of(self.state.opt)](
+                    self.state, batch, summary.committed, digests)
         else:
-            program = self.programs.step[self.state.opt.current]
+            program = self.programs.step[key]
             self.state, loss, summary = program(self.state, batch, lr, gf)
         p.settle(self.state, summary)
         jax.tree.map(lambda x: x.copy_to_host_async(), (summary, loss, recheck))
@@ -346,73 +363,6 @@ class Trainer:
             self._handle_scrub(done.step, self.placement.fetch(done.scrub))
         if progress:
             progress(done.step, self.stats)
-
-    def _skip(self, report: StepReport, flight: collections.deque, done: InFlight) -> int:
-        """A skipped step: every step dispatched after it skipped too (halt flag); their
-        summaries may name more damage (injected while they were in flight). Returns the step
-        to replay from."""
-        self.stats.steps_skipped += 1 + len(flight)
-        later = [decode_step(f.step, *self.placement.fetch((f.summary,)), self.layout,
-                             self.placement.fetch(f.recheck)) for f in flight]
-        jax.block_until_ready([done.scrub] + [f.scrub for f in flight])  # readers of the state
-        flight.clear()
-        self.snapshots.dropped()
-        faults = merge([report] + later)
-        replay_from = self._handle_fault(faults)
-        self.miscomputed.update(d for r in faults.steps for d in r.miscomputed)
-        if twice := sorted(d for d, n in self.miscomputed.items() if n >= 2):
-            raise self._failure(f"device {twice[0]} computed gradients that another device's "
-                                "re-execution did not reproduce, twice: it computes wrongly",
-                                twice[0])
-        return replay_from
-
-    # -- handling faults ------------------------------------------------------------------------
-
-    def _handle_fault(self, report: FaultReport) -> int:
-        """Repairs after the skipped steps; returns the step to resume from."""
-        recovery = Recovery.nothing()
-        if report.state_damaged or report.disagree:
-            try:
-                state, recovery = self.repairer.recover(self.state, report, self.stats)
-            except ipc.Fatal as err:  # a pull may still be writing the state: stop here
-                raise self._failure(str(err)) from err
-            if recovery.repaired:
-                self.state = state
-            else:
-                self.state, snap = self._restore_from_host()
-                recovery = recovery.restored(snap)
-        record(self.stats, recovery.incidents(report))
-        if recovery.damage.snapshot_step is not None:
-            return recovery.damage.snapshot_step + 1
-        self.state = TrainState(self.state.opt, self.placement.put(np.int32(0)))
-        return report.first_step
-
-    def _restore_from_host(self) -> tuple[TrainState, int]:
-        if self.backup is None:
-            raise RuntimeError("the device copy is damaged too and there is no host snapshot "
-                               "(pass shm_name= to keep one)")
-        state, step = self.snapshots.restore(self.treedef)
-        self.stats.host_restores += 1
-        return state, step
-
-    def _handle_scrub(self, step: int, scrub: Any) -> None:
-        """The device copy's damaged chunks rewritten from the current state (the state's own
-        damage is the next step's to find)."""
-        self.stats.scrubs += 1
-        entries = [e for e in decode_scrub(scrub) if e.damage.in_copy]
-        if not entries:
-            return
-        locs = tuple(loc for e in entries for loc in self.layout.locate(e, in_copy=True))
-        self.state, failures = self.repairer.rewrite(self.state, entries, self.stats,
-                                                     into_copy=True)
-        record(self.stats, [Incident(
-            step, IncidentKind.DEVICE_COPY, locs,
-            Action.DEVICE_COPY_NOT_REPAIRED if failures else Action.DEVICE_COPY_REPAIRED)])
-
-    def _current_slot_verifies(self) -> bool:
-        """A scrub of the current state: whether every chunk of the current slot verifies."""
-        scrub = self.placement.fetch(self.programs.scrub[self.state.opt.current](self.state))
-        return not any(e.damage.in_state for e in decode_scrub(scrub))
 
     # -- device failures ------------------------------------------------------------------------
 
@@ -452,14 +402,12 @@ class Trainer:
 
     def current_state(self) -> dict[str, np.ndarray]:
         """The committed state as host arrays, by leaf and tensor (for comparisons)."""
-        opt = self.state.opt  # whole tensors (a sharded one assembled from its shards)
-        whole = np.asarray
+        whole = np.asarray  # whole tensors (a sharded one assembled from its shards)
         if self.multiprocess:  # a collective: every process calls it
             from jax.experimental import multihost_utils
             whole = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return {f"{path}/{k}": whole(leaf[k][0])
-                for path, leaf in zip(self.layout.paths,
-                                      slot_tensors(opt.slots[opt.current], self.treedef))
+                for path, leaf in zip(self.layout.paths, self.traced.tensors(self.state.opt))
                 for k in self.layout.names}
 
     def close(self, unlink: bool = False) -> None:

@@ -17,7 +17,7 @@ target after.
 from __future__ import annotations
 
 import collections
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import jax
 
@@ -27,8 +27,8 @@ from pimhbm.recovery.layout import StateLayout
 from pimhbm.recovery.placement import Placement, Transport
 from pimhbm.recovery.planner import RebuildPlan, ReplicaPull, rebuild_pulls, replica_batches
 from pimhbm.recovery.programs import Programs
-from pimhbm.recovery.traced import TrainState
-from pimhbm.update import slot_tensors
+from pimhbm.recovery.one_copy import OneCopy
+from pimhbm.recovery.traced import Traced, TrainState, slot_of
 
 
 class TransportFailed(RuntimeError):
@@ -68,7 +68,7 @@ class ProgramTransport:
     def pull(self, state: TrainState, pulls: list[ReplicaPull]) -> Pulled:
         p, layout, repairs = self.placement, self.layout, 0
         for batch in replica_batches(pulls, layout, self.capacity):
-            program = self.programs.replica[state.opt.current]
+            program = self.programs.replica[slot_of(state.opt)]
             try:
                 state, status = program(state, p.put(batch.lists, p.by_column),
                                         p.put(batch.sources, p.by_column))
@@ -86,7 +86,7 @@ class ProgramTransport:
 
     def rebuild(self, state: TrainState, plan: RebuildPlan) -> Pulled:
         p = self.placement
-        program = self.programs.rebuild[state.opt.current]
+        program = self.programs.rebuild[slot_of(state.opt)]
         try:
             state, bad = program(state, p.put(plan.sources, p.by_column),
                                  p.put(plan.targets, p.grid))
@@ -101,13 +101,17 @@ class IpcTransport:
     buffers; the collective programs where IPC cannot serve this run. A round that did not
     finish raises ipc.Fatal (a pull may still be writing the state: the run stops)."""
 
-    def __init__(self, fallback: ProgramTransport, treedef: Any, run_id: str,
+    def __init__(self, fallback: ProgramTransport, traced: Traced, run_id: str,
                  timeout_s: float = 30.0):
-        self.fallback, self.treedef, self.run_id = fallback, treedef, run_id
+        self.fallback, self.traced, self.run_id = fallback, traced, run_id
         self.timeout_s = timeout_s  # the bound on every wait of a round
         self.rounds = 0  # numbered alike in every process
         self.nonce: str | None = None  # drawn at the first round (ipc.run_nonce)
         self.off: str | None = None  # why IPC was given up
+        if isinstance(traced, OneCopy) and traced.has_parity:
+            # A pull outside the programs would leave the chunks' parity groups stale; the
+            # programs make it anew.
+            self.off = "one copy of the state with parity: pulls go through the programs"
 
     def pull(self, state: TrainState, pulls: list[ReplicaPull]) -> Pulled:
         notice = ""
@@ -119,9 +123,9 @@ class IpcTransport:
 
     def rebuild(self, state: TrainState, plan: RebuildPlan) -> Pulled:
         programs, p = self.fallback.programs, self.fallback.placement
-        recopy = programs.recopy.get(state.opt.current)
+        recopy = programs.recopy.get(slot_of(state.opt))
         notice = ""
-        if self.off is None and (recopy is not None or state.opt.device_copy is None):
+        if self.off is None and (recopy is not None or not self.traced.device_copy):
             pulled, notice = self._try_round(state, rebuild_pulls(plan, self.fallback.layout),
                                              "rebuild from a replica")
             if pulled is not None:
@@ -153,7 +157,7 @@ class IpcTransport:
         jax.block_until_ready(state)
         self.rounds += 1
         layout, mesh = self.fallback.layout, self.fallback.placement.mesh
-        cur = slot_tensors(state.opt.slots[state.opt.current], self.treedef)
+        cur = self.traced.tensors(state.opt)
         by_pair: dict[tuple, list[int]] = collections.defaultdict(list)
         for p in pulls:
             for target in p.targets:
@@ -172,7 +176,7 @@ class IpcTransport:
 
 
 def transport_for(kind: Transport, programs: Programs, placement: Placement, layout: StateLayout,
-                  capacity: int, treedef: Any, run_id: str) -> ReplicaTransport:
+                  capacity: int, traced: Traced, run_id: str) -> ReplicaTransport:
     in_programs = ProgramTransport(programs, placement, layout, capacity)
-    return IpcTransport(in_programs, treedef, run_id) if kind is Transport.IPC else in_programs
+    return IpcTransport(in_programs, traced, run_id) if kind is Transport.IPC else in_programs
 

@@ -1,0 +1,199 @@
+"""The engine's traced functions for one copy of the state (pimhbm.inplace): the step updates
+the state in place, a chunk it finds damaged is left for a redo (rebuilt from its parity group,
+then updated from the step's stash), and the repairs rebuild from the parity instead of a device
+copy. Everything else -- gradients, replicas, the vote, snapshots, injection -- is Traced's.
+
+The step may be cancelled only by what is known before its first write (pimhbm.inplace), so a
+sampled step's re-execution runs inside the step, before the update, and closes its gate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from pimhbm import parity
+from pimhbm.inplace import AdamWState, LeftChunks, Stash
+from pimhbm.repair import REPAIRED, snapshot_fence
+from pimhbm.scan import verify
+from pimhbm.recovery.layout import Damage
+from pimhbm.recovery.placement import AXES
+from pimhbm.recovery.summary import ScrubSummary, fault_list, inplace_summary
+from pimhbm.recovery.traced import HALTED, Traced, TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class OneCopy(Traced):
+    """Traced for pimhbm.inplace.AdamW: one key for every program (no slot to flip)."""
+
+    slots = (0,)
+    recheck_in_step = True  # the re-execution runs before the update and closes its gate
+
+    def after_step(self, current: int) -> int:
+        return 0
+
+    @property
+    def has_parity(self) -> bool:
+        return self.opt.group > 0
+
+    @property
+    def local_source(self) -> bool:
+        return self.has_parity
+
+    def tensors(self, opt: AdamWState) -> list[dict[str, tuple[jax.Array, jax.Array]]]:
+        flat = self.treedef.flatten_up_to
+        parts = {"p": flat(opt.params), "mu": flat(opt.mu), "nu": flat(opt.nu)}
+        if opt.master is not None:
+            parts["master"] = flat(opt.master)
+        tables = flat(opt.digests)
+        return [{k: (parts[k][i], tables[i][k]) for k in self.layout.names}
+                for i in range(len(tables))]
+
+    def with_tensors(self, opt: AdamWState, leaves: list[dict]) -> AdamWState:
+        unflat = lambda f: jax.tree.unflatten(self.treedef, [f(leaf) for leaf in leaves])
+        master = unflat(lambda l: l["master"][0]) if "master" in self.layout.names else None
+        return opt._replace(params=unflat(lambda l: l["p"][0]), master=master,
+                            mu=unflat(lambda l: l["mu"][0]), nu=unflat(lambda l: l["nu"][0]),
+                            digests=unflat(lambda l: {k: l[k][1] for k in self.layout.names}))
+
+    def repaired(self, opt: AdamWState, leaves: list[dict]) -> AdamWState:
+        """Chunks that came from elsewhere (a replica) change their groups: the parity anew."""
+        return self._with_parity(self.with_tensors(opt, leaves))
+
+    def _rebuilt(self, opt: AdamWState, leaves: list[dict], take: jax.Array) -> AdamWState:
+        return self.repaired(opt, leaves)
+
+    def _with_parity(self, opt: AdamWState) -> AdamWState:
+        if not self.has_parity:
+            return opt
+        rows = [{k: parity.parity(x, self.layout.chunk_bytes(k, i), self.opt.group)
+                 for k, (x, _) in leaf.items()} for i, leaf in enumerate(self.tensors(opt))]
+        return opt._replace(parity=jax.tree.unflatten(self.treedef, rows))
+
+    # -- shapes and shardings --------------------------------------------------------------------
+
+    def state_specs(self, current: int = 0) -> TrainState:
+        ps = self.param_specs
+        tables = jax.tree.map(lambda spec: {k: spec for k in self.layout.names}, ps,
+                              is_leaf=lambda x: isinstance(x, P))
+        opt = AdamWState(ps, ps if self.opt.master_weights else None, ps, ps, tables,
+                         tables if self.has_parity else None, P())
+        each = P(AXES)  # every device its own rows
+        return TrainState(opt, P(), LeftChunks(Stash(each, each), each, P()))
+
+    def pending_shapes(self) -> LeftChunks:
+        """The global shapes of the pending redo (every device's rows stacked)."""
+        n, cap = len(self.placement.devices), self.opt.stash_capacity
+        sds = jax.ShapeDtypeStruct
+        return LeftChunks(Stash(sds((n * cap, self.opt.chunk_elems), jnp.uint32),
+                                sds((n * cap, 3), jnp.int32)),
+                          sds((n,), jnp.int32), sds((3,), jnp.float32))
+
+    def no_pending(self) -> LeftChunks:
+        """Nothing left to redo (host arrays of pending_shapes)."""
+        s = self.pending_shapes()
+        index = np.tile(np.array([-1, -1, 0], np.int32), (s.stash.index.shape[0], 1))
+        return LeftChunks(Stash(np.zeros(s.stash.rows.shape, np.uint32), index),
+                          np.zeros(s.stashed.shape, np.int32), np.zeros((3,), np.float32))
+
+    # -- the step ----------------------------------------------------------------------------------
+
+    def step(self, state: TrainState, batch: dict, lr: jax.Array, grad_fault: jax.Array, *,
+             digests: bool = False):
+        """As Traced.step, in place; a sampled step (``digests``) also computes each device's
+        slice again on the next device first, and differing gradients close the gate. The
+        update waits for a snapshot copy still reading the state (snapshot_fence)."""
+        local, loss = self._local_gradients(state.opt.params, batch, grad_fault)
+        mismatched = None
+        gate = state.halted == 0
+        if digests:
+            mismatched = self._recomputed_mismatches(state.opt.params, batch,
+                                                     self._digests(local))
+            gate &= jax.lax.psum(mismatched, AXES) == 0
+        grads, gate, disagree = self._reduced_and_gated(local, grad_fault, state.opt, gate)
+        lr = None if callable(self.opt.learning_rate) else lr
+        opt, report = self.opt.update(snapshot_fence(grads), state.opt, lr, gate=gate,
+                                      axis_name=AXES)
+        summary = inplace_summary(report, self.treedef, self.fault_capacity, disagree)
+        halted = state.halted | jnp.where(summary.committed != 0, 0, HALTED)
+        # A step that did not run (halted behind one that left chunks) keeps that one's.
+        left = report.left
+        pending = jax.tree.map(lambda new, old: jnp.where(report.applied, new, old),
+                               LeftChunks(left.stash, left.stashed[None], left.scalars),
+                               state.pending)
+        out = (TrainState(opt, halted, pending), jax.lax.psum(loss, AXES),
+               self.placement.per_device(summary))
+        return out if mismatched is None else (*out, self.placement.per_device(mismatched))
+
+    def redo(self, state: TrainState) -> tuple[TrainState, jax.Array]:
+        """The chunks the last step left, rebuilt from their parity and updated from the stash
+        (pimhbm.inplace.AdamW.repair). Per device: (complete, redone chunks still damaged)."""
+        pending = state.pending
+        left = LeftChunks(pending.stash, pending.stashed[0], pending.scalars)
+        opt, report = self.opt.repair(state.opt, left)
+        return state._replace(opt=opt), self.placement.per_device(
+            jnp.stack([report.complete.astype(jnp.int32), report.faults]))
+
+    # -- repairs -----------------------------------------------------------------------------------
+
+    def repair(self, state: TrainState, lists: jax.Array, *, into_copy: bool):
+        """Listed chunks (int32 (leaves, tensors, capacity)) rebuilt in place from their parity
+        groups -- or, ``into_copy``, the parity made anew from the state (a scrub found rows
+        that no longer match chunks that verify)."""
+        if into_copy:
+            return (state._replace(opt=self._with_parity(state.opt)),
+                    self.placement.per_device(jnp.where(lists >= 0, REPAIRED, 0).astype(jnp.int32)))
+        opt = state.opt
+        rows = self.treedef.flatten_up_to(opt.parity)
+        statuses, new = [], []
+        for i, leaf in enumerate(self.tensors(opt)):
+            out = {}
+            for j, k in enumerate(self.layout.names):
+                x, table = leaf[k]
+                x, status = parity.rebuild(lists[i, j], x, table, rows[i][k],
+                                           self.layout.chunk_bytes(k, i), self.opt.group)
+                out[k] = (x, table)
+                statuses.append(status)
+            new.append(out)
+        return state._replace(opt=self.with_tensors(opt, new)), self.placement.per_device(
+            jnp.stack(statuses).reshape(lists.shape))
+
+    # -- checks, snapshots ---------------------------------------------------------------------------
+
+    def scrub(self, state: TrainState) -> ScrubSummary:
+        """Every chunk's digests, and every parity row against its group (the one thing a step
+        does not check): a row that differs where every chunk of its group verifies is marked
+        on the group's chunks with the tensor's Damage bits shifted by 4 (the redundancy's)."""
+        opt, group = state.opt, self.opt.group
+        rows = self.treedef.flatten_up_to(opt.parity) if self.has_parity else None
+        maps = []
+        for i, leaf in enumerate(self.tensors(opt)):
+            n = leaf["p"][1].shape[0]
+            acc = jnp.zeros((n,), jnp.int32)
+            for k in self.layout.names:
+                (x, table), cb = leaf[k], self.layout.chunk_bytes(k, i)
+                bad = verify(x, table, cb)
+                acc |= bad.astype(jnp.int32) * int(Damage.of(k))
+                if rows is not None and n:
+                    stale = jnp.any(parity.parity(x, cb, group) != rows[i][k], axis=1)
+                    groups = -(-n // group)
+                    damaged = jnp.pad(bad, (0, groups * group - n)).reshape(groups, group).any(1)
+                    marks = jnp.repeat(stale & ~damaged, group)[:n]
+                    acc |= marks.astype(jnp.int32) * int(Damage.of(k, in_copy=True))
+            maps.append(acc)
+        return self.placement.per_device(ScrubSummary(fault_list(maps, self.fault_capacity)))
+
+    def clone(self, opt: AdamWState) -> AdamWState:
+        """A state put back from a snapshot (tensors and digests) made whole: its parity."""
+        return self._with_parity(opt)
+
+    def restored(self, leaves: list[dict], step: int, put: Any, clone: Any) -> AdamWState:
+        """The state from a snapshot's tensors (on the devices): ``clone`` (the compiled
+        :meth:`clone`) adds the parity."""
+        empty = AdamWState(None, None, None, None, None, None, put(np.full(3, step, np.int32)))
+        return clone(self.with_tensors(empty, leaves))

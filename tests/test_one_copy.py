@@ -1,0 +1,212 @@
+"""The recovery engine on one copy of the state (pimhbm.inplace), on the CPU: the campaign of
+every fault kind on 1 device (parity), 4 data-parallel devices (the replicas are the redundancy)
+and FSDP over 2 x 2 (parity of each shard) -- every fault found, located and repaired, the run
+bit-identical to the one without faults, nothing compiled after prewarm -- and the paths of one
+copy: a redo, two chunks of one group, a stale parity row, a resume from the host snapshot."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pimhbm import faults, inplace, parity
+from pimhbm.campaign import KINDS, Campaign
+from pimhbm.models import mlp
+from pimhbm.recovery import Action, IncidentKind, Trainer
+
+CHUNK, GROUP = 128, 4
+
+
+def make_trainer(name, *, devices=1, shard=1, group=GROUP, inject=False, resume=False, **kw):
+    opt = inplace.adamw(3e-3, master_weights=True, chunk_elems=CHUNK, group=group)
+    tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=name, snapshot_every=10,
+                 scrub_every=5, inject_gradients=inject, resume=resume,
+                 devices=jax.devices()[:devices], shard=shard, **kw)
+    tr.prewarm()
+    return tr
+
+
+def same_state(a, b):
+    return a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+def fault_free(name, steps, **kw):
+    tr = make_trainer(name + "_ref", **kw)
+    try:
+        stats = tr.run(steps)
+        assert stats.steps_committed == steps and not stats.incidents
+        return tr.current_state()
+    finally:
+        tr.close(unlink=True)
+
+
+def incidents(stats, kind=None, action=None):
+    return [i for i in stats.incidents
+            if (kind is None or i.kind is kind) and (action is None or i.action is action)]
+
+
+@pytest.mark.parametrize("devices,shard,group", [(1, 1, GROUP), (4, 1, 0), (4, 2, GROUP)],
+                         ids=["1-device-parity", "4-replicas", "fsdp-2x2-parity"])
+def test_a_campaign_of_every_kind_ends_bit_identical(shm_name, devices, shard, group):
+    steps = 24
+    kw = dict(devices=devices, shard=shard, group=group)
+    reference = fault_free(shm_name, steps, **kw)
+    tr = make_trainer(shm_name, inject=True, **kw)
+    try:
+        assert tr.one_copy and tr.local_source == (group > 0)
+        campaign = Campaign(tr, {k: 2 for k in KINDS}, last_step=steps - 2, seed=3)
+        stats = tr.run(steps, campaign=campaign)
+        found = campaign.check(stats)
+        assert all(r["missed"] == 0 and r["repaired"] == r["injected"] for r in found.values()), found
+        assert sum(r["detected"] for r in found.values()) >= len(campaign.plan) - 2, found
+        assert stats.compiles_after_prewarm == 0
+        assert same_state(tr.current_state(), reference)
+        if group:  # the update's own finds: rebuilt from parity and redone, no replay of it
+            assert incidents(stats, IncidentKind.STATE, Action.REDONE_FROM_PARITY)
+        else:
+            assert incidents(stats, IncidentKind.STATE, Action.REPAIRED_FROM_REPLICA)
+    finally:
+        tr.close(unlink=True)
+
+
+class Once:
+    """A campaign of one hand-placed fault before step ``at``."""
+
+    def __init__(self, at, inject):
+        self.at, self.inject = at, inject
+
+    def before_step(self, trainer, step, attempt):
+        if step == self.at and attempt == 1:
+            self.inject(trainer)
+        return None
+
+    def before_scrub(self, trainer, step):
+        pass
+
+
+def flip(trainer, path, tensor, element, bit=3):
+    size = next(s for p, t, _, s in trainer.tensor_info() if p == path and t == tensor)
+    trainer.inject(path, tensor, faults.spec(faults.FLIP_BIT, offset=element * size, bit=bit))
+
+
+def test_a_moment_found_by_the_update_is_redone_in_place_without_a_replay(shm_name):
+    reference = fault_free(shm_name, 12)
+    tr = make_trainer(shm_name)
+    try:
+        stats = tr.run(12, campaign=Once(7, lambda t: flip(t, "w1", "nu", 5 * CHUNK + 9)))
+        redone = incidents(stats, IncidentKind.STATE)
+        assert [(i.step, i.action) for i in redone] == [(7, Action.REDONE_FROM_PARITY)]
+        assert [(l.leaf, l.tensor, l.chunk) for l in redone[0].locations] == [("w1", "nu", 5)]
+        # Step 7 was applied once and completed by the redo: only the step halted behind it
+        # ran again.
+        assert stats.steps_replayed == 1 and stats.host_restores == 0
+        assert same_state(tr.current_state(), reference)
+    finally:
+        tr.close(unlink=True)
+
+
+def test_a_parameter_damaged_before_the_step_cancels_it_and_is_rebuilt(shm_name):
+    reference = fault_free(shm_name, 12)
+    tr = make_trainer(shm_name)
+    try:
+        stats = tr.run(12, campaign=Once(5, lambda t: flip(t, "w0", "p", 3 * CHUNK + 1, bit=9)))
+        found = incidents(stats, IncidentKind.STATE)
+        assert found and found[0].step == 5 and found[0].action is Action.REPAIRED_FROM_PARITY
+        assert stats.host_restores == 0
+        assert same_state(tr.current_state(), reference)
+    finally:
+        tr.close(unlink=True)
+
+
+def test_two_damaged_chunks_of_one_group_go_to_the_host_snapshot(shm_name):
+    reference = fault_free(shm_name, 14)
+    tr = make_trainer(shm_name)
+
+    def two(t):
+        flip(t, "w1", "mu", GROUP * CHUNK + 3)  # chunks GROUP and GROUP + 1: one parity group
+        flip(t, "w1", "mu", (GROUP + 1) * CHUNK + 70)
+    try:
+        stats = tr.run(14, campaign=Once(12, two))
+        found = incidents(stats, IncidentKind.STATE)
+        assert [(i.step, i.action) for i in found] == [(12, Action.RESTORED_FROM_SNAPSHOT)]
+        assert {(l.tensor, l.chunk) for l in found[0].locations} >= {("mu", GROUP),
+                                                                      ("mu", GROUP + 1)}
+        assert stats.host_restores == 1
+        assert same_state(tr.current_state(), reference)
+    finally:
+        tr.close(unlink=True)
+
+
+def test_a_scrub_finds_a_stale_parity_row_and_makes_it_anew(shm_name):
+    tr = make_trainer(shm_name)
+    try:
+        tr.run(3)
+        i = tr.layout.leaf_index("w1")
+        rows = tr.traced.treedef.flatten_up_to(tr.state.opt.parity)
+        rows[i]["nu"] = rows[i]["nu"].at[1, 5].set(rows[i]["nu"][1, 5] ^ jnp.uint32(1 << 20))
+        opt = tr.state.opt._replace(parity=jax.tree.unflatten(tr.traced.treedef, rows))
+        tr.state = tr.state._replace(opt=opt)
+        stats = tr.run(5)  # a scrub runs after step 5
+        remade = incidents(stats, IncidentKind.PARITY)
+        assert [(i.step, i.action) for i in remade] == [(5, Action.PARITY_REMADE)]
+        assert {l.chunk for l in remade[0].locations} == set(range(GROUP, 2 * GROUP))
+        nu = tr.traced.tensors(tr.state.opt)[i]["nu"][0]
+        fresh = parity.parity(nu, tr.layout.chunk_bytes("nu", i), GROUP)
+        now = tr.traced.treedef.flatten_up_to(tr.state.opt.parity)[i]["nu"]
+        assert np.array_equal(np.asarray(now), np.asarray(fresh))
+    finally:
+        tr.close(unlink=True)
+
+
+def test_a_run_resumes_from_its_host_snapshot(shm_name):
+    reference = fault_free(shm_name, 16)
+    tr = make_trainer(shm_name)
+    tr.run(13)  # the snapshot of step 10 is the newest complete one
+    tr.close()
+    again = make_trainer(shm_name, resume=True)
+    try:
+        assert again.next_step == 11
+        again.run(16)
+        assert same_state(again.current_state(), reference)
+    finally:
+        again.close(unlink=True)
+
+
+def test_one_copy_refuses_a_device_copy_fault_and_runs_without_parity_only_with_replicas(
+        shm_name):
+    with pytest.raises(ValueError, match="group=0"):
+        make_trainer(shm_name, group=0)
+    tr = make_trainer(shm_name)
+    try:
+        with pytest.raises(ValueError, match="no device copy"):
+            tr.inject("w0", "p", faults.spec(faults.FLIP_BIT, offset=0, bit=0), into_copy=True)
+    finally:
+        tr.close(unlink=True)
+
+
+def test_the_protected_state_is_no_larger_than_optaxs():
+    """Every array the Trainer holds between steps (llama_trainer's defaults: one copy, parity,
+    bf16 parameters with fp32 master weights), against optax's state for the same model:
+    bf16 parameters, fp32 master weights, mu and nu (14 bytes a parameter)."""
+    from pimhbm.models import llama3
+    from pimhbm.train import llama_trainer
+    cfg = llama3.tiny()
+    tr = llama_trainer(cfg, bytes(range(256)) * 64, steps=10, devices=jax.devices()[:1])
+    try:
+        assert tr.one_copy and tr.local_source
+        held = sum(x.nbytes for x in jax.tree.leaves(tr.state))
+        params = jax.tree.leaves(tr.state.opt.params)
+        n = sum(p.size for p in params)
+        optax_bytes = 14 * n
+        ratio = held / optax_bytes
+        print(f"held {held / n:.2f} B a parameter over {n} parameters: {ratio:.3f}x optax")
+        assert ratio <= 1.10
+        # The positive control: the two-slot state of the same model is far above it.
+        two = llama_trainer(cfg, bytes(range(256)) * 64, steps=10, devices=jax.devices()[:1],
+                            state="two-slots")
+        try:
+            assert sum(x.nbytes for x in jax.tree.leaves(two.state)) / optax_bytes > 2
+        finally:
+            two.close()
+    finally:
+        tr.close()
