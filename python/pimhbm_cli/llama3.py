@@ -28,6 +28,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
+from pimhbm_cli import llama3_memory
 from pimhbm_cli import llama3_report as report
 from pimhbm_cli import processes
 from pimhbm_cli import options
@@ -79,6 +80,11 @@ def add_arguments(p) -> None:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also trace 6 steps of each kind with jax.profiler into DIR and print "
                         "where the device time goes (kernels by kind, the largest ones)")
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip the device memory of both steps (each measured first in a process "
+                        "of its own; never with --tiny or --processes)")
+    p.add_argument("--memory-of", choices=llama3_memory.KINDS, default=None,
+                   help=argparse.SUPPRESS)  # a child of the memory measurement
     # Set by the launcher for each process of a --processes run.
     p.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
@@ -107,11 +113,21 @@ def run(args: Any) -> int:
     if args.deterministic and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    " --xla_gpu_deterministic_ops=true").strip()
+    memory = None
+    if not (args.no_memory or args.tiny or args.memory_of or args.processes > 1):
+        # Before this process touches the GPU: each child needs its memory to itself.
+        memory = llama3_memory.measure_in_children(args.argv, options.console())
     processes.join(args)  # one process of a --processes run: jax.distributed
     job = _setup(args)
     if isinstance(job, str):
         job_console(args).print(f"[red]{job}[/]")
         return 2
+    if args.memory_of:
+        llama3_memory.measure_here(job, args.memory_of)
+        return 0
+    if memory is not None:
+        job.results["memory"] = memory
+        llama3_memory.table(job.console, memory)
     return _measure(job)
 
 

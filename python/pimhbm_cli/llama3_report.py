@@ -10,7 +10,7 @@ from rich.table import Table
 
 from pimhbm_cli import device_profile
 
-TARGET = 0.02  # the cost of protection the step is held to
+TARGET = 0.01  # the cost of protection the step is held to
 
 
 def timing(console, results: dict, tokens: int, devices: int, kind: str, rounds: int) -> None:
