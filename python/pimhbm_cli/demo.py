@@ -226,7 +226,8 @@ def _print_tables(console, runs: Runs, verdict: Verdict, plain: float, cfg, devi
     rows = [("steps committed (replays included)", stats.steps_committed),
             ("steps skipped (then replayed)", stats.steps_skipped),
             ("steps replayed", stats.steps_replayed),
-            ("chunks repaired from the device copy", stats.repairs),
+            ("chunks repaired on the device (" + ("parity and redo" if runs.faulty.one_copy
+                                                   else "device copy") + ")", stats.repairs),
             ("restores from the host snapshot (double faults)", stats.host_restores),
             ("host snapshots taken", stats.snapshots), ("scrubs", stats.scrubs),
             ("compilations after prewarm (both runs)", runs.compiles),
