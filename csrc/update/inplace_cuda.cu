@@ -25,9 +25,12 @@ namespace {
 constexpr int kWarps = 4;  // a block: 128 threads
 constexpr int kMaxLeaves = 64;
 
+// The groups a launch takes: of leaf i, groups group0[i] .. group0[i] + first_group[i + 1] -
+// first_group[i] - 1.
 struct Table {
   InPlaceLeaf leaf[kMaxLeaves];
   int64_t first_group[kMaxLeaves + 1];
+  int64_t group0[kMaxLeaves];
   int count;
 };
 static_assert(sizeof(Table) < 32000, "the leaf table must fit the kernel parameters");
@@ -205,7 +208,8 @@ struct ChunkVerdict {
 
 // Chunk c: loaded, checked, and where it verifies updated, stored, its tables rewritten and its
 // change XORed into acc. Warp-uniform result. `x` keeps the chunk's gradient for the stash.
-template <bool kBF16, bool kMaster, bool kParity, int kG>
+// kWhole: every element of the chunk is there (the compiler drops the ragged paths).
+template <bool kBF16, bool kMaster, bool kParity, int kG, bool kWhole>
 __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* g,
                                    const AdamWHyper& h, const AdamWStep& s, Acc<kG> acc,
                                    Part<kG>& x) {
@@ -216,7 +220,7 @@ __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* 
   for (int j = 0; j < kG; ++j) {
     const int64_t e = 4 * (lane_id() + 32 * j);
     const int64_t left = count - e;
-    x.live[j] = left >= 4 ? 4 : (left > 0 ? static_cast<int>(left) : 0);
+    x.live[j] = kWhole || left >= 4 ? 4 : (left > 0 ? static_cast<int>(left) : 0);
     load_group<kBF16, kMaster, kG>(L, g, first + e, e, j, x);
   }
   const int32_t faults = faults_of<kBF16, kMaster>(L, c, count, terms_of<kBF16, kMaster, kG>(x, key0));
@@ -343,8 +347,11 @@ __device__ __forceinline__ int leaf_of(const Table& T, int64_t gg) {
   return i;
 }
 
-template <bool kBF16, bool kMaster, bool kParity, int kG>
-__global__ void __launch_bounds__(32 * kWarps)
+// kWhole: the table's groups hold whole chunks only (the main launch); else each is a tensor's
+// last group, whose last chunk is short (the tail launch).
+// At least 4 blocks (16 warps) an SM: at most 128 registers (bench/NOTES.md, in-place v3).
+template <bool kBF16, bool kMaster, bool kParity, int kG, bool kWhole>
+__global__ void __launch_bounds__(32 * kWarps, 4)
     inplace_kernel(const __grid_constant__ Table T, const AdamWHyper h, const float* step,
                    const int32_t* go, Stash stash, uint64_t* totals) {
   __shared__ uint4 shared_acc[kParity ? kWarps : 1][3][32 * kG];
@@ -357,14 +364,14 @@ __global__ void __launch_bounds__(32 * kWarps)
        gg += warps) {
     const int i = leaf_of(T, gg);
     const InPlaceLeaf& L = T.leaf[i];
-    const int64_t grp = gg - T.first_group[i];
+    const int64_t grp = T.group0[i] + gg - T.first_group[i];
     const int64_t per = kParity ? L.group : 1;
     const int64_t last = min(inplace_chunks(L), (grp + 1) * per);
     if constexpr (kParity) zero_acc<kG>(acc);
     for (int64_t c = grp * per; c < last; ++c) {
       Part<kG> x;
       const void* g = static_cast<const uint8_t*>(L.g) + c * L.chunk_elems * (kBF16 ? 2 : 4);
-      const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG>(L, c, g, h, s, acc, x);
+      const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG, kWhole>(L, c, g, h, s, acc, x);
       record(L, c, v, totals);
       if (v.faults != 0) stash_chunk<kBF16, kG>(L, c, v.faults, x, stash, totals);
     }
@@ -401,7 +408,7 @@ __global__ void __launch_bounds__(32 * kWarps)
       const int64_t c = at(j, 1);
       if constexpr (kParity) zero_acc<kG>(acc);
       Part<kG> x;
-      const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG>(
+      const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG, false>(
           L, c, stash.rows + j * L.chunk_elems, h, s, acc, x);
       record(L, c, v, totals);
       if constexpr (kParity) {
@@ -424,6 +431,7 @@ Kind kind_of(const InPlaceLeaf& L) {
 }
 
 struct Launch {
+  bool whole;  // the main launch (whole chunks) or the tail one
   const AdamWHyper& h;
   const float* step;
   const int32_t* go;
@@ -444,9 +452,10 @@ cudaError_t launch_kind(const Table& T, const Launch& l) {
     redo_kernel<kBF16, kMaster, kParity, kG><<<blocks_for(l.redo->entries), 32 * kWarps, 0,
                                                l.stream>>>(T, l.h, l.step, *l.redo, l.totals);
   } else {
-    inplace_kernel<kBF16, kMaster, kParity, kG><<<blocks_for(T.first_group[T.count]), 32 * kWarps,
-                                                  0, l.stream>>>(T, l.h, l.step, l.go, *l.stash,
-                                                                 l.totals);
+    auto* kernel = l.whole ? inplace_kernel<kBF16, kMaster, kParity, kG, true>
+                           : inplace_kernel<kBF16, kMaster, kParity, kG, false>;
+    kernel<<<blocks_for(T.first_group[T.count]), 32 * kWarps, 0, l.stream>>>(
+        T, l.h, l.step, l.go, *l.stash, l.totals);
   }
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
   return cudaSuccess;
@@ -472,7 +481,15 @@ cudaError_t launch_table(const Table& T, const Kind& k, const Launch& l) {
   return launch_parity<false, false>(T, k, l);
 }
 
-// Leaves of one kind in tables of up to kMaxLeaves, one launch each.
+// Groups of a leaf whose chunks are all whole, and whether its last group holds a short chunk.
+int64_t whole_groups(const InPlaceLeaf& L) {
+  const bool ragged = L.n % L.chunk_elems != 0;
+  return inplace_groups(L) - (ragged ? 1 : 0);
+}
+
+// Leaves of one kind in tables of up to kMaxLeaves, one launch each: with l.whole, their
+// groups of whole chunks; else their last groups where they hold a short chunk. A redo: every
+// leaf (its kernel takes the stash's entries).
 cudaError_t launch_all(const InPlaceLeaf* leaves, size_t count, const Launch& l) {
   std::vector<bool> done(count, false);
   for (size_t i = 0; i < count; ++i) {
@@ -484,9 +501,15 @@ cudaError_t launch_all(const InPlaceLeaf* leaves, size_t count, const Launch& l)
     for (size_t j = i; j < count; ++j) {
       if (done[j] || !(kind_of(leaves[j]) == kind)) continue;
       done[j] = true;
-      if (inplace_chunks(leaves[j]) == 0) continue;
-      T.leaf[T.count] = leaves[j];
-      T.first_group[T.count + 1] = T.first_group[T.count] + inplace_groups(leaves[j]);
+      const InPlaceLeaf& L = leaves[j];
+      const int64_t whole = whole_groups(L);
+      const int64_t groups = l.redo != nullptr ? inplace_groups(L)
+                             : l.whole         ? whole
+                                               : inplace_groups(L) - whole;
+      if (inplace_chunks(L) == 0 || (l.redo == nullptr && groups == 0)) continue;
+      T.leaf[T.count] = L;
+      T.group0[T.count] = l.redo == nullptr && !l.whole ? whole : 0;
+      T.first_group[T.count + 1] = T.first_group[T.count] + groups;
       if (++T.count == kMaxLeaves) {
         PIMHBM_CUDA_RETURN_IF_ERROR(launch_table(T, kind, l));
         T.count = 0;
@@ -508,14 +531,17 @@ cudaError_t inplace_cuda(const InPlaceLeaf* leaves, size_t count, const AdamWHyp
                          const float* step, const int32_t* go, const Stash& stash,
                          uint64_t* totals, cudaStream_t stream) {
   PIMHBM_CUDA_RETURN_IF_ERROR(clear(leaves, count, totals, &stash, stream));
-  return launch_all(leaves, count, Launch{hyper, step, go, &stash, nullptr, totals, stream});
+  PIMHBM_CUDA_RETURN_IF_ERROR(
+      launch_all(leaves, count, Launch{true, hyper, step, go, &stash, nullptr, totals, stream}));
+  return launch_all(leaves, count, Launch{false, hyper, step, go, &stash, nullptr, totals, stream});
 }
 
 cudaError_t redo_cuda(const InPlaceLeaf* leaves, size_t count, const AdamWHyper& hyper,
                       const float* step, const StashIn& stash, uint64_t* totals,
                       cudaStream_t stream) {
   PIMHBM_CUDA_RETURN_IF_ERROR(clear(leaves, count, totals, nullptr, stream));
-  return launch_all(leaves, count, Launch{hyper, step, nullptr, nullptr, &stash, totals, stream});
+  return launch_all(leaves, count,
+                    Launch{false, hyper, step, nullptr, nullptr, &stash, totals, stream});
 }
 
 namespace {
