@@ -45,6 +45,7 @@ class Planned:
     value: str = "nan"
     chunks: tuple[int, ...] = ()  # where it must be found
     device: int | None = None  # one device's state (None: every device's)
+    incidents_before: int | None = None  # the run's incidents when it was injected
     detected: bool = False
     located: bool = False  # detected at its own chunk(s)
     repaired: bool = False
@@ -155,6 +156,7 @@ class Campaign:
             return None
         grad = None
         for f in self._by_step.get(step, []):
+            f.incidents_before = len(trainer.stats.incidents)
             if f.kind == "grad_nonfinite":
                 leaf = trainer.paths.index(f.path)
                 grad = faults.GradientFault(leaf, faults.spec(faults.NONFINITE,
@@ -189,12 +191,6 @@ class Campaign:
         damaged) and repaired (that incident's action succeeded); counts by kind."""
         found: dict[tuple[int, str, str, int], Action] = {}
         unlisted: set[int] = set()  # steps whose non-finite gradients overflowed the list
-        # Steps whose state came back from a host snapshot: with one copy of the state, a step
-        # that damage to the parameters cancelled never ran the update, which is what checks
-        # the master weights and moments -- damage there, injected before that step, was
-        # overwritten by the restore before anything read it.
-        restored = {inc.step for inc in stats.incidents
-                    if inc.action is Action.RESTORED_FROM_SNAPSHOT}
         for inc in stats.incidents:
             for loc in inc.locations:
                 found[(inc.step, loc.leaf, loc.tensor, loc.chunk)] = inc.action
@@ -212,12 +208,8 @@ class Campaign:
                 # out of the update, but not told apart from the rest.
                 f.detected, actions = True, [Action.SKIPPED_AND_REPLAYED]
             f.repaired = f.detected and all(a.repaired for a in actions)
-            # Or the step before (still in flight when it was injected) found the same chunk
-            # damaged and rewrote it whole afterwards.
-            rewritten = any(found.get((f.step - 1, f.path, f.tensor, c)) in REWRITES
-                            for c in f.chunks)
-            overwritten = not f.detected and f.kind != "grad_nonfinite" and (
-                f.step in restored or rewritten)
+            overwritten = (not f.detected and f.kind != "grad_nonfinite" and
+                           self._overwritten(f, stats.incidents))
             row = table[f.kind]
             row["injected"] += 1
             row["detected"] += f.detected
@@ -226,6 +218,24 @@ class Campaign:
             row["overwritten"] += overwritten
             row["unlocated"] += f.detected and not f.located
         return {k: v for k, v in table.items() if v["injected"]}
+
+
+    @staticmethod
+    def _overwritten(f: Planned, incidents: list) -> bool:
+        """Whether, after ``f`` was injected and before any check named it, the state came back
+        from a host snapshot or its chunk was rewritten whole by the repair of damage another
+        step found there (one still in flight when it was injected). With one copy of the state
+        a step that damage to its parameters cancels never runs the update, which is what
+        checks the master weights and moments: damage there can be overwritten so."""
+        if f.incidents_before is None:
+            return False
+        mine = {(f.path, f.tensor, c) for c in f.chunks}
+        for inc in incidents[f.incidents_before:]:
+            if inc.action is Action.RESTORED_FROM_SNAPSHOT:
+                return True
+            if any((l.leaf, l.tensor, l.chunk) in mine for l in inc.locations):
+                return inc.step != f.step and inc.action in REWRITES
+        return False
 
 
 def unlocated_note(table: dict[str, dict[str, int]]) -> str | None:
