@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-import pimhbm
+from pimhbm import inplace
 from pimhbm.models import mlp
 from pimhbm.recovery import Trainer
 
@@ -18,7 +18,7 @@ def main() -> int:
     name, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     resume = "--resume" in sys.argv
     pace = float(sys.argv[sys.argv.index("--pace") + 1]) if "--pace" in sys.argv else 0.0
-    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+    opt = inplace.adamw(3e-3, master_weights=True, chunk_elems=256, group=4)
     trainer = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=name,
                       snapshot_every=10, scrub_every=5, resume=resume)
     if resume:

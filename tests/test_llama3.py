@@ -243,7 +243,7 @@ def test_llama3_tool_as_two_processes_with_fsdp(tmp_path):
     out = tmp_path / "llama3.json"
     cmd = [sys.executable, "-m", "pimhbm_cli", "llama3", "--tiny", "--layers", "1", "--tokens",
            "256", "--seq", "32", "--vocab", "256", "--steps", "2", "--devices", "4", "--shard",
-           "2", "--processes", "2", "--campaign-steps", "10", "--faults", "1", "--json", str(out)]
+           "2", "--processes", "2", "--campaign-steps", "6", "--faults", "1", "--json", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     r = json.loads(out.read_text())

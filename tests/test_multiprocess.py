@@ -34,6 +34,9 @@ def test_two_processes_repair_across_processes_and_end_bit_identical(tmp_path, t
     transport takes over. Without device copies the single flip comes from the replica too.
     A lost shard (more damage than the fault list holds) is rebuilt whole from the other
     replica through the same transport."""
+    if PLATFORM == "cpu" and (transport, copy) == ("collective", "copy"):
+        pytest.skip("on CPUs the 'ipc' case runs this same collective path (IPC is unavailable "
+                    "there), and says so")
     shm = f"pimhbm_test_{uuid.uuid4().hex[:10]}"
     out = str(tmp_path / "result.json")
     port = str(free_port())

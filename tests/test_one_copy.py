@@ -89,17 +89,18 @@ def flip(trainer, path, tensor, element, bit=3):
     trainer.inject(path, tensor, faults.spec(faults.FLIP_BIT, offset=element * size, bit=bit))
 
 
-def test_a_moment_found_by_the_update_is_redone_in_place_without_a_replay(shm_name):
+@pytest.mark.parametrize("in_flight", [2, 3])
+def test_a_moment_found_by_the_update_is_redone_in_place_without_a_replay(shm_name, in_flight):
     reference = fault_free(shm_name, 12)
-    tr = make_trainer(shm_name)
+    tr = make_trainer(shm_name, in_flight=in_flight)
     try:
         stats = tr.run(12, campaign=Once(7, lambda t: flip(t, "w1", "nu", 5 * CHUNK + 9)))
         redone = incidents(stats, IncidentKind.STATE)
         assert [(i.step, i.action) for i in redone] == [(7, Action.REDONE_FROM_PARITY)]
         assert [(l.leaf, l.tensor, l.chunk) for l in redone[0].locations] == [("w1", "nu", 5)]
-        # Step 7 was applied once and completed by the redo: only the step halted behind it
-        # ran again.
-        assert stats.steps_replayed == 1 and stats.host_restores == 0
+        # Step 7 was applied once and completed by the redo: only the steps halted behind it
+        # (in flight when its summary was read) ran again.
+        assert stats.steps_replayed == in_flight - 1 and stats.host_restores == 0
         assert same_state(tr.current_state(), reference)
     finally:
         tr.close(unlink=True)
@@ -176,6 +177,8 @@ def test_one_copy_refuses_a_device_copy_fault_and_runs_without_parity_only_with_
         shm_name):
     with pytest.raises(ValueError, match="group=0"):
         make_trainer(shm_name, group=0)
+    with pytest.raises(ValueError, match="in flight"):
+        make_trainer(shm_name, in_flight=0)
     tr = make_trainer(shm_name)
     try:
         with pytest.raises(ValueError, match="no device copy"):
@@ -210,3 +213,30 @@ def test_the_protected_state_is_no_larger_than_optaxs():
             two.close()
     finally:
         tr.close()
+
+
+def test_a_row_stale_from_a_damaged_chunk_is_kept_and_rebuilds_it(shm_name):
+    """Damage landing just before a scrub makes its group's parity row look stale; remade from
+    the state, the row would carry the damage into the rebuild. It is kept (a chunk of its group
+    fails its digest), and the next step's redo rebuilds the chunk from it."""
+    reference = fault_free(shm_name, 8)
+
+    class BeforeTheScrub:
+        def before_step(self, trainer, step, attempt):
+            return None
+
+        def before_scrub(self, trainer, step):
+            if step == 5:
+                flip(trainer, "w1", "mu", 5 * CHUNK + 17)
+
+    tr = make_trainer(shm_name)
+    try:
+        stats = tr.run(8, campaign=BeforeTheScrub())
+        kept = incidents(stats, IncidentKind.PARITY)
+        assert [(i.step, i.action) for i in kept] == [(5, Action.PARITY_KEPT)]
+        redone = incidents(stats, IncidentKind.STATE)
+        assert [(i.step, i.action) for i in redone] == [(6, Action.REDONE_FROM_PARITY)]
+        assert stats.host_restores == 0
+        assert same_state(tr.current_state(), reference)
+    finally:
+        tr.close(unlink=True)

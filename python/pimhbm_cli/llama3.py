@@ -80,6 +80,11 @@ def add_arguments(p) -> None:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also trace 6 steps of each kind with jax.profiler into DIR and print "
                         "where the device time goes (kernels by kind, the largest ones)")
+    p.add_argument("--in-flight", type=positive_int, default=2,
+                   help="the protected loop's steps in flight (the Trainer's in_flight)")
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="gc.freeze() after prewarm: Python's collector then leaves every object "
+                        "made so far alone (a long collection stalls the host loop)")
     p.add_argument("--no-memory", action="store_true",
                    help="skip the device memory of both steps (each measured first in a process "
                         "of its own; never with --tiny or --processes)")
@@ -201,6 +206,7 @@ def _setup(args: Any) -> Job | str:
                "replica_transport": args.replica_transport, "layers": args.layers,
                "device_copy": not args.no_device_copy, "state": args.state,
                "snapshot_every": args.snapshot_every, "scrub_every": args.scrub_every,
+               "in_flight": args.in_flight, "gc_freeze": args.gc_freeze,
                "tokens": args.tokens,
                "params": cfg.num_params()}
     return Job(args, console, devices, dev, mesh, cfg, batch, attention, data, results)
@@ -277,7 +283,8 @@ def _protected(job: Job, shm_name: str) -> Any:
                          snapshot_every=args.snapshot_every, scrub_every=args.scrub_every,
                          inject_gradients=True, devices=job.devices, attention_impl=job.attention,
                          params=_fresh_params(job), replica_transport=args.replica_transport,
-                         shard=args.shard, device_copy=not args.no_device_copy, state=args.state)
+                         shard=args.shard, device_copy=not args.no_device_copy, state=args.state,
+                         in_flight=args.in_flight)
 
 
 def _prewarm(job: Job, trainer: Any) -> None:
@@ -396,6 +403,10 @@ def _measure(job: Job) -> int:
     trainer = _protected(job, name)
     try:
         _prewarm(job, trainer)
+        if args.gc_freeze:
+            import gc
+            gc.collect()
+            gc.freeze()
         trainer.run(3)  # warm
         plain.round(2)
         _time_both(job, plain, trainer)

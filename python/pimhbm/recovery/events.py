@@ -37,6 +37,7 @@ class Action(enum.Enum):
     DEVICE_COPY_REPAIRED = "device copy repaired from the current state"
     DEVICE_COPY_NOT_REPAIRED = "device copy repair failed"
     PARITY_REMADE = "parity made anew from the state"
+    PARITY_KEPT = "parity kept: a chunk of its group is damaged, the next step rebuilds it"
     SCRUBBED = "full scrub"  # a suspect device's state checked at once
     COLLECTIVE_FROM_NOW_ON = "the collective transport from now on"
     HOST_SNAPSHOT_INSTEAD = "falling back to the host snapshot"

@@ -134,8 +134,10 @@ class FaultHandling:
         locs = tuple(loc for e in entries for loc in self.layout.locate(e, in_copy=True))
         self.state, failures = self.repairer.rewrite(self.state, entries, self.stats,
                                                      into_copy=True)
-        if self.one_copy:  # parity rows out of step with their groups: made anew
-            record(self.stats, [Incident(step, IncidentKind.PARITY, locs, Action.PARITY_REMADE)])
+        if self.one_copy:  # parity rows out of step with their groups: made anew, but where
+            # a chunk of the group is damaged (the row rebuilds it: the next step does)
+            record(self.stats, [Incident(step, IncidentKind.PARITY, locs, Action.PARITY_KEPT
+                                         if failures else Action.PARITY_REMADE)])
             return
         record(self.stats, [Incident(
             step, IncidentKind.DEVICE_COPY, locs,

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from pimhbm import parity
 from pimhbm.inplace import AdamWState, LeftChunks, Stash
-from pimhbm.repair import REPAIRED, snapshot_fence
+from pimhbm.repair import NOT_LISTED, REPAIRED, STILL_DAMAGED, snapshot_fence
 from pimhbm.scan import verify
 from pimhbm.recovery.layout import Damage
 from pimhbm.recovery.placement import AXES
@@ -143,11 +143,17 @@ class OneCopy(Traced):
 
     def repair(self, state: TrainState, lists: jax.Array, *, into_copy: bool):
         """Listed chunks (int32 (leaves, tensors, capacity)) rebuilt in place from their parity
-        groups -- or, ``into_copy``, the parity made anew from the state (a scrub found rows
-        that no longer match chunks that verify)."""
+        groups -- or, ``into_copy``, the parity made anew from the state where a scrub found
+        rows that no longer match their groups (a listed chunk: REPAIRED where its group's row
+        was remade, STILL_DAMAGED where a chunk of the group is damaged and the row kept)."""
         if into_copy:
-            return (state._replace(opt=self._with_parity(state.opt)),
-                    self.placement.per_device(jnp.where(lists >= 0, REPAIRED, 0).astype(jnp.int32)))
+            opt, remade = self._remade_parity(state.opt)
+            status = [jnp.zeros(c.shape, jnp.int32) if r.shape[0] == 0 else
+                      jnp.where((c >= 0) & jnp.take(r, c // self.opt.group, mode="clip"),
+                                REPAIRED, jnp.where(c >= 0, STILL_DAMAGED, NOT_LISTED))
+                      for r, c in zip(remade, lists.reshape(-1, lists.shape[-1]))]
+            return state._replace(opt=opt), self.placement.per_device(
+                jnp.stack(status).reshape(lists.shape).astype(jnp.int32))
         opt = state.opt
         rows = self.treedef.flatten_up_to(opt.parity)
         statuses, new = [], []
@@ -166,10 +172,18 @@ class OneCopy(Traced):
     # -- checks, snapshots ---------------------------------------------------------------------------
 
     def scrub(self, state: TrainState) -> ScrubSummary:
-        """Every chunk's digests, and every parity row against its group (the one thing a step
-        does not check): a row that differs where every chunk of its group verifies is marked
-        on the group's chunks with the tensor's Damage bits shifted by 4 (the redundancy's)."""
-        opt, group = state.opt, self.opt.group
+        """Every chunk's digests (a restored snapshot, the end of a run), and every parity row
+        against its group, as :meth:`scheduled_scrub`."""
+        return self._scrub(state, digests=True)
+
+    def scheduled_scrub(self, state: TrainState) -> ScrubSummary:
+        """The scrub between steps: every parity row against its group -- the one thing no step
+        checks (each step verifies every chunk's digests). A row that differs is marked on its
+        group's chunks with the tensor's Damage bits shifted by 4 (the redundancy's)."""
+        return self._scrub(state, digests=False)
+
+    def _scrub(self, state: TrainState, *, digests: bool) -> ScrubSummary:
+        opt = state.opt
         rows = self.treedef.flatten_up_to(opt.parity) if self.has_parity else None
         maps = []
         for i, leaf in enumerate(self.tensors(opt)):
@@ -177,16 +191,36 @@ class OneCopy(Traced):
             acc = jnp.zeros((n,), jnp.int32)
             for k in self.layout.names:
                 (x, table), cb = leaf[k], self.layout.chunk_bytes(k, i)
-                bad = verify(x, table, cb)
-                acc |= bad.astype(jnp.int32) * int(Damage.of(k))
+                if digests:
+                    acc |= verify(x, table, cb).astype(jnp.int32) * int(Damage.of(k))
                 if rows is not None and n:
-                    stale = jnp.any(parity.parity(x, cb, group) != rows[i][k], axis=1)
-                    groups = -(-n // group)
-                    damaged = jnp.pad(bad, (0, groups * group - n)).reshape(groups, group).any(1)
-                    marks = jnp.repeat(stale & ~damaged, group)[:n]
+                    stale = self._stale_groups(x, rows[i][k], cb)
+                    marks = jnp.repeat(stale, self.opt.group)[:n]
                     acc |= marks.astype(jnp.int32) * int(Damage.of(k, in_copy=True))
             maps.append(acc)
         return self.placement.per_device(ScrubSummary(fault_list(maps, self.fault_capacity)))
+
+    def _stale_groups(self, x: jax.Array, rows: jax.Array, chunk_bytes: int) -> jax.Array:
+        """bool per group: its parity row is not the XOR of its chunks."""
+        return jnp.any(parity.parity(x, chunk_bytes, self.opt.group) != rows, axis=1)
+
+    def _remade_parity(self, opt: AdamWState) -> tuple[AdamWState, list[jax.Array]]:
+        """The parity made anew from the state, except in a group with a chunk that fails its
+        digest (its row is what rebuilds that chunk: the next step will); per leaf and tensor,
+        bool per group: remade."""
+        remade, rows, out = [], self.treedef.flatten_up_to(opt.parity), []
+        group = self.opt.group
+        for i, leaf in enumerate(self.tensors(opt)):
+            new = {}
+            for k, (x, table) in leaf.items():
+                cb, old = self.layout.chunk_bytes(k, i), rows[i][k]
+                bad, groups = verify(x, table, cb), old.shape[0]
+                damaged = jnp.pad(bad, (0, groups * group - bad.shape[0])).reshape(
+                    groups, group).any(axis=1)
+                new[k] = jnp.where(damaged[:, None], old, parity.parity(x, cb, group))
+                remade.append(~damaged)
+            out.append(new)
+        return opt._replace(parity=jax.tree.unflatten(self.treedef, out)), remade
 
     def clone(self, opt: AdamWState) -> AdamWState:
         """A state put back from a snapshot (tensors and digests) made whole: its parity."""

@@ -61,13 +61,15 @@ class Programs:
     vote: dict[int, Any] = dataclasses.field(default_factory=dict)
     recopy: dict[int, Any] = dataclasses.field(default_factory=dict)
     scrub: dict[int, Any] = dataclasses.field(default_factory=dict)
+    scheduled_scrub: dict[int, Any] = dataclasses.field(default_factory=dict)  # one copy's
     snapshot: dict[tuple[int, int, int], Any] = dataclasses.field(default_factory=dict)  # slot, part
     inject: dict[tuple, Any] = dataclasses.field(default_factory=dict)
     clone: Any = None
 
     def __len__(self) -> int:
         tables = (self.step, self.sampled, self.recheck, self.repair, self.redo, self.replica,
-                  self.rebuild, self.vote, self.recopy, self.scrub, self.snapshot, self.inject)
+                  self.rebuild, self.vote, self.recopy, self.scrub, self.scheduled_scrub,
+                  self.snapshot, self.inject)
         return sum(map(len, tables)) + (self.clone is not None)
 
 
@@ -150,6 +152,7 @@ class Compiler:
             if len(self.placement.devices) > self.t.layout.shard:
                 self._replicas(current)
             self.scrub(current)
+            self.scheduled_scrub(current)
             if backup is not None:
                 self._snapshots(current, backup)
         # Fault injection on every state tensor shape (campaigns).
@@ -236,6 +239,17 @@ class Compiler:
                 self.t.scrub, (self.t.state_specs(current),), self.placement.report_spec,
                 self.abstract_state(current), donate=False, what="the scrub")
         return self.programs.scrub[current]
+
+    def scheduled_scrub(self, current: int) -> Any:
+        """The scrub between steps: the scrub itself where the kind's are the same."""
+        if type(self.t).scheduled_scrub is Traced.scheduled_scrub:
+            return self.scrub(current)
+        if current not in self.programs.scheduled_scrub:
+            self.programs.scheduled_scrub[current] = self._compile(
+                self.t.scheduled_scrub, (self.t.state_specs(current),),
+                self.placement.report_spec, self.abstract_state(current), donate=False,
+                what="the scrub between steps")
+        return self.programs.scheduled_scrub[current]
 
     def _snapshots(self, current: int, backup: Any) -> None:
         for part, device in self.placement.writers.items():

@@ -88,6 +88,10 @@ class Traced:
         """The current state's tensors and digest tables, per leaf by tensor name."""
         raise NotImplementedError
 
+    def scheduled_scrub(self, state: TrainState) -> Any:
+        """The scrub the loop runs every ``scrub_every`` steps (and on a suspect device)."""
+        return self.scrub(state)
+
     def with_tensors(self, opt: Any, leaves: list[dict]) -> Any:
         """``opt`` with its current tensors replaced (as they are: fault injection)."""
         raise NotImplementedError

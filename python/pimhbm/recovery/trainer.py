@@ -1,6 +1,6 @@
 """The Trainer: protected training, each step's faults handled one step later.
 
-The loop dispatches a step, keeps up to two in flight, and reads each one's summary once the
+The loop dispatches a step, keeps up to ``in_flight`` (two) in flight, and reads each one's summary once the
 next is queued (the host never waits for the device in the steady state). A committed step is
 counted; a skipped one -- and every step halted behind it -- is decoded into a fault report,
 repaired (pimhbm.recovery.repairs; the host snapshot when the devices hold no intact copy) and
@@ -101,6 +101,8 @@ class Trainer(FaultHandling):
     ``telemetry``: "auto" watches the GPUs through NVML where it is there; a
     pimhbm.telemetry.Monitor of your own; None for none.
     A step skipped ``max_skips`` times in a row stops the run with PersistentFault.
+    ``in_flight``: steps dispatched ahead of the one whose summary the host reads (more: the
+    device waits less on a host that stalls; a fault halts, and replays, that many more).
     ``recheck_every``: every this many steps (0: never) the step's gradients are computed a
     second time, each device's slice on the next device, and compared bit for bit (sampled
     re-execution: finite wrong values no digest can see); a step whose gradients differ is
@@ -116,8 +118,11 @@ class Trainer(FaultHandling):
                  inject_gradients: bool = False, devices: Any = None, resume: bool = False,
                  telemetry: Any = "auto", replica_transport: str = "collective",
                  shard: int = 1, max_skips: int = 5, run_id: str | None = None,
-                 recheck_every: int | None = None):
+                 recheck_every: int | None = None, in_flight: int = 2):
         ensure_registered()
+        if not isinstance(in_flight, int) or in_flight < 1:
+            raise ValueError(f"in_flight={in_flight!r}: at least one step must be in flight")
+        self.in_flight = in_flight
         devices = list(devices) if devices is not None else jax.devices()
         replica_transport = _transport(replica_transport)
         _check_options(opt, replica_transport, devices, shard, max_skips, jax.process_count() > 1)
@@ -281,7 +286,7 @@ class Trainer(FaultHandling):
             # A first snapshot of the starting state, so that a host restore is always possible.
             self.snapshots.save_now(self.state, step - 1, self.stats)
         while step <= until or flight:
-            if step <= until and len(flight) < 2:
+            if step <= until and len(flight) < self.in_flight:
                 attempts[step] += 1
                 flight.append(self._launch(step, attempts[step], campaign))
                 step += 1
@@ -323,7 +328,7 @@ class Trainer(FaultHandling):
             if campaign and scheduled:
                 campaign.before_scrub(self, step)
             self._scrub_due = False
-            scrub = self.programs.scrub[slot_of(self.state.opt)](self.state)
+            scrub = self.compiler.scheduled_scrub(slot_of(self.state.opt))(self.state)
             self.placement.settle(scrub)
             jax.tree.map(lambda x: x.copy_to_host_async(), scrub)
         if self.snapshots.should_save(step):
