@@ -63,13 +63,14 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                   attention_impl: str | None = None, params: Any = None,
                   replica_transport: str = "collective", shard: int = 1,
                   device_copy: bool = True, recheck_every: int | None = None,
-                  state: StateKind | str = StateKind.ONE_COPY, in_flight: int = 2) -> Trainer:
+                  state: StateKind | str = StateKind.ONE_COPY, in_flight: int = 2,
+                  telemetry: Any = "auto") -> Trainer:
     """A protected trainer of the Llama-3 ``cfg`` on byte-level ``data``: bf16 parameters with
     fp32 master weights and moments, and (with ``shm_name``) host snapshots in shared memory.
     ``state``: one copy updated in place (pimhbm.inplace; parity over groups of chunks repairs
     a damaged chunk) or two slots (pimhbm.adamw; a device copy repairs it). ``device_copy``:
     each device's own redundancy, parity or the device copy (False: damaged chunks come from
-    the other replicas only). ``in_flight``: the Trainer's steps in flight. ``chunk_elems``:
+    the other replicas only). ``in_flight``, ``telemetry``: the Trainer's. ``chunk_elems``:
     None for the kind's default (512 in place, 1024
     with two slots). ``recheck_every``: the Trainer's sampled re-execution (None: its
     default)."""
@@ -89,4 +90,4 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                    snapshot_every=snapshot_every, scrub_every=scrub_every,
                    inject_gradients=inject_gradients, devices=devices,
                    replica_transport=replica_transport, shard=shard, recheck_every=recheck_every,
-                   in_flight=in_flight)
+                   in_flight=in_flight, telemetry=telemetry)

@@ -82,6 +82,8 @@ def add_arguments(p) -> None:
                         "where the device time goes (kernels by kind, the largest ones)")
     p.add_argument("--in-flight", type=positive_int, default=2,
                    help="the protected loop's steps in flight (the Trainer's in_flight)")
+    p.add_argument("--no-telemetry", action="store_true",
+                   help="no NVML watch beside the protected loop (the Trainer's telemetry=None)")
     p.add_argument("--gc-freeze", action="store_true",
                    help="gc.freeze() after prewarm: Python's collector then leaves every object "
                         "made so far alone (a long collection stalls the host loop)")
@@ -207,6 +209,7 @@ def _setup(args: Any) -> Job | str:
                "device_copy": not args.no_device_copy, "state": args.state,
                "snapshot_every": args.snapshot_every, "scrub_every": args.scrub_every,
                "in_flight": args.in_flight, "gc_freeze": args.gc_freeze,
+               "telemetry": not args.no_telemetry,
                "tokens": args.tokens,
                "params": cfg.num_params()}
     return Job(args, console, devices, dev, mesh, cfg, batch, attention, data, results)
@@ -284,7 +287,8 @@ def _protected(job: Job, shm_name: str) -> Any:
                          inject_gradients=True, devices=job.devices, attention_impl=job.attention,
                          params=_fresh_params(job), replica_transport=args.replica_transport,
                          shard=args.shard, device_copy=not args.no_device_copy, state=args.state,
-                         in_flight=args.in_flight)
+                         in_flight=args.in_flight,
+                         telemetry=None if args.no_telemetry else "auto")
 
 
 def _prewarm(job: Job, trainer: Any) -> None:
