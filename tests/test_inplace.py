@@ -372,3 +372,36 @@ def test_used_as_an_optax_transformation_it_says_what_to_use_instead(rng):
     state = tx.init(params)
     with pytest.raises(TypeError, match="not an optax GradientTransformation"):
         tx.update(random_grads(rng, params), state, params)
+
+
+def test_a_gradient_transformation_runs_first_in_the_same_step(rng):
+    """inplace.adamw(gradient_transform=optax.clip_by_global_norm(c)) is optax.chain(clip,
+    adamw): the same states as the update fed the clipped gradients (to float tolerance: the
+    norm's reduction runs in another program), and not the unclipped ones (the clip bites)."""
+    clip = optax.clip_by_global_norm(0.5)
+    opt, dtype = make("fp32", gradient_transform=clip)
+    plain, _ = make("fp32")
+    params = random_params(rng, dtype)
+    grads = [random_grads(rng, params) for _ in range(3)]
+    clipped = [jax.jit(lambda g: clip.update(g, clip.init(g), None)[0])(g) for g in grads]
+    state, reports = run(opt, params, grads)
+    want, _ = run(plain, params, clipped)
+    unclipped, _ = run(plain, params, grads)
+    assert all(bool(r.committed) for r in reports)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(state.params[k]), np.asarray(want.params[k]),
+                                   rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(state.mu[k]), np.asarray(want.mu[k]), rtol=1e-5,
+                                   atol=1e-8)
+    # Adam's step hardly sees a uniform scale; its moments do.
+    assert all(np.abs(np.asarray(state.mu[k])).sum() < 0.9 * np.abs(np.asarray(unclipped.mu[k])).sum()
+               for k in params)
+
+
+def test_a_stateful_or_unknown_gradient_transformation_is_refused():
+    with pytest.raises(ValueError, match="state of its own"):
+        inplace.adamw(LR, gradient_transform=optax.scale_by_adam()).init({"w": jnp.zeros(3)})
+    masked = optax.masked(optax.clip(1.0), {"w": True, "b": False})  # its mask is the tree's
+    inplace.adamw(LR, gradient_transform=masked).init({"w": jnp.zeros(3), "b": jnp.zeros(2)})
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        inplace.adamw(LR, gradient_transform=lambda g: g)

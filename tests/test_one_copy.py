@@ -240,3 +240,47 @@ def test_a_row_stale_from_a_damaged_chunk_is_kept_and_rebuilds_it(shm_name):
         assert same_state(tr.current_state(), reference)
     finally:
         tr.close(unlink=True)
+
+
+class GradientFlip:
+    """A low mantissa bit of one bf16 gradient value of w1 flipped on ``device`` before the
+    reduction, at ``step`` (first attempt only): a finite wrong value no digest can see."""
+
+    def __init__(self, rng, step, device):
+        self.step, self.device = step, device
+        self.element, self.bit = int(rng.integers(0, 96 * 96)), int(rng.integers(0, 6))
+
+    def before_step(self, trainer, step, attempt):
+        if step != self.step or attempt != 1:
+            return None
+        spec = faults.spec(faults.FLIP_BIT, offset=2 * self.element, bit=self.bit)
+        return faults.GradientFault(trainer.paths.index("w1"), spec, self.device)
+
+    def before_scrub(self, trainer, step):
+        pass
+
+
+@pytest.mark.parametrize("step,sampled", [(10, True), (12, False)], ids=["sampled", "control"])
+def test_a_sampled_steps_re_execution_closes_its_gate_before_any_write(shm_name, rng, step,
+                                                                        sampled):
+    """One copy cannot undo a step: a sampled step computes each device's slice again on the
+    next device before its update, and gradients that differ close the gate -- nothing is
+    written, the step is replayed. The control: the same flip on a step that is not sampled
+    goes unseen (and the run ends elsewhere)."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    kw = dict(devices=4, recheck_every=5)
+    reference = fault_free(shm_name, 14, **kw)
+    tr = make_trainer(shm_name, inject=True, **kw)
+    try:
+        stats = tr.run(14, campaign=GradientFlip(rng, step, device=2))
+        found = [(i.step, i.devices, i.action) for i in incidents(stats, IncidentKind.COMPUTE)]
+        if sampled:
+            assert found == [(10, (2,), Action.SKIPPED_AND_REPLAYED)]
+            assert [i.kind for i in stats.incidents] == [IncidentKind.COMPUTE]
+            assert same_state(tr.current_state(), reference)
+        else:
+            assert stats.incidents == [] and not same_state(tr.current_state(), reference)
+        assert stats.compiles_after_prewarm == 0
+    finally:
+        tr.close(unlink=True)

@@ -155,9 +155,13 @@ class AdamW:
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
     group: int = DEFAULT_GROUP  # 0: no parity
     stash_capacity: int = DEFAULT_STASH
+    # An optax transformation of the gradients alone, run first in the same step (clipping by
+    # global norm, masks, scaling). Stateless only: a state of its own would be unprotected.
+    gradient_transform: Any = None
 
     def __post_init__(self):
         _check_hyper(self)
+        _check_transform(self.gradient_transform)
 
     def chunk_bytes(self, name: str, param_dtype: Any) -> int:
         size = jnp.dtype(param_dtype).itemsize if name == "p" else (2 if name == "master" else 4)
@@ -178,6 +182,7 @@ class AdamW:
             if self.master_weights and dtype != jnp.bfloat16:
                 raise TypeError(f"parameter {jax.tree_util.keystr(path)} is {dtype}: master "
                                 "weights are for bfloat16 parameters")
+        _check_transform(self.gradient_transform, params)
         return jax.jit(self._init)(params)
 
     def _init(self, params: Any) -> AdamWState:
@@ -212,6 +217,10 @@ class AdamW:
         _check_learning_rate(learning_rate)
         treedef = jax.tree.structure(state.params)
         check_grads(grads, state.params)
+        if self.gradient_transform is not None:
+            tx = self.gradient_transform
+            grads, _ = tx.update(grads, tx.init(grads), None)
+            check_grads(grads, state.params)
         count = state.step + 1
         if learning_rate is None:
             learning_rate = (self.learning_rate(count) if callable(self.learning_rate)
@@ -369,6 +378,21 @@ def _saturated(words: jax.Array) -> jax.Array:
     return jnp.where(big, np.iinfo(np.int32).max, lo.astype(jnp.int32))
 
 
+def _check_transform(tx: Any, params: Any = None) -> None:
+    """A gradient transformation: optax's kind and, for ``params``, stateless (its state would
+    not be protected: no digest, no parity, no snapshot -- a repair or a replay could not put
+    it back)."""
+    if tx is None:
+        return
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(f"gradient_transform must be an optax GradientTransformation (init, "
+                        f"update), got {type(tx).__name__}")
+    if params is not None and jax.tree.leaves(jax.eval_shape(tx.init, params)):
+        raise ValueError("gradient_transform keeps a state of its own (e.g. a count or a moving "
+                         "average), which would not be protected: only stateless transformations "
+                         "of the gradients (clip_by_global_norm, masks, scaling) are supported")
+
+
 def _check_hyper(o: AdamW) -> None:
     def real(name, v, lo=-math.inf, hi=math.inf, lo_open=False, hi_open=False):
         ok = isinstance(v, (int, float, np.floating, np.integer)) and math.isfinite(float(v))
@@ -404,10 +428,15 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
           b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
           weight_decay: float = 1e-4, *, master_weights: bool = False,
           chunk_elems: int = DEFAULT_CHUNK_ELEMS, group: int = DEFAULT_GROUP,
-          stash_capacity: int = DEFAULT_STASH) -> AdamW:
+          stash_capacity: int = DEFAULT_STASH, gradient_transform: Any = None) -> AdamW:
     """Guarded, fused, in-place AdamW; arguments as ``optax.adamw``. ``master_weights``: fp32
     master weights for bf16 parameters. ``group``: chunks a parity row covers (0: no parity,
     for data-parallel replicas that are each other's redundancy). ``stash_capacity``: chunks a
-    step can leave for ``repair`` (more: the next source, a replica or a snapshot)."""
+    step can leave for ``repair`` (more: the next source, a replica or a snapshot).
+    ``gradient_transform``: a stateless optax transformation of the gradients run first, in the
+    same compiled step -- ``optax.clip_by_global_norm(1.0)`` makes this
+    ``optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(...))``. It sees the gradients
+    alone (no parameters); under FSDP each device's shards (a global norm would be a shard's),
+    so the Trainer refuses it there."""
     return AdamW(learning_rate, b1, b2, eps, eps_root, weight_decay, master_weights, chunk_elems,
-                 group, stash_capacity)
+                 group, stash_capacity, gradient_transform)

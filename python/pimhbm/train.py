@@ -64,13 +64,15 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                   replica_transport: str = "collective", shard: int = 1,
                   device_copy: bool = True, recheck_every: int | None = None,
                   state: StateKind | str = StateKind.ONE_COPY, in_flight: int = 2,
-                  telemetry: Any = "auto") -> Trainer:
+                  telemetry: Any = "auto", gradient_transform: Any = None) -> Trainer:
     """A protected trainer of the Llama-3 ``cfg`` on byte-level ``data``: bf16 parameters with
     fp32 master weights and moments, and (with ``shm_name``) host snapshots in shared memory.
     ``state``: one copy updated in place (pimhbm.inplace; parity over groups of chunks repairs
     a damaged chunk) or two slots (pimhbm.adamw; a device copy repairs it). ``device_copy``:
     each device's own redundancy, parity or the device copy (False: damaged chunks come from
-    the other replicas only). ``in_flight``, ``telemetry``: the Trainer's. ``chunk_elems``:
+    the other replicas only). ``gradient_transform``: a stateless optax transformation of the
+    gradients run first (one copy only; see pimhbm.inplace.adamw). ``in_flight``,
+    ``telemetry``: the Trainer's. ``chunk_elems``:
     None for the kind's default (512 in place, 1024
     with two slots). ``recheck_every``: the Trainer's sampled re-execution (None: its
     default)."""
@@ -80,7 +82,10 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
     if StateKind(state) is StateKind.ONE_COPY:
         opt = inplace.adamw(peak_lr, weight_decay=0.01, master_weights=master,
                             chunk_elems=chunk_elems or inplace.DEFAULT_CHUNK_ELEMS,
-                            group=inplace.DEFAULT_GROUP if device_copy else 0)
+                            group=inplace.DEFAULT_GROUP if device_copy else 0,
+                            gradient_transform=gradient_transform)
+    elif gradient_transform is not None:
+        raise ValueError("gradient_transform is for one copy of the state (state='one-copy')")
     else:
         opt = pimhbm.adamw(peak_lr, weight_decay=0.01, master_weights=master,
                            device_copy=device_copy, chunk_elems=chunk_elems or 1024)

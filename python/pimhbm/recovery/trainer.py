@@ -58,6 +58,9 @@ def _check_options(opt: AdamW | inplace.AdamW, transport: Transport, devices: li
         raise ValueError(f"max_skips={max_skips}: a step must be allowed at least one replay")
     if shard < 1 or len(devices) % shard:
         raise ValueError(f"shard={shard} must divide the {len(devices)} devices")
+    if shard > 1 and getattr(opt, "gradient_transform", None) is not None:
+        raise ValueError("gradient_transform sees each device's own shards under FSDP (a global "
+                         f"norm would be a shard's): not supported with shard={shard}")
     local = opt.group > 0 if isinstance(opt, inplace.AdamW) else opt.device_copy
     if not local and len(devices) == shard:
         what = ("without parity (pimhbm.inplace.adamw(group=0))" if isinstance(opt, inplace.AdamW)
