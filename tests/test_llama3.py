@@ -420,3 +420,20 @@ def test_llama3_tool_measures_each_steps_memory_in_a_process_of_its_own():
     assert plain["params"] == protected["params"] > 0
     assert 14.0 <= plain["state_bytes"] / plain["params"] < 14.01  # optax's: and its count
     assert protected["state_bytes"] <= 1.10 * plain["state_bytes"]
+
+
+def test_llama3_tool_times_exact_mode_in_a_process_of_its_own():
+    """`pimhbm llama3 --exact-of-protected` (the child the tool starts, with XLA's
+    deterministic ops, for the exact-mode row beside the fast plain step): one line with the
+    protected step's time."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "pimhbm_cli", "llama3", "--tiny", "--layers", "1", "--tokens",
+           "256", "--seq", "32", "--vocab", "256", "--steps", "2", "--devices", "1",
+           "--exact-of-protected"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    line = next(l for l in run.stdout.splitlines() if l.startswith("EXACT "))
+    assert json.loads(line[len("EXACT "):])["protected_ms"] > 0

@@ -92,6 +92,12 @@ def add_arguments(p) -> None:
                         "of its own; never with --tiny or --processes)")
     p.add_argument("--memory-of", choices=llama3_memory.KINDS, default=None,
                    help=argparse.SUPPRESS)  # a child of the memory measurement
+    p.add_argument("--no-exact-row", action="store_true",
+                   help="skip the protected step in exact mode (timed first in a process of its "
+                        "own, against this run's plain step; never with --tiny, --processes or "
+                        "--deterministic)")
+    p.add_argument("--exact-of-protected", action="store_true",
+                   help=argparse.SUPPRESS)  # the child that times exact mode
     # Set by the launcher for each process of a --processes run.
     p.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
@@ -120,10 +126,13 @@ def run(args: Any) -> int:
     if args.deterministic and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    " --xla_gpu_deterministic_ops=true").strip()
-    memory = None
-    if not (args.no_memory or args.tiny or args.memory_of or args.processes > 1):
+    memory, exact_ms = None, None
+    child = args.memory_of or args.exact_of_protected
+    if not (args.no_memory or args.tiny or child or args.processes > 1):
         # Before this process touches the GPU: each child needs its memory to itself.
         memory = llama3_memory.measure_in_children(args.argv, options.console())
+    if not (args.no_exact_row or args.tiny or child or args.processes > 1 or args.deterministic):
+        exact_ms = llama3_memory.exact_in_child(args.argv, options.console())
     processes.join(args)  # one process of a --processes run: jax.distributed
     job = _setup(args)
     if isinstance(job, str):
@@ -132,6 +141,11 @@ def run(args: Any) -> int:
     if args.memory_of:
         llama3_memory.measure_here(job, args.memory_of)
         return 0
+    if args.exact_of_protected:
+        llama3_memory.exact_here(job)
+        return 0
+    if exact_ms is not None:
+        job.results["exact_protected_ms"] = exact_ms
     if memory is not None:
         job.results["memory"] = memory
         llama3_memory.table(job.console, memory)

@@ -99,3 +99,52 @@ def table(console, memory: dict[str, dict]) -> None:
                   "<= 1.00x)" + ("" if prot["peak_bytes"] is None or plain["peak_bytes"] is None
                                  else f"; peak {prot['peak_bytes'] / plain['peak_bytes']:.3f}x "
                                       "plain's (target <= 1.10x)"))
+
+
+# -- exact mode's row ------------------------------------------------------------------------------
+
+EXACT_PREFIX = "EXACT "
+
+
+def exact_in_child(argv: list[str], console) -> float | None:
+    """The protected step's time in exact mode (XLA's deterministic ops: bit-identical replays),
+    from a process of its own (the flag is the process's); None where it failed."""
+    console.print("the protected step in exact mode (deterministic ops), in a process of its "
+                  "own ...")
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip()
+    run = subprocess.run([sys.executable, "-m", "pimhbm_cli", *argv, "--exact-of-protected",
+                          "--no-campaign"], capture_output=True, text=True, env=env, timeout=900)
+    line = next((l for l in run.stdout.splitlines() if l.startswith(EXACT_PREFIX)), None)
+    if run.returncode != 0 or line is None:
+        console.print(f"[red]exact mode could not be timed[/] (exit {run.returncode}):\n"
+                      f"{(run.stdout + run.stderr)[-2000:]}")
+        return None
+    return float(json.loads(line[len(EXACT_PREFIX):])["protected_ms"])
+
+
+def exact_here(job: Any, rounds: int = 3) -> float:
+    """This process's protected step time (its XLA flags as set by exact_in_child): the median
+    of ``rounds`` rounds of --steps steps, printed as the EXACT line."""
+    import statistics
+    import time
+
+    from pimhbm.backup import HostBackup
+    from pimhbm_cli import llama3
+
+    name = f"pimhbm_llama3_exact_{uuid.uuid4().hex[:8]}"
+    trainer = llama3._protected(job, name)
+    try:
+        trainer.prewarm()
+        trainer.run(3)  # warm
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            trainer.run(trainer.next_step + job.args.steps - 1)
+            times.append((time.perf_counter() - t0) / job.args.steps)
+    finally:
+        trainer.close(unlink=True)
+        HostBackup.unlink(name)
+    ms = statistics.median(times) * 1e3
+    print(EXACT_PREFIX + json.dumps({"protected_ms": ms}), flush=True)
+    return ms
