@@ -206,7 +206,9 @@ def _verdict(runs: Runs) -> Verdict:
     a, b = runs.state, runs.ref_state
     differing = sorted(set(a) ^ set(b)) + [k for k in a if k in b and a[k].tobytes() != b[k].tobytes()]
     return Verdict(table, differing, sum(r["missed"] for r in table.values()),
-                   sum(r["detected"] - r["repaired"] for r in table.values()), runs.compiles)
+                   # Found (or overwritten before any check read them) but not repaired.
+                   sum(r["injected"] - r["missed"] - r["repaired"] for r in table.values()),
+                   runs.compiles)
 
 
 def _print_tables(console, runs: Runs, verdict: Verdict, plain: float, cfg, device, args) -> None:
