@@ -119,6 +119,39 @@ def test_a_parameter_damaged_before_the_step_cancels_it_and_is_rebuilt(shm_name)
         tr.close(unlink=True)
 
 
+def dispatched_in_cpp(compiled) -> bool:
+    """Whether JAX calls ``compiled`` through its C++ dispatch (a program holding an op with a
+    side effect takes the Python path: milliseconds a call for a step's hundreds of arrays)."""
+    return compiled._executable.create_cpp_call(compiled._params) is not None
+
+
+def test_the_step_is_dispatched_by_jaxs_cpp_path(shm_name):
+    tr = make_trainer(shm_name)
+    try:
+        assert dispatched_in_cpp(tr.programs.step[0])
+        # The control: the snapshot program copies to the host (a side effect).
+        assert not any(dispatched_in_cpp(p) for p in tr.programs.snapshot.values())
+    finally:
+        tr.close(unlink=True)
+
+
+def test_the_host_waits_for_no_snapshot_between_steps(shm_name, monkeypatch):
+    tr = make_trainer(shm_name)  # a snapshot every 10 steps
+    waits = []
+    wait = tr.snapshots._wait
+    monkeypatch.setattr(tr.snapshots, "_wait", lambda: waits.append(tr.next_step) or wait())
+    try:
+        stats = tr.run(35)
+        # Waited for: the starting state's snapshot (nothing runs beside it) and the run's end.
+        # Those of steps 10, 20 and 30 were sealed once the step after them had committed.
+        assert waits == [1, 36]
+        assert stats.snapshots == 4 and not stats.incidents
+        assert [step for step, _ in tr.backup.newest()] == [30, 20]
+        assert all(tr.backup.verified(slot) for _, slot in tr.backup.newest())
+    finally:
+        tr.close(unlink=True)
+
+
 def test_two_damaged_chunks_of_one_group_go_to_the_host_snapshot(shm_name):
     reference = fault_free(shm_name, 14)
     tr = make_trainer(shm_name)

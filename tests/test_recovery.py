@@ -546,6 +546,7 @@ def test_a_damaged_snapshot_is_passed_over_for_the_older_one(shm_name, fault_fre
         def before_step(self, trainer, step, attempt):
             if step == 23 and attempt == 1:
                 backup = trainer.backup
+                trainer.snapshots.wait()  # the slot of step 20 may still be being sealed
                 (newest, slot), _ = backup.newest()[:2]
                 assert newest == 20
                 spec = backup.tensors[0]

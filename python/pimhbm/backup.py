@@ -138,6 +138,10 @@ class HostBackup:
             [[t.name, list(t.shape), t.dtype, t.digest_table] for t in tensors] + ["batch"] +
             [[t.name, list(t.shape), t.dtype] for t in batch] + [ring]).encode()).digest()[:16]
         self._lay_out()
+        # slot -> the step of its good snapshot as this process knows it (sealed here, or
+        # checked once; None: none): choosing the slot to write next then checks no MAC again
+        # (a slot's covers megabytes of digest tables). A restore still checks its slot.
+        self._trusted: dict[int, int | None] = {0: None, 1: None} if create else {}
         self._pinning = None
         self._reopened = not create
         if create:
@@ -235,6 +239,7 @@ class HostBackup:
         """A new run in the same region: its binding in the header; every snapshot and logged
         batch forgotten."""
         self.run = hashlib.sha256(run).digest()
+        self._trusted = {0: None, 1: None}
         for slot in (0, 1):
             self._slot_header(slot)[:] = 0
         for r in range(self.ring):
@@ -260,8 +265,11 @@ class HostBackup:
 
     def slot_for_next(self) -> int:
         """The slot to write next: one that holds no snapshot that verifies, else the older one
-        (never the newest good snapshot)."""
-        steps = [self.snapshot_step(s) if self.verified(s) else None for s in (0, 1)]
+        (never the newest good snapshot). A slot this process sealed is not checked again."""
+        for s in (0, 1):
+            if s not in self._trusted:
+                self._trusted[s] = self.snapshot_step(s) if self.verified(s) else None
+        steps = [self._trusted[0], self._trusted[1]]
         if steps[0] is None:
             return 0
         if steps[1] is None:
@@ -270,6 +278,7 @@ class HostBackup:
 
     def begin(self, slot: int, step: int) -> None:
         """Marks ``slot`` incomplete before its tensors are overwritten with step ``step``."""
+        self._trusted[slot] = None
         self._slot_header(slot)[:] = np.frombuffer(_SLOT.pack(step, 0, bytes(_MAC_BYTES)),
                                                    np.uint8)
 
@@ -279,6 +288,7 @@ class HostBackup:
         header = self._slot_header(slot)
         header[:] = np.frombuffer(_SLOT.pack(step, 0, self._slot_mac(slot, step)), np.uint8)
         header[8:16] = np.frombuffer(struct.pack("<q", 1), np.uint8)
+        self._trusted[slot] = step
 
     def snapshot_step(self, slot: int) -> int | None:
         """The step of a complete slot (not yet checked: see :meth:`verified`)."""

@@ -9,6 +9,7 @@ step has committed (else it is taken again at the next step).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -48,16 +49,24 @@ class InFlight(NamedTuple):
     slot: int
     step: int
     tickets: list[jax.Array]  # one per writer: ready once its copies were issued
+    committed: int  # the last of the snapshot's step and the one after it known to commit
 
 
 class SnapshotManager:
-    """Snapshots every ``every`` steps (0: never) into ``backup`` (None: no snapshots)."""
+    """Snapshots every ``every`` steps (0: never) into ``backup`` (None: no snapshots).
+
+    The loop's host never waits for a snapshot in the steady state: a copy's verdicts are
+    recorded as they come, and once its step and the next have committed and its copies are
+    done (asked, not waited for, at each verdict) the slot is sealed on a thread of its own
+    (its MAC reads megabytes of digest tables). A step that does not commit is a fault: there
+    the copy is waited for, so that its slot can be written again."""
 
     def __init__(self, backup: HostBackup | None, every: int, compiler: Compiler):
         self.backup, self.every, self.compiler = backup, every, compiler
         self._in_flight: InFlight | None = None
-        self._unverified: tuple[int, int] | None = None  # (slot, step): copied, not yet trusted
         self._due = False  # a snapshot was dropped: take one at the next step
+        self._sealer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pimhbm-seal")
+        self._sealing: concurrent.futures.Future | None = None
 
     @property
     def enabled(self) -> bool:
@@ -65,18 +74,19 @@ class SnapshotManager:
 
     def latest_step(self) -> int | None:
         """The step of the newest complete snapshot."""
+        self._join_seal()
         newest = self.backup.newest() if self.backup is not None else []
         return newest[0][0] if newest else None
 
     def should_save(self, step: int) -> bool:
-        return (self.backup is not None and self._in_flight is None and
-                self._unverified is None and bool(self.every) and
+        return (self.backup is not None and self._in_flight is None and bool(self.every) and
                 (step % self.every == 0 or self._due))
 
     def save_async(self, state: TrainState, step: int) -> None:
         """Starts copying the state (after ``step``) into the older slot; this process's
         writers write their shards (one program each)."""
         self._due = False
+        self._join_seal()
         self.backup.wait_pinned()  # a reopened region is pinned in the background
         slot = self.backup.slot_for_next()
         self.backup.begin(slot, step)
@@ -85,7 +95,7 @@ class SnapshotManager:
             program = self.compiler.programs.snapshot[slot_of(state.opt), slot, part]
             tickets.append(program(placement.on_device(state.opt, device)))
             placement.settle(tickets[-1])
-        self._in_flight = InFlight(slot, step, tickets)
+        self._in_flight = InFlight(slot, step, tickets, step - 1)
 
     def save_now(self, state: TrainState, step: int, stats: RunStats) -> None:
         """A snapshot of a state nothing runs beside (the starting state), complete at once."""
@@ -94,8 +104,9 @@ class SnapshotManager:
         self._complete(flight.slot, stats)
 
     def wait(self) -> None:
-        """Returns once the copies to the host in flight are done."""
+        """Returns once the copies to the host in flight, and a slot being sealed, are done."""
         self._wait()
+        self._join_seal()
 
     def _wait(self) -> InFlight | None:
         flight, self._in_flight = self._in_flight, None
@@ -104,22 +115,50 @@ class SnapshotManager:
             pimhbm._core.snapshot_wait()
         return flight
 
+    def _copied(self, flight: InFlight) -> bool:
+        """Whether the copies of ``flight`` are done (asked, not waited for)."""
+        return all(t.is_ready() for t in flight.tickets) and not pimhbm._core.snapshot_pending()
+
     def _complete(self, slot: int, stats: RunStats) -> None:
         self.backup.complete(slot)
+        self._sealed(slot, stats)
+
+    def _sealed(self, slot: int, stats: RunStats) -> None:
         stats.snapshots += 1
         log.info("/%s: the snapshot in slot %d is complete and trusted", self.backup.name, slot)
 
+    def _join_seal(self, stats: RunStats | None = None) -> None:
+        """Waits for a slot being sealed (its count goes to ``stats`` where given)."""
+        sealing, self._sealing = self._sealing, None
+        if sealing is not None:
+            slot = sealing.result()
+            if stats is not None:
+                self._sealed(slot, stats)
+
+    def _seal_in_background(self, slot: int) -> None:
+        def seal() -> int:
+            self.backup.complete(slot)
+            return slot
+        self._sealing = self._sealer.submit(seal)
+
     def confirm(self, step: int, committed: bool, stats: RunStats) -> None:
         """The verdict of ``step`` is known: a snapshot of it becomes trusted once the step
-        after it commits; one whose step or successor did not commit is taken again."""
-        if self._in_flight is not None and self._in_flight.step == step:
-            flight = self._wait()  # the copy is done before the slot is rewritten
-            self._unverified = (flight.slot, flight.step) if committed else None
-            self._due = not committed
-        elif self._unverified is not None and self._unverified[1] + 1 == step:
-            if committed:
-                self._complete(self._unverified[0], stats)
-            self._due, self._unverified = not committed, None
+        after it commits (and its copies are done); one whose step or successor did not commit
+        is taken again."""
+        if self._sealing is not None and self._sealing.done():
+            self._join_seal(stats)
+        flight = self._in_flight
+        if flight is None or step not in (flight.step, flight.step + 1):
+            return
+        if not committed:
+            self._wait()  # the copy is done before the slot is written again
+            self._due = True
+            return
+        flight = self._in_flight = flight._replace(committed=step)
+        if flight.committed == flight.step + 1 and self._copied(flight):
+            self._in_flight = None
+            self._join_seal(stats)
+            self._seal_in_background(flight.slot)
 
     def dropped(self) -> None:
         """A step was skipped: a snapshot in flight (of a later step) is not kept; the next
@@ -128,22 +167,26 @@ class SnapshotManager:
             self._due = True
 
     def finish(self, current_verifies: Callable[[], bool], stats: RunStats) -> None:
-        """The end of a run: the last snapshot, checked by a scrub (no step after it)."""
+        """The end of a run: the last snapshot -- sealed once its copies are done if the step
+        after it committed, else checked by a scrub (no step after it)."""
+        self._join_seal(stats)
         flight = self._wait()
-        if flight is not None:
-            self._unverified = (flight.slot, flight.step)
-        if self._unverified is not None and current_verifies():
-            self._complete(self._unverified[0], stats)
-        self._unverified, self._due = None, False  # each run starts afresh
+        if flight is not None and (flight.committed == flight.step + 1 or
+                                   (flight.committed == flight.step and current_verifies())):
+            self._complete(flight.slot, stats)
+        self._due = False  # each run starts afresh
 
     def reset(self) -> None:
         """A new run (the backup rebound to it: every snapshot and logged batch forgotten)."""
-        self._in_flight, self._unverified, self._due = None, None, False
+        self._wait()
+        self._join_seal()
+        self._in_flight, self._due = None, False
 
     def restore(self, treedef: Any) -> tuple[TrainState, int]:
         """The newest snapshot that verifies (its MAC in the region, then its tensors against
         its digest tables on the devices), put into every copy of the state, and its step.
         Raises, saying what was wrong, when none does."""
+        self._join_seal()
         self.backup.check_header()
         problems = []
         for step, slot in self.backup.newest():
