@@ -21,6 +21,7 @@
 #include "telemetry/telemetry.h"
 #include "update/adamw_layout.h"
 #include "update/inplace_ffi.h"
+#include "update/precheck_ffi.h"
 #include "update/update_ffi.h"
 
 #if defined(PIMHBM_WITH_CUDA)
@@ -63,6 +64,7 @@ constexpr Target kTargets[] = {
     PIMHBM_TARGET("pimhbm_parity", PimhbmParity),
     PIMHBM_TARGET("pimhbm_adamw_inplace", PimhbmAdamWInPlace),
     PIMHBM_TARGET("pimhbm_adamw_redo", PimhbmAdamWRedo),
+    PIMHBM_TARGET("pimhbm_inplace_precheck", PimhbmInPlacePrecheck),
     PIMHBM_TARGET("pimhbm_parity_rebuild", PimhbmParityRebuild),
 };
 #undef PIMHBM_TARGET

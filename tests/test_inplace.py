@@ -132,7 +132,12 @@ def test_a_damaged_chunk_is_rebuilt_from_its_group_and_its_update_redone(rng, ki
     if tensor == "p_after_backward":
         # Damage after the check the update makes before writing (the parameters as the
         # backward pass read them) is what the kernel finds: the check is made to see it intact.
-        monkeypatch.setattr(inplace, "verify", lambda x, table, cb: jnp.zeros(table.shape[:1], bool))
+        seeing = inplace.prechecks
+
+        def blind(params, tables, grads, chunk_elems):
+            damaged, nonfinite = seeing(params, tables, grads, chunk_elems)
+            return [jnp.zeros_like(d) for d in damaged], nonfinite
+        monkeypatch.setattr(inplace, "prechecks", blind)
         update, repair = steps_of(opt)
     state, report = update(grads[1], state)
     assert bool(report.applied) and int(report.digest_faults) == 1
@@ -212,6 +217,53 @@ def test_more_left_chunks_than_the_stash_holds_is_not_complete(rng):
     assert int(report.stashed) == 3 and int(report.digest_faults) == 3
     state, fixed = repair(state, report)
     assert not bool(fixed.complete)
+
+
+def per_chunk(flags, chunk_elems):
+    n = flags.size
+    padded = np.pad(flags.reshape(-1), (0, -n % chunk_elems))
+    return padded.reshape(-1, chunk_elems).sum(axis=1, dtype=np.int32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["fp32", "bf16"])
+def test_the_prechecks_are_verify_and_the_squares_of_the_gradients(rng, dtype):
+    """One pass over p and g against its definition: pimhbm.verify of p's chunks, and NumPy's
+    float32 g * g counted per chunk where not finite -- on ragged sizes, with bits of p flipped
+    and NaN, infinite and huge gradient values (|g| of 2e19: its square overflows; 1e19: not)."""
+    chunk = int(rng.choice([128, 256, 512]))
+    params = random_params(rng, dtype, shapes=((300, 77), (77,), (5, 3, 7), (4097,), (1,), (513,), (0,)))
+    state = inplace.adamw(LR, chunk_elems=chunk).init(params)
+    grads = random_grads(rng, params)
+    ps = {k: np.asarray(v).copy() for k, v in params.items()}
+    gs = {k: np.asarray(v).copy() for k, v in grads.items()}
+    for k in ps:
+        for _ in range(int(rng.integers(1, 3))) if ps[k].size else ():
+            words = ps[k].view(np.dtype(f"u{ps[k].itemsize}")).reshape(-1)
+            words[rng.integers(words.size)] ^= np.array(1 << int(rng.integers(8 * ps[k].itemsize))).astype(words.dtype)
+        flat = gs[k].reshape(-1)
+        values = [np.nan, np.inf, -np.inf, 2e19, -2e19, 1e19][:flat.size]
+        flat[rng.choice(flat.size, len(values), replace=False)] = values
+    keys = sorted(ps)
+    tables = [state.digests[k]["p"] for k in keys]
+    damaged, nonfinite = jax.jit(lambda p, t, g: inplace.prechecks(p, t, g, chunk))(
+        [jnp.asarray(ps[k]) for k in keys], tables, [jnp.asarray(gs[k]) for k in keys])
+    for k, table, d, b in zip(keys, tables, damaged, nonfinite):
+        want = pimhbm.verify(jnp.asarray(ps[k]), table, chunk * ps[k].itemsize)
+        assert np.asarray(d).tolist() == np.asarray(want).astype(np.int32).tolist(), k
+        g32 = gs[k].astype(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            bad = ~np.isfinite(g32 * g32)
+        assert np.asarray(b).tolist() == per_chunk(bad, chunk).tolist(), k
+    assert sum(int(np.sum(b)) for b in nonfinite) == sum(min(5, ps[k].size) for k in keys)
+    assert sum(int(np.sum(d)) for d in damaged) > 0  # the flips were found
+
+
+def test_the_prechecks_refuse_a_table_of_another_chunk_size():
+    p = jnp.zeros((1000,), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"digest table of p must be uint32 of shape \(8, 2\)"):
+        inplace.prechecks([p], [jnp.zeros((4, 2), jnp.uint32)], [p], 128)
+    with pytest.raises(ValueError, match="gradient of the same dtype"):
+        inplace.prechecks([p], [jnp.zeros((8, 2), jnp.uint32)], [p.astype(jnp.float32)], 128)
 
 
 @pytest.mark.parametrize("case", ["lr_nan", "lr_inf", "schedule_nan", "huge_gradient", "gate"])

@@ -37,7 +37,7 @@ import numpy as np
 from pimhbm import _core, parity
 from pimhbm._ffi import ensure_registered
 from pimhbm.repair import REPAIRED
-from pimhbm.scan import scan, verify
+from pimhbm.scan import scan
 from pimhbm.update import (FAULT_MASTER, FAULT_MU, FAULT_NU, FAULT_PARAM, _check_learning_rate,
                            _step_scalars, check_grads, join_master, step_copies_of,
                            step_majority)
@@ -133,12 +133,32 @@ def _tensors(state: AdamWState, treedef) -> list[dict[str, jax.Array]]:
     return out
 
 
-def _chunk_maps(bad: jax.Array, chunk_elems: int) -> jax.Array:
-    """int32 (chunks,): True elements of a flat bool array per chunk."""
-    n = bad.size
-    chunks = -(-n // chunk_elems)
-    padded = jnp.pad(bad.reshape(-1), (0, chunks * chunk_elems - n))
-    return jnp.sum(padded.reshape(chunks, chunk_elems), axis=1, dtype=jnp.int32)
+def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.Array],
+              chunk_elems: int) -> tuple[list[jax.Array], list[jax.Array]]:
+    """What the update checks before its first write, in one pass over p and g (one
+    pimhbm_inplace_precheck call for every leaf). Per leaf, int32 per chunk of ``chunk_elems``
+    elements: 1 where p no longer matches its digest table (as :func:`pimhbm.verify`), and the
+    number of gradient values whose float32 square is not finite (NaN, infinite, or so large
+    that the second moment would overflow)."""
+    ensure_registered()
+    args, out_types = [], []
+    for i, (p, table, g) in enumerate(zip(params, tables, grads, strict=True)):
+        chunks = -(-p.size // chunk_elems)
+        if p.dtype not in (jnp.float32, jnp.bfloat16) or g.dtype != p.dtype or g.size != p.size:
+            raise ValueError(f"leaf {i}: parameters must be float32 or bfloat16 with a gradient "
+                             f"of the same dtype and size; got {p.dtype}{tuple(p.shape)} and "
+                             f"{g.dtype}{tuple(g.shape)}")
+        if table.dtype != jnp.uint32 or table.shape != (chunks, 2):
+            raise ValueError(f"leaf {i}: the digest table of p must be uint32 of shape "
+                             f"({chunks}, 2) for chunks of {chunk_elems} elements; got "
+                             f"{table.dtype}{tuple(table.shape)}")
+        args += [p, table, g]
+        out_types += [jax.ShapeDtypeStruct((chunks,), jnp.int32)] * 2
+    if not args:
+        return [], []
+    outs = jax.ffi.ffi_call("pimhbm_inplace_precheck", out_types)(
+        *args, chunk_elems=np.int64(chunk_elems))
+    return list(outs[0::2]), list(outs[1::2])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,10 +251,7 @@ class AdamW:
         flat_grads = treedef.flatten_up_to(grads)
 
         # Before any write: the parameters as the backward pass read them, the gradients.
-        p_faults = [verify(leaf["p"], t["p"], self.chunk_bytes("p", leaf["p"].dtype))
-                    for leaf, t in zip(leaves, tables)]
-        g_bad = [_chunk_maps(~jnp.isfinite(jnp.square(g.astype(jnp.float32))), self.chunk_elems)
-                 for g in flat_grads]
+        p_faults, g_bad = self._prechecks(leaves, tables, flat_grads)
         local = jnp.stack([sum((jnp.sum(m, dtype=jnp.int32) for m in p_faults), jnp.int32(0)),
                            sum((jnp.sum(b) for b in g_bad), jnp.int32(0))])
         hold = (local != 0).any() | ~jnp.all(jnp.isfinite(scalars)) | (scalars[1] <= 0) | (scalars[2] <= 0)
@@ -266,6 +283,11 @@ class AdamW:
         report = UpdateReport(go, committed, counts[1], counts[0] + faulty, kept, unflat(fault_maps),
                               unflat(g_bad), stash, _saturated(totals[2]), scalars)
         return new_state, report
+
+    def _prechecks(self, leaves: list[dict], tables: list[dict],
+                   grads: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
+        return prechecks([leaf["p"] for leaf in leaves], [t["p"] for t in tables], grads,
+                         self.chunk_elems)
 
     def _state_from(self, outs: list[dict], treedef, has_master: bool, has_parity: bool,
                     step_copies: jax.Array) -> AdamWState:

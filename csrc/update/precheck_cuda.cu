@@ -1,0 +1,137 @@
+// The checks before the in-place update on the GPU (precheck.h): a warp a chunk, its p and g
+// read as 16-byte vectors, the digest terms and the non-finite squares summed over the warp by
+// shuffles. Memory-bound: 4 bytes a bf16 parameter, read once.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "pimhbm/cuda_check.h"
+#include "pimhbm/digest.h"
+#include "update/precheck.h"
+
+namespace pimhbm::update {
+namespace {
+
+constexpr int kWarps = 8;  // a block: 256 threads
+constexpr int kMaxLeaves = 64;
+constexpr int kMaxBlocks = 4096;
+
+struct Table {
+  PrecheckLeaf leaf[kMaxLeaves];
+  int count;
+};
+static_assert(sizeof(Table) < 32000, "the leaf table must fit the kernel parameters");
+
+__device__ __forceinline__ uint64_t warp_sum(uint64_t v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+  return v;
+}
+
+__device__ __forceinline__ int32_t warp_sum(int32_t v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+  return v;
+}
+
+// Bytes [at, at + 16) of a chunk of `len` bytes, zero past its end (which is never read).
+__device__ __noinline__ uint4 tail_vector(const uint8_t* chunk, int64_t at, int64_t len) {
+  uint32_t w[4] = {0, 0, 0, 0};
+  for (int k = 0; k < 16 && at + k < len; ++k) {
+    w[k / 4] |= static_cast<uint32_t>(chunk[at + k]) << (8 * (k % 4));
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+template <bool kBF16>
+__device__ __forceinline__ int32_t nonfinite_squares(const uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  int32_t bad = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if constexpr (kBF16) {
+      bad += square_nonfinite(w[k] & 0xFFFFu, true) ? 1 : 0;
+      bad += square_nonfinite(w[k] >> 16, true) ? 1 : 0;
+    } else {
+      bad += square_nonfinite(w[k], false) ? 1 : 0;
+    }
+  }
+  return bad;
+}
+
+// Chunk c of leaf L, by one warp: lane 0 writes its two results.
+template <bool kBF16>
+__device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, int lane) {
+  constexpr int64_t kSize = kBF16 ? 2 : 4;
+  const int64_t first = c * L.chunk_elems;
+  const int64_t len = min(L.chunk_elems, L.n - first) * kSize;
+  const uint8_t* p = static_cast<const uint8_t*>(L.p) + first * kSize;
+  const uint8_t* g = static_cast<const uint8_t*>(L.g) + first * kSize;
+  const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
+  const int64_t vectors = (len + 15) / 16;
+  uint64_t acc = 0;
+  int32_t bad = 0;
+#pragma unroll 4
+  for (int64_t v = lane; v < vectors; v += 32) {
+    const bool whole = 16 * (v + 1) <= len;
+    const uint4 pv = whole ? __ldg(reinterpret_cast<const uint4*>(p) + v) : tail_vector(p, 16 * v, len);
+    const uint4 gv = whole ? __ldg(reinterpret_cast<const uint4*>(g) + v) : tail_vector(g, 16 * v, len);
+    const uint64_t key = key0 + static_cast<uint64_t>(2 * v) * kUnitStride;
+    acc += unit_term(digest_join(pv.x, pv.y), key);
+    // A chunk of len bytes has ceil(len / 8) units: the vector's second one may lie past it.
+    if (16 * v + 8 < len) acc += unit_term(digest_join(pv.z, pv.w), key + kUnitStride);
+    bad += nonfinite_squares<kBF16>(gv);
+  }
+  acc = warp_sum(acc);
+  bad = warp_sum(bad);
+  if (lane == 0) {
+    const uint64_t d = finalize(acc, static_cast<uint64_t>(len), static_cast<uint64_t>(c));
+    L.damaged[c] = d != digest_join(L.d_p[2 * c], L.d_p[2 * c + 1]) ? 1 : 0;
+    L.nonfinite[c] = bad;
+  }
+}
+
+// Every warp takes every warps-th chunk of each leaf in turn.
+__global__ void __launch_bounds__(32 * kWarps) precheck_kernel(const __grid_constant__ Table T) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int i = 0; i < T.count; ++i) {
+    const PrecheckLeaf& L = T.leaf[i];
+    const int64_t chunks = precheck_chunks(L);
+    for (int64_t c = warp; c < chunks; c += warps) {
+      if (L.bf16) {
+        check_chunk<true>(L, c, lane);
+      } else {
+        check_chunk<false>(L, c, lane);
+      }
+    }
+  }
+}
+
+cudaError_t launch(const Table& T, int64_t chunks, cudaStream_t stream) {
+  const int blocks = static_cast<int>(std::min<int64_t>((chunks + kWarps - 1) / kWarps, kMaxBlocks));
+  if (blocks == 0) return cudaSuccess;
+  precheck_kernel<<<blocks, 32 * kWarps, 0, stream>>>(T);
+  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t precheck_cuda(const PrecheckLeaf* leaves, size_t count, cudaStream_t stream) {
+  Table T{};
+  int64_t chunks = 0;
+  for (size_t i = 0; i < count; ++i) {
+    if (precheck_chunks(leaves[i]) == 0) continue;
+    T.leaf[T.count++] = leaves[i];
+    chunks = std::max(chunks, precheck_chunks(leaves[i]));
+    if (T.count == kMaxLeaves) {
+      PIMHBM_CUDA_RETURN_IF_ERROR(launch(T, chunks, stream));
+      T.count = 0, chunks = 0;
+    }
+  }
+  return T.count > 0 ? launch(T, chunks, stream) : cudaSuccess;
+}
+
+}  // namespace pimhbm::update

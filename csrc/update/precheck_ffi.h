@@ -1,0 +1,31 @@
+// XLA FFI handler of the checks before the in-place update ("pimhbm_inplace_precheck"), one
+// handler for both platforms (precheck_ffi.cc).
+//
+// Operands: for each leaf, p (float32 or bfloat16), p's digest table (uint32 (chunks, 2)) and
+// the gradient (p's dtype and size). Results: for each leaf, damaged and nonfinite, int32
+// (chunks,) each (precheck.h). Attribute: chunk_elems.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "pimhbm/ffi_platform.h"
+#include "update/precheck.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace pimhbm::update {
+
+namespace ffi = xla::ffi;
+
+inline constexpr int kPrecheckLeafOperands = 3;  // p, d_p, g
+inline constexpr int kPrecheckLeafResults = 2;   // damaged, nonfinite
+
+struct PrecheckCall {
+  std::vector<PrecheckLeaf> leaves;
+};
+
+PIMHBM_FFI_DECLARE_LAUNCHES(PrecheckCall);
+
+}  // namespace pimhbm::update
+
+PIMHBM_FFI_DECLARE_HANDLERS(PimhbmInPlacePrecheck);
