@@ -319,3 +319,26 @@ def test_a_sampled_steps_re_execution_closes_its_gate_before_any_write(shm_name,
         assert stats.compiles_after_prewarm == 0
     finally:
         tr.close(unlink=True)
+
+
+def test_a_gradient_fault_on_a_step_halted_behind_another_counts_as_overwritten(shm_name):
+    """A NaN gradient planned for the step in flight behind one whose update found a damaged
+    moment (that step is halted, and runs again without the NaN) reached nothing: the campaign
+    counts it overwritten, not missed. The control: the same NaN on a step of its own is
+    detected."""
+    tr = make_trainer(shm_name, inject=True)
+    try:
+        campaign = Campaign(tr, {"grad_nonfinite": 2, "moment_flip": 1}, last_step=12, seed=5)
+        grads = [f for f in campaign.plan if f.kind == "grad_nonfinite"]
+        moment = next(f for f in campaign.plan if f.kind == "moment_flip")
+        moment.step, grads[0].step, grads[1].step = 6, 7, 10
+        campaign._avoid_cancelling(2, 12)
+        stats = tr.run(12, campaign=campaign)
+        assert [(i.step, i.action) for i in incidents(stats, IncidentKind.STATE)] == [
+            (6, Action.REDONE_FROM_PARITY)]
+        table = campaign.check(stats)
+        assert table["grad_nonfinite"] == {"injected": 2, "detected": 1, "repaired": 2,
+                                           "missed": 0, "unlocated": 0, "overwritten": 1}
+        assert 7 in campaign.replayed and grads[1].detected and not grads[0].detected
+    finally:
+        tr.close(unlink=True)

@@ -83,3 +83,27 @@ def test_a_device_whose_gradients_differ_twice_ends_the_run(shm_name, rng):
         tr.run(STEPS, campaign=FiniteFlip(rng, {5, 10}, device=1))
     assert err.value.device == 1
     tr.close()
+
+
+def test_a_fault_free_llama_agrees_with_its_re_execution_on_every_step():
+    """Every step of a tiny Llama sampled on one device: the re-execution inside the step and
+    the step's own gradients must agree bit for bit. (When the re-execution's loss was dead, XLA
+    compiled its copy otherwise and from step 22 on every sampled step differed: a false
+    DeviceFailure.) The control: a finite flip on one step is still told apart."""
+    from pimhbm.models import llama3
+    from pimhbm.train import llama_trainer
+    cfg = llama3.tiny(layers=2, vocab=256)
+    data = bytes(range(256)) * 2000
+    tr = llama_trainer(cfg, data, steps=100, batch=4, seq=64, telemetry=None, recheck_every=1,
+                       snapshot_every=0, scrub_every=0, inject_gradients=True,
+                       devices=jax.devices()[:1])
+    tr.prewarm()
+    stats = tr.run(30)
+    assert stats.incidents == [] and stats.steps_committed == 30
+    flip = faults.spec(faults.FLIP_BIT, offset=2 * 7, bit=5)
+    hook = lambda trainer, step, attempt: (faults.GradientFault(trainer.paths.index("norm"), flip, 0)
+                                           if step == 33 and attempt == 1 else None)
+    campaign = type("Once", (), {"before_step": staticmethod(hook),
+                                 "before_scrub": staticmethod(lambda trainer, step: None)})()
+    stats = tr.run(36, campaign=campaign)
+    assert [i.step for i in stats.incidents if i.kind is IncidentKind.COMPUTE] == [33]

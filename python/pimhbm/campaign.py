@@ -68,6 +68,7 @@ class Campaign:
         if "master" not in by_tensor and counts.get("master_flip"):
             raise ValueError("master_flip needs master weights")
         self.plan: list[Planned] = []
+        self.replayed: set[int] = set()  # steps the trainer ran more than once
         self.one_device = not trainer.local_source  # every state fault on one device
         self.group = trainer.opt.group if trainer.one_copy else 0  # double faults: in a group
         # One-device faults all land on one replica (row of the mesh), so that the same chunk
@@ -153,6 +154,7 @@ class Campaign:
 
     def before_step(self, trainer: Any, step: int, attempt: int) -> faults.GradientFault | None:
         if attempt != 1:  # faults are transient: a replay runs clean
+            self.replayed.add(step)
             return None
         grad = None
         for f in self._by_step.get(step, []):
@@ -191,11 +193,14 @@ class Campaign:
         damaged) and repaired (that incident's action succeeded); counts by kind."""
         found: dict[tuple[int, str, str, int], Action] = {}
         unlisted: set[int] = set()  # steps whose non-finite gradients overflowed the list
+        gradient_steps: set[int] = set()  # steps with an incident of non-finite gradients
         for inc in stats.incidents:
             for loc in inc.locations:
                 found[(inc.step, loc.leaf, loc.tensor, loc.chunk)] = inc.action
-            if inc.kind is IncidentKind.GRADIENT and inc.unlisted:
-                unlisted.add(inc.step)
+            if inc.kind is IncidentKind.GRADIENT:
+                gradient_steps.add(inc.step)
+                if inc.unlisted:
+                    unlisted.add(inc.step)
         table = {k: {"injected": 0, "detected": 0, "repaired": 0, "missed": 0, "unlocated": 0,
                      "overwritten": 0} for k in KINDS}
         for f in self.plan:
@@ -208,8 +213,14 @@ class Campaign:
                 # out of the update, but not told apart from the rest.
                 f.detected, actions = True, [Action.SKIPPED_AND_REPLAYED]
             f.repaired = f.detected and all(a.repaired for a in actions)
-            overwritten = (not f.detected and f.kind != "grad_nonfinite" and
-                           self._overwritten(f, stats.incidents))
+            if f.kind == "grad_nonfinite":
+                # Its step was halted behind another fault, or cancelled by damaged state, and
+                # ran again without it: it reached nothing. (Had its own values stopped the
+                # step, the step would have an incident of non-finite gradients.)
+                overwritten = (not f.detected and f.step in self.replayed and
+                               f.step not in gradient_steps)
+            else:
+                overwritten = not f.detected and self._overwritten(f, stats.incidents)
             row = table[f.kind]
             row["injected"] += 1
             row["detected"] += f.detected
@@ -251,5 +262,7 @@ def unlocated_note(table: dict[str, dict[str, int]]) -> str | None:
     if overwritten:
         notes.append(f"{overwritten} fault(s) were overwritten before any check read them -- by "
                      "a host restore of damage found at the same step, or by the repair of the "
-                     "same chunk found by the step before: counted repaired, not detected")
+                     "same chunk found by the step before; a NaN/Inf gradient, by its step being "
+                     "halted or cancelled by another fault and run again without it: counted "
+                     "repaired, not detected")
     return f"({'; '.join(notes)})" if notes else None

@@ -113,7 +113,7 @@ class OneCopy(Traced):
         gate = state.halted == 0
         if digests:
             mismatched = self._recomputed_mismatches(state.opt.params, batch,
-                                                     self._digests(local))
+                                                     self._digests(local, loss))
             gate &= jax.lax.psum(mismatched, AXES) == 0
         grads, gate, disagree = self._reduced_and_gated(local, grad_fault, state.opt, gate)
         lr = None if callable(self.opt.learning_rate) else lr

@@ -199,7 +199,7 @@ class Compiler:
         self.programs.recheck[1 - current] = self._compile(
             self.t.recheck, (ss, p.by_device.spec, each, P(AXES)), (ss, each), st, self._batch(),
             self._sds((n,), jnp.int32, p.sharding(each)),
-            self._sds((n, leaves, 2), jnp.uint32, p.by_device), what="the re-execution")
+            self._sds((n, leaves + 1, 2), jnp.uint32, p.by_device), what="the re-execution")
 
     def _repairs(self, current: int) -> None:
         ss, st = self.t.state_specs(current), self.abstract_state(current)

@@ -127,13 +127,13 @@ class Traced:
 
     def _recomputed_mismatches(self, params: Any, batch: dict, own: jax.Array) -> jax.Array:
         """Each device computes the next device's slice of the batch again from ``params``; the
-        digests go back to the slice's device and are compared with ``own`` (its leaves'
-        digests, uint32 (leaves, 2)). This device's count of leaves that differ."""
+        digests go back to the slice's device and are compared with ``own`` (its leaves' and
+        its loss's digests, uint32 (leaves + 1, 2)). This device's count of those that differ."""
         n = len(self.placement.devices)
         ahead = [((i + 1) % n, i) for i in range(n)]  # device i gets device i + 1's slice
         theirs = jax.tree.map(lambda x: jax.lax.ppermute(x, AXES, ahead), batch)
-        grads, _ = self._local_gradients(params, theirs, None)
-        again = jax.lax.ppermute(self._digests(grads), AXES, [(b, a) for a, b in ahead])
+        grads, loss = self._local_gradients(params, theirs, None)
+        again = jax.lax.ppermute(self._digests(grads, loss), AXES, [(b, a) for a, b in ahead])
         return jnp.sum(jnp.any(again != own, axis=-1), dtype=jnp.int32)
 
     def _hook(self, grads: Any, grad_fault: jax.Array, here: jax.Array) -> Any:
@@ -144,9 +144,13 @@ class Traced:
         return jax.tree.unflatten(self.treedef, [
             faults.inject_in_graph(g, spec[i]) for i, g in enumerate(leaves)])
 
-    def _digests(self, grads: Any) -> jax.Array:
-        """uint32 (leaves, 2): one digest of each whole gradient leaf (pimhbm.scan)."""
-        rows = []
+    def _digests(self, grads: Any, loss: jax.Array) -> jax.Array:
+        """uint32 (leaves + 1, 2): one digest of each whole gradient leaf (pimhbm.scan), and the
+        loss's bits. The loss is compared too, not only for its own sake: a copy of the gradient
+        computation whose loss is dead is compiled otherwise (XLA fuses the softmax's reductions
+        differently), and its gradients then differ in their last bits from the step's own."""
+        rows = [jnp.stack([jax.lax.bitcast_convert_type(loss.astype(jnp.float32), jnp.uint32),
+                           jnp.uint32(0)])]
         for g in self.treedef.flatten_up_to(grads):
             whole = max(16, -(-g.size * g.dtype.itemsize // 16) * 16)
             table = pimhbm.scan(g, whole).digests

@@ -81,7 +81,7 @@ class TwoSlots(Traced):
         (a sampled step), the digests of this device's own gradients before the reduction,
         for :meth:`recheck` to compare with."""
         local, loss = self._local_gradients(state.opt.params, batch, grad_fault)
-        own = self._digests(local)[None] if digests else None
+        own = self._digests(local, loss)[None] if digests else None
         grads, gate, disagree = self._reduced_and_gated(local, grad_fault, state.opt,
                                                         state.halted == 0)
         lr = None if callable(self.opt.learning_rate) else lr
