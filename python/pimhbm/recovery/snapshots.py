@@ -66,7 +66,8 @@ class SnapshotManager:
         self._in_flight: InFlight | None = None
         self._due = False  # a snapshot was dropped: take one at the next step
         self._sealer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pimhbm-seal")
-        self._sealing: concurrent.futures.Future | None = None
+        # A slot being sealed, and the statistics that count it once it is.
+        self._sealing: tuple[concurrent.futures.Future, RunStats] | None = None
 
     @property
     def enabled(self) -> bool:
@@ -108,6 +109,11 @@ class SnapshotManager:
         self._wait()
         self._join_seal()
 
+    def close(self) -> None:
+        """Waits as :meth:`wait`, then lets the sealing thread go."""
+        self.wait()
+        self._sealer.shutdown()
+
     def _wait(self) -> InFlight | None:
         flight, self._in_flight = self._in_flight, None
         if flight is not None:
@@ -127,26 +133,26 @@ class SnapshotManager:
         stats.snapshots += 1
         log.info("/%s: the snapshot in slot %d is complete and trusted", self.backup.name, slot)
 
-    def _join_seal(self, stats: RunStats | None = None) -> None:
-        """Waits for a slot being sealed (its count goes to ``stats`` where given)."""
+    def _join_seal(self) -> None:
+        """Waits for a slot being sealed, and counts it."""
         sealing, self._sealing = self._sealing, None
         if sealing is not None:
-            slot = sealing.result()
-            if stats is not None:
-                self._sealed(slot, stats)
+            future, stats = sealing
+            self._sealed(future.result(), stats)
 
-    def _seal_in_background(self, slot: int) -> None:
+    def _seal_in_background(self, slot: int, stats: RunStats) -> None:
         def seal() -> int:
             self.backup.complete(slot)
             return slot
-        self._sealing = self._sealer.submit(seal)
+        self._join_seal()
+        self._sealing = (self._sealer.submit(seal), stats)
 
     def confirm(self, step: int, committed: bool, stats: RunStats) -> None:
         """The verdict of ``step`` is known: a snapshot of it becomes trusted once the step
         after it commits (and its copies are done); one whose step or successor did not commit
         is taken again."""
-        if self._sealing is not None and self._sealing.done():
-            self._join_seal(stats)
+        if self._sealing is not None and self._sealing[0].done():
+            self._join_seal()
         flight = self._in_flight
         if flight is None or step not in (flight.step, flight.step + 1):
             return
@@ -154,11 +160,10 @@ class SnapshotManager:
             self._wait()  # the copy is done before the slot is written again
             self._due = True
             return
-        flight = self._in_flight = flight._replace(committed=step)
-        if flight.committed == flight.step + 1 and self._copied(flight):
+        self._in_flight = flight._replace(committed=step)
+        if step == flight.step + 1 and self._copied(flight):
             self._in_flight = None
-            self._join_seal(stats)
-            self._seal_in_background(flight.slot)
+            self._seal_in_background(flight.slot, stats)
 
     def dropped(self) -> None:
         """A step was skipped: a snapshot in flight (of a later step) is not kept; the next
@@ -169,7 +174,7 @@ class SnapshotManager:
     def finish(self, current_verifies: Callable[[], bool], stats: RunStats) -> None:
         """The end of a run: the last snapshot -- sealed once its copies are done if the step
         after it committed, else checked by a scrub (no step after it)."""
-        self._join_seal(stats)
+        self._join_seal()
         flight = self._wait()
         if flight is not None and (flight.committed == flight.step + 1 or
                                    (flight.committed == flight.step and current_verifies())):

@@ -425,7 +425,7 @@ class Trainer(FaultHandling):
         if getattr(self.transport, "rounds", 0):
             pimhbm._core.ipc_close()  # the peers' memory this process mapped
         if self.backup is not None:
-            self.snapshots.wait()  # the copies and a seal in progress write the region
+            self.snapshots.close()  # the copies and a seal in progress write the region
             self.backup.close()  # another process may resume from it now
             if unlink:
                 HostBackup.unlink(self.backup.name)
