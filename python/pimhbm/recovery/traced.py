@@ -147,8 +147,8 @@ class Traced:
     def _digests(self, grads: Any, loss: jax.Array) -> jax.Array:
         """uint32 (leaves + 1, 2): one digest of each whole gradient leaf (pimhbm.scan), and the
         loss's bits. The loss is compared too, not only for its own sake: a copy of the gradient
-        computation whose loss is dead is compiled otherwise (XLA fuses the softmax's reductions
-        differently), and its gradients then differ in their last bits from the step's own."""
+        computation whose loss is dead is compiled otherwise by XLA, and its gradients then differed
+        in their last bits from the step's own (a tiny Llama on a CPU, bench/NOTES.md run 76)."""
         rows = [jnp.stack([jax.lax.bitcast_convert_type(loss.astype(jnp.float32), jnp.uint32),
                            jnp.uint32(0)])]
         for g in self.treedef.flatten_up_to(grads):
