@@ -22,15 +22,18 @@ $(VENV)/.ready: requirements.txt scripts/setup-venv scripts/find-python
 	scripts/setup-venv $(VENV)
 	touch $@
 
+# pip without -q: its build line and spinner show that the minutes of compiling are going on.
 install: $(VENV)/.installed
 $(VENV)/.installed: $(VENV)/.ready $(SOURCES)
-	@echo "building and installing pimhbm into $(VENV) ..."
-	$(PY) -m pip install -q --no-build-isolation --no-deps .
+	@echo "setup: [3/3] building the package into $(VENV) (C++, and CUDA kernels for sm_80 and" \
+	  "sm_90 where a CUDA toolkit is found; a few minutes)"
+	$(PY) -m pip install --no-build-isolation --no-deps .
 	touch $@
 
 # The C++ suite is built on its own (CUDA tests compile everywhere and skip without a GPU).
 build-cpp: $(VENV)/.ready
 	@mkdir -p build
+	@echo "test: building the C++ suite in $(CPP_BUILD) (with CUDA where a toolkit is found)"
 	cmake -S . -B $(CPP_BUILD) $(GENERATOR) -DPIMHBM_BUILD_TESTS=ON -DPIMHBM_BUILD_PYTHON=OFF \
 	  -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS) > $(CPP_BUILD).configure.log 2>&1 || \
 	  { cat $(CPP_BUILD).configure.log; exit 1; }
@@ -48,6 +51,7 @@ ctest-cpp: build-cpp
 # scan's Python tests (on JAX's CPU platform) from a copy of the package beside it.
 build-cpp-cpu: $(VENV)/.ready
 	@mkdir -p build
+	@echo "test: building the C++ suite and the Python module without CUDA in $(CPP_CPU_BUILD)"
 	cmake -S . -B $(CPP_CPU_BUILD) $(GENERATOR) -DPIMHBM_CUDA=OFF -DPIMHBM_BUILD_TESTS=ON \
 	  -DPIMHBM_BUILD_PYTHON=ON -DPython_EXECUTABLE=$(abspath $(PY)) -DCMAKE_BUILD_TYPE=Release \
 	  $(CMAKE_ARGS) > $(CPP_CPU_BUILD).configure.log 2>&1 || \

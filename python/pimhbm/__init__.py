@@ -67,3 +67,8 @@ from pimhbm.telemetry import Health, DeviceHealth, Monitor, health  # noqa: E402
 __all__ += ["Health", "DeviceHealth", "Monitor", "health"]
 from pimhbm import peer  # noqa: E402,F401
 from pimhbm import report  # noqa: E402,F401
+
+# The modules users reach as pimhbm.<module>.<name> (pimhbm.inplace.adamw,
+# pimhbm.recovery.Trainer, pimhbm.train.llama_trainer), loaded by a plain `import pimhbm`. Last,
+# because each of them imports pimhbm and uses the names above.
+from pimhbm import backup, campaign, inplace, recovery, train  # noqa: E402,F401

@@ -547,7 +547,8 @@ def guard(tx: Any, *, verify_state: bool = True, chunk_bytes: int = 65536) -> An
     every gradient (and every update) is finite and, with ``verify_state``, the wrapped state
     still matches the digests taken when it was last written. Otherwise the updates are -0.0
     (so ``optax.apply_updates`` leaves every parameter bit-identical, -0.0 included) and the
-    state is kept. Select-based: no conditional, no host transfer."""
+    state is kept with its digests: damaged state keeps every later update skipped (the guard
+    holds no copy to repair it from). Select-based: no conditional, no host transfer."""
     import optax
 
     def digests_of(inner):
@@ -576,7 +577,12 @@ def guard(tx: Any, *, verify_state: bool = True, chunk_bytes: int = 65536) -> An
         new_updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.array(-0.0, u.dtype)),
                                    new_updates)
         new_inner = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_inner, state.inner)
+        # A skip keeps the old digests too: state skipped as damaged must stay flagged, not be
+        # blessed by digests taken of it.
         new_digests = digests_of(new_inner)
+        if verify_state:
+            new_digests = jax.tree.map(lambda n, o: None if n is None else jnp.where(ok, n, o),
+                                       new_digests, state.digests, is_leaf=lambda x: x is None)
         return new_updates, GuardState(new_inner, new_digests, ok,
                                        state.skipped + (~ok).astype(jnp.int32))
 
