@@ -24,6 +24,7 @@ namespace {
 
 constexpr int kWarps = 4;  // a block: 128 threads
 constexpr int kMaxLeaves = 64;
+constexpr bool kPrefetchNext = false;  // prefetch_chunk: a warp's next chunk into L2
 
 // The groups a launch takes: of leaf i, groups group0[i] .. group0[i] + first_group[i + 1] -
 // first_group[i] - 1.
@@ -36,12 +37,6 @@ struct Table {
 static_assert(sizeof(Table) < 32000, "the leaf table must fit the kernel parameters");
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
-
-__device__ __forceinline__ uint64_t warp_sum(uint64_t v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
-  return v;
-}
 
 // A lane's part of a chunk: four elements of every tensor for each of its kG groups.
 template <int kG>
@@ -134,13 +129,14 @@ __device__ __forceinline__ void store_group(const InPlaceLeaf& L, int64_t e, int
   }
 }
 
-struct Terms {  // digest sums of a chunk's tensors
+// The lane's digest terms of its part, one sum per tensor (missing elements are zero, as the
+// digest pads; no master weights: that sum stays zero).
+struct Terms {
   uint64_t p = 0, r = 0, mu = 0, nu = 0;
 };
 
-// The lane's digest terms of its part (missing elements are zero, as the digest pads).
 template <bool kBF16, bool kMaster, int kG>
-__device__ __forceinline__ Terms terms_of(const Part<kG>& x, uint64_t key0) {
+__device__ __forceinline__ Terms lane_terms(const Part<kG>& x, uint64_t key0) {
   Terms t;
 #pragma unroll
   for (int j = 0; j < kG; ++j) {
@@ -157,37 +153,57 @@ __device__ __forceinline__ Terms terms_of(const Part<kG>& x, uint64_t key0) {
     t.mu += kernel::terms_f32(mu, key32, units32);
     t.nu += kernel::terms_f32(nu, key32, units32);
   }
-  t.p = warp_sum(t.p), t.mu = warp_sum(t.mu), t.nu = warp_sum(t.nu);
-  if constexpr (kMaster) t.r = warp_sum(t.r);
   return t;
 }
 
-// Which tensors of chunk c fail their digests (every lane gets the same answer).
-template <bool kBF16, bool kMaster>
-__device__ __forceinline__ int32_t faults_of(const InPlaceLeaf& L, int64_t c, int64_t count,
-                                             const Terms& t) {
-  const uint64_t cc = static_cast<uint64_t>(c);
-  const auto len = [&](int size) { return static_cast<uint64_t>(count * size); };
-  int32_t f = 0;
-  f |= kernel::table_matches(L.d_p, c, finalize(t.p, len(kBF16 ? 2 : 4), cc)) ? 0 : kFaultParam;
-  f |= kernel::table_matches(L.d_mu, c, finalize(t.mu, len(4), cc)) ? 0 : kFaultMu;
-  f |= kernel::table_matches(L.d_nu, c, finalize(t.nu, len(4), cc)) ? 0 : kFaultNu;
-  if constexpr (kMaster) {
-    f |= kernel::table_matches(L.d_master, c, finalize(t.r, len(2), cc)) ? 0 : kFaultMaster;
-  }
-  return f;
+// The warp's four sums, transposed: lanes 8 v .. 8 v + 7 end with the whole sum of tensor v (0 the
+// parameter, 1 the master remainder, 2 mu, 3 nu). Each step halves what a lane still carries, so
+// the four take 6 64-bit shuffles where four full reductions take 20.
+__device__ __forceinline__ uint64_t transposed_sum(const Terms& t) {
+  const bool upper16 = lane_id() & 16, upper8 = lane_id() & 8;
+  uint64_t a = upper16 ? t.mu : t.p;  // kept: tensors 2 upper16 + {0, 1}
+  uint64_t b = upper16 ? t.nu : t.r;
+  a += __shfl_xor_sync(0xFFFFFFFFu, upper16 ? t.p : t.mu, 16);
+  b += __shfl_xor_sync(0xFFFFFFFFu, upper16 ? t.r : t.nu, 16);
+  uint64_t v = upper8 ? b : a;  // kept: tensor lane >> 3
+  v += __shfl_xor_sync(0xFFFFFFFFu, upper8 ? a : b, 8);
+#pragma unroll
+  for (int off = 4; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+  return v;
 }
 
+// The tensor whose sum the lane holds after transposed_sum: its digest table (null: the leaf
+// has none -- no master weights), its length in the chunk, its fault bit.
+struct LaneTensor {
+  uint32_t* table;
+  uint64_t bytes;
+  int32_t fault;
+};
+
 template <bool kBF16, bool kMaster>
-__device__ __forceinline__ void write_tables(const InPlaceLeaf& L, int64_t c, int64_t count,
-                                             const Terms& t) {
-  if (lane_id() != 0) return;
-  const uint64_t cc = static_cast<uint64_t>(c);
-  const auto len = [&](int size) { return static_cast<uint64_t>(count * size); };
-  kernel::table_write(L.d_p, c, finalize(t.p, len(kBF16 ? 2 : 4), cc));
-  kernel::table_write(L.d_mu, c, finalize(t.mu, len(4), cc));
-  kernel::table_write(L.d_nu, c, finalize(t.nu, len(4), cc));
-  if constexpr (kMaster) kernel::table_write(L.d_master, c, finalize(t.r, len(2), cc));
+__device__ __forceinline__ LaneTensor lane_tensor(const InPlaceLeaf& L, int64_t count) {
+  const uint64_t n = static_cast<uint64_t>(count);
+  const int v = lane_id() >> 3;  // selects, not a switch: the lanes of a warp must not diverge
+  uint32_t* const low = v == 0 ? L.d_p : (kMaster ? L.d_master : nullptr);
+  uint32_t* const high = v == 2 ? L.d_mu : L.d_nu;
+  const uint64_t low_bytes = v == 0 ? n * (kBF16 ? 2 : 4) : n * 2;
+  return {v < 2 ? low : high, v < 2 ? low_bytes : n * 4,
+          v == 0 ? kFaultParam : v == 1 ? kFaultMaster : v == 2 ? kFaultMu : kFaultNu};
+}
+
+// Which tensors of chunk c fail their digests: one finalisation a lane and a vote, so every
+// lane gets the same answer from one instruction (and the compiler sees it uniform).
+__device__ __forceinline__ int32_t faults_of(const LaneTensor& t, int64_t c, uint64_t sum) {
+  const bool bad = t.table != nullptr &&
+                   !kernel::table_matches(t.table, c, finalize(sum, t.bytes, static_cast<uint64_t>(c)));
+  const uint32_t votes = __ballot_sync(0xFFFFFFFFu, bad);
+  return (votes & 1u ? kFaultParam : 0) | (votes & (1u << 8) ? kFaultMaster : 0) |
+         (votes & (1u << 16) ? kFaultMu : 0) | (votes & (1u << 24) ? kFaultNu : 0);
+}
+
+__device__ __forceinline__ void write_table(const LaneTensor& t, int64_t c, uint64_t sum) {
+  if ((lane_id() & 7) != 0 || t.table == nullptr) return;
+  kernel::table_write(t.table, c, finalize(sum, t.bytes, static_cast<uint64_t>(c)));
 }
 
 // The warp's parity change for a group: word w of element i at acc[w][i] (the lane's own i).
@@ -206,13 +222,32 @@ struct ChunkVerdict {
   uint32_t kept;
 };
 
+// Chunk `c`'s lines asked into L2 (each lane a few of them) while the warp verifies and updates
+// the chunk before it: a warp's loads and its long compute alternate, so without this HBM idles
+// whenever a scheduler's warps all compute at once.
+template <bool kBF16, bool kMaster>
+__device__ __forceinline__ void prefetch_chunk(const InPlaceLeaf& L, int64_t c) {
+  const int64_t first = c * L.chunk_elems, psize = kBF16 ? 2 : 4;
+  const auto lines = [&](const void* base, int64_t size) {
+    const uint8_t* from = static_cast<const uint8_t*>(base) + first * size;
+    for (int64_t off = 128 * lane_id(); off < L.chunk_elems * size; off += 32 * 128) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(from + off));
+    }
+  };
+  lines(L.p, psize);
+  lines(L.g, psize);
+  if constexpr (kMaster) lines(L.master, 2);
+  lines(L.mu, 4);
+  lines(L.nu, 4);
+}
+
 // Chunk c: loaded, checked, and where it verifies updated, stored, its tables rewritten and its
 // change XORed into acc. Warp-uniform result. `x` keeps the chunk's gradient for the stash.
 // kWhole: every element of the chunk is there (the compiler drops the ragged paths).
 template <bool kBF16, bool kMaster, bool kParity, int kG, bool kWhole>
 __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* g,
                                    const AdamWHyper& h, const AdamWStep& s, Acc<kG> acc,
-                                   Part<kG>& x) {
+                                   Part<kG>& x, int64_t next) {
   const int64_t first = c * L.chunk_elems;
   const int64_t count = min(L.chunk_elems, L.n - first);
   const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
@@ -223,7 +258,10 @@ __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* 
     x.live[j] = kWhole || left >= 4 ? 4 : (left > 0 ? static_cast<int>(left) : 0);
     load_group<kBF16, kMaster, kG>(L, g, first + e, e, j, x);
   }
-  const int32_t faults = faults_of<kBF16, kMaster>(L, c, count, terms_of<kBF16, kMaster, kG>(x, key0));
+  if (next >= 0) prefetch_chunk<kBF16, kMaster>(L, next);
+  const LaneTensor tensor = lane_tensor<kBF16, kMaster>(L, count);
+  const int32_t faults =
+      faults_of(tensor, c, transposed_sum(lane_terms<kBF16, kMaster, kG>(x, key0)));
   if (faults != 0) return {faults, 0};
   uint32_t kept = 0;
 #pragma unroll
@@ -251,10 +289,8 @@ __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* 
       }
     }
   }
-  write_tables<kBF16, kMaster>(L, c, count, terms_of<kBF16, kMaster, kG>(x, key0));
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) kept += __shfl_xor_sync(0xFFFFFFFFu, kept, off);
-  return {0, kept};
+  write_table(tensor, c, transposed_sum(lane_terms<kBF16, kMaster, kG>(x, key0)));
+  return {0, __reduce_add_sync(0xFFFFFFFFu, kept)};
 }
 
 template <int kG>
@@ -371,7 +407,8 @@ __global__ void __launch_bounds__(32 * kWarps, 4)
     for (int64_t c = grp * per; c < last; ++c) {
       Part<kG> x;
       const void* g = static_cast<const uint8_t*>(L.g) + c * L.chunk_elems * (kBF16 ? 2 : 4);
-      const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG, kWhole>(L, c, g, h, s, acc, x);
+      const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG, kWhole>(
+          L, c, g, h, s, acc, x, kPrefetchNext && kWhole && c + 1 < last ? c + 1 : -1);
       record(L, c, v, totals);
       if (v.faults != 0) stash_chunk<kBF16, kG>(L, c, v.faults, x, stash, totals);
     }
@@ -409,7 +446,7 @@ __global__ void __launch_bounds__(32 * kWarps)
       if constexpr (kParity) zero_acc<kG>(acc);
       Part<kG> x;
       const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG, false>(
-          L, c, stash.rows + j * L.chunk_elems, h, s, acc, x);
+          L, c, stash.rows + j * L.chunk_elems, h, s, acc, x, -1);
       record(L, c, v, totals);
       if constexpr (kParity) {
         if (v.faults == 0) fold_parity<kBF16, kMaster, kG>(L, c / per, acc);
