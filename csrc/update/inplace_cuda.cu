@@ -24,7 +24,6 @@ namespace {
 
 constexpr int kWarps = 4;  // a block: 128 threads
 constexpr int kMaxLeaves = 64;
-constexpr bool kPrefetchNext = false;  // prefetch_chunk: a warp's next chunk into L2
 
 // The groups a launch takes: of leaf i, groups group0[i] .. group0[i] + first_group[i + 1] -
 // first_group[i] - 1.
@@ -191,11 +190,21 @@ __device__ __forceinline__ LaneTensor lane_tensor(const InPlaceLeaf& L, int64_t 
           v == 0 ? kFaultParam : v == 1 ? kFaultMaster : v == 2 ? kFaultMu : kFaultNu};
 }
 
+// The digest chunk c must have, as its table holds it (the lane's tensor; 0 where it has none).
+// Loaded as the chunk's data is, not after the sums: a load behind the reduction would put a
+// whole memory latency on every chunk's path.
+__device__ __forceinline__ uint64_t expected_digest(const LaneTensor& t, int64_t c) {
+  if (t.table == nullptr) return 0;
+  const uint2 d = *reinterpret_cast<const uint2*>(t.table + 2 * c);
+  return digest_join(d.x, d.y);
+}
+
 // Which tensors of chunk c fail their digests: one finalisation a lane and a vote, so every
 // lane gets the same answer from one instruction (and the compiler sees it uniform).
-__device__ __forceinline__ int32_t faults_of(const LaneTensor& t, int64_t c, uint64_t sum) {
-  const bool bad = t.table != nullptr &&
-                   !kernel::table_matches(t.table, c, finalize(sum, t.bytes, static_cast<uint64_t>(c)));
+__device__ __forceinline__ int32_t faults_of(const LaneTensor& t, int64_t c, uint64_t expected,
+                                             uint64_t sum) {
+  const bool bad =
+      t.table != nullptr && finalize(sum, t.bytes, static_cast<uint64_t>(c)) != expected;
   const uint32_t votes = __ballot_sync(0xFFFFFFFFu, bad);
   return (votes & 1u ? kFaultParam : 0) | (votes & (1u << 8) ? kFaultMaster : 0) |
          (votes & (1u << 16) ? kFaultMu : 0) | (votes & (1u << 24) ? kFaultNu : 0);
@@ -222,35 +231,18 @@ struct ChunkVerdict {
   uint32_t kept;
 };
 
-// Chunk `c`'s lines asked into L2 (each lane a few of them) while the warp verifies and updates
-// the chunk before it: a warp's loads and its long compute alternate, so without this HBM idles
-// whenever a scheduler's warps all compute at once.
-template <bool kBF16, bool kMaster>
-__device__ __forceinline__ void prefetch_chunk(const InPlaceLeaf& L, int64_t c) {
-  const int64_t first = c * L.chunk_elems, psize = kBF16 ? 2 : 4;
-  const auto lines = [&](const void* base, int64_t size) {
-    const uint8_t* from = static_cast<const uint8_t*>(base) + first * size;
-    for (int64_t off = 128 * lane_id(); off < L.chunk_elems * size; off += 32 * 128) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(from + off));
-    }
-  };
-  lines(L.p, psize);
-  lines(L.g, psize);
-  if constexpr (kMaster) lines(L.master, 2);
-  lines(L.mu, 4);
-  lines(L.nu, 4);
-}
-
 // Chunk c: loaded, checked, and where it verifies updated, stored, its tables rewritten and its
 // change XORed into acc. Warp-uniform result. `x` keeps the chunk's gradient for the stash.
 // kWhole: every element of the chunk is there (the compiler drops the ragged paths).
 template <bool kBF16, bool kMaster, bool kParity, int kG, bool kWhole>
 __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* g,
                                    const AdamWHyper& h, const AdamWStep& s, Acc<kG> acc,
-                                   Part<kG>& x, int64_t next) {
+                                   Part<kG>& x) {
   const int64_t first = c * L.chunk_elems;
   const int64_t count = min(L.chunk_elems, L.n - first);
   const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
+  const LaneTensor tensor = lane_tensor<kBF16, kMaster>(L, count);
+  const uint64_t expected = expected_digest(tensor, c);
 #pragma unroll
   for (int j = 0; j < kG; ++j) {
     const int64_t e = 4 * (lane_id() + 32 * j);
@@ -258,10 +250,8 @@ __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* 
     x.live[j] = kWhole || left >= 4 ? 4 : (left > 0 ? static_cast<int>(left) : 0);
     load_group<kBF16, kMaster, kG>(L, g, first + e, e, j, x);
   }
-  if (next >= 0) prefetch_chunk<kBF16, kMaster>(L, next);
-  const LaneTensor tensor = lane_tensor<kBF16, kMaster>(L, count);
   const int32_t faults =
-      faults_of(tensor, c, transposed_sum(lane_terms<kBF16, kMaster, kG>(x, key0)));
+      faults_of(tensor, c, expected, transposed_sum(lane_terms<kBF16, kMaster, kG>(x, key0)));
   if (faults != 0) return {faults, 0};
   uint32_t kept = 0;
 #pragma unroll
@@ -407,8 +397,7 @@ __global__ void __launch_bounds__(32 * kWarps, 4)
     for (int64_t c = grp * per; c < last; ++c) {
       Part<kG> x;
       const void* g = static_cast<const uint8_t*>(L.g) + c * L.chunk_elems * (kBF16 ? 2 : 4);
-      const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG, kWhole>(
-          L, c, g, h, s, acc, x, kPrefetchNext && kWhole && c + 1 < last ? c + 1 : -1);
+      const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG, kWhole>(L, c, g, h, s, acc, x);
       record(L, c, v, totals);
       if (v.faults != 0) stash_chunk<kBF16, kG>(L, c, v.faults, x, stash, totals);
     }
@@ -446,7 +435,7 @@ __global__ void __launch_bounds__(32 * kWarps)
       if constexpr (kParity) zero_acc<kG>(acc);
       Part<kG> x;
       const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG, false>(
-          L, c, stash.rows + j * L.chunk_elems, h, s, acc, x, -1);
+          L, c, stash.rows + j * L.chunk_elems, h, s, acc, x);
       record(L, c, v, totals);
       if constexpr (kParity) {
         if (v.faults == 0) fold_parity<kBF16, kMaster, kG>(L, c / per, acc);
