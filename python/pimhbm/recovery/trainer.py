@@ -86,7 +86,11 @@ class Trainer(FaultHandling):
     the state updated in place (pimhbm.inplace.adamw: parity for chunk repair unless
     ``group=0``), or two slots (pimhbm.adamw: a device copy unless ``device_copy=False``) --
     and, with
-    ``shm_name``, host snapshots in POSIX shared memory that survive the process.
+    ``shm_name``, host snapshots in POSIX shared memory that survive the process, every
+    ``snapshot_every`` steps. The snapshot is the last resort (parity, replicas and the stash
+    repair single chunks on the device), and with one copy the update waits for its copy to the
+    host (~27 ms at Llama-3-8B-layer scale: bench/NOTES.md, run 82): so 100 by default, not
+    more often.
 
     ``batch_fn(step) -> dict of numpy arrays`` gives the batch of a step (1-based); batches are
     logged so that replays (also after a crash) use exactly the same data.
@@ -116,7 +120,7 @@ class Trainer(FaultHandling):
     def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], opt: AdamW, params: Any,
                  batch_fn: Callable[[int], dict[str, np.ndarray]], *,
                  learning_rate: Callable[[int], float] | None = None,
-                 shm_name: str | None = None, snapshot_every: int = 25, log_ring: int | None = None,
+                 shm_name: str | None = None, snapshot_every: int = 100, log_ring: int | None = None,
                  scrub_every: int = 10, repair_capacity: int = 16, fault_capacity: int = 64,
                  inject_gradients: bool = False, devices: Any = None, resume: bool = False,
                  telemetry: Any = "auto", replica_transport: str = "collective",
