@@ -457,3 +457,15 @@ def test_a_stateful_or_unknown_gradient_transformation_is_refused():
     inplace.adamw(LR, gradient_transform=masked).init({"w": jnp.zeros(3), "b": jnp.zeros(2)})
     with pytest.raises(TypeError, match="GradientTransformation"):
         inplace.adamw(LR, gradient_transform=lambda g: g)
+
+
+def test_vmap_of_the_update_says_why_it_cannot_be(rng):
+    opt = inplace.adamw(1e-3)
+    params = {"w": jnp.asarray(rng.standard_normal(1000), jnp.float32)}
+    state = opt.init(params)
+    grads = jnp.asarray(rng.standard_normal((3, 1000)), jnp.float32)
+    with pytest.raises(ValueError, match="cannot be vmapped: the update writes one optimizer"):
+        jax.vmap(lambda g: opt.update({"w": g}, state)[0].params)(grads)
+    # Without vmap the same call runs (the refusal is vmap's alone).
+    new, report = jax.jit(lambda g: opt.update({"w": g}, state))(grads[0])
+    assert bool(report.committed)

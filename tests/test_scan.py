@@ -175,3 +175,19 @@ def test_gpu_digests_equal_cpu_digests(rng, dtype):
             mismatch = jax.jit(pimhbm.verify, static_argnames="chunk_bytes")(
                 jax.device_put(x, gpu), on_gpu.digests, chunk_bytes=chunk)
             assert not np.asarray(mismatch).any()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_vmap_scans_and_verifies_each_tensor_of_the_batch_on_its_own(rng, dtype):
+    chunk = 64
+    xs = np.stack([random_array(rng, dtype, (1001,)) for _ in range(3)])
+    batched = jax.jit(jax.vmap(lambda x: pimhbm.scan(x, chunk)))(jnp.asarray(xs))
+    for b in range(3):
+        assert np.array_equal(np.asarray(batched.digests[b]), chunk_digests(xs[b].tobytes(), chunk))
+    # One flipped bit in the second tensor: verify of the batch flags that chunk of it alone.
+    damaged = np.asarray(pimhbm.faults.flip_bit(jnp.asarray(xs), 1 * 1001 + 500, 3))
+    bad = np.asarray(jax.jit(jax.vmap(lambda x, d: pimhbm.verify(x, d, chunk)))(
+        jnp.asarray(damaged), batched.digests))
+    expected = np.zeros_like(bad)
+    expected[1, 500 * np.dtype(dtype).itemsize // chunk] = True
+    assert np.array_equal(bad, expected)

@@ -31,3 +31,23 @@ def ensure_registered() -> tuple[str, ...]:
 
 def built_with_cuda() -> bool:
     return bool(_core.with_cuda)
+
+
+def unbatched_call(target: str, out_types, why: str, **options):
+    """``jax.ffi.ffi_call(target, out_types, **options)`` for an op that has no meaning under
+    ``jax.vmap``: a vmap of it raises a ValueError that says ``why``, where JAX would name only
+    its own vmap_method setting."""
+    call = jax.ffi.ffi_call(target, out_types, **options)
+
+    def run(*args, **attrs):
+        @jax.custom_batching.custom_vmap
+        def op(*arrays):
+            return call(*arrays, **attrs)
+
+        @op.def_vmap
+        def refuse(axis_size, in_batched, *arrays):
+            raise ValueError(f"{target} cannot be vmapped: {why}")
+
+        return op(*args)
+
+    return run

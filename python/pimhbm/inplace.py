@@ -35,12 +35,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from pimhbm import _core, parity
-from pimhbm._ffi import ensure_registered
+from pimhbm._ffi import ensure_registered, unbatched_call
 from pimhbm.repair import REPAIRED
 from pimhbm.scan import scan
 from pimhbm.update import (FAULT_MASTER, FAULT_MU, FAULT_NU, FAULT_PARAM, _check_learning_rate,
                            _step_scalars, check_grads, join_master, step_copies_of,
                            step_majority)
+
+# Why the update and its checks cannot be vmapped (unbatched_call's message).
+_NO_VMAP = ("the update writes one optimizer state in place and decides commit-or-skip for all "
+            "its leaves at once; for several models make one optimizer each (or stack them into "
+            "one pytree of leaves)")
 
 DEFAULT_CHUNK_ELEMS = 512  # a warp holds a chunk in registers, 16 elements a lane
 DEFAULT_GROUP = 16  # chunks a parity row covers: 1/16 of the state's bytes
@@ -156,7 +161,7 @@ def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.
         out_types += [jax.ShapeDtypeStruct((chunks,), jnp.int32)] * 2
     if not args:
         return [], []
-    outs = jax.ffi.ffi_call("pimhbm_inplace_precheck", out_types)(
+    outs = unbatched_call("pimhbm_inplace_precheck", out_types, _NO_VMAP)(
         *args, chunk_elems=np.int64(chunk_elems))
     return list(outs[0::2]), list(outs[1::2])
 
@@ -337,7 +342,7 @@ class AdamW:
                                                jnp.int32)]
         out_types.append(jax.ShapeDtypeStruct((layout["totals"], 2), jnp.uint32))
         target = "pimhbm_adamw_inplace" if stash is None else "pimhbm_adamw_redo"
-        outs = jax.ffi.ffi_call(target, out_types, input_output_aliases=aliases)(
+        outs = unbatched_call(target, out_types, _NO_VMAP, input_output_aliases=aliases)(
             *args, chunk_elems=np.int64(self.chunk_elems), group=np.int64(self.group),
             b1=np.float32(self.b1), b2=np.float32(self.b2),
             one_minus_b1=np.float32(1 - self.b1), one_minus_b2=np.float32(1 - self.b2),

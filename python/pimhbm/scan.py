@@ -81,11 +81,13 @@ def scan(x: Any, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ScanResult:
     x = jnp.asarray(x)
     dtype = _check_dtype(x.dtype)
     n = num_chunks(x, chunk_bytes)
+    # Under vmap, one call per tensor of the batch: each keeps its own chunks and digests.
     digests, nonfinite, max_abs = jax.ffi.ffi_call(
         "pimhbm_scan",
         (jax.ShapeDtypeStruct((n, 2), jnp.uint32),
          jax.ShapeDtypeStruct((n,), jnp.int32),
          jax.ShapeDtypeStruct((n,), jnp.float32)),
+        vmap_method="sequential",
     )(x, chunk_bytes=np.int64(chunk_bytes))
     return ScanResult(digests, nonfinite, max_abs if dtype in _FLOAT_DTYPES else None)
 
@@ -107,8 +109,8 @@ def verify(x: Any, digests: Any, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> jax.
             f"digest table must be uint32 of shape ({n}, 2) for a tensor of {x.dtype} "
             f"{tuple(x.shape)} in chunks of {chunk_bytes} bytes; got {table.dtype} "
             f"{tuple(table.shape)} (was it made with another chunk_bytes or tensor?)")
-    return jax.ffi.ffi_call("pimhbm_verify", jax.ShapeDtypeStruct((n,), jnp.bool_))(
-        x, table, chunk_bytes=np.int64(chunk_bytes))
+    return jax.ffi.ffi_call("pimhbm_verify", jax.ShapeDtypeStruct((n,), jnp.bool_),
+                            vmap_method="sequential")(x, table, chunk_bytes=np.int64(chunk_bytes))
 
 
 def scan_tree(tree: Any, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Any:
