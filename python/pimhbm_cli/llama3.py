@@ -1,13 +1,15 @@
 """``pimhbm llama3``: Llama-3-8B-dimension layers trained under protection on a GPU.
 
-Measures the step time with full protection (digests checked and rewritten in the update pass,
-commit-or-skip on the device, the device copy kept current, the fault summary read one step
-later) against the same step with plain ``optax.adamw``, then runs a fault campaign at this
+Measures the step time with full protection and the Trainer's defaults (one copy of the state
+updated in place, its digests checked and rewritten by the update, parity over groups of chunks,
+commit-or-skip on the device, host snapshots and scrubs, the fault summary read one step later)
+against the fastest plain step (``optax.adamw``, cuDNN attention, no deterministic flags), and
+the device memory of both, each in a process of its own; then runs a fault campaign at this
 scale and checks that it ends bit-identical to the same run without faults.
 
 Bit-identical replays need a deterministic step: on GPUs run with
-XLA_FLAGS=--xla_gpu_deterministic_ops=true (``--deterministic`` sets it; its own cost is
-reported apart, it is not the cost of protection).
+XLA_FLAGS=--xla_gpu_deterministic_ops=true (``--deterministic`` sets it). Exact mode is timed
+as a row of its own against the same fast plain step: its cost is what bit-identity costs.
 
 ``--processes N`` runs the same job as N processes of one host, the way clusters run it: each
 process drives its share of the devices (one GPU each on a GPU machine), they meet through
