@@ -103,7 +103,9 @@ class UpdateReport(NamedTuple):
     """What an update saw, as device values (fetch them asynchronously, never in the step)."""
 
     applied: jax.Array  # bool: the update ran (every check before it passed, on every device)
-    committed: jax.Array  # bool: applied, and every chunk committed with no element kept
+    # bool: applied with no element kept, so the step counts; chunks it left (digest_faults)
+    # are completed by ``repair`` with this step's scalars
+    committed: jax.Array
     grad_nonfinite: jax.Array  # int32: NaN/Inf (or overflowing) gradient values, all devices
     digest_faults: jax.Array  # int32: damaged chunks found (before the update, and by it)
     kept: jax.Array  # int32: elements whose new values were not finite (kept as they were)
