@@ -119,6 +119,41 @@ def test_a_parameter_damaged_before_the_step_cancels_it_and_is_rebuilt(shm_name)
         tr.close(unlink=True)
 
 
+class Stream:
+    """A data source that hands out its batches in order, whatever step is asked for (an
+    iterator): asking twice for a step would train on the next batch instead."""
+
+    def __init__(self):
+        self.make, self.handed, self.asked = mlp.batches(0), 0, []
+
+    def __call__(self, step):
+        self.asked.append(step)
+        self.handed += 1
+        return self.make(self.handed)
+
+
+def test_replays_use_the_logged_batch_and_never_ask_the_data_source_twice():
+    """Without the shared-memory region the batches are logged in memory: a step cancelled by a
+    damaged parameter and the steps halted behind it run again on the batches they first had."""
+    def run(inject):
+        stream = Stream()
+        opt = inplace.adamw(3e-3, master_weights=True, chunk_elems=CHUNK, group=GROUP)
+        tr = Trainer(mlp.loss, opt, mlp.init(0), stream, shm_name=None, scrub_every=5,
+                     in_flight=3)
+        tr.prewarm()
+        try:
+            return tr.run(12, campaign=Once(5, inject) if inject else None), stream, \
+                tr.current_state()
+        finally:
+            tr.close()
+
+    _, clean_stream, reference = run(None)
+    stats, stream, state = run(lambda t: flip(t, "w0", "p", 3 * CHUNK + 1, bit=9))
+    assert stats.steps_replayed > 0  # the control: steps did run again
+    assert clean_stream.asked == stream.asked == list(range(1, 13))
+    assert same_state(state, reference)
+
+
 def dispatched_in_cpp(compiled) -> bool:
     """Whether JAX calls ``compiled`` through its C++ dispatch (a program holding an op with a
     side effect takes the Python path: milliseconds a call for a step's hundreds of arrays)."""

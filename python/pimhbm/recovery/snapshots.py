@@ -9,6 +9,7 @@ step has committed (else it is taken again at the next step).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import hashlib
@@ -226,20 +227,55 @@ class SnapshotManager:
 
 
 class BatchLog:
-    """Each step's batch, logged in the region so that replays (also after a crash) use exactly
-    the same data; made by ``batch_fn(step)`` when the log does not hold it."""
+    """Each step's batch, logged so that a replay uses exactly the data the step first ran on:
+    in the shared-memory region when there is one (also for a replay after a crash), else in a
+    ring of the same depth in this process's memory. ``batch_fn`` is asked for a step's batch
+    once: the sample made at construction is step 1's, and a replay reads the log -- a data
+    source that is an iterator loses nothing and is never asked twice."""
 
-    def __init__(self, backup: HostBackup | None, batch_fn: Callable[[int], dict], keys: list[str]):
-        self.backup, self.batch_fn, self.keys = backup, batch_fn, keys
+    def __init__(self, backup: HostBackup | None, batch_fn: Callable[[int], dict],
+                 keys: list[str], first: dict, depth: int):
+        self.backup, self.batch_fn, self.keys, self.depth = backup, batch_fn, keys, depth
+        self.first = [np.asarray(first[k]) for k in keys]
+        self.ring: collections.OrderedDict[int, list[np.ndarray]] = collections.OrderedDict()
+        self.made = 1  # steps up to here have been asked of batch_fn (step 1: the sample)
 
     def batch(self, step: int) -> list[np.ndarray]:
-        logged = self.backup.logged_batch(step) if self.backup is not None else None
+        logged = self._logged(step)
         if logged is None:
-            arrays = self.batch_fn(step)
-            logged = [np.asarray(arrays[k]) for k in self.keys]
-            if self.backup is not None:
-                self.backup.log_batch(step, logged)
+            logged = self.first if step == 1 else self._make(step)
+            self._log(step, logged)
         return logged
+
+    def _logged(self, step: int) -> list[np.ndarray] | None:
+        if self.backup is not None:
+            return self.backup.logged_batch(step)
+        return self.ring.get(step)
+
+    def _make(self, step: int) -> list[np.ndarray]:
+        if step <= self.made and self.backup is None:
+            raise RuntimeError(
+                f"the batch of step {step} is needed again but the batch log (the last "
+                f"{self.depth} steps) no longer holds it, and the data source is not asked twice: "
+                "make the Trainer with a larger log_ring")
+        if step <= self.made:  # its record in the region failed its check (logged_batch says)
+            log.warning("asking batch_fn again for step %d: its logged record is gone", step)
+        arrays = self.batch_fn(step)
+        self.made = max(self.made, step)
+        return [np.asarray(arrays[k]) for k in self.keys]
+
+    def _log(self, step: int, arrays: list[np.ndarray]) -> None:
+        if self.backup is not None:
+            self.backup.log_batch(step, arrays)
+            return
+        self.ring[step] = arrays
+        while len(self.ring) > self.depth:
+            self.ring.popitem(last=False)
+
+    def reset(self) -> None:
+        """A new run (Trainer.restart): the log starts over; step 1's batch is the sample still."""
+        self.ring.clear()
+        self.made = 1
 
 
 def sample_batch(batch_fn: Callable[[int], dict],

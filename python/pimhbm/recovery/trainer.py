@@ -92,8 +92,11 @@ class Trainer(FaultHandling):
     host (~27 ms at Llama-3-8B-layer scale: bench/NOTES.md, run 82): so 100 by default, not
     more often.
 
-    ``batch_fn(step) -> dict of numpy arrays`` gives the batch of a step (1-based); batches are
-    logged so that replays (also after a crash) use exactly the same data.
+    ``batch_fn(step) -> dict of numpy arrays`` gives the batch of a step (1-based), once a step:
+    step 1's is asked for here (the shapes), and batches are logged (in the shared-memory region,
+    else in this process's memory; ``log_ring`` steps, by default (snapshot_every + 8) x 2, or
+    (in_flight + 8) x 2 without the region) so that replays, also after a crash, use exactly the
+    same data without asking again.
     ``inject_gradients``: compile the step with a hook that can write NaN/Inf into a gradient
     (fault campaigns); one tiny kernel per leaf per step.
     ``replica_transport``: how a chunk travels from a healthy replica (a Transport's value):
@@ -155,9 +158,11 @@ class Trainer(FaultHandling):
             else (lambda step: float(opt.learning_rate)))
         self.batch_keys, batch_specs, self._first_batch = sample_batch(batch_fn, len(devices))
         self.run_id = run_id
-        self.backup = self._open_backup(shm_name, given, batch_specs, snapshot_every, log_ring,
-                                        resume)
-        self.batches = BatchLog(self.backup, batch_fn, self.batch_keys)
+        # Steps of batches logged for replays: back to a host snapshot, or without one (a replay
+        # then starts within the steps in flight) a few steps.
+        depth = log_ring or ((snapshot_every if shm_name else in_flight) + 8) * 2
+        self.backup = self._open_backup(shm_name, given, batch_specs, depth, resume)
+        self.batches = BatchLog(self.backup, batch_fn, self.batch_keys, self._first_batch, depth)
         self._init = jax.jit(self.placement.manual(opt.init, (self.traced.param_specs,),
                                                    self.traced.state_specs().opt))
         sds = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
@@ -185,11 +190,9 @@ class Trainer(FaultHandling):
         else:
             self.state = self.traced.fresh(self._init(params))
 
-    def _open_backup(self, shm_name, params, batch_specs, snapshot_every, log_ring,
-                     resume) -> HostBackup | None:
+    def _open_backup(self, shm_name, params, batch_specs, ring, resume) -> HostBackup | None:
         if shm_name is None:
             return None
-        ring = log_ring or (snapshot_every + 8) * 2
         # One region per process (each keeps the state of its own devices).
         region = (f"{shm_name}.p{jax.process_index()}" if self.placement.multiprocess
                   else shm_name)
@@ -251,6 +254,7 @@ class Trainer(FaultHandling):
         if self.backup is not None:
             self.backup.rebind(self._binding(params, self.backup.tensors))
             self.snapshots.reset()
+        self.batches.reset()
         params = self.placement.put_tree(params, self.traced.param_specs)
         self.state = self.traced.fresh(self._init(params))
         self.stats = RunStats(telemetry=self.health.status())
