@@ -12,7 +12,8 @@ import pytest
 from pimhbm import faults, inplace, parity
 from pimhbm.campaign import KINDS, Campaign
 from pimhbm.models import mlp
-from pimhbm.recovery import Action, IncidentKind, Trainer
+from pimhbm.recovery import Action, DeviceFailure, IncidentKind, Trainer
+from pimhbm.recovery.placement import AXES
 
 CHUNK, GROUP = 128, 4
 
@@ -152,6 +153,57 @@ def test_replays_use_the_logged_batch_and_never_ask_the_data_source_twice():
     assert stats.steps_replayed > 0  # the control: steps did run again
     assert clean_stream.asked == stream.asked == list(range(1, 13))
     assert same_state(state, reference)
+
+
+def dropout_loss(params, batch, key):
+    """mlp.loss on a nested batch, with dropout of the inputs drawn from the step's key."""
+    x, y = batch["inputs"][0], batch["labels"]
+    keep = jax.random.bernoulli(key, 0.8, x.shape)
+    return mlp.loss(params, {"x": jnp.where(keep, x / 0.8, 0.0), "y": y})
+
+
+def nested_batches(step):
+    flat = mlp.batches(0)(step)
+    return {"inputs": (flat["x"],), "labels": flat["y"]}
+
+
+def run_with_key(rng, inject=None, devices=1, loss=dropout_loss, **kw):
+    opt = inplace.adamw(3e-3, master_weights=True, chunk_elems=CHUNK,
+                        group=GROUP if devices == 1 else 0)
+    tr = Trainer(loss, opt, mlp.init(0), nested_batches, scrub_every=5, rng=rng,
+                 devices=jax.devices()[:devices], **kw)
+    tr.prewarm()
+    try:
+        stats = tr.run(12, campaign=Once(5, inject) if inject else None)
+        return stats, tr.current_state()
+    finally:
+        tr.close()
+
+
+def test_a_nested_batch_and_a_key_per_step_replay_bit_identically():
+    _, reference = run_with_key(jax.random.key(7))
+    stats, state = run_with_key(jax.random.key(7),
+                                lambda t: flip(t, "w0", "p", 3 * CHUNK + 1, bit=9))
+    assert stats.steps_replayed > 0 and same_state(state, reference)
+    # The key is used: another key trains otherwise.
+    _, other = run_with_key(jax.random.key(8))
+    assert not same_state(other, reference)
+
+
+def test_each_device_slice_gets_its_own_key_and_the_re_execution_agrees():
+    """4 replicas, every step re-executed by the next device on this device's slice: the slice
+    carries its key's (step, device), so the re-execution draws the same dropout."""
+    stats, _ = run_with_key(jax.random.key(7), devices=4, recheck_every=1)
+    assert stats.steps_committed == 12 and not stats.incidents
+    # The control: a key that depends on the device computing it (not on the slice) makes the
+    # re-execution disagree -- so the run above did compare dropouts.
+    own = lambda params, batch, key: dropout_loss(
+        params, batch, jax.random.fold_in(key, jax.lax.axis_index(AXES)))
+    try:
+        stats, _ = run_with_key(jax.random.key(7), devices=4, recheck_every=1, loss=own)
+        assert incidents(stats, IncidentKind.COMPUTE)
+    except DeviceFailure:
+        pass
 
 
 def dispatched_in_cpp(compiled) -> bool:
@@ -377,3 +429,12 @@ def test_a_gradient_fault_on_a_step_halted_behind_another_counts_as_overwritten(
         assert 7 in campaign.replayed and grads[1].detected and not grads[0].detected
     finally:
         tr.close(unlink=True)
+
+
+def test_a_batch_of_another_structure_than_step_ones_is_refused():
+    from pimhbm.recovery.feed import BatchFeed
+    feed = BatchFeed(lambda step: {"x": np.zeros(4)} if step == 1 else {"x": np.zeros(4),
+                                                                         "y": np.zeros(4)}, None, 1)
+    assert list(feed(1)) == ["['x']"]
+    with pytest.raises(ValueError, match=r"batch_fn\(2\) returned a batch of another structure"):
+        feed(2)

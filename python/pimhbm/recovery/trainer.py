@@ -22,6 +22,7 @@ from pimhbm._ffi import ensure_registered
 from pimhbm.faults import NO_GRADIENT_FAULT, GradientFault
 from pimhbm.backup import HostBackup
 from pimhbm.recovery.events import Action, DeviceFailure, RunStats, log, persistent_fault
+from pimhbm.recovery.feed import BatchFeed
 from pimhbm.recovery.handling import FaultHandling, InFlight
 from pimhbm.recovery.health import HealthWatch
 from pimhbm.recovery.injection import inject
@@ -82,7 +83,9 @@ RECHECK_EVERY = 200
 
 
 class Trainer(FaultHandling):
-    """Protected training of ``loss_fn(params, batch) -> scalar`` with ``opt`` -- one copy of
+    """Protected training of ``loss_fn(params, batch) -> scalar`` (``loss_fn(params, batch,
+    key)`` with ``rng``, a PRNG key: then each step and each device's slice of the batch gets
+    its own key, the same again in a replay -- recovery/feed.py) with ``opt`` -- one copy of
     the state updated in place (pimhbm.inplace.adamw: parity for chunk repair unless
     ``group=0``), or two slots (pimhbm.adamw: a device copy unless ``device_copy=False``) --
     and, with
@@ -92,7 +95,8 @@ class Trainer(FaultHandling):
     host (~27 ms at Llama-3-8B-layer scale: bench/NOTES.md, run 82): so 100 by default, not
     more often.
 
-    ``batch_fn(step) -> dict of numpy arrays`` gives the batch of a step (1-based), once a step:
+    ``batch_fn(step)`` gives the batch of a step (1-based; any pytree of arrays whose first
+    dimension splits over the devices), once a step:
     step 1's is asked for here (the shapes), and batches are logged (in the shared-memory region,
     else in this process's memory; ``log_ring`` steps, by default (snapshot_every + 8) x 2, or
     (in_flight + 8) x 2 without the region) so that replays, also after a crash, use exactly the
@@ -128,7 +132,8 @@ class Trainer(FaultHandling):
                  inject_gradients: bool = False, devices: Any = None, resume: bool = False,
                  telemetry: Any = "auto", replica_transport: str = "collective",
                  shard: int = 1, max_skips: int = 5, run_id: str | None = None,
-                 recheck_every: int | None = None, in_flight: int = 2):
+                 recheck_every: int | None = None, in_flight: int = 2,
+                 rng: jax.Array | None = None):
         ensure_registered()
         if not isinstance(in_flight, int) or in_flight < 1:
             raise ValueError(f"in_flight={in_flight!r}: at least one step must be in flight")
@@ -145,8 +150,10 @@ class Trainer(FaultHandling):
         self.layout = StateLayout.of(params, opt, sharded, shard)
         self.recheck_every = (recheck_every if recheck_every is not None else
                               RECHECK_EVERY if repeatable(devices) else 0)
+        self.feed = BatchFeed(batch_fn, rng, len(devices))
+        self.batch_keys, batch_specs, self._first_batch = sample_batch(self.feed, len(devices))
         kind = OneCopy if isinstance(opt, inplace.AdamW) else TwoSlots
-        self.traced = kind(loss_fn, opt, self.treedef, self.layout, self.placement,
+        self.traced = kind(self.feed.loss(loss_fn), opt, self.treedef, self.layout, self.placement,
                            fault_capacity, inject_gradients,
                            inject_gradients and self.recheck_every > 0, replica_transport)
         self.device_copy = self.traced.device_copy
@@ -156,13 +163,12 @@ class Trainer(FaultHandling):
         self.learning_rate = learning_rate or (
             (lambda step: float("nan")) if callable(opt.learning_rate)
             else (lambda step: float(opt.learning_rate)))
-        self.batch_keys, batch_specs, self._first_batch = sample_batch(batch_fn, len(devices))
         self.run_id = run_id
         # Steps of batches logged for replays: back to a host snapshot, or without one (a replay
         # then starts within the steps in flight) a few steps.
         depth = log_ring or ((snapshot_every if shm_name else in_flight) + 8) * 2
         self.backup = self._open_backup(shm_name, given, batch_specs, depth, resume)
-        self.batches = BatchLog(self.backup, batch_fn, self.batch_keys, self._first_batch, depth)
+        self.batches = BatchLog(self.backup, self.feed, self.batch_keys, self._first_batch, depth)
         self._init = jax.jit(self.placement.manual(opt.init, (self.traced.param_specs,),
                                                    self.traced.state_specs().opt))
         sds = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
