@@ -3,6 +3,7 @@ subcommand on short settings with its exit code."""
 
 import argparse
 
+import numpy as np
 import pytest
 
 import pimhbm
@@ -73,11 +74,13 @@ def test_run_stats_serialise_to_json_with_every_field():
 
     from pimhbm.recovery.events import Action, Incident, IncidentKind, RunStats
     from pimhbm.recovery.layout import ChunkRef
-    stats = RunStats(steps_committed=3, losses={1: 2.5, 2: 2.25}, suspect_devices={3, 1})
+    stats = RunStats(steps_committed=3, losses={1: 2.5, 2: 2.25}, suspect_devices={3, 1},
+                     aux={2: {"accuracy": np.float32(0.5), "counts": np.array([1, 2])}})
     stats.incidents.append(Incident(2, IncidentKind.STATE, (ChunkRef(0, "w", "mu", 7),),
                                     Action.REPAIRED_FROM_REPLICA, sources=(1,)))
     back = json.loads(stats.to_json())
     assert back["losses"] == {"1": 2.5, "2": 2.25} and back["suspect_devices"] == [1, 3]
+    assert back["aux"] == {"2": {"accuracy": 0.5, "counts": [1, 2]}}
     assert back["incidents"][0]["kind"] == "state"
     assert back["incidents"][0]["locations"] == [{"device": 0, "leaf": "w", "tensor": "mu",
                                                   "chunk": 7}]

@@ -431,6 +431,29 @@ def test_a_gradient_fault_on_a_step_halted_behind_another_counts_as_overwritten(
         tr.close(unlink=True)
 
 
+def test_a_loss_with_aux_reports_it_for_every_committed_step(shm_name):
+    """aux: the slice's example count (an integer: summed over devices) and the mean of its
+    inputs (a float: averaged), checked against the whole batch on the host; a replay leaves one
+    aux a step."""
+    def loss(params, batch):
+        x = batch["x"]
+        return mlp.loss(params, batch), {"examples": jnp.int32(x.shape[0]), "mean_x": x.mean()}
+
+    opt = inplace.adamw(3e-3, master_weights=True, chunk_elems=CHUNK, group=0)
+    tr = Trainer(loss, opt, mlp.init(0), mlp.batches(0), scrub_every=5, has_aux=True,
+                 shm_name=shm_name, devices=jax.devices()[:4])
+    tr.prewarm()
+    try:
+        stats = tr.run(8, campaign=Once(4, lambda t: flip(t, "w0", "p", 3 * CHUNK + 1, bit=9)))
+    finally:
+        tr.close(unlink=True)
+    assert stats.steps_replayed > 0 and sorted(stats.aux) == list(range(1, 9))
+    for step, aux in stats.aux.items():
+        x = mlp.batches(0)(step)["x"]
+        assert int(aux["examples"]) == x.shape[0]
+        np.testing.assert_allclose(aux["mean_x"], x.mean(), rtol=1e-5, atol=1e-6)
+
+
 def test_a_batch_of_another_structure_than_step_ones_is_refused():
     from pimhbm.recovery.feed import BatchFeed
     feed = BatchFeed(lambda step: {"x": np.zeros(4)} if step == 1 else {"x": np.zeros(4),

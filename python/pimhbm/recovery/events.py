@@ -8,6 +8,9 @@ import enum
 import logging
 from typing import Any
 
+import jax
+import numpy as np
+
 from pimhbm.recovery.layout import ChunkRef
 
 log = logging.getLogger("pimhbm.recovery")
@@ -118,6 +121,9 @@ class RunStats:
     scrubs: int = 0
     compiles_after_prewarm: int = 0
     losses: dict[int, float] = dataclasses.field(default_factory=dict)
+    # A loss with aux (Trainer(has_aux=True)): each committed step's, on the host (floating
+    # leaves averaged over devices, integer ones summed).
+    aux: dict[int, Any] = dataclasses.field(default_factory=dict)
     incidents: list[Incident] = dataclasses.field(default_factory=list)
     telemetry: str = "off"  # what the hardware telemetry watches, or why it does not
     telemetry_events: list[Any] = dataclasses.field(default_factory=list)  # TelemetryEvent
@@ -128,6 +134,8 @@ class RunStats:
         keys), incidents and telemetry events as mappings, the suspect devices sorted."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["losses"] = {str(step): float(loss) for step, loss in self.losses.items()}
+        out["aux"] = {str(step): jax.tree.map(lambda a: np.asarray(a).tolist(), aux)
+                      for step, aux in self.aux.items()}
         out["incidents"] = [i.to_dict() for i in self.incidents]
         out["telemetry_events"] = [dataclasses.asdict(e) if dataclasses.is_dataclass(e) else
                                    dict(e.__dict__) for e in self.telemetry_events]

@@ -6,6 +6,7 @@ loss gets the pytree back. With a PRNG key, every batch also carries a row ``(st
 for each device, and the loss is called with ``fold_in(fold_in(key, step), device)``: a key of
 its own for each step and each device's slice (dropout), that a replay -- or another device's
 re-execution of the slice -- derives again bit for bit, since the row travels with the slice.
+The engine's loss returns ``(loss, aux)``: the user's aux (``has_aux``), else None.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ STEP_ROWS = "<step, device>"
 class BatchFeed:
     """``batch_fn`` flattened (call it with a step), and the loss that takes what it makes."""
 
-    def __init__(self, batch_fn: Callable[[int], Any], rng: jax.Array | None, devices: int):
-        self.batch_fn, self.rng, self.devices = batch_fn, rng, devices
+    def __init__(self, batch_fn: Callable[[int], Any], rng: jax.Array | None, devices: int,
+                 has_aux: bool = False):
+        self.batch_fn, self.rng, self.devices, self.has_aux = batch_fn, rng, devices, has_aux
         self.treedef: Any = None
         self.paths: list[str] = []  # the leaves' keys, in the pytree's order
 
@@ -40,14 +42,16 @@ class BatchFeed:
             flat[STEP_ROWS] = np.array([[step, d] for d in range(self.devices)], np.int32)
         return flat
 
-    def loss(self, loss_fn: Callable[..., jax.Array]) -> Callable[[Any, dict], jax.Array]:
+    def loss(self, loss_fn: Callable[..., Any]) -> Callable[[Any, dict], tuple[jax.Array, Any]]:
         """``loss_fn(params, batch)`` -- or ``loss_fn(params, batch, key)`` with a PRNG key --
-        as the engine calls it: on a flat dict of this device's slice."""
-        def flat_loss(params: Any, flat: dict) -> jax.Array:
+        as the engine calls it: on a flat dict of this device's slice, returning (loss, aux)."""
+        def flat_loss(params: Any, flat: dict) -> tuple[jax.Array, Any]:
             batch = jax.tree.unflatten(self.treedef, [flat[p] for p in self.paths])
             if self.rng is None:
-                return loss_fn(params, batch)
-            step, device = flat[STEP_ROWS][0, 0], flat[STEP_ROWS][0, 1]
-            return loss_fn(params, batch, jax.random.fold_in(jax.random.fold_in(self.rng, step),
-                                                             device))
+                out = loss_fn(params, batch)
+            else:
+                step, device = flat[STEP_ROWS][0, 0], flat[STEP_ROWS][0, 1]
+                out = loss_fn(params, batch,
+                              jax.random.fold_in(jax.random.fold_in(self.rng, step), device))
+            return out if self.has_aux else (out, None)
         return flat_loss

@@ -108,7 +108,7 @@ class OneCopy(Traced):
         """As Traced.step, in place; a sampled step (``digests``) also computes each device's
         slice again on the next device first, and differing gradients close the gate. The
         update waits for a snapshot copy still reading the state (snapshot_fence)."""
-        local, loss = self._local_gradients(state.opt.params, batch, grad_fault)
+        local, loss, aux = self._local_gradients(state.opt.params, batch, grad_fault)
         mismatched = None
         gate = state.halted == 0
         if digests:
@@ -126,7 +126,7 @@ class OneCopy(Traced):
         pending = jax.tree.map(lambda new, old: jnp.where(report.applied, new, old),
                                LeftChunks(left.stash, left.stashed[None], left.scalars),
                                state.pending)
-        out = (TrainState(opt, halted, pending), jax.lax.psum(loss, AXES),
+        out = (TrainState(opt, halted, pending), self._reported(loss, aux),
                self.placement.per_device(summary))
         return out if mismatched is None else (*out, self.placement.per_device(mismatched))
 

@@ -132,7 +132,7 @@ class Traced:
         n = len(self.placement.devices)
         ahead = [((i + 1) % n, i) for i in range(n)]  # device i gets device i + 1's slice
         theirs = jax.tree.map(lambda x: jax.lax.ppermute(x, AXES, ahead), batch)
-        grads, loss = self._local_gradients(params, theirs, None)
+        grads, loss, _ = self._local_gradients(params, theirs, None)
         again = jax.lax.ppermute(self._digests(grads, loss), AXES, [(b, a) for a, b in ahead])
         return jnp.sum(jnp.any(again != own, axis=-1), dtype=jnp.int32)
 
@@ -199,10 +199,21 @@ class Traced:
             params = jax.tree.unflatten(self.treedef, [
                 jax.lax.all_gather(p, "shard", axis=0, tiled=True) if sh else p
                 for p, sh in zip(local, self.layout.sharded)])
-        loss, grads = jax.value_and_grad(lambda p: self.loss_fn(p, batch) / n)(params)
+        def scaled(p):
+            loss, aux = self.loss_fn(p, batch)
+            return loss / n, aux
+
+        (loss, aux), grads = jax.value_and_grad(scaled, has_aux=True)(params)
         if self.inject_local and grad_fault is not None:
             grads = self._hook(grads, grad_fault, grad_fault[1] == jax.lax.axis_index(AXES))
-        return grads, loss
+        return grads, loss, aux
+
+    def _reported(self, loss: jax.Array, aux: Any) -> tuple[jax.Array, Any]:
+        """What a step hands back besides its state: the whole batch's mean loss and the loss's
+        aux -- its floating leaves averaged over devices, its integer ones (counts) summed."""
+        over = lambda a: (jax.lax.pmean(a, AXES) if jnp.issubdtype(a.dtype, jnp.floating)
+                          else jax.lax.psum(a, AXES))
+        return jax.lax.psum(loss, AXES), jax.tree.map(over, aux)
 
     def _reduce(self, grads: Any) -> Any:
         """The sum over devices (the whole batch's mean: the loss was scaled); with FSDP the

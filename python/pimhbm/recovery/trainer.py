@@ -85,7 +85,8 @@ RECHECK_EVERY = 200
 class Trainer(FaultHandling):
     """Protected training of ``loss_fn(params, batch) -> scalar`` (``loss_fn(params, batch,
     key)`` with ``rng``, a PRNG key: then each step and each device's slice of the batch gets
-    its own key, the same again in a replay -- recovery/feed.py) with ``opt`` -- one copy of
+    its own key, the same again in a replay -- recovery/feed.py; with ``has_aux`` it returns
+    ``(loss, aux)``, and each committed step's aux is in ``stats.aux``) with ``opt`` -- one copy of
     the state updated in place (pimhbm.inplace.adamw: parity for chunk repair unless
     ``group=0``), or two slots (pimhbm.adamw: a device copy unless ``device_copy=False``) --
     and, with
@@ -133,7 +134,7 @@ class Trainer(FaultHandling):
                  telemetry: Any = "auto", replica_transport: str = "collective",
                  shard: int = 1, max_skips: int = 5, run_id: str | None = None,
                  recheck_every: int | None = None, in_flight: int = 2,
-                 rng: jax.Array | None = None):
+                 rng: jax.Array | None = None, has_aux: bool = False):
         ensure_registered()
         if not isinstance(in_flight, int) or in_flight < 1:
             raise ValueError(f"in_flight={in_flight!r}: at least one step must be in flight")
@@ -150,7 +151,7 @@ class Trainer(FaultHandling):
         self.layout = StateLayout.of(params, opt, sharded, shard)
         self.recheck_every = (recheck_every if recheck_every is not None else
                               RECHECK_EVERY if repeatable(devices) else 0)
-        self.feed = BatchFeed(batch_fn, rng, len(devices))
+        self.feed = BatchFeed(batch_fn, rng, len(devices), has_aux)
         self.batch_keys, batch_specs, self._first_batch = sample_batch(self.feed, len(devices))
         kind = OneCopy if isinstance(opt, inplace.AdamW) else TwoSlots
         self.traced = kind(self.feed.loss(loss_fn), opt, self.treedef, self.layout, self.placement,
@@ -379,7 +380,10 @@ class Trainer(FaultHandling):
 
     def _commit(self, done: InFlight, progress: Callable | None) -> None:
         self.stats.steps_committed += 1
-        self.stats.losses[done.step] = float(self.placement.fetch(done.loss))
+        loss, aux = self.placement.fetch(done.loss)
+        self.stats.losses[done.step] = float(loss)
+        if aux is not None:
+            self.stats.aux[done.step] = aux
         self.next_step = done.step + 1
         if done.scrub is not None:
             self._handle_scrub(done.step, self.placement.fetch(done.scrub))

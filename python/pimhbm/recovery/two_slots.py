@@ -80,7 +80,7 @@ class TwoSlots(Traced):
         update with a global verdict; the loss and this device's summary -- and, ``digests``
         (a sampled step), the digests of this device's own gradients before the reduction,
         for :meth:`recheck` to compare with."""
-        local, loss = self._local_gradients(state.opt.params, batch, grad_fault)
+        local, loss, aux = self._local_gradients(state.opt.params, batch, grad_fault)
         own = self._digests(local, loss)[None] if digests else None
         grads, gate, disagree = self._reduced_and_gated(local, grad_fault, state.opt,
                                                         state.halted == 0)
@@ -88,7 +88,7 @@ class TwoSlots(Traced):
         opt, report = self.opt.update(grads, state.opt, lr, gate=gate, axis_name=AXES)
         halted = state.halted | jnp.where(report.committed, 0, HALTED)
         summary = step_summary(report, self.treedef, self.fault_capacity, disagree)
-        out = TrainState(opt, halted), jax.lax.psum(loss, AXES), self.placement.per_device(summary)
+        out = TrainState(opt, halted), self._reported(loss, aux), self.placement.per_device(summary)
         return out if own is None else (*out, own)
 
     def recheck(self, state: TrainState, batch: dict, committed: jax.Array,
