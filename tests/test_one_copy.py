@@ -454,6 +454,33 @@ def test_a_loss_with_aux_reports_it_for_every_committed_step(shm_name):
         np.testing.assert_allclose(aux["mean_x"], x.mean(), rtol=1e-5, atol=1e-6)
 
 
+def test_a_loop_the_user_owns_pushes_its_batches_and_ends_as_run_does(shm_name):
+    """push(batch) from the user's own loop over a data stream: the same states as run() over
+    batch_fn, also across a fault whose repair replays steps (from the log: the stream is read
+    once)."""
+    reference = fault_free(shm_name, 12)
+    opt = inplace.adamw(3e-3, master_weights=True, chunk_elems=CHUNK, group=GROUP)
+    example = mlp.batches(0)(1)
+    tr = Trainer(mlp.loss, opt, mlp.init(0), example, shm_name=shm_name, snapshot_every=10,
+                 scrub_every=5, devices=jax.devices()[:1])
+    tr.prewarm()
+    try:
+        with pytest.raises(RuntimeError, match="push"):
+            tr.run(3)
+        stream = iter(mlp.batches(0)(step) for step in range(1, 13))
+        fault = Once(5, lambda t: flip(t, "w0", "p", 3 * CHUNK + 1, bit=9))
+        for batch in stream:
+            stats = tr.push(batch, campaign=fault)
+            assert stats.steps_committed <= tr.pushed
+        assert stats.steps_committed < 12  # steps were still in flight before the flush
+        stats = tr.flush()
+        assert stats.steps_committed == 12 and stats.steps_replayed > 0
+        assert stats.compiles_after_prewarm == 0
+        assert same_state(tr.current_state(), reference)
+    finally:
+        tr.close(unlink=True)
+
+
 def test_a_batch_of_another_structure_than_step_ones_is_refused():
     from pimhbm.recovery.feed import BatchFeed
     feed = BatchFeed(lambda step: {"x": np.zeros(4)} if step == 1 else {"x": np.zeros(4),

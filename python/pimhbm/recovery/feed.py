@@ -30,7 +30,12 @@ class BatchFeed:
         self.paths: list[str] = []  # the leaves' keys, in the pytree's order
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(self.batch_fn(step))
+        return self.flatten(self.batch_fn(step), step)
+
+    def flatten(self, batch: Any, step: int) -> dict[str, np.ndarray]:
+        """``batch`` (step ``step``'s) as the engine carries it; its structure must be the first
+        one's."""
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
         paths = [jax.tree_util.keystr(path) for path, _ in leaves]
         if self.treedef is None:
             self.treedef, self.paths = treedef, paths

@@ -234,16 +234,17 @@ class BatchLog:
     source that is an iterator loses nothing and is never asked twice."""
 
     def __init__(self, backup: HostBackup | None, batch_fn: Callable[[int], dict],
-                 keys: list[str], first: dict, depth: int):
+                 keys: list[str], first: dict | None, depth: int):
         self.backup, self.batch_fn, self.keys, self.depth = backup, batch_fn, keys, depth
-        self.first = [np.asarray(first[k]) for k in keys]
+        self.first = None if first is None else [np.asarray(first[k]) for k in keys]
         self.ring: collections.OrderedDict[int, list[np.ndarray]] = collections.OrderedDict()
-        self.made = 1  # steps up to here have been asked of batch_fn (step 1: the sample)
+        # Steps up to here have been asked of batch_fn (step 1's batch is the sample, if any).
+        self.made = 0 if self.first is None else 1
 
     def batch(self, step: int) -> list[np.ndarray]:
         logged = self._logged(step)
         if logged is None:
-            logged = self.first if step == 1 else self._make(step)
+            logged = self.first if step == 1 and self.first is not None else self._make(step)
             self._log(step, logged)
         return logged
 
@@ -275,13 +276,12 @@ class BatchLog:
     def reset(self) -> None:
         """A new run (Trainer.restart): the log starts over; step 1's batch is the sample still."""
         self.ring.clear()
-        self.made = 1
+        self.made = 0 if self.first is None else 1
 
 
-def sample_batch(batch_fn: Callable[[int], dict],
+def sample_batch(sample: dict[str, np.ndarray],
                  devices: int) -> tuple[list[str], list[TensorSpec], dict]:
-    """The batch's keys and shapes, checked to split over the devices, and step 1's batch."""
-    sample = {k: np.asarray(v) for k, v in batch_fn(1).items()}
+    """The batch's keys and shapes, checked to split over the devices, and the sample."""
     for k, v in sample.items():
         if v.ndim == 0 or v.shape[0] % devices:
             raise ValueError(f"batch array {k!r} of shape {v.shape}: its first dimension must "

@@ -23,7 +23,7 @@ from pimhbm.faults import NO_GRADIENT_FAULT, GradientFault
 from pimhbm.backup import HostBackup
 from pimhbm.recovery.events import Action, DeviceFailure, RunStats, log, persistent_fault
 from pimhbm.recovery.feed import BatchFeed
-from pimhbm.recovery.handling import FaultHandling, InFlight
+from pimhbm.recovery.handling import FaultHandling, InFlight, Loop
 from pimhbm.recovery.health import HealthWatch
 from pimhbm.recovery.injection import inject
 from pimhbm.recovery.layout import StateLayout
@@ -101,7 +101,9 @@ class Trainer(FaultHandling):
     step 1's is asked for here (the shapes), and batches are logged (in the shared-memory region,
     else in this process's memory; ``log_ring`` steps, by default (snapshot_every + 8) x 2, or
     (in_flight + 8) x 2 without the region) so that replays, also after a crash, use exactly the
-    same data without asking again.
+    same data without asking again. A loop the user owns: pass an example batch (its structure,
+    shapes and dtypes are every batch's) in place of ``batch_fn``, then ``push(batch)`` each
+    step's and ``flush()`` at the end -- the same engine, the steps still overlapped.
     ``inject_gradients``: compile the step with a hook that can write NaN/Inf into a gradient
     (fault campaigns); one tiny kernel per leaf per step.
     ``replica_transport``: how a chunk travels from a healthy replica (a Transport's value):
@@ -151,8 +153,16 @@ class Trainer(FaultHandling):
         self.layout = StateLayout.of(params, opt, sharded, shard)
         self.recheck_every = (recheck_every if recheck_every is not None else
                               RECHECK_EVERY if repeatable(devices) else 0)
-        self.feed = BatchFeed(batch_fn, rng, len(devices), has_aux)
-        self.batch_keys, batch_specs, self._first_batch = sample_batch(self.feed, len(devices))
+        # An example batch instead of batch_fn: the batches come from push(), the user's loop.
+        self.pushed, self._pending, self._loop = 0, {}, None
+        self.pushing = pushing = not callable(batch_fn)
+        if pushing and resume:
+            raise ValueError("resume needs batch_fn: the steps past the batch log are asked for "
+                             "by number")
+        self.feed = BatchFeed(self._pushed_batch if pushing else batch_fn, rng, len(devices),
+                              has_aux)
+        sample = self.feed.flatten(batch_fn, 1) if pushing else self.feed(1)
+        self.batch_keys, batch_specs, self._first_batch = sample_batch(sample, len(devices))
         kind = OneCopy if isinstance(opt, inplace.AdamW) else TwoSlots
         self.traced = kind(self.feed.loss(loss_fn), opt, self.treedef, self.layout, self.placement,
                            fault_capacity, inject_gradients,
@@ -169,7 +179,8 @@ class Trainer(FaultHandling):
         # then starts within the steps in flight) a few steps.
         depth = log_ring or ((snapshot_every if shm_name else in_flight) + 8) * 2
         self.backup = self._open_backup(shm_name, given, batch_specs, depth, resume)
-        self.batches = BatchLog(self.backup, self.feed, self.batch_keys, self._first_batch, depth)
+        self.batches = BatchLog(self.backup, self.feed, self.batch_keys,
+                                None if pushing else self._first_batch, depth)
         self._init = jax.jit(self.placement.manual(opt.init, (self.traced.param_specs,),
                                                    self.traced.state_specs().opt))
         sds = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
@@ -262,6 +273,7 @@ class Trainer(FaultHandling):
             self.backup.rebind(self._binding(params, self.backup.tensors))
             self.snapshots.reset()
         self.batches.reset()
+        self.pushed, self._pending, self._loop = 0, {}, None
         params = self.placement.put_tree(params, self.traced.param_specs)
         self.state = self.traced.fresh(self._init(params))
         self.stats = RunStats(telemetry=self.health.status())
@@ -287,27 +299,60 @@ class Trainer(FaultHandling):
         """Trains up to step ``until`` (inclusive). ``campaign``: an object with
         ``before_step(trainer, step, attempt) -> grad fault spec or None`` and
         ``before_scrub(trainer, step)`` that injects faults (see pimhbm.campaign)."""
+        if self.pushing:
+            raise RuntimeError("this Trainer was made with an example batch: its steps come from "
+                               "push(batch), and flush() ends them")
+        return self._counted(Loop(self.next_step), until, True, campaign, progress)
+
+    def push(self, batch: Any, campaign: Any = None,
+             progress: Callable[[int, RunStats], None] | None = None) -> RunStats:
+        """The next step's batch, from a loop the user owns (a Trainer made with an example
+        batch in place of batch_fn): the step is launched, and the steps before it whose
+        summaries are due are read, repaired and replayed from the batch log as ``run`` does --
+        up to ``in_flight`` steps stay in flight. ``flush()`` after the last push."""
+        if not self.pushing:
+            raise RuntimeError("push() feeds a Trainer made with an example batch; this one asks "
+                               "its batch_fn: call run(until)")
+        self.pushed += 1
+        self._pending[self.pushed] = batch
+        self._loop = self._loop or Loop(self.next_step)
+        return self._counted(self._loop, self.pushed, False, campaign, progress)
+
+    def flush(self, campaign: Any = None,
+              progress: Callable[[int, RunStats], None] | None = None) -> RunStats:
+        """Every pushed step read and committed (or repaired and replayed): the end of a run."""
+        loop, self._loop = self._loop or Loop(self.next_step), None
+        return self._counted(loop, self.pushed, True, campaign, progress)
+
+    def _pushed_batch(self, step: int) -> Any:
+        if step not in self._pending:
+            raise RuntimeError(f"the batch of step {step} was not pushed (push() gives the steps "
+                               f"after {self.pushed} in order)")
+        return self._pending.pop(step)
+
+    def _counted(self, loop: Loop, until: int, drain: bool, campaign: Any,
+                 progress: Callable | None) -> RunStats:
         if not self.programs.step:
             raise RuntimeError("call prewarm() first: every program is compiled ahead of time")
         with self.counter:  # compilations are counted while the run goes on
             try:
-                return self._run(until, campaign, progress)
+                return self._run(loop, until, drain, campaign, progress)
             finally:
                 self.stats.compiles_after_prewarm = self.compiles
 
-    def _run(self, until: int, campaign: Any, progress: Callable | None) -> RunStats:
-        flight: collections.deque[InFlight] = collections.deque()
-        attempts: collections.Counter = collections.Counter()
-        skipped_step, skips = None, 0  # the step skipped last, and how often in a row
-        step = self.next_step
+    def _run(self, loop: Loop, until: int, drain: bool, campaign: Any,
+             progress: Callable | None) -> RunStats:
+        """Launches the steps up to ``until``, reading each summary when ``in_flight`` steps
+        wait (and, ``drain``, until none does)."""
+        flight, attempts = loop.flight, loop.attempts
         if self.backup is not None and not self.backup.newest():
             # A first snapshot of the starting state, so that a host restore is always possible.
-            self.snapshots.save_now(self.state, step - 1, self.stats)
-        while step <= until or flight:
-            if step <= until and len(flight) < self.in_flight:
-                attempts[step] += 1
-                flight.append(self._launch(step, attempts[step], campaign))
-                step += 1
+            self.snapshots.save_now(self.state, loop.step - 1, self.stats)
+        while loop.step <= until or (drain and flight):
+            if loop.step <= until and len(flight) < self.in_flight:
+                attempts[loop.step] += 1
+                flight.append(self._launch(loop.step, attempts[loop.step], campaign))
+                loop.step += 1
                 continue
             done = flight.popleft()
             summary, recheck = self._guarded(
@@ -315,24 +360,25 @@ class Trainer(FaultHandling):
             report = decode_step(done.step, summary, self.layout, recheck)
             self.snapshots.confirm(done.step, report.committed, self.stats)
             if report.committed:
-                skipped_step = None
+                loop.skipped_step = None
                 self._commit(done, progress)
                 continue
             if report.applied:  # one copy: the step ran, and left damaged chunks
-                skipped_step, resume = None, self._left(report, flight, done, progress)
-                self.stats.steps_replayed += step - resume
-                step = resume
+                loop.skipped_step, resume = None, self._left(report, flight, done, progress)
+                self.stats.steps_replayed += loop.step - resume
+                loop.step = resume
                 continue
-            skips = skips + 1 if skipped_step == done.step else 1
-            skipped_step, seen = done.step, len(self.stats.incidents)
+            loop.skips = loop.skips + 1 if loop.skipped_step == done.step else 1
+            loop.skipped_step, seen = done.step, len(self.stats.incidents)
             replay_from = self._skip(report, flight, done)
-            if skips >= self.max_skips:
-                raise persistent_fault(done.step, skips, report.nonfinite, report.faulty,
+            if loop.skips >= self.max_skips:
+                raise persistent_fault(done.step, loop.skips, report.nonfinite, report.faulty,
                                        self.stats.incidents[seen:])
-            self.stats.steps_replayed += step - replay_from
-            log.info("replaying steps %d-%d from the batch log", replay_from, step - 1)
-            step = replay_from
-        self.snapshots.finish(self._current_slot_verifies, self.stats)
+            self.stats.steps_replayed += loop.step - replay_from
+            log.info("replaying steps %d-%d from the batch log", replay_from, loop.step - 1)
+            loop.step = replay_from
+        if drain:
+            self.snapshots.finish(self._current_slot_verifies, self.stats)
         return self.stats
 
     def _launch(self, step: int, attempt: int, campaign: Any) -> InFlight:
