@@ -6,7 +6,6 @@ they read and replace its state, statistics and programs)."""
 from __future__ import annotations
 
 import collections
-import dataclasses
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -28,19 +27,6 @@ class InFlight(NamedTuple):
     summary: Any  # StepSummary of device arrays
     scrub: Any  # ScrubSummary of device arrays, or None
     recheck: Any = None  # a sampled step's re-execution: per device, leaves that differed
-
-
-@dataclasses.dataclass
-class Loop:
-    """The run loop's state, kept between the calls of a loop the user owns (Trainer.push): the
-    next step to launch, the steps in flight, how often each was launched, and the step skipped
-    last and how often in a row."""
-
-    step: int
-    flight: collections.deque = dataclasses.field(default_factory=collections.deque)
-    attempts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    skipped_step: int | None = None
-    skips: int = 0
 
 
 class FaultHandling:

@@ -1,7 +1,7 @@
 """The Trainer: protected training, each step's faults handled one step later.
 
-The loop dispatches a step, keeps up to ``in_flight`` (two) in flight, and reads each one's summary once the
-next is queued (the host never waits for the device in the steady state). A committed step is
+The loop (recovery/loop.py) dispatches a step, keeps up to ``in_flight`` (two) in flight, and
+reads each one's summary once the next is queued (the host never waits for the device in the steady state). A committed step is
 counted; a skipped one -- and every step halted behind it -- is decoded into a fault report,
 repaired (pimhbm.recovery.repairs; the host snapshot when the devices hold no intact copy) and
 replayed from the batch log. See ARCHITECTURE.md for the path of a step, a fault and a replay.
@@ -17,23 +17,23 @@ import jax
 import numpy as np
 
 import pimhbm
-from pimhbm import inplace, ipc
+from pimhbm import inplace
 from pimhbm._ffi import ensure_registered
 from pimhbm.faults import NO_GRADIENT_FAULT, GradientFault
 from pimhbm.backup import HostBackup
-from pimhbm.recovery.events import Action, DeviceFailure, RunStats, log, persistent_fault
+from pimhbm.recovery.events import Action, DeviceFailure, RunStats
 from pimhbm.recovery.feed import BatchFeed
-from pimhbm.recovery.handling import FaultHandling, InFlight, Loop
+from pimhbm.recovery.handling import FaultHandling, InFlight
 from pimhbm.recovery.health import HealthWatch
 from pimhbm.recovery.injection import inject
 from pimhbm.recovery.layout import StateLayout
+from pimhbm.recovery.loop import RunLoop
 from pimhbm.recovery.one_copy import OneCopy
 from pimhbm.recovery.placement import Placement, Transport, fsdp_spec, repeatable
 from pimhbm.recovery.programs import CompileCounter, Compiler, prewarm
 from pimhbm.recovery.repairs import Repairer
 from pimhbm.recovery.snapshots import (BatchLog, SnapshotManager, run_binding, sample_batch,
                                        snapshot_specs)
-from pimhbm.recovery.summary import decode_step
 from pimhbm.recovery.traced import slot_of
 from pimhbm.recovery.two_slots import TwoSlots
 from pimhbm.recovery.transports import transport_for
@@ -82,7 +82,7 @@ def _check_options(opt: AdamW | inplace.AdamW, transport: Transport, devices: li
 RECHECK_EVERY = 200
 
 
-class Trainer(FaultHandling):
+class Trainer(FaultHandling, RunLoop):
     """Protected training of ``loss_fn(params, batch) -> scalar`` (``loss_fn(params, batch,
     key)`` with ``rng``, a PRNG key: then each step and each device's slice of the batch gets
     its own key, the same again in a replay -- recovery/feed.py; with ``has_aux`` it returns
@@ -293,93 +293,6 @@ class Trainer(FaultHandling):
         return self.programs.step[0].as_text()
 
     # -- the loop -----------------------------------------------------------------------------------
-
-    def run(self, until: int, campaign: Any = None,
-            progress: Callable[[int, RunStats], None] | None = None) -> RunStats:
-        """Trains up to step ``until`` (inclusive). ``campaign``: an object with
-        ``before_step(trainer, step, attempt) -> grad fault spec or None`` and
-        ``before_scrub(trainer, step)`` that injects faults (see pimhbm.campaign)."""
-        if self.pushing:
-            raise RuntimeError("this Trainer was made with an example batch: its steps come from "
-                               "push(batch), and flush() ends them")
-        return self._counted(Loop(self.next_step), until, True, campaign, progress)
-
-    def push(self, batch: Any, campaign: Any = None,
-             progress: Callable[[int, RunStats], None] | None = None) -> RunStats:
-        """The next step's batch, from a loop the user owns (a Trainer made with an example
-        batch in place of batch_fn): the step is launched, and the steps before it whose
-        summaries are due are read, repaired and replayed from the batch log as ``run`` does --
-        up to ``in_flight`` steps stay in flight. ``flush()`` after the last push."""
-        if not self.pushing:
-            raise RuntimeError("push() feeds a Trainer made with an example batch; this one asks "
-                               "its batch_fn: call run(until)")
-        self.pushed += 1
-        self._pending[self.pushed] = batch
-        self._loop = self._loop or Loop(self.next_step)
-        return self._counted(self._loop, self.pushed, False, campaign, progress)
-
-    def flush(self, campaign: Any = None,
-              progress: Callable[[int, RunStats], None] | None = None) -> RunStats:
-        """Every pushed step read and committed (or repaired and replayed): the end of a run."""
-        loop, self._loop = self._loop or Loop(self.next_step), None
-        return self._counted(loop, self.pushed, True, campaign, progress)
-
-    def _pushed_batch(self, step: int) -> Any:
-        if step not in self._pending:
-            raise RuntimeError(f"the batch of step {step} was not pushed (push() gives the steps "
-                               f"after {self.pushed} in order)")
-        return self._pending.pop(step)
-
-    def _counted(self, loop: Loop, until: int, drain: bool, campaign: Any,
-                 progress: Callable | None) -> RunStats:
-        if not self.programs.step:
-            raise RuntimeError("call prewarm() first: every program is compiled ahead of time")
-        with self.counter:  # compilations are counted while the run goes on
-            try:
-                return self._run(loop, until, drain, campaign, progress)
-            finally:
-                self.stats.compiles_after_prewarm = self.compiles
-
-    def _run(self, loop: Loop, until: int, drain: bool, campaign: Any,
-             progress: Callable | None) -> RunStats:
-        """Launches the steps up to ``until``, reading each summary when ``in_flight`` steps
-        wait (and, ``drain``, until none does)."""
-        flight, attempts = loop.flight, loop.attempts
-        if self.backup is not None and not self.backup.newest():
-            # A first snapshot of the starting state, so that a host restore is always possible.
-            self.snapshots.save_now(self.state, loop.step - 1, self.stats)
-        while loop.step <= until or (drain and flight):
-            if loop.step <= until and len(flight) < self.in_flight:
-                attempts[loop.step] += 1
-                flight.append(self._launch(loop.step, attempts[loop.step], campaign))
-                loop.step += 1
-                continue
-            done = flight.popleft()
-            summary, recheck = self._guarded(
-                done.step, lambda: self.placement.fetch((done.summary, done.recheck)))
-            report = decode_step(done.step, summary, self.layout, recheck)
-            self.snapshots.confirm(done.step, report.committed, self.stats)
-            if report.committed:
-                loop.skipped_step = None
-                self._commit(done, progress)
-                continue
-            if report.applied:  # one copy: the step ran, and left damaged chunks
-                loop.skipped_step, resume = None, self._left(report, flight, done, progress)
-                self.stats.steps_replayed += loop.step - resume
-                loop.step = resume
-                continue
-            loop.skips = loop.skips + 1 if loop.skipped_step == done.step else 1
-            loop.skipped_step, seen = done.step, len(self.stats.incidents)
-            replay_from = self._skip(report, flight, done)
-            if loop.skips >= self.max_skips:
-                raise persistent_fault(done.step, loop.skips, report.nonfinite, report.faulty,
-                                       self.stats.incidents[seen:])
-            self.stats.steps_replayed += loop.step - replay_from
-            log.info("replaying steps %d-%d from the batch log", replay_from, loop.step - 1)
-            loop.step = replay_from
-        if drain:
-            self.snapshots.finish(self._current_slot_verifies, self.stats)
-        return self.stats
 
     def _launch(self, step: int, attempt: int, campaign: Any) -> InFlight:
         """Dispatches a step (and the scrub and snapshot due with it); fetches start at once."""
