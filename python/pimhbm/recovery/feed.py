@@ -35,14 +35,15 @@ class BatchFeed:
     def flatten(self, batch: Any, step: int) -> dict[str, np.ndarray]:
         """``batch`` (step ``step``'s) as the engine carries it; its structure must be the first
         one's."""
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(batch)
-        paths = [jax.tree_util.keystr(path) for path, _ in leaves]
-        if self.treedef is None:
-            self.treedef, self.paths = treedef, paths
+        leaves, treedef = jax.tree_util.tree_flatten(batch)
+        if self.treedef is None:  # the paths once: every later batch has the same structure
+            self.treedef = treedef
+            self.paths = [jax.tree_util.keystr(path)
+                          for path, _ in jax.tree_util.tree_flatten_with_path(batch)[0]]
         elif treedef != self.treedef:
             raise ValueError(f"batch_fn({step}) returned a batch of another structure than step "
                              f"1's: {treedef}, not {self.treedef}")
-        flat = {path: np.asarray(x) for path, (_, x) in zip(paths, leaves)}
+        flat = {path: np.asarray(x) for path, x in zip(self.paths, leaves)}
         if self.rng is not None:
             flat[STEP_ROWS] = np.array([[step, d] for d in range(self.devices)], np.int32)
         return flat
