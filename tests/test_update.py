@@ -573,3 +573,34 @@ def test_used_as_an_optax_transformation_it_says_what_to_use_instead(rng, api):
     state = tx.init(params)  # construction and init cannot tell
     with pytest.raises(TypeError, match="not an optax GradientTransformation.*pimhbm.guard"):
         tx.update(random_grads(rng, params), state, params)
+
+
+def test_a_gradient_transformation_runs_first_in_the_same_step(rng):
+    """adamw(gradient_transform=optax.clip_by_global_norm(c)) is optax.chain(clip, adamw): the
+    same state as the update fed the clipped gradients (to float tolerance: the norm's
+    reduction runs in another program), and not the unclipped ones (the clip bites)."""
+    clip = optax.clip_by_global_norm(0.5)
+    params = random_params(rng)
+    grads = [random_grads(rng, params) for _ in range(3)]
+    clipped = [jax.jit(lambda g: clip.update(g, clip.init(g), None)[0])(g) for g in grads]
+
+    def run(opt, gs):
+        state, step = opt.init(params), make_step(opt)
+        for g in gs:
+            state, report = step(g, state, jnp.float32(LR))
+            assert bool(report.committed)
+        return state
+
+    state = run(pimhbm.adamw(LR, gradient_transform=clip), grads)
+    want = run(pimhbm.adamw(LR), clipped)
+    unclipped = run(pimhbm.adamw(LR), grads)
+    for k in params:
+        np.testing.assert_allclose(np.asarray(state.params[k]), np.asarray(want.params[k]),
+                                   rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(state.mu[k]), np.asarray(want.mu[k]), rtol=1e-5,
+                                   atol=1e-8)
+        assert np.abs(np.asarray(state.mu[k])).sum() < 0.9 * np.abs(np.asarray(unclipped.mu[k])).sum()
+    with pytest.raises(ValueError, match="state of its own"):
+        pimhbm.adamw(LR, gradient_transform=optax.scale_by_adam()).init(params)
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        pimhbm.adamw(LR, gradient_transform=lambda g: g)

@@ -39,8 +39,8 @@ from pimhbm._ffi import ensure_registered, unbatched_call
 from pimhbm.repair import REPAIRED
 from pimhbm.scan import scan
 from pimhbm.update import (FAULT_MASTER, FAULT_MU, FAULT_NU, FAULT_PARAM, _check_learning_rate,
-                           _step_scalars, check_grads, join_master, step_copies_of,
-                           step_majority)
+                           _step_scalars, check_grads, check_transform, join_master,
+                           step_copies_of, step_majority, transform_grads)
 
 # Why the update and its checks cannot be vmapped (unbatched_call's message).
 _NO_VMAP = ("the update writes one optimizer state in place and decides commit-or-skip for all "
@@ -188,7 +188,7 @@ class AdamW:
 
     def __post_init__(self):
         _check_hyper(self)
-        _check_transform(self.gradient_transform)
+        check_transform(self.gradient_transform)
 
     def chunk_bytes(self, name: str, param_dtype: Any) -> int:
         size = jnp.dtype(param_dtype).itemsize if name == "p" else (2 if name == "master" else 4)
@@ -209,7 +209,7 @@ class AdamW:
             if self.master_weights and dtype != jnp.bfloat16:
                 raise TypeError(f"parameter {jax.tree_util.keystr(path)} is {dtype}: master "
                                 "weights are for bfloat16 parameters")
-        _check_transform(self.gradient_transform, params)
+        check_transform(self.gradient_transform, params)
         return jax.jit(self._init)(params)
 
     def _init(self, params: Any) -> AdamWState:
@@ -244,10 +244,7 @@ class AdamW:
         _check_learning_rate(learning_rate)
         treedef = jax.tree.structure(state.params)
         check_grads(grads, state.params)
-        if self.gradient_transform is not None:
-            tx = self.gradient_transform
-            grads, _ = tx.update(grads, tx.init(grads), None)
-            check_grads(grads, state.params)
+        grads = transform_grads(self.gradient_transform, grads, state.params)
         count = state.step + 1
         if learning_rate is None:
             learning_rate = (self.learning_rate(count) if callable(self.learning_rate)
@@ -405,21 +402,6 @@ def _saturated(words: jax.Array) -> jax.Array:
     lo, hi = words[0], words[1]
     big = (hi != 0) | (lo > np.iinfo(np.int32).max)
     return jnp.where(big, np.iinfo(np.int32).max, lo.astype(jnp.int32))
-
-
-def _check_transform(tx: Any, params: Any = None) -> None:
-    """A gradient transformation: optax's kind and, for ``params``, stateless (its state would
-    not be protected: no digest, no parity, no snapshot -- a repair or a replay could not put
-    it back)."""
-    if tx is None:
-        return
-    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-        raise TypeError(f"gradient_transform must be an optax GradientTransformation (init, "
-                        f"update), got {type(tx).__name__}")
-    if params is not None and jax.tree.leaves(jax.eval_shape(tx.init, params)):
-        raise ValueError("gradient_transform keeps a state of its own (e.g. a count or a moving "
-                         "average), which would not be protected: only stateless transformations "
-                         "of the gradients (clip_by_global_norm, masks, scaling) are supported")
 
 
 def _check_hyper(o: AdamW) -> None:

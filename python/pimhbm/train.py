@@ -71,7 +71,7 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
     a damaged chunk) or two slots (pimhbm.adamw; a device copy repairs it). ``device_copy``:
     each device's own redundancy, parity or the device copy (False: damaged chunks come from
     the other replicas only). ``gradient_transform``: a stateless optax transformation of the
-    gradients run first (one copy only; see pimhbm.inplace.adamw). ``in_flight``,
+    gradients run first (see pimhbm.inplace.adamw). ``in_flight``,
     ``telemetry``: the Trainer's. ``chunk_elems``:
     None for the kind's default (512 in place, 1024
     with two slots). ``recheck_every``: the Trainer's sampled re-execution (None: its
@@ -84,11 +84,10 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                             chunk_elems=chunk_elems or inplace.DEFAULT_CHUNK_ELEMS,
                             group=inplace.DEFAULT_GROUP if device_copy else 0,
                             gradient_transform=gradient_transform)
-    elif gradient_transform is not None:
-        raise ValueError("gradient_transform is for one copy of the state (state='one-copy')")
     else:
         opt = pimhbm.adamw(peak_lr, weight_decay=0.01, master_weights=master,
-                           device_copy=device_copy, chunk_elems=chunk_elems or 1024)
+                           device_copy=device_copy, chunk_elems=chunk_elems or 1024,
+                           gradient_transform=gradient_transform)
     loss = lambda p, b: llama3.loss(p, b, cfg, attention_impl)
     return Trainer(loss, opt, params, text_batches(data, batch, seq, seed),
                    learning_rate=warmup_cosine(peak_lr, warmup, steps), shm_name=shm_name,

@@ -271,10 +271,13 @@ class AdamW:
     master_weights: bool = False
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
     device_copy: bool = False
+    # A stateless optax transformation of the gradients, run first in the same step.
+    gradient_transform: Any = None
 
     def __post_init__(self):
         if self.chunk_elems <= 0 or self.chunk_elems % 16:
             raise ValueError(f"chunk_elems must be a positive multiple of 16, got {self.chunk_elems}")
+        check_transform(self.gradient_transform)
 
     def chunk_bytes(self, dtype: Any) -> int:
         """Digest chunk of a state tensor of this dtype: chunk_elems elements."""
@@ -294,6 +297,7 @@ class AdamW:
             if self.master_weights and dtype != jnp.bfloat16:
                 raise TypeError(f"parameter {jax.tree_util.keystr(path)} is {dtype}: master "
                                 "weights are for bfloat16 parameters")
+        check_transform(self.gradient_transform, params)
 
         def one_slot(p_tree):
             # A copy: every slot needs its own buffers (they are donated and written in place),
@@ -333,6 +337,7 @@ class AdamW:
         cur, nxt = state.current, 1 - state.current
         read, write = state.slots[cur], state.slots[nxt]
         check_grads(grads, read.params)
+        grads = transform_grads(self.gradient_transform, grads, read.params)
         treedef = jax.tree.structure(read.params)
 
         count = state.step + 1
@@ -470,18 +475,47 @@ def _leaf_operand(b: dict, sides: dict, g: jax.Array, param_dtype: Any) -> tuple
 def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0.9,
           b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
           weight_decay: float = 1e-4, *, master_weights: bool = False,
-          chunk_elems: int | None = None, device_copy: bool = False) -> AdamW:
+          chunk_elems: int | None = None, device_copy: bool = False,
+          gradient_transform: Any = None) -> AdamW:
     """Guarded fused AdamW; arguments as ``optax.adamw`` (``learning_rate`` may be a schedule
     of the step count). ``master_weights``: keep fp32 master weights for bf16 parameters (stored
     as the parameters and a uint16 remainder each: ``AdamWState.master_weights`` joins them).
     ``device_copy``: keep a current copy of the state on the device, written in the same pass,
     for chunk-level repair. ``chunk_elems``: elements per digest chunk (default 16384, or 4096
     with a device copy: the update then reads each chunk twice and the second read must come
-    from L2)."""
+    from L2). ``gradient_transform``: a stateless optax transformation of the gradients run
+    first, in the same compiled step (``optax.clip_by_global_norm(1.0)`` makes this
+    ``optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(...))``); it sees the gradients
+    alone, so inside ``shard_map`` a global norm is each device's."""
     if chunk_elems is None:
         chunk_elems = DEVICE_COPY_CHUNK_ELEMS if device_copy else DEFAULT_CHUNK_ELEMS
     return AdamW(learning_rate, b1, b2, eps, eps_root, weight_decay, master_weights, chunk_elems,
-                 device_copy)
+                 device_copy, gradient_transform)
+
+
+def check_transform(tx: Any, params: Any = None) -> None:
+    """A gradient transformation: optax's kind and, for ``params``, stateless (its state would
+    not be protected: no digest, no parity, no snapshot -- a repair or a replay could not put
+    it back)."""
+    if tx is None:
+        return
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(f"gradient_transform must be an optax GradientTransformation (init, "
+                        f"update), got {type(tx).__name__}")
+    if params is not None and jax.tree.leaves(jax.eval_shape(tx.init, params)):
+        raise ValueError("gradient_transform keeps a state of its own (e.g. a count or a moving "
+                         "average), which would not be protected: only stateless transformations "
+                         "of the gradients (clip_by_global_norm, masks, scaling) are supported")
+
+
+def transform_grads(tx: Any, grads: Any, params: Any) -> Any:
+    """``grads`` through the stateless gradient transformation ``tx`` (None: as they are),
+    checked again against the parameters' structure, shapes and dtypes."""
+    if tx is None:
+        return grads
+    grads, _ = tx.update(grads, tx.init(grads), None)
+    check_grads(grads, params)
+    return grads
 
 
 def restore_unless(commit: jax.Array, sources: list[jax.Array],
