@@ -60,6 +60,13 @@ def has_gpu() -> bool:
 requires_gpu = pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
 
 
+def needs_devices(n: int) -> None:
+    """Skips the calling test where JAX has fewer than ``n`` devices (a one-GPU machine; on the
+    CPU, tests run on 4 virtual devices)."""
+    if len(jax.devices()) < n:
+        pytest.skip(f"needs {n} devices, this machine has {len(jax.devices())}")
+
+
 def new_shm_name() -> str:
     """A fresh shared-memory region name for one test."""
     return f"pimhbm_test_{uuid.uuid4().hex[:12]}"

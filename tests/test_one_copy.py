@@ -14,6 +14,7 @@ from pimhbm.campaign import KINDS, Campaign
 from pimhbm.models import mlp
 from pimhbm.recovery import Action, DeviceFailure, IncidentKind, Trainer
 from pimhbm.recovery.placement import AXES
+from conftest import needs_devices
 
 CHUNK, GROUP = 128, 4
 
@@ -49,6 +50,7 @@ def incidents(stats, kind=None, action=None):
 @pytest.mark.parametrize("devices,shard,group", [(1, 1, GROUP), (4, 1, 0), (4, 2, GROUP)],
                          ids=["1-device-parity", "4-replicas", "fsdp-2x2-parity"])
 def test_a_campaign_of_every_kind_ends_bit_identical(shm_name, devices, shard, group):
+    needs_devices(devices)
     steps = 24
     kw = dict(devices=devices, shard=shard, group=group)
     reference = fault_free(shm_name, steps, **kw)
@@ -193,6 +195,7 @@ def test_a_nested_batch_and_a_key_per_step_replay_bit_identically():
 def test_each_device_slice_gets_its_own_key_and_the_re_execution_agrees():
     """4 replicas, every step re-executed by the next device on this device's slice: the slice
     carries its key's (step, device), so the re-execution draws the same dropout."""
+    needs_devices(4)
     stats, _ = run_with_key(jax.random.key(7), devices=4, recheck_every=1)
     assert stats.steps_committed == 12 and not stats.incidents
     # The control: a key that depends on the device computing it (not on the slice) makes the
@@ -389,8 +392,7 @@ def test_a_sampled_steps_re_execution_closes_its_gate_before_any_write(shm_name,
     next device before its update, and gradients that differ close the gate -- nothing is
     written, the step is replayed. The control: the same flip on a step that is not sampled
     goes unseen (and the run ends elsewhere)."""
-    if len(jax.devices()) < 4:
-        pytest.skip("needs 4 devices")
+    needs_devices(4)
     kw = dict(devices=4, recheck_every=5)
     reference = fault_free(shm_name, 14, **kw)
     tr = make_trainer(shm_name, inject=True, **kw)
@@ -435,6 +437,8 @@ def test_a_loss_with_aux_reports_it_for_every_committed_step(shm_name):
     """aux: the slice's example count (an integer: summed over devices) and the mean of its
     inputs (a float: averaged), checked against the whole batch on the host; a replay leaves one
     aux a step."""
+    needs_devices(4)
+
     def loss(params, batch):
         x = batch["x"]
         return mlp.loss(params, batch), {"examples": jnp.int32(x.shape[0]), "mean_x": x.mean()}

@@ -28,10 +28,9 @@ __device__ __forceinline__ uint64_t warp_sum(uint64_t v) {
   return v;
 }
 
+// A count (never negative; at most a chunk's elements): one warp-wide reduction (sm_80+).
 __device__ __forceinline__ int32_t warp_sum(int32_t v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
-  return v;
+  return static_cast<int32_t>(__reduce_add_sync(0xFFFFFFFFu, static_cast<unsigned>(v)));
 }
 
 // Bytes [at, at + 16) of a chunk of `len` bytes, zero past its end (which is never read).
