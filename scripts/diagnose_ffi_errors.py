@@ -15,19 +15,25 @@ CASES = {
     "verify: digest table of the wrong shape": """
 x = jnp.zeros(100, jnp.float32)
 call = jax.ffi.ffi_call("pimhbm_verify", jax.ShapeDtypeStruct((25,), jnp.bool_))
-jax.block_until_ready(call(x, jnp.zeros(3, jnp.float32), chunk_bytes=np.int64(16)))
+jax.block_until_ready(call(x, jnp.zeros(3, jnp.float32), base, chunk_bytes=np.int64(16)))
 """,
     "scan: chunk size not a multiple of 16": """
 x = jnp.zeros(100, jnp.float32)
 call = jax.ffi.ffi_call("pimhbm_scan", (jax.ShapeDtypeStruct((7, 2), jnp.uint32),
     jax.ShapeDtypeStruct((7,), jnp.int32), jax.ShapeDtypeStruct((7,), jnp.float32)))
-jax.block_until_ready(call(x, chunk_bytes=np.int64(60)))
+jax.block_until_ready(call(x, base, chunk_bytes=np.int64(60)))
 """,
     "scan: unprotected dtype": """
 x = jnp.zeros(7, jnp.complex64)
 call = jax.ffi.ffi_call("pimhbm_scan", (jax.ShapeDtypeStruct((4, 2), jnp.uint32),
     jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.float32)))
-jax.block_until_ready(call(x, chunk_bytes=np.int64(16)))
+jax.block_until_ready(call(x, base, chunk_bytes=np.int64(16)))
+""",
+    "scan: chunk_base of the wrong size": """
+x = jnp.zeros(8, jnp.float32)
+call = jax.ffi.ffi_call("pimhbm_scan", (jax.ShapeDtypeStruct((2, 2), jnp.uint32),
+    jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.float32)))
+jax.block_until_ready(call(x, jnp.zeros(2, jnp.int32), chunk_bytes=np.int64(16)))
 """,
 }
 
@@ -36,6 +42,7 @@ import sys, jax, jax.numpy as jnp, numpy as np
 import pimhbm
 pimhbm.scan(np.zeros(1, np.float32))  # registers the handlers
 platform = sys.argv[1]
+base = jnp.zeros(1, jnp.int32)  # the index of the tensor's first chunk (scan.h)
 jax.config.update("jax_default_device", jax.devices(platform)[0])
 try:
 {body}

@@ -154,6 +154,7 @@ def test_the_handler_itself_rejects_bad_input_without_crashing():
     assert any("digest table of shape (25, 2)" in l for l in lines)
     assert any("positive multiple of 16, got 60" in l for l in lines)
     assert any("complex64 is not protected" in l for l in lines)
+    assert any("chunk_base" in l for l in lines)
 
 
 @requires_gpu

@@ -90,13 +90,13 @@ ChunkHealth chunk_health(const uint8_t* p, int64_t len, Elem elem) {
 }
 
 void scan_cpu(const void* data, int64_t nbytes, Elem elem, int64_t chunk_bytes,
-              uint32_t* digests, int32_t* nonfinite, float* max_abs) {
+              uint32_t* digests, int32_t* nonfinite, float* max_abs, int64_t chunk_base) {
   const auto* bytes = static_cast<const uint8_t*>(data);
   int64_t n = num_chunks(nbytes, chunk_bytes);
   for (int64_t c = 0; c < n; ++c) {
     const uint8_t* p = bytes + c * chunk_bytes;
     int64_t len = chunk_length(nbytes, chunk_bytes, c);
-    uint64_t d = chunk_digest(p, len, c);
+    uint64_t d = chunk_digest(p, len, chunk_base + c);
     digests[2 * c] = digest_lo(d);
     digests[2 * c + 1] = digest_hi(d);
     ChunkHealth h = chunk_health(p, len, elem);
@@ -106,11 +106,12 @@ void scan_cpu(const void* data, int64_t nbytes, Elem elem, int64_t chunk_bytes,
 }
 
 void verify_cpu(const void* data, int64_t nbytes, int64_t chunk_bytes, const uint32_t* expected,
-                uint8_t* mismatch) {
+                uint8_t* mismatch, int64_t chunk_base) {
   const auto* bytes = static_cast<const uint8_t*>(data);
   int64_t n = num_chunks(nbytes, chunk_bytes);
   for (int64_t c = 0; c < n; ++c) {
-    uint64_t d = chunk_digest(bytes + c * chunk_bytes, chunk_length(nbytes, chunk_bytes, c), c);
+    uint64_t d = chunk_digest(bytes + c * chunk_bytes, chunk_length(nbytes, chunk_bytes, c),
+                              chunk_base + c);
     mismatch[c] = d != digest_join(expected[2 * c], expected[2 * c + 1]) ? 1 : 0;
   }
 }

@@ -329,11 +329,12 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
     scan_kernel(const uint8_t* __restrict__ data, int64_t nbytes, int64_t chunk_bytes,
                 int64_t nchunks, uint32_t* __restrict__ digests, int32_t* __restrict__ nonfinite,
                 float* __restrict__ max_abs, const uint32_t* __restrict__ expected,
-                uint8_t* __restrict__ mismatch) {
+                uint8_t* __restrict__ mismatch, const int32_t* __restrict__ chunk_base) {
+  const int64_t first = chunk_base != nullptr ? *chunk_base : 0;
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const uint8_t* base = data + c * chunk_bytes;
     const int64_t len = chunk_length(nbytes, chunk_bytes, c);
-    const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
+    const uint64_t key0 = chunk_key(static_cast<uint64_t>(first + c));
 
     // Streaming pass: digest terms and the fast magnitude max.
     uint64_t acc = 0;
@@ -348,7 +349,8 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
     });
     const Partial r = block_allreduce(Partial{acc, 0, Check::fast_key(fast)});
     if (threadIdx.x == 0) {
-      const uint64_t d = finalize(r.acc, static_cast<uint64_t>(len), static_cast<uint64_t>(c));
+      const uint64_t d =
+          finalize(r.acc, static_cast<uint64_t>(len), static_cast<uint64_t>(first + c));
       if constexpr (kVerify) {
         mismatch[c] = d != digest_join(expected[2 * c], expected[2 * c + 1]) ? 1 : 0;
       } else {
@@ -391,6 +393,7 @@ struct Args {
   float* max_abs;
   const uint32_t* expected;
   uint8_t* mismatch;
+  const int32_t* chunk_base;
 };
 
 // Blocks of the second pass: each loops over many chunks and reads one flag per chunk.
@@ -401,7 +404,8 @@ cudaError_t launch(const Args& a, int threads, int blocks, cudaStream_t stream) 
   const bool aligned = reinterpret_cast<uintptr_t>(a.data) % 16 == 0;
   auto kernel = aligned ? scan_kernel<Check, kVerify, true> : scan_kernel<Check, kVerify, false>;
   kernel<<<blocks, threads, 0, stream>>>(a.data, a.nbytes, a.chunk_bytes, a.nchunks, a.digests,
-                                         a.nonfinite, a.max_abs, a.expected, a.mismatch);
+                                         a.nonfinite, a.max_abs, a.expected, a.mismatch,
+                                         a.chunk_base);
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
   if constexpr (!kVerify && !std::is_same_v<Check, NoCheck>) {
     auto exact = aligned ? exact_health_kernel<Check, true> : exact_health_kernel<Check, false>;
@@ -445,23 +449,26 @@ cudaError_t run(const Args& a, Elem elem, bool verify, LaunchShape shape, cudaSt
 
 cudaError_t scan_cuda_shaped(const void* data, int64_t nbytes, Elem elem, int64_t chunk_bytes,
                              uint32_t* digests, int32_t* nonfinite, float* max_abs,
-                             cudaStream_t stream, LaunchShape shape) {
+                             cudaStream_t stream, LaunchShape shape, const int32_t* chunk_base) {
   Args a{static_cast<const uint8_t*>(data), nbytes, chunk_bytes,
-         num_chunks(nbytes, chunk_bytes), digests, nonfinite, max_abs, nullptr, nullptr};
+         num_chunks(nbytes, chunk_bytes), digests, nonfinite, max_abs, nullptr, nullptr,
+         chunk_base};
   return run(a, elem, /*verify=*/false, shape, stream);
 }
 
 cudaError_t scan_cuda(const void* data, int64_t nbytes, Elem elem, int64_t chunk_bytes,
                       uint32_t* digests, int32_t* nonfinite, float* max_abs,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, const int32_t* chunk_base) {
   return scan_cuda_shaped(data, nbytes, elem, chunk_bytes, digests, nonfinite, max_abs, stream,
-                          LaunchShape{});
+                          LaunchShape{}, chunk_base);
 }
 
 cudaError_t verify_cuda(const void* data, int64_t nbytes, int64_t chunk_bytes,
-                        const uint32_t* expected, uint8_t* mismatch, cudaStream_t stream) {
+                        const uint32_t* expected, uint8_t* mismatch, cudaStream_t stream,
+                        const int32_t* chunk_base) {
   Args a{static_cast<const uint8_t*>(data), nbytes, chunk_bytes,
-         num_chunks(nbytes, chunk_bytes), nullptr, nullptr, nullptr, expected, mismatch};
+         num_chunks(nbytes, chunk_bytes), nullptr, nullptr, nullptr, expected, mismatch,
+         chunk_base};
   return run(a, Elem::kRaw, /*verify=*/true, LaunchShape{}, stream);
 }
 

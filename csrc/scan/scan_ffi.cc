@@ -9,12 +9,13 @@ namespace pimhbm::scan {
 using ffi_util::check_count;
 
 ffi::Error launch(ffi_util::OnCpu, const ScanCall& c) {
-  scan_cpu(c.data, c.nbytes, c.elem, c.chunk_bytes, c.digests, c.nonfinite, c.max_abs);
+  scan_cpu(c.data, c.nbytes, c.elem, c.chunk_bytes, c.digests, c.nonfinite, c.max_abs,
+           *c.chunk_base);
   return ffi::Error::Success();
 }
 
 ffi::Error launch(ffi_util::OnCpu, const VerifyCall& c) {
-  verify_cpu(c.data, c.nbytes, c.chunk_bytes, c.expected, c.mismatch);
+  verify_cpu(c.data, c.nbytes, c.chunk_bytes, c.expected, c.mismatch, *c.chunk_base);
   return ffi::Error::Success();
 }
 
@@ -41,33 +42,40 @@ ffi::ErrorOr<Chunked> check_chunked(const char* op, const ffi::AnyBuffer& x,
 }
 
 template <typename Platform>
-ffi::Error scan_handler(Platform on, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> digests,
+ffi::Error scan_handler(Platform on, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> chunk_base,
+                        ffi::Result<ffi::AnyBuffer> digests,
                         ffi::ResultBuffer<ffi::S32> nonfinite, ffi::ResultBuffer<ffi::F32> max_abs,
                         int64_t chunk_bytes) {
   PIMHBM_FFI_ASSIGN_OR_RETURN(const Chunked t, check_chunked(kScan, x, *digests, chunk_bytes));
+  PIMHBM_FFI_RETURN_IF_ERROR(check_count(kScan, "chunk_base", chunk_base, 1));
   PIMHBM_FFI_RETURN_IF_ERROR(check_count(kScan, "nonfinite", *nonfinite, t.nchunks));
   PIMHBM_FFI_RETURN_IF_ERROR(check_count(kScan, "max_abs", *max_abs, t.nchunks));
   return launch(on, ScanCall{x.untyped_data(), static_cast<int64_t>(x.size_bytes()), t.elem,
                              chunk_bytes, static_cast<uint32_t*>(digests->untyped_data()),
-                             nonfinite->typed_data(), max_abs->typed_data()});
+                             nonfinite->typed_data(), max_abs->typed_data(),
+                             chunk_base.typed_data()});
 }
 
 template <typename Platform>
 ffi::Error verify_handler(Platform on, ffi::AnyBuffer x, ffi::AnyBuffer expected,
-                          ffi::ResultBuffer<ffi::PRED> mismatch, int64_t chunk_bytes) {
+                          ffi::Buffer<ffi::S32> chunk_base, ffi::ResultBuffer<ffi::PRED> mismatch,
+                          int64_t chunk_bytes) {
   PIMHBM_FFI_ASSIGN_OR_RETURN(const Chunked t, check_chunked(kVerify, x, expected, chunk_bytes));
+  PIMHBM_FFI_RETURN_IF_ERROR(check_count(kVerify, "chunk_base", chunk_base, 1));
   PIMHBM_FFI_RETURN_IF_ERROR(check_count(kVerify, "mismatch", *mismatch, t.nchunks));
   return launch(on, VerifyCall{x.untyped_data(), static_cast<int64_t>(x.size_bytes()), chunk_bytes,
                                static_cast<const uint32_t*>(expected.untyped_data()),
-                               reinterpret_cast<uint8_t*>(mismatch->typed_data())});
+                               reinterpret_cast<uint8_t*>(mismatch->typed_data()),
+                               chunk_base.typed_data()});
 }
 
 }  // namespace
 }  // namespace pimhbm::scan
 
-// x -> digests uint32 (n, 2), nonfinite int32 (n,), max_abs float32 (n,)
+// x, chunk_base int32 (1,) -> digests uint32 (n, 2), nonfinite int32 (n,), max_abs float32 (n,)
 #define PIMHBM_SCAN_BINDING(bind)                 \
   bind.Arg<::xla::ffi::AnyBuffer>()               \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() \
       .Ret<::xla::ffi::AnyBuffer>()               \
       .Ret<::xla::ffi::Buffer<::xla::ffi::S32>>() \
       .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>() \
@@ -75,10 +83,11 @@ ffi::Error verify_handler(Platform on, ffi::AnyBuffer x, ffi::AnyBuffer expected
 PIMHBM_FFI_HANDLERS(PimhbmScan, pimhbm::scan::scan_handler, PIMHBM_SCAN_BINDING,
                     PIMHBM_FFI_CAPTURABLE);
 
-// x, expected digests -> mismatch bool (n,)
+// x, expected digests, chunk_base int32 (1,) -> mismatch bool (n,)
 #define PIMHBM_VERIFY_BINDING(bind)                \
   bind.Arg<::xla::ffi::AnyBuffer>()                \
       .Arg<::xla::ffi::AnyBuffer>()                \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()  \
       .Ret<::xla::ffi::Buffer<::xla::ffi::PRED>>() \
       .Attr<int64_t>("chunk_bytes")
 PIMHBM_FFI_HANDLERS(PimhbmVerify, pimhbm::scan::verify_handler, PIMHBM_VERIFY_BINDING,

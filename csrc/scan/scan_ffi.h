@@ -23,6 +23,7 @@ struct ScanCall {
   uint32_t* digests;
   int32_t* nonfinite;
   float* max_abs;
+  const int32_t* chunk_base;  // one int32, in the buffers' memory (scan.h)
 };
 
 // A checked call of pimhbm_verify.
@@ -32,6 +33,7 @@ struct VerifyCall {
   int64_t chunk_bytes;
   const uint32_t* expected;
   uint8_t* mismatch;
+  const int32_t* chunk_base;
 };
 
 PIMHBM_FFI_DECLARE_LAUNCHES(ScanCall);

@@ -9,12 +9,13 @@ namespace pimhbm::scan {
 ffi::Error launch(const ffi_util::OnCuda& on, const ScanCall& c) {
   return ffi_util::cuda_status(
       "pimhbm.scan", scan_cuda(c.data, c.nbytes, c.elem, c.chunk_bytes, c.digests, c.nonfinite,
-                               c.max_abs, on.stream));
+                               c.max_abs, on.stream, c.chunk_base));
 }
 
 ffi::Error launch(const ffi_util::OnCuda& on, const VerifyCall& c) {
   return ffi_util::cuda_status("pimhbm.verify", verify_cuda(c.data, c.nbytes, c.chunk_bytes,
-                                                            c.expected, c.mismatch, on.stream));
+                                                            c.expected, c.mismatch, on.stream,
+                                                            c.chunk_base));
 }
 
 }  // namespace pimhbm::scan

@@ -62,5 +62,34 @@ TEST(Health, IntegersAreNeverNonFinite) {
   EXPECT_EQ(max_abs[0], 0.0f);
 }
 
+// A shard that starts at chunk k of its tensor, scanned with chunk_base k, has the whole
+// tensor's digests of those chunks -- and without it, other ones (the base is in the key).
+TEST(ChunkBase, AShardHasTheWholeTensorsDigests) {
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  const int64_t chunk = 256, chunks = 37;
+  auto bytes = testing::random_bytes(rng, chunk * chunks - 40);  // a short last chunk
+  const int64_t nbytes = static_cast<int64_t>(bytes.size());
+  std::vector<uint32_t> whole(2 * chunks);
+  std::vector<int32_t> nonfinite(chunks);
+  std::vector<float> max_abs(chunks);
+  scan::scan_cpu(bytes.data(), nbytes, Elem::kRaw, chunk, whole.data(), nonfinite.data(),
+                 max_abs.data());
+  for (int64_t first : {int64_t{0}, int64_t{1}, int64_t{12}, chunks - 1}) {
+    const int64_t len = nbytes - first * chunk, n = chunks - first;
+    std::vector<uint32_t> part(2 * n), unbased(2 * n);
+    scan::scan_cpu(bytes.data() + first * chunk, len, Elem::kRaw, chunk, part.data(),
+                   nonfinite.data(), max_abs.data(), first);
+    scan::scan_cpu(bytes.data() + first * chunk, len, Elem::kRaw, chunk, unbased.data(),
+                   nonfinite.data(), max_abs.data());
+    EXPECT_TRUE(std::equal(part.begin(), part.end(), whole.begin() + 2 * first)) << first;
+    if (first > 0) EXPECT_NE(unbased[0], whole[2 * first]) << first;
+    std::vector<uint8_t> mismatch(n, 7);
+    scan::verify_cpu(bytes.data() + first * chunk, len, chunk, whole.data() + 2 * first,
+                     mismatch.data(), first);
+    EXPECT_EQ(std::count(mismatch.begin(), mismatch.end(), 0), n) << first;
+  }
+}
+
 }  // namespace
 }  // namespace pimhbm

@@ -2,6 +2,7 @@
 // sizes from 0 up, many chunk sizes, launch shapes, misaligned views, damaged buffers.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -173,6 +174,46 @@ TEST(VerifyCuda, FlagsExactlyWhatTheCpuFlags) {
     int flagged = 0;
     for (uint8_t m : got) flagged += m;
     if (len > 0) EXPECT_GT(flagged, 0);
+  }
+}
+
+// The kernel reads chunk_base from device memory: a shard scanned with its first chunk's index
+// has the whole tensor's digests (the CPU reference's), and verifies against them.
+TEST(ScanCuda, AShardWithItsChunkBaseHasTheWholeTensorsDigests) {
+  PIMHBM_SKIP_WITHOUT_GPU();
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  const int64_t chunk = 4096, chunks = 41;
+  auto bytes = testing::random_bytes(rng, chunk * chunks - 100);
+  const int64_t nbytes = static_cast<int64_t>(bytes.size());
+  const Results whole = cpu_scan(bytes.data(), nbytes, Elem::kRaw, chunk);
+  DeviceBuffer<uint8_t> x(bytes.size());
+  PIMHBM_ASSERT_CUDA(x.upload(bytes));
+  for (int32_t first : {0, 3, 40}) {
+    const int64_t len = nbytes - first * chunk, n = chunks - first;
+    DeviceBuffer<int32_t> base(1);
+    PIMHBM_ASSERT_CUDA(base.upload({first}));
+    DeviceBuffer<uint32_t> digests(2 * n), max_bits(n), expected(2 * n);
+    DeviceBuffer<int32_t> nonfinite(n);
+    DeviceBuffer<uint8_t> mismatch(n);
+    PIMHBM_ASSERT_CUDA(digests.poison());
+    PIMHBM_ASSERT_CUDA(mismatch.poison());
+    PIMHBM_ASSERT_CUDA(scan::scan_cuda(x.get() + first * chunk, len, Elem::kRaw, chunk,
+                                       digests.get(), nonfinite.get(),
+                                       reinterpret_cast<float*>(max_bits.get()), nullptr,
+                                       base.get()));
+    PIMHBM_ASSERT_CUDA(expected.upload(std::vector<uint32_t>(whole.digests.begin() + 2 * first,
+                                                             whole.digests.end())));
+    PIMHBM_ASSERT_CUDA(scan::verify_cuda(x.get() + first * chunk, len, chunk, expected.get(),
+                                         mismatch.get(), nullptr, base.get()));
+    PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
+    cudaError_t e1, e2;
+    const auto got = digests.download(&e1);
+    const auto flags = mismatch.download(&e2);
+    PIMHBM_ASSERT_CUDA(e1);
+    PIMHBM_ASSERT_CUDA(e2);
+    EXPECT_TRUE(std::equal(got.begin(), got.end(), whole.digests.begin() + 2 * first)) << first;
+    EXPECT_EQ(std::count(flags.begin(), flags.end(), 0), n) << first;
   }
 }
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from pimhbm import _core
 from pimhbm._ffi import ensure_registered
+from pimhbm.sharding import Arg, Leaf, Role, partitioned
 
 DEFAULT_CHUNK_BYTES: int = int(_core.default_chunk_bytes)
 _CHUNK_ALIGN: int = int(_core.chunk_align)
@@ -80,16 +81,29 @@ def scan(x: Any, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ScanResult:
     chunk_bytes = _check_chunk_bytes(chunk_bytes)
     x = jnp.asarray(x)
     dtype = _check_dtype(x.dtype)
-    n = num_chunks(x, chunk_bytes)
-    # Under vmap, one call per tensor of the batch: each keeps its own chunks and digests.
-    digests, nonfinite, max_abs = jax.ffi.ffi_call(
-        "pimhbm_scan",
-        (jax.ShapeDtypeStruct((n, 2), jnp.uint32),
-         jax.ShapeDtypeStruct((n,), jnp.int32),
-         jax.ShapeDtypeStruct((n,), jnp.float32)),
-        vmap_method="sequential",
-    )(x, chunk_bytes=np.int64(chunk_bytes))
+    chunk = chunk_bytes // dtype.itemsize
+
+    def call(x, base):
+        n = num_chunks(x, chunk_bytes)
+        return tuple(jax.ffi.ffi_call(
+            "pimhbm_scan",
+            (jax.ShapeDtypeStruct((n, 2), jnp.uint32),
+             jax.ShapeDtypeStruct((n,), jnp.int32),
+             jax.ShapeDtypeStruct((n,), jnp.float32)),
+            vmap_method="sequential",  # one call per tensor of a batch: each its own chunks
+        )(x, base, chunk_bytes=np.int64(chunk_bytes)))
+
+    leaves = [Leaf(tuple(x.shape), chunk)]
+    op = partitioned(lambda x: call(x, _whole_base()),
+                     lambda plan, x: call(x, plan.chunk_base(leaves, 0)), leaves,
+                     [Arg(Role.ELEMS, 0)], [Arg(Role.CHUNKS, 0)] * 3)
+    digests, nonfinite, max_abs = op(x)
     return ScanResult(digests, nonfinite, max_abs if dtype in _FLOAT_DTYPES else None)
+
+
+def _whole_base() -> jax.Array:
+    """chunk_base of a whole tensor: its chunk 0 is its chunk 0."""
+    return jnp.zeros((1,), jnp.int32)
 
 
 def _digest_table(digests: Any) -> Any:
@@ -109,8 +123,16 @@ def verify(x: Any, digests: Any, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> jax.
             f"digest table must be uint32 of shape ({n}, 2) for a tensor of {x.dtype} "
             f"{tuple(x.shape)} in chunks of {chunk_bytes} bytes; got {table.dtype} "
             f"{tuple(table.shape)} (was it made with another chunk_bytes or tensor?)")
-    return jax.ffi.ffi_call("pimhbm_verify", jax.ShapeDtypeStruct((n,), jnp.bool_),
-                            vmap_method="sequential")(x, table, chunk_bytes=np.int64(chunk_bytes))
+    def call(x, table, base):
+        return (jax.ffi.ffi_call("pimhbm_verify", jax.ShapeDtypeStruct((table.shape[0],), jnp.bool_),
+                                 vmap_method="sequential")(x, table, base,
+                                                           chunk_bytes=np.int64(chunk_bytes)),)
+
+    leaves = [Leaf(tuple(x.shape), chunk_bytes // x.dtype.itemsize)]
+    op = partitioned(lambda x, t: call(x, t, _whole_base()),
+                     lambda plan, x, t: call(x, t, plan.chunk_base(leaves, 0)), leaves,
+                     [Arg(Role.ELEMS, 0), Arg(Role.CHUNKS, 0)], [Arg(Role.CHUNKS, 0)])
+    return op(x, table)[0]
 
 
 def scan_tree(tree: Any, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Any:
