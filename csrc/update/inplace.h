@@ -70,7 +70,16 @@ struct InPlaceLeaf {
 
   int32_t* faults = nullptr;  // per chunk: FaultBits of the digests that did not match
   int32_t* kept = nullptr;    // per chunk: elements kept because their new values were not finite
+  // One int32 in the buffers' memory: the index of chunk 0 in the leaf's whole tensor (nonzero
+  // for a shard: its digests are the whole tensor's; parity groups and the stash are the
+  // shard's own); null: 0.
+  const int32_t* chunk_base = nullptr;
 };
+
+// The index in the whole tensor of the leaf's chunk c: what its digests are keyed by.
+PIMHBM_HD uint64_t inplace_key_chunk(const InPlaceLeaf& leaf, int64_t c) {
+  return static_cast<uint64_t>((leaf.chunk_base != nullptr ? *leaf.chunk_base : 0) + c);
+}
 
 // The gradients of the chunks that did not commit: row k holds chunk (leaf, chunk) = index[k][0..1]
 // -- its gradient bytes, chunk_elems words a row, zero-padded -- and index[k][2], the FaultBits of

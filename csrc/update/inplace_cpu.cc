@@ -79,7 +79,7 @@ ChunkResult update_chunk(const InPlaceLeaf& L, int64_t c, const void* g, const A
     const uint8_t* at = ts[t].data + first * ts[t].size;
     const int64_t len = count * ts[t].size;
     old[t].assign(at, at + len);
-    const uint64_t d = scan::chunk_digest(at, len, c);
+    const uint64_t d = scan::chunk_digest(at, len, static_cast<int64_t>(inplace_key_chunk(L, c)));
     if (d != digest_join(ts[t].table[2 * c], ts[t].table[2 * c + 1])) r.faults |= fault_bit(t);
   }
   if (r.faults != 0) return r;
@@ -91,7 +91,7 @@ ChunkResult update_chunk(const InPlaceLeaf& L, int64_t c, const void* g, const A
   for (size_t t = 0; t < ts.size(); ++t) {
     const uint8_t* at = ts[t].data + first * ts[t].size;
     const int64_t len = count * ts[t].size;
-    const uint64_t d = scan::chunk_digest(at, len, c);
+    const uint64_t d = scan::chunk_digest(at, len, static_cast<int64_t>(inplace_key_chunk(L, c)));
     ts[t].table[2 * c] = digest_lo(d);
     ts[t].table[2 * c + 1] = digest_hi(d);
     if (acc != nullptr) {

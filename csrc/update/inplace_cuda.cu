@@ -201,18 +201,19 @@ __device__ __forceinline__ uint64_t expected_digest(const LaneTensor& t, int64_t
 
 // Which tensors of chunk c fail their digests: one finalisation a lane and a vote, so every
 // lane gets the same answer from one instruction (and the compiler sees it uniform).
-__device__ __forceinline__ int32_t faults_of(const LaneTensor& t, int64_t c, uint64_t expected,
-                                             uint64_t sum) {
-  const bool bad =
-      t.table != nullptr && finalize(sum, t.bytes, static_cast<uint64_t>(c)) != expected;
+// `key_chunk`: c's index in the whole tensor (inplace_key_chunk).
+__device__ __forceinline__ int32_t faults_of(const LaneTensor& t, uint64_t key_chunk,
+                                             uint64_t expected, uint64_t sum) {
+  const bool bad = t.table != nullptr && finalize(sum, t.bytes, key_chunk) != expected;
   const uint32_t votes = __ballot_sync(0xFFFFFFFFu, bad);
   return (votes & 1u ? kFaultParam : 0) | (votes & (1u << 8) ? kFaultMaster : 0) |
          (votes & (1u << 16) ? kFaultMu : 0) | (votes & (1u << 24) ? kFaultNu : 0);
 }
 
-__device__ __forceinline__ void write_table(const LaneTensor& t, int64_t c, uint64_t sum) {
+__device__ __forceinline__ void write_table(const LaneTensor& t, int64_t c, uint64_t key_chunk,
+                                            uint64_t sum) {
   if ((lane_id() & 7) != 0 || t.table == nullptr) return;
-  kernel::table_write(t.table, c, finalize(sum, t.bytes, static_cast<uint64_t>(c)));
+  kernel::table_write(t.table, c, finalize(sum, t.bytes, key_chunk));
 }
 
 // The warp's parity change for a group: word w of element i at acc[w][i] (the lane's own i).
@@ -240,7 +241,8 @@ __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* 
                                    Part<kG>& x) {
   const int64_t first = c * L.chunk_elems;
   const int64_t count = min(L.chunk_elems, L.n - first);
-  const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
+  const uint64_t key_chunk = inplace_key_chunk(L, c);
+  const uint64_t key0 = chunk_key(key_chunk);
   const LaneTensor tensor = lane_tensor<kBF16, kMaster>(L, count);
   const uint64_t expected = expected_digest(tensor, c);
 #pragma unroll
@@ -251,7 +253,8 @@ __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* 
     load_group<kBF16, kMaster, kG>(L, g, first + e, e, j, x);
   }
   const int32_t faults =
-      faults_of(tensor, c, expected, transposed_sum(lane_terms<kBF16, kMaster, kG>(x, key0)));
+      faults_of(tensor, key_chunk, expected,
+                transposed_sum(lane_terms<kBF16, kMaster, kG>(x, key0)));
   if (faults != 0) return {faults, 0};
   uint32_t kept = 0;
 #pragma unroll
@@ -279,7 +282,7 @@ __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* 
       }
     }
   }
-  write_table(tensor, c, transposed_sum(lane_terms<kBF16, kMaster, kG>(x, key0)));
+  write_table(tensor, c, key_chunk, transposed_sum(lane_terms<kBF16, kMaster, kG>(x, key0)));
   return {0, __reduce_add_sync(0xFFFFFFFFu, kept)};
 }
 

@@ -89,6 +89,7 @@ ffi::ErrorOr<InPlaceLeaf> leaf_at(const Options& o, const ffi::RemainingArgs& ar
     PIMHBM_FFI_RETURN_IF_ERROR(check_rows(o, names[k], out[8 + k], n, sizes[k], k != 1 || master));
   }
   PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(o.op, "gradient", in[12], pt, o.redo ? 0 : n));
+  PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(o.op, "chunk_base", in[13], ffi::DataType::S32, 1));
   PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(o.op, "fault map", out[12], ffi::DataType::S32, chunks));
   PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(o.op, "kept map", out[13], ffi::DataType::S32, chunks));
   for (int k = 0; k < kInPlaceAliased; ++k) ffi_util::note_unaliased(o.op, copies, in[k], out[k]);
@@ -110,6 +111,7 @@ ffi::ErrorOr<InPlaceLeaf> leaf_at(const Options& o, const ffi::RemainingArgs& ar
   L.g = o.redo ? nullptr : in[12].untyped_data();
   L.faults = static_cast<int32_t*>(out[12].untyped_data());
   L.kept = static_cast<int32_t*>(out[13].untyped_data());
+  L.chunk_base = static_cast<const int32_t*>(in[13].untyped_data());
   return L;
 }
 

@@ -31,7 +31,14 @@ struct PrecheckLeaf {
   const void* g = nullptr;
   int32_t* damaged = nullptr;
   int32_t* nonfinite = nullptr;
+  // One int32 in the buffers' memory: the index of p's chunk 0 in its whole tensor (nonzero for
+  // a shard: its digests are the whole tensor's); null: 0.
+  const int32_t* chunk_base = nullptr;
 };
+
+PIMHBM_HD int64_t precheck_base(const PrecheckLeaf& L) {
+  return L.chunk_base != nullptr ? *L.chunk_base : 0;
+}
 
 PIMHBM_HD int64_t precheck_chunks(const PrecheckLeaf& L) {
   return L.n == 0 ? 0 : (L.n + L.chunk_elems - 1) / L.chunk_elems;

@@ -14,7 +14,7 @@ void precheck_cpu(const PrecheckLeaf* leaves, size_t count) {
     for (int64_t c = 0; c < precheck_chunks(L); ++c) {
       const int64_t first = c * L.chunk_elems;
       const int64_t elems = L.n - first < L.chunk_elems ? L.n - first : L.chunk_elems;
-      const uint64_t d = scan::chunk_digest(p + first * size, elems * size, c);
+      const uint64_t d = scan::chunk_digest(p + first * size, elems * size, precheck_base(L) + c);
       L.damaged[c] = d != digest_join(L.d_p[2 * c], L.d_p[2 * c + 1]) ? 1 : 0;
       int32_t bad = 0;
       for (int64_t e = first; e < first + elems; ++e) {

@@ -66,7 +66,8 @@ __device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, in
   const int64_t len = min(L.chunk_elems, L.n - first) * kSize;
   const uint8_t* p = static_cast<const uint8_t*>(L.p) + first * kSize;
   const uint8_t* g = static_cast<const uint8_t*>(L.g) + first * kSize;
-  const uint64_t key0 = chunk_key(static_cast<uint64_t>(c));
+  const uint64_t key_chunk = static_cast<uint64_t>(precheck_base(L) + c);
+  const uint64_t key0 = chunk_key(key_chunk);
   const int64_t vectors = (len + 15) / 16;
   uint64_t acc = 0;
   int32_t bad = 0;
@@ -84,7 +85,7 @@ __device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, in
   acc = warp_sum(acc);
   bad = warp_sum(bad);
   if (lane == 0) {
-    const uint64_t d = finalize(acc, static_cast<uint64_t>(len), static_cast<uint64_t>(c));
+    const uint64_t d = finalize(acc, static_cast<uint64_t>(len), key_chunk);
     L.damaged[c] = d != digest_join(L.d_p[2 * c], L.d_p[2 * c + 1]) ? 1 : 0;
     L.nonfinite[c] = bad;
   }

@@ -24,7 +24,7 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 // Leaf i: its buffers checked and its view for the kernels.
 ffi::ErrorOr<PrecheckLeaf> leaf_at(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
                                    size_t i, int64_t chunk_elems) {
-  const char* operands[] = {"p", "digests of p", "gradient"};
+  const char* operands[] = {"p", "digests of p", "gradient", "chunk_base"};
   std::vector<ffi::AnyBuffer> in;
   for (int k = 0; k < kPrecheckLeafOperands; ++k) {
     auto a = args.get<ffi::AnyBuffer>(i * kPrecheckLeafOperands + k);
@@ -39,6 +39,7 @@ ffi::ErrorOr<PrecheckLeaf> leaf_at(const ffi::RemainingArgs& args, const ffi::Re
   const int64_t chunks = n == 0 ? 0 : (n + chunk_elems - 1) / chunk_elems;
   PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_digest_table(kOp, "digests of p", in[1], chunks));
   PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(kOp, "gradient", in[2], pt, n));
+  PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(kOp, "chunk_base", in[3], ffi::DataType::S32, 1));
   if (!aligned16(in[0].untyped_data()) || !aligned16(in[2].untyped_data())) {
     return invalid(kOp, "p and the gradient must start on a 16-byte boundary (XLA's buffers do)");
   }
@@ -59,18 +60,19 @@ ffi::ErrorOr<PrecheckLeaf> leaf_at(const ffi::RemainingArgs& args, const ffi::Re
   L.g = in[2].untyped_data();
   L.damaged = out[0];
   L.nonfinite = out[1];
+  L.chunk_base = static_cast<const int32_t*>(in[3].untyped_data());
   return L;
 }
 
-// leaves (p, d_p, g)... -> leaves (damaged, nonfinite)...
+// leaves (p, d_p, g, chunk_base)... -> leaves (damaged, nonfinite)...
 template <typename Platform>
 ffi::Error precheck_handler(Platform on, ffi::RemainingArgs args, ffi::RemainingRets rets,
                             int64_t chunk_elems) {
   PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_chunk_size(kOp, "chunk_elems", chunk_elems));
   const size_t n = args.size() / kPrecheckLeafOperands;
   if (args.size() % kPrecheckLeafOperands != 0 || rets.size() != n * kPrecheckLeafResults) {
-    return invalid(kOp, "expected 3 operands (p, its digests, the gradient) and 2 results a "
-                        "leaf; got " + std::to_string(args.size()) + " and " +
+    return invalid(kOp, "expected 4 operands (p, its digests, the gradient, chunk_base) and 2 "
+                        "results a leaf; got " + std::to_string(args.size()) + " and " +
                         std::to_string(rets.size()));
   }
   PrecheckCall call;

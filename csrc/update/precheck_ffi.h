@@ -1,9 +1,9 @@
 // XLA FFI handler of the checks before the in-place update ("pimhbm_inplace_precheck"), one
 // handler for both platforms (precheck_ffi.cc).
 //
-// Operands: for each leaf, p (float32 or bfloat16), p's digest table (uint32 (chunks, 2)) and
-// the gradient (p's dtype and size). Results: for each leaf, damaged and nonfinite, int32
-// (chunks,) each (precheck.h). Attribute: chunk_elems.
+// Operands: for each leaf, p (float32 or bfloat16), p's digest table (uint32 (chunks, 2)), the
+// gradient (p's dtype and size) and chunk_base (int32 (1,), precheck.h). Results: for each leaf,
+// damaged and nonfinite, int32 (chunks,) each (precheck.h). Attribute: chunk_elems.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +17,7 @@ namespace pimhbm::update {
 
 namespace ffi = xla::ffi;
 
-inline constexpr int kPrecheckLeafOperands = 3;  // p, d_p, g
+inline constexpr int kPrecheckLeafOperands = 4;  // p, d_p, g, chunk_base
 inline constexpr int kPrecheckLeafResults = 2;   // damaged, nonfinite
 
 struct PrecheckCall {

@@ -26,7 +26,6 @@ checkpoints restored into ``jax.eval_shape(opt.init, params)`` see the same tree
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -34,18 +33,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pimhbm import _core, parity
-from pimhbm._ffi import ensure_registered, unbatched_call
+from pimhbm import parity
+from pimhbm._ffi import ensure_registered
+from pimhbm.inplace_calls import (Stash, leaf_operands, prechecks, redo_call, saturated,
+                                  update_call)
+from pimhbm.inplace_calls import layout as inplace_layout
 from pimhbm.repair import REPAIRED
 from pimhbm.scan import scan
 from pimhbm.update import (FAULT_MASTER, FAULT_MU, FAULT_NU, FAULT_PARAM, _check_learning_rate,
                            _step_scalars, check_grads, check_transform, join_master,
                            step_copies_of, step_majority, transform_grads)
-
-# Why the update and its checks cannot be vmapped (unbatched_call's message).
-_NO_VMAP = ("the update writes one optimizer state in place and decides commit-or-skip for all "
-            "its leaves at once; for several models make one optimizer each (or stack them into "
-            "one pytree of leaves)")
 
 DEFAULT_CHUNK_ELEMS = 512  # a warp holds a chunk in registers, 16 elements a lane
 DEFAULT_GROUP = 16  # chunks a parity row covers: 1/16 of the state's bytes
@@ -54,14 +51,6 @@ TENSORS = ("p", "master", "mu", "nu")
 FAULT_BIT = {"p": FAULT_PARAM, "master": FAULT_MASTER, "mu": FAULT_MU, "nu": FAULT_NU}
 # |g| beyond this overflows g * g in float32 (the second moment): such a step does not commit.
 GRAD_LIMIT = float(np.sqrt(np.finfo(np.float32).max))
-
-
-class Stash(NamedTuple):
-    """Gradients of chunks that did not commit: row k is chunk (leaf, chunk) = index[k, :2],
-    index[k, 2] the FAULT_* bits of its damaged tensors."""
-
-    rows: jax.Array  # uint32 (capacity, chunk_elems): the chunk's gradient bytes, zero-padded
-    index: jax.Array  # int32 (capacity, 3); (-1, -1, 0) for unused rows
 
 
 class AdamWState(NamedTuple):
@@ -140,34 +129,6 @@ def _tensors(state: AdamWState, treedef) -> list[dict[str, jax.Array]]:
     return out
 
 
-def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.Array],
-              chunk_elems: int) -> tuple[list[jax.Array], list[jax.Array]]:
-    """What the update checks before its first write, in one pass over p and g (one
-    pimhbm_inplace_precheck call for every leaf). Per leaf, int32 per chunk of ``chunk_elems``
-    elements: 1 where p no longer matches its digest table (as :func:`pimhbm.verify`), and the
-    number of gradient values whose float32 square is not finite (NaN, infinite, or so large
-    that the second moment would overflow)."""
-    ensure_registered()
-    args, out_types = [], []
-    for i, (p, table, g) in enumerate(zip(params, tables, grads, strict=True)):
-        chunks = -(-p.size // chunk_elems)
-        if p.dtype not in (jnp.float32, jnp.bfloat16) or g.dtype != p.dtype or g.size != p.size:
-            raise ValueError(f"leaf {i}: parameters must be float32 or bfloat16 with a gradient "
-                             f"of the same dtype and size; got {p.dtype}{tuple(p.shape)} and "
-                             f"{g.dtype}{tuple(g.shape)}")
-        if table.dtype != jnp.uint32 or table.shape != (chunks, 2):
-            raise ValueError(f"leaf {i}: the digest table of p must be uint32 of shape "
-                             f"({chunks}, 2) for chunks of {chunk_elems} elements; got "
-                             f"{table.dtype}{tuple(table.shape)}")
-        args += [p, table, g]
-        out_types += [jax.ShapeDtypeStruct((chunks,), jnp.int32)] * 2
-    if not args:
-        return [], []
-    outs = unbatched_call("pimhbm_inplace_precheck", out_types, _NO_VMAP)(
-        *args, chunk_elems=np.int64(chunk_elems))
-    return list(outs[0::2]), list(outs[1::2])
-
-
 @dataclasses.dataclass(frozen=True)
 class AdamW:
     """Guarded, fused, in-place AdamW. Build it with :func:`adamw`."""
@@ -210,17 +171,23 @@ class AdamW:
                 raise TypeError(f"parameter {jax.tree_util.keystr(path)} is {dtype}: master "
                                 "weights are for bfloat16 parameters")
         check_transform(self.gradient_transform, params)
-        return jax.jit(self._init)(params)
+        # The moments and master weights are laid out as their parameters are (sharded ones too).
+        layouts = [getattr(p, "sharding", None) for p in jax.tree.leaves(params)]
+        return jax.jit(lambda p: self._init(p, layouts))(params)
 
-    def _init(self, params: Any) -> AdamWState:
+    def _init(self, params: Any, layouts: list) -> AdamWState:
         params = jax.tree.map(lambda p: jnp.copy(jnp.asarray(p)), params)
-        # A bf16 parameter taken as its fp32 master: p itself, remainder 0x8000.
-        master = (jax.tree.map(lambda p: jnp.full(p.shape, 0x8000, jnp.uint16), params)
-                  if self.master_weights else None)
-        mu = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        nu = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        state = AdamWState(params, master, mu, nu, None, None, step_copies_of(0))
         treedef = jax.tree.structure(params)
+
+        def like(make):
+            return jax.tree.unflatten(treedef, [_laid_out(make(p), sh) for p, sh in
+                                                zip(jax.tree.leaves(params), layouts)])
+        # A bf16 parameter taken as its fp32 master: p itself, remainder 0x8000.
+        master = (like(lambda p: jnp.full(p.shape, 0x8000, jnp.uint16))
+                  if self.master_weights else None)
+        mu = like(lambda p: jnp.zeros(p.shape, jnp.float32))
+        nu = like(lambda p: jnp.zeros(p.shape, jnp.float32))
+        state = AdamWState(params, master, mu, nu, None, None, step_copies_of(0))
         leaves = _tensors(state, treedef)
         dtypes = [leaf["p"].dtype for leaf in leaves]
         digests = [{k: scan(x, self.chunk_bytes(k, dt)).digests for k, x in leaf.items()}
@@ -268,7 +235,7 @@ class AdamW:
 
         outs, stash, totals = self._call(go, scalars, leaves, tables, state.parity, treedef,
                                          flat_grads)
-        kept, faulty = _saturated(totals[1]), _saturated(totals[0])
+        kept, faulty = saturated(totals[1]), saturated(totals[0])
         committed_here = go & (kept == 0)
         if axis_name is not None:
             summed = jax.lax.psum(jnp.stack([faulty, kept]), axis_name)
@@ -285,7 +252,7 @@ class AdamW:
         fault_maps = [o["faults"] | jnp.where(go, 0, m.astype(jnp.int32) * FAULT_PARAM)
                       for o, m in zip(outs, p_faults)]
         report = UpdateReport(go, committed, counts[1], counts[0] + faulty, kept, unflat(fault_maps),
-                              unflat(g_bad), stash, _saturated(totals[2]), scalars)
+                              unflat(g_bad), stash, saturated(totals[2]), scalars)
         return new_state, report
 
     def _prechecks(self, leaves: list[dict], tables: list[dict],
@@ -305,53 +272,23 @@ class AdamW:
             unflat([{k: o["q_" + k] for k in names} for o in outs]) if has_parity else None,
             step_copies)
 
-    def _operands(self, leaf: dict, table: dict, rows: dict | None, g: jax.Array | None) -> dict:
-        p = leaf["p"]
-        empty = lambda shape, dt=jnp.uint32: jnp.zeros(shape, dt)
-        ops = {"p": p, "mu": leaf["mu"], "nu": leaf["nu"],
-               "master": leaf.get("master", empty((0,), jnp.uint16)),
-               "g": g if g is not None else empty((0,), p.dtype)}
-        for k in TENSORS:
-            ops["d_" + k] = table.get(k, empty((0, 2)))
-            ops["q_" + k] = rows.get(k, empty((0, 1))) if rows is not None else empty((0, 1))
-        return ops
-
     def _call(self, go, scalars, leaves, tables, rows, treedef, grads=None, stash=None):
         """One pimhbm_adamw_inplace call (grads given) or pimhbm_adamw_redo call (stash given)
-        over every leaf, laid out by the handler's own list of a leaf's buffers."""
-        layout = inplace_layout()
+        over every leaf (pimhbm.inplace_calls): per leaf its results by name, the new stash
+        (None for a redo), the totals."""
         flat_rows = treedef.flatten_up_to(rows) if rows is not None else [None] * len(leaves)
-        lead = ([scalars, go.astype(jnp.int32).reshape(1)] if stash is None
-                else [scalars, stash.rows, stash.index])
-        args, out_types, aliases = list(lead), [], {}
-        for i, (leaf, table, r) in enumerate(zip(leaves, tables, flat_rows)):
-            ops = self._operands(leaf, table, r, grads[i] if grads is not None else None)
-            base_arg, base_ret = len(args), len(out_types)
-            args += [ops[name] for name in layout["operands"]]
-            nchunks = table["p"].shape[0]
-            for j, name in enumerate(layout["results"]):
-                if name in ops:
-                    out_types.append(jax.ShapeDtypeStruct(ops[name].shape, ops[name].dtype))
-                    aliases[base_arg + layout["operands"].index(name)] = base_ret + j
-                else:
-                    out_types.append(jax.ShapeDtypeStruct((nchunks,), jnp.int32))
-        if stash is None:
-            out_types += [jax.ShapeDtypeStruct((self.stash_capacity, self.chunk_elems), jnp.uint32),
-                          jax.ShapeDtypeStruct((self.stash_capacity, layout["stash_columns"]),
-                                               jnp.int32)]
-        out_types.append(jax.ShapeDtypeStruct((layout["totals"], 2), jnp.uint32))
-        target = "pimhbm_adamw_inplace" if stash is None else "pimhbm_adamw_redo"
-        outs = unbatched_call(target, out_types, _NO_VMAP, input_output_aliases=aliases)(
-            *args, chunk_elems=np.int64(self.chunk_elems), group=np.int64(self.group),
-            b1=np.float32(self.b1), b2=np.float32(self.b2),
-            one_minus_b1=np.float32(1 - self.b1), one_minus_b2=np.float32(1 - self.b2),
-            eps=np.float32(self.eps), eps_root=np.float32(self.eps_root),
-            weight_decay=np.float32(self.weight_decay))
-        per = len(layout["results"])
-        results = [dict(zip(layout["results"], outs[per * i:per * (i + 1)]))
-                   for i in range(len(leaves))]
-        new_stash = Stash(outs[-3], outs[-2]) if stash is None else None
-        return results, new_stash, outs[-1]
+        ops = [leaf_operands(leaf, table, r, grads[i] if grads is not None else None)
+               for i, (leaf, table, r) in enumerate(zip(leaves, tables, flat_rows))]
+        attrs = dict(chunk_elems=np.int64(self.chunk_elems), group=np.int64(self.group),
+                     b1=np.float32(self.b1), b2=np.float32(self.b2),
+                     one_minus_b1=np.float32(1 - self.b1), one_minus_b2=np.float32(1 - self.b2),
+                     eps=np.float32(self.eps), eps_root=np.float32(self.eps_root),
+                     weight_decay=np.float32(self.weight_decay))
+        if stash is not None:
+            results, totals = redo_call(scalars, stash, ops, attrs)
+            return results, None, totals
+        return update_call(scalars, go.astype(jnp.int32).reshape(1), ops, attrs,
+                           self.stash_capacity)
 
     # -- after an update that left chunks -------------------------------------------------------
 
@@ -389,7 +326,7 @@ class AdamW:
             statuses.append(jnp.stack(st, axis=1))
         outs, _, totals = self._call(None, report.scalars, rebuilt, tables, state.parity, treedef,
                                      stash=report.stash)
-        faults = _saturated(totals[0])
+        faults = saturated(totals[0])
         # The redo commits a chunk's step: the count stays (the step was counted when applied).
         new_state = self._state_from(outs, treedef, state.master is not None, True,
                                      state.step_copies)
@@ -397,11 +334,11 @@ class AdamW:
         return new_state, RepairReport(jax.tree.unflatten(treedef, statuses), faults, complete)
 
 
-def _saturated(words: jax.Array) -> jax.Array:
-    """int32 from a 64-bit counter as (low, high) uint32 words, saturating at INT32_MAX."""
-    lo, hi = words[0], words[1]
-    big = (hi != 0) | (lo > np.iinfo(np.int32).max)
-    return jnp.where(big, np.iinfo(np.int32).max, lo.astype(jnp.int32))
+def _laid_out(x: jax.Array, sharding: Any) -> jax.Array:
+    """``x`` constrained to its parameter's sharding, where that is a mesh's."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.lax.with_sharding_constraint(x, sharding)
+    return x
 
 
 def _check_hyper(o: AdamW) -> None:
@@ -426,13 +363,6 @@ def _check_hyper(o: AdamW) -> None:
         raise ValueError(f"group must be 0 (no parity: replicas are the redundancy) or more, got {o.group}")
     if o.stash_capacity < 0:
         raise ValueError(f"stash_capacity must be 0 or more, got {o.stash_capacity}")
-
-
-@functools.cache
-def inplace_layout() -> dict:
-    """A leaf's buffers of a pimhbm_adamw_inplace call by name, in order
-    (csrc/update/inplace_ffi.h)."""
-    return _core.inplace_layout()
 
 
 def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0.9,

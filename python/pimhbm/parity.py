@@ -14,6 +14,7 @@ import numpy as np
 
 from pimhbm._ffi import ensure_registered
 from pimhbm.scan import _check_chunk_bytes, _check_dtype, num_chunks
+from pimhbm.sharding import Arg, Leaf, Role, partitioned
 
 GROUP_CONFLICT = -4  # a rebuild status beside pimhbm.repair's: two entries in one group
 
@@ -34,9 +35,18 @@ def parity(x: jax.Array, chunk_bytes: int, group: int) -> jax.Array:
     chunk_bytes, group = _check_chunk_bytes(chunk_bytes), _check_group(group)
     x = jnp.asarray(x)
     _check_dtype(x.dtype)
-    shape = (num_groups(x, chunk_bytes, group), chunk_bytes // 4)
-    return jax.ffi.ffi_call("pimhbm_parity", jax.ShapeDtypeStruct(shape, jnp.uint32))(
-        x, chunk_bytes=np.int64(chunk_bytes), group=np.int64(group))
+
+    def call(x):
+        shape = (num_groups(x, chunk_bytes, group), chunk_bytes // 4)
+        return (jax.ffi.ffi_call("pimhbm_parity", jax.ShapeDtypeStruct(shape, jnp.uint32),
+                                 vmap_method="sequential")(
+            x, chunk_bytes=np.int64(chunk_bytes), group=np.int64(group)),)
+
+    # A shard of whole groups has the whole tensor's rows of them: the XOR needs no index.
+    leaves = [Leaf(tuple(x.shape), chunk_bytes // x.dtype.itemsize, group)]
+    op = partitioned(call, lambda plan, x: call(x), leaves, [Arg(Role.ELEMS, 0)],
+                     [Arg(Role.GROUPS, 0)])
+    return op(x)[0]
 
 
 def rebuild(chunks: jax.Array, x: jax.Array, table: jax.Array, rows: jax.Array,

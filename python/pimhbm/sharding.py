@@ -138,6 +138,7 @@ class _Rule:
         self.leaves = leaves
         self.sizes: dict[str, int] = {}
         self.replicated: list[str] = []
+        self.whole: set[str] = set()
 
     def _own(self) -> str:
         name = f"z{len(self.sizes)}"
@@ -156,7 +157,9 @@ class _Rule:
         factor = f"l{arg.leaf}"
         self.sizes[factor] = leaf.units
         first = factor
-        if per_unit > 1:
+        if per_unit == 1:
+            self.whole.add(factor)  # Shardy takes its size from this dimension
+        else:
             inner = f"u{len(self.sizes)}"
             self.sizes[inner] = per_unit
             first = f"({factor} {inner})"
@@ -165,7 +168,7 @@ class _Rule:
     def text(self, operands, results, value_types, result_types) -> tuple[str, dict]:
         ins = ", ".join(self.dims(a, t.shape) for a, t in zip(operands, value_types))
         outs = ", ".join(self.dims(a, t.shape) for a, t in zip(results, result_types))
-        sizes = {k: v for k, v in self.sizes.items() if v > 0}
+        sizes = {k: v for k, v in self.sizes.items() if v > 0 and k not in self.whole}
         return f"{ins} -> {outs}", dict(need_replication_factors=tuple(self.replicated), **sizes)
 
 

@@ -1,0 +1,264 @@
+"""The in-place update's FFI calls, laid out by the handlers' own tables, and how each runs per
+shard under plain ``jax.jit`` (``pimhbm.sharding``).
+
+Per shard: a leaf sharded on its first dimension, in whole parity groups, is updated by each
+device on its own shards, its digests keyed by the chunks' indices in the whole tensor; other
+leaves are updated whole on every device. The verdict's counts and the stash are the whole
+call's: each device's counts are summed over the leaf's mesh axes, and the stashes of the
+devices are packed into one, in device order, with whole-tensor chunk indices -- by sums over
+the mesh (psum), never by a gather of the state.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pimhbm import _core
+from pimhbm._ffi import ensure_registered, unbatched_call
+from pimhbm.sharding import WHOLE, Arg, Leaf, Plan, Role, partitioned
+
+# Why the update and its checks cannot be vmapped.
+NO_VMAP = ("the update writes one optimizer state in place and decides commit-or-skip for all "
+           "its leaves at once; for several models make one optimizer each (or stack them into "
+           "one pytree of leaves)")
+TENSORS = ("p", "master", "mu", "nu")
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+class Stash(NamedTuple):
+    """Gradients of chunks that did not commit: row k is chunk (leaf, chunk) = index[k, :2],
+    index[k, 2] the FAULT_* bits of its damaged tensors."""
+
+    rows: jax.Array  # uint32 (capacity, chunk_elems): the chunk's gradient bytes, zero-padded
+    index: jax.Array  # int32 (capacity, 3); (-1, -1, 0) for unused rows
+
+
+@functools.cache
+def layout() -> dict:
+    """A leaf's buffers of a pimhbm_adamw_inplace call by name, in order
+    (csrc/update/inplace_ffi.h)."""
+    return _core.inplace_layout()
+
+
+def _role(name: str, x: jax.Array, leaf: int) -> Arg:
+    """How a leaf's buffer relates to its chunks; a placeholder (no master weights, no parity)
+    is the same on every device."""
+    if math.prod(x.shape) == 0 or name == "chunk_base":
+        return WHOLE
+    if name.startswith("d_") or name in ("faults", "kept"):
+        return Arg(Role.CHUNKS, leaf)
+    if name.startswith("q_"):
+        return Arg(Role.GROUPS, leaf)
+    return Arg(Role.ELEMS, leaf)
+
+
+def _whole_base() -> jax.Array:
+    return jnp.zeros((1,), jnp.int32)
+
+
+# -- the checks before the update ---------------------------------------------------------------
+
+def _precheck_ffi(params, tables, grads, bases, chunk_elems):
+    args, out_types = [], []
+    for p, table, g, base in zip(params, tables, grads, bases):
+        args += [p, table, g, base]
+        out_types += [jax.ShapeDtypeStruct((table.shape[0],), jnp.int32)] * 2
+    return tuple(unbatched_call("pimhbm_inplace_precheck", out_types, NO_VMAP)(
+        *args, chunk_elems=np.int64(chunk_elems)))
+
+
+def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.Array],
+              chunk_elems: int) -> tuple[list[jax.Array], list[jax.Array]]:
+    """What the update checks before its first write, in one pass over p and g (one
+    pimhbm_inplace_precheck call for every leaf). Per leaf, int32 per chunk of ``chunk_elems``
+    elements: 1 where p no longer matches its digest table (as :func:`pimhbm.verify`), and the
+    number of gradient values whose float32 square is not finite (NaN, infinite, or so large
+    that the second moment would overflow)."""
+    ensure_registered()
+    for i, (p, table, g) in enumerate(zip(params, tables, grads, strict=True)):
+        chunks = -(-p.size // chunk_elems)
+        if p.dtype not in (jnp.float32, jnp.bfloat16) or g.dtype != p.dtype or g.size != p.size:
+            raise ValueError(f"leaf {i}: parameters must be float32 or bfloat16 with a gradient "
+                             f"of the same dtype and size; got {p.dtype}{tuple(p.shape)} and "
+                             f"{g.dtype}{tuple(g.shape)}")
+        if table.dtype != jnp.uint32 or table.shape != (chunks, 2):
+            raise ValueError(f"leaf {i}: the digest table of p must be uint32 of shape "
+                             f"({chunks}, 2) for chunks of {chunk_elems} elements; got "
+                             f"{table.dtype}{tuple(table.shape)}")
+    n = len(params)
+    if not n:
+        return [], []
+    leaves = [Leaf(tuple(p.shape), chunk_elems) for p in params]
+
+    def whole(*flat):
+        return _precheck_ffi(flat[0::3], flat[1::3], flat[2::3], [_whole_base()] * n, chunk_elems)
+
+    def lower(plan: Plan, *flat):
+        bases = [plan.chunk_base(leaves, i) for i in range(n)]
+        return _precheck_ffi(flat[0::3], flat[1::3], flat[2::3], bases, chunk_elems)
+
+    operands = [Arg(role, i) for i in range(n) for role in (Role.ELEMS, Role.CHUNKS, Role.ELEMS)]
+    results = [Arg(Role.CHUNKS, i) for i in range(n) for _ in range(2)]
+    op = partitioned(whole, lower, leaves, operands, results,
+                     no_vmap=f"pimhbm_inplace_precheck cannot be vmapped: {NO_VMAP}")
+    outs = op(*[x for triple in zip(params, tables, grads) for x in triple])
+    return list(outs[0::2]), list(outs[1::2])
+
+
+# -- the update and the redo ----------------------------------------------------------------------
+
+def leaf_operands(leaf: dict, table: dict, rows: dict | None, g: jax.Array | None) -> dict:
+    """A leaf's operands by the handler's names: its tensors, digest tables and parity rows,
+    with empty placeholders for what it has not (master weights, parity, a redo's gradient),
+    and chunk_base 0 (a whole tensor)."""
+    p = leaf["p"]
+    empty = lambda shape, dt=jnp.uint32: jnp.zeros(shape, dt)
+    ops = {"p": p, "mu": leaf["mu"], "nu": leaf["nu"],
+           "master": leaf.get("master", empty((0,), jnp.uint16)),
+           "g": g if g is not None else empty((0,), p.dtype), "chunk_base": _whole_base()}
+    for k in TENSORS:
+        ops["d_" + k] = table.get(k, empty((0, 2)))
+        ops["q_" + k] = rows.get(k, empty((0, 1))) if rows is not None else empty((0, 1))
+    return ops
+
+
+def _result_type(ops: dict, name: str) -> jax.ShapeDtypeStruct:
+    if name in ops:  # updated in place: the operand's buffer
+        return jax.ShapeDtypeStruct(ops[name].shape, ops[name].dtype)
+    return jax.ShapeDtypeStruct((ops["d_p"].shape[0],), jnp.int32)  # a per-chunk map
+
+
+def _ffi(target: str, lead: list, leaf_ops: list[dict], attrs: dict, tail: list):
+    """One call of ``target`` over ``leaf_ops``: per leaf its results by name, and the results
+    after the leaves' (``tail``'s types)."""
+    lay = layout()
+    args, out_types, aliases = list(lead), [], {}
+    for ops in leaf_ops:
+        arg0, ret0 = len(args), len(out_types)
+        args += [ops[name] for name in lay["operands"]]
+        for j, name in enumerate(lay["results"]):
+            out_types.append(_result_type(ops, name))
+            if name in ops:
+                aliases[arg0 + lay["operands"].index(name)] = ret0 + j
+    outs = unbatched_call(target, out_types + list(tail), NO_VMAP, input_output_aliases=aliases)(
+        *args, **attrs)
+    per = len(lay["results"])
+    results = [dict(zip(lay["results"], outs[per * i:per * (i + 1)])) for i in range(len(leaf_ops))]
+    return results, list(outs[per * len(leaf_ops):])
+
+
+def redo_call(scalars: jax.Array, stash: Stash, leaf_ops: list[dict], attrs: dict):
+    """pimhbm_adamw_redo over every leaf, whole (a redo is rare: not per shard)."""
+    results, (totals,) = _ffi("pimhbm_adamw_redo", [scalars, stash.rows, stash.index], leaf_ops,
+                              attrs, [jax.ShapeDtypeStruct((layout()["totals"], 2), jnp.uint32)])
+    return results, totals
+
+
+def update_call(scalars: jax.Array, go: jax.Array, leaf_ops: list[dict], attrs: dict,
+                capacity: int):
+    """pimhbm_adamw_inplace over every leaf: per leaf its results by name, the stash, the
+    totals (uint32 (3, 2)); per shard under a mesh (module docstring)."""
+    lay, n = layout(), len(leaf_ops)
+    chunk_elems, group = int(attrs["chunk_elems"]), int(attrs["group"])
+    tail = [jax.ShapeDtypeStruct((capacity, chunk_elems), jnp.uint32),
+            jax.ShapeDtypeStruct((capacity, lay["stash_columns"]), jnp.int32),
+            jax.ShapeDtypeStruct((lay["totals"], 2), jnp.uint32)]
+    leaves = [Leaf(tuple(ops["p"].shape), chunk_elems, max(group, 1)) for ops in leaf_ops]
+    per_in, per_out = len(lay["operands"]), len(lay["results"])
+
+    def unflatten(flat):
+        return list(flat[:2]), [dict(zip(lay["operands"], flat[2 + per_in * i:2 + per_in * (i + 1)]))
+                                for i in range(n)]
+
+    def flatten(results, rest):
+        return tuple(r[name] for r in results for name in lay["results"]) + tuple(rest)
+
+    def whole(*flat):
+        lead, ops = unflatten(flat)
+        return flatten(*_ffi("pimhbm_adamw_inplace", lead, ops, attrs, tail))
+
+    def lower(plan: Plan, *flat):
+        lead, ops = unflatten(flat)
+        results, merged = [None] * n, _StashMerge(plan, tail)
+        by_axes: dict[Any, list[int]] = {}
+        for i in range(n):
+            by_axes.setdefault(plan.axes[i], []).append(i)
+        for axes, idx in by_axes.items():
+            bases = [plan.chunk_base(leaves, i) for i in idx]
+            part, (rows, index, totals) = _ffi("pimhbm_adamw_inplace", lead,
+                                               [dict(ops[i], chunk_base=b) for i, b in zip(idx, bases)],
+                                               attrs, tail)
+            for i, r in zip(idx, part):
+                results[i] = r
+            merged.add(axes, Stash(rows, index), totals, jnp.asarray(idx, jnp.int32),
+                       jnp.concatenate(bases))
+        return flatten(results, merged.result())
+
+    operands = [WHOLE, WHOLE] + [_role(name, ops[name], i) for i, ops in enumerate(leaf_ops)
+                                 for name in lay["operands"]]
+    results = [_role(name, _result_type(ops, name), i) for i, ops in enumerate(leaf_ops)
+               for name in lay["results"]] + [WHOLE] * len(tail)
+    op = partitioned(whole, lower, leaves, operands, results,
+                     no_vmap=f"pimhbm_adamw_inplace cannot be vmapped: {NO_VMAP}")
+    outs = op(scalars, go, *[ops[name] for ops in leaf_ops for name in lay["operands"]])
+    res = [dict(zip(lay["results"], outs[per_out * i:per_out * (i + 1)])) for i in range(n)]
+    return res, Stash(outs[-3], outs[-2]), outs[-1]
+
+
+def saturated(words: jax.Array) -> jax.Array:
+    """int32 from 64-bit counters as (..., (low, high)) uint32 words, saturating at INT32_MAX."""
+    lo, hi = words[..., 0], words[..., 1]
+    return jnp.where((hi != 0) | (lo > _INT32_MAX), _INT32_MAX, lo.astype(jnp.int32))
+
+
+class _StashMerge:
+    """The stashes and totals of the per-shard calls as one call's: the rows of each call in
+    order, each device's after those of the devices before it on the call's mesh axes, with
+    whole-call leaf numbers and whole-tensor chunk indices; counts summed (saturating)."""
+
+    def __init__(self, plan: Plan, tail: list):
+        (rows, index, _) = tail
+        self.plan = plan
+        self.rows = jnp.zeros(rows.shape, rows.dtype)
+        self.index = jnp.zeros(index.shape, index.dtype)  # leaf + 1, chunk + 1, bits; 0: unused
+        self.offset = jnp.int32(0)
+        self.totals = jnp.zeros((tail[2].shape[0],), jnp.int32)
+
+    def add(self, axes, stash: Stash, totals: jax.Array, leaf_ids: jax.Array, bases: jax.Array):
+        capacity = stash.rows.shape[0]
+        used = stash.index[:, 0] >= 0
+        rank = jnp.cumsum(used.astype(jnp.int32)) - 1  # the row's place among this call's
+        j = jnp.clip(stash.index[:, 0], 0, leaf_ids.shape[0] - 1)
+        index = jnp.stack([jnp.where(used, leaf_ids[j] + 1, 0),
+                           jnp.where(used, stash.index[:, 1] + bases[j] + 1, 0),
+                           jnp.where(used, stash.index[:, 2], 0)], axis=1)
+        count, counts = used.sum(dtype=jnp.int32), saturated(totals)
+        before, total = jnp.int32(0), count
+        if axes is not None:
+            k = math.prod(self.plan.mesh.shape[a] for a in axes)
+            me = jax.lax.axis_index(axes)
+            per = jax.lax.psum(jnp.zeros((k,), jnp.int32).at[me].set(count), axes)
+            before = jnp.sum(jnp.where(jnp.arange(k) < me, per, 0))
+            total = per.sum()
+            counts = jax.lax.psum(jnp.minimum(counts, _INT32_MAX // k), axes)
+        target = jnp.where(used, self.offset + before + rank, capacity)
+        rows = jnp.zeros_like(self.rows).at[target].set(stash.rows, mode="drop")
+        index = jnp.zeros_like(self.index).at[target].set(index, mode="drop")
+        if axes is not None:
+            rows, index = jax.lax.psum(rows, axes), jax.lax.psum(index, axes)
+        self.rows, self.index = self.rows | rows, self.index + index
+        self.offset = self.offset + total
+        room = _INT32_MAX - self.totals
+        self.totals = jnp.where(counts > room, _INT32_MAX, self.totals + counts)
+
+    def result(self) -> list[jax.Array]:
+        index = self.index - jnp.asarray([1, 1, 0], jnp.int32)
+        words = jnp.stack([self.totals.astype(jnp.uint32), jnp.zeros_like(self.totals, jnp.uint32)],
+                          axis=1)
+        return [self.rows, index, words]

@@ -1,0 +1,163 @@
+"""The FFI ops under plain jax.jit with parameters sharded on their first dimension (4 virtual CPU
+devices): each device works on its own shards -- the compiled program holds no all-gather --
+the outputs keep the inputs' sharding, and every result equals the unsharded one bit for bit;
+a leaf whose shards do not fall on chunk (or parity-group) boundaries is computed whole,
+correctly. Positive controls: without the chunk base a shard's digests are not the whole's, and
+a layout that cannot be cut per shard does gather."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import pimhbm
+from conftest import needs_devices
+from pimhbm import inplace, parity
+
+CHUNK, GROUP = 128, 4
+
+
+@pytest.fixture
+def mesh():
+    needs_devices(4)
+    return jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:4])
+
+
+def on(mesh, x, *spec):
+    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+
+def gathers(compiled_text: str) -> list[str]:
+    return re.findall(r"\b(all-gather|all-to-all|collective-permute)\b", compiled_text)
+
+
+def bits(tree):
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def test_a_scan_runs_per_shard_and_equals_the_whole(mesh, rng):
+    x = jnp.asarray(rng.standard_normal((64, 96)).astype(np.float32))  # 16 rows a shard
+    whole = pimhbm.scan(x, 1024)
+    f = jax.jit(lambda x: pimhbm.scan(x, 1024))
+    got = f(on(mesh, x, "x", None))
+    assert got.digests.sharding.spec[0] == "x" and got.nonfinite.sharding.spec[0] == "x"
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, whole))
+    assert gathers(f.lower(on(mesh, x, "x", None)).compile().as_text()) == []
+    flags = jax.jit(lambda x, t: pimhbm.verify(x, t, 1024))(on(mesh, x, "x", None), got.digests)
+    assert flags.sharding.spec[0] == "x" and not bool(flags.any())
+    # The control: each shard scanned as a tensor of its own has other digests -- the chunk
+    # base is what made them the whole tensor's.
+    own = pimhbm.scan(np.asarray(x)[16:32], 1024).digests
+    assert not np.array_equal(np.asarray(own), np.asarray(whole.digests)[6:12])
+
+
+@pytest.mark.parametrize("rows", [60, 64 * 3 + 4], ids=["shards-not-on-chunks", "ragged"])
+def test_a_shard_off_the_chunk_boundaries_is_scanned_whole(mesh, rng, rows):
+    x = jnp.asarray(rng.standard_normal((rows, 24)).astype(np.float32))
+    f = jax.jit(lambda x: pimhbm.scan(x, 1024).digests)
+    got = f(on(mesh, x, "x", None))
+    assert np.array_equal(np.asarray(got), np.asarray(pimhbm.scan(x, 1024).digests))
+    assert gathers(f.lower(on(mesh, x, "x", None)).compile().as_text())  # gathered: computed whole
+
+
+def test_parity_rows_run_per_shard(mesh, rng):
+    x = jnp.asarray(rng.standard_normal((64, 128)).astype(np.float32))  # 4 groups a shard
+    f = jax.jit(lambda x: parity.parity(x, 512, GROUP))
+    got = f(on(mesh, x, "x", None))
+    assert got.sharding.spec[0] == "x"
+    assert np.array_equal(np.asarray(got), np.asarray(parity.parity(x, 512, GROUP)))
+    assert gathers(f.lower(on(mesh, x, "x", None)).compile().as_text()) == []
+
+
+def sharded_params(rng, mesh, dtype):
+    """A matrix in whole groups a shard, a vector too small to shard (replicated), and a matrix
+    sharded off the group boundaries (computed whole)."""
+    params = {"w": rng.standard_normal((256, 64)), "b": rng.standard_normal((64,)),
+              "odd": rng.standard_normal((8, 100))}
+    params = {k: jnp.asarray(v.astype(dtype)) for k, v in params.items()}
+    shardings = {"w": P("x", None), "b": P(), "odd": P("x", None)}
+    return params, {k: on(mesh, v, *shardings[k]) for k, v in params.items()}
+
+
+def steps(opt):
+    return jax.jit(opt.update, donate_argnums=1), jax.jit(opt.repair, donate_argnums=0)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16_master"])
+def test_the_in_place_update_runs_per_shard_and_equals_the_whole(mesh, rng, kind):
+    dtype = np.float32 if kind == "fp32" else ml_dtypes.bfloat16
+    opt = inplace.adamw(1e-3, master_weights=kind != "fp32", chunk_elems=CHUNK, group=GROUP)
+    params, placed = sharded_params(rng, mesh, dtype)
+    grads = [{k: jnp.asarray(rng.standard_normal(v.shape).astype(dtype)) for k, v in params.items()}
+             for _ in range(3)]
+    update, _ = steps(opt)
+    whole, state = opt.init(params), opt.init(placed)
+    assert state.params["w"].sharding.spec[0] == "x"
+    assert state.mu["w"].sharding.spec[0] == "x" and state.digests["w"]["mu"].sharding.spec[0] == "x"
+    assert state.parity["w"]["nu"].sharding.spec[0] == "x"
+    assert bits(state) == bits(whole)
+    for g in grads:
+        g_placed = jax.tree.map(lambda a, p: jax.device_put(a, p.sharding), g, placed)
+        state, report = update(g_placed, state)
+        whole, want = update(g, whole)
+        assert bool(report.committed) and int(report.digest_faults) == 0
+        assert bits(state) == bits(whole)
+    for field in (state.params, state.mu, state.nu):
+        assert field["w"].sharding.spec[0] == "x"
+    hlo = update.lower(g_placed, state).compile().as_text()
+    # The one leaf off the group boundaries ("odd") is gathered; none of the others is.
+    gathered = [line for line in hlo.splitlines() if re.search(r"\ball-gather\b", line)]
+    assert gathered and all("8,100" in line or "[800]" in line or "8, 100" in line
+                            for line in gathered), gathered[:3]
+
+
+def test_without_an_odd_leaf_the_update_holds_no_all_gather(mesh, rng):
+    opt = inplace.adamw(1e-3, master_weights=True, chunk_elems=CHUNK, group=GROUP)
+    params = {"w": jnp.asarray(rng.standard_normal((256, 64)), jnp.bfloat16),
+              "v": jnp.asarray(rng.standard_normal((512, 32)), jnp.bfloat16)}
+    placed = {k: on(mesh, v, "x", None) for k, v in params.items()}
+    state = opt.init(placed)
+    grads = {k: on(mesh, jnp.ones(v.shape, v.dtype), "x", None) for k, v in params.items()}
+    update = jax.jit(opt.update, donate_argnums=1)
+    assert gathers(update.lower(grads, state).compile().as_text()) == []
+    state, report = update(grads, state)
+    assert bool(report.committed) and state.params["v"].sharding.spec[0] == "x"
+
+
+def test_a_chunk_damaged_in_a_shard_is_stashed_with_its_whole_index_and_repaired(mesh, rng):
+    """A flipped bit in the third device's shard of mu: the update leaves its chunk; the merged
+    stash names it by its index in the whole tensor; repair rebuilds and redoes it -- the same
+    state as the unsharded run with the same flip."""
+    opt = inplace.adamw(1e-3, chunk_elems=CHUNK, group=GROUP)
+    params, placed = sharded_params(rng, mesh, np.float32)
+    grads = [{k: jnp.asarray(rng.standard_normal(v.shape).astype(np.float32))
+              for k, v in params.items()} for _ in range(3)]
+    update, repair = steps(opt)
+    element = 2 * 64 * 64 + 5 * CHUNK + 17  # in the third device's shard of w: chunk 69
+
+    def run(state, place):
+        for i, g in enumerate(grads):
+            if i == 1:
+                mu = np.asarray(state.mu["w"]).copy()
+                mu.reshape(-1).view(np.uint32)[element] ^= np.uint32(1 << 9)
+                state = state._replace(mu=dict(state.mu, w=place(jnp.asarray(mu), "w")))
+            state, report = update({k: place(v, k) for k, v in g.items()}, state)
+            if i == 1:
+                assert bool(report.applied) and int(report.digest_faults) == 1
+                assert np.asarray(report.stash.index)[0].tolist() == [2, element // CHUNK, 4]
+                assert int(report.stashed) == 1
+                state, fixed = repair(state, report)
+                assert bool(fixed.complete)
+        return state
+
+    shardings = {k: v.sharding for k, v in placed.items()}
+    sharded = run(opt.init(placed), lambda a, k: jax.device_put(a, shardings[k]))
+    whole = run(opt.init(params), lambda a, k: a)
+    assert bits(sharded) == bits(whole)
