@@ -161,3 +161,66 @@ def test_a_chunk_damaged_in_a_shard_is_stashed_with_its_whole_index_and_repaired
     sharded = run(opt.init(placed), lambda a, k: jax.device_put(a, shardings[k]))
     whole = run(opt.init(params), lambda a, k: a)
     assert bits(sharded) == bits(whole)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16_master"])
+def test_a_shard_updated_with_its_chunk_base_is_the_wholes_shard(rng, kind):
+    """The kernels themselves (on this machine's default device, the GPU where there is one):
+    the prechecks and the update of rows [128, 192) of a leaf, called with its first chunk's
+    index, give exactly those rows of the whole update -- tensors, digest tables, parity rows --
+    and without it, the shard's digests do not verify."""
+    from pimhbm import inplace_calls
+    from pimhbm.update import _step_scalars
+
+    dtype = np.float32 if kind == "fp32" else ml_dtypes.bfloat16
+    opt = inplace.adamw(1e-3, master_weights=kind != "fp32", chunk_elems=CHUNK, group=GROUP)
+    params = {"w": jnp.asarray(rng.standard_normal((256, 64)).astype(dtype))}
+    g = jnp.asarray(rng.standard_normal((256, 64)).astype(dtype))
+    state = opt.init(params)
+    rows, chunks = slice(128, 192), slice(128 * 64 // CHUNK, 192 * 64 // CHUNK)
+    groups = slice(chunks.start // GROUP, chunks.stop // GROUP)
+    base = jnp.asarray([chunks.start], jnp.int32)
+    tables = state.digests["w"]
+    damaged, nonfinite = inplace_calls._precheck_ffi(
+        [params["w"][rows]], [tables["p"][chunks]], [g[rows]], [base], CHUNK)
+    assert not np.asarray(damaged).any() and not np.asarray(nonfinite).any()
+    unbased, _ = inplace_calls._precheck_ffi(
+        [params["w"][rows]], [tables["p"][chunks]], [g[rows]], [jnp.zeros(1, jnp.int32)], CHUNK)
+    assert np.asarray(unbased).all()  # the control: keyed by the shard's own chunk numbers
+
+    leaf = {k: getattr(state, f)["w"][rows] for k, f in
+            (("p", "params"), ("mu", "mu"), ("nu", "nu"), ("master", "master"))
+            if getattr(state, f) is not None}
+    ops = inplace_calls.leaf_operands(leaf, {k: t[chunks] for k, t in tables.items()},
+                                      {k: r[groups] for k, r in state.parity["w"].items()}, g[rows])
+    ops["chunk_base"] = base
+    scalars = _step_scalars(jnp.float32(1e-3), state.step + 1, opt.b1, opt.b2)
+    results, _, totals = jax.jit(lambda s, o: inplace_calls.update_call(
+        s, jnp.ones((1,), jnp.int32), [o], opt.attributes(), opt.stash_capacity))(scalars, ops)
+    whole, report = jax.jit(opt.update)({"w": g}, state)
+    assert bool(report.committed) and not np.asarray(totals).any()
+    for name, field in (("p", "params"), ("mu", "mu"), ("nu", "nu"), ("master", "master")):
+        if name in leaf:
+            assert bits(results[0][name]) == bits(getattr(whole, field)["w"][rows]), name
+            assert bits(results[0]["d_" + name]) == bits(whole.digests["w"][name][chunks]), name
+            assert bits(results[0]["q_" + name]) == bits(whole.parity["w"][name][groups]), name
+
+
+def test_a_mesh_of_explicit_axes_gets_the_same_per_shard_update(rng):
+    """jax.make_mesh's default axes are explicit (sharding in the types): the same update, per
+    shard, bit-identical to the whole one, with no all-gather."""
+    needs_devices(4)
+    mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=jax.devices()[:4])
+    opt = inplace.adamw(1e-3, master_weights=True, chunk_elems=CHUNK, group=GROUP)
+    params = {"w": jnp.asarray(rng.standard_normal((256, 64)), jnp.bfloat16)}
+    grads = {"w": jnp.asarray(rng.standard_normal((256, 64)), jnp.bfloat16)}
+    placed = {"w": on(mesh, params["w"], "x", None)}
+    g_placed = {"w": on(mesh, grads["w"], "x", None)}
+    state = opt.init(placed)
+    assert state.mu["w"].sharding.spec[0] == "x"
+    update = jax.jit(opt.update)
+    assert gathers(update.lower(g_placed, state).compile().as_text()) == []
+    state, report = update(g_placed, state)
+    whole, _ = update(grads, opt.init(params))
+    assert bool(report.committed) and bits(state) == bits(whole)

@@ -272,6 +272,14 @@ class AdamW:
             unflat([{k: o["q_" + k] for k in names} for o in outs]) if has_parity else None,
             step_copies)
 
+    def attributes(self) -> dict:
+        """The FFI attributes of the update and redo calls."""
+        return dict(chunk_elems=np.int64(self.chunk_elems), group=np.int64(self.group),
+                    b1=np.float32(self.b1), b2=np.float32(self.b2),
+                    one_minus_b1=np.float32(1 - self.b1), one_minus_b2=np.float32(1 - self.b2),
+                    eps=np.float32(self.eps), eps_root=np.float32(self.eps_root),
+                    weight_decay=np.float32(self.weight_decay))
+
     def _call(self, go, scalars, leaves, tables, rows, treedef, grads=None, stash=None):
         """One pimhbm_adamw_inplace call (grads given) or pimhbm_adamw_redo call (stash given)
         over every leaf (pimhbm.inplace_calls): per leaf its results by name, the new stash
@@ -279,11 +287,7 @@ class AdamW:
         flat_rows = treedef.flatten_up_to(rows) if rows is not None else [None] * len(leaves)
         ops = [leaf_operands(leaf, table, r, grads[i] if grads is not None else None)
                for i, (leaf, table, r) in enumerate(zip(leaves, tables, flat_rows))]
-        attrs = dict(chunk_elems=np.int64(self.chunk_elems), group=np.int64(self.group),
-                     b1=np.float32(self.b1), b2=np.float32(self.b2),
-                     one_minus_b1=np.float32(1 - self.b1), one_minus_b2=np.float32(1 - self.b2),
-                     eps=np.float32(self.eps), eps_root=np.float32(self.eps_root),
-                     weight_decay=np.float32(self.weight_decay))
+        attrs = self.attributes()
         if stash is not None:
             results, totals = redo_call(scalars, stash, ops, attrs)
             return results, None, totals
@@ -336,9 +340,11 @@ class AdamW:
 
 def _laid_out(x: jax.Array, sharding: Any) -> jax.Array:
     """``x`` constrained to its parameter's sharding, where that is a mesh's."""
-    if isinstance(sharding, jax.sharding.NamedSharding):
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return x
+    if all(t == jax.sharding.AxisType.Auto for t in sharding.mesh.axis_types):
         return jax.lax.with_sharding_constraint(x, sharding)
-    return x
+    return jax.sharding.reshard(x, sharding)  # a mesh of explicit axes: the type's sharding
 
 
 def _check_hyper(o: AdamW) -> None:
