@@ -127,17 +127,22 @@ def params_of(nnx, model):
     return jax.tree.leaves(nnx.as_pure(nnx.state(model, nnx.Param)))
 
 
-def test_the_flax_optimizer_follows_nnx_optimizer_with_optax_adamw(rng):
-    """Five steps against nnx.Optimizer(optax.adamw), to a few float32 ulps of the parameters
-    (rtol 1e-6, atol 1e-7; an ulp is 6e-8 at 0.5), not bit for bit: optax divides by the bias
-    corrections where the fused update multiplies by their reciprocals, XLA fuses optax's
-    multiply-adds, and each step's gradient inherits the last step's rounding."""
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["adamw", "clip-then-adamw"])
+def test_the_flax_optimizer_follows_nnx_optimizer_with_optax_adamw(rng, clip):
+    """Five steps against nnx.Optimizer(optax.adamw) -- with a gradient clip first, against
+    optax.chain(clip, adamw) -- to a few float32 ulps of the parameters (rtol 1e-6, atol 1e-7;
+    an ulp is 6e-8 at 0.5), not bit for bit: optax divides by the bias corrections where the
+    fused update multiplies by their reciprocals, XLA fuses optax's multiply-adds, and each
+    step's gradient inherits the last step's rounding."""
     nnx = flax_nnx()
     import pimhbm.flax
     seed = int(rng.integers(2**31))
     ours, theirs = mlp(nnx, seed), mlp(nnx, seed)
-    optimizer = pimhbm.flax.Optimizer(ours, inplace.adamw(LR, weight_decay=WD))
-    reference = nnx.Optimizer(theirs, optax.adamw(LR, weight_decay=WD), wrt=nnx.Param)
+    first = optax.clip_by_global_norm(clip) if clip else None
+    optimizer = pimhbm.flax.Optimizer(ours, inplace.adamw(LR, weight_decay=WD,
+                                                          gradient_transform=first))
+    tx = optax.adamw(LR, weight_decay=WD)
+    reference = nnx.Optimizer(theirs, optax.chain(first, tx) if first else tx, wrt=nnx.Param)
     step = train_step(nnx)
     start = [np.asarray(p) for p in params_of(nnx, ours)]
     for i, (x, y) in enumerate(batches(rng, 5)):

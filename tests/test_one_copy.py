@@ -458,15 +458,16 @@ def test_a_loss_with_aux_reports_it_for_every_committed_step(shm_name):
         np.testing.assert_allclose(aux["mean_x"], x.mean(), rtol=1e-5, atol=1e-6)
 
 
-def test_a_loop_the_user_owns_pushes_its_batches_and_ends_as_run_does(shm_name):
-    """push(batch) from the user's own loop over a data stream: the same states as run() over
-    batch_fn, also across a fault whose repair replays steps (from the log: the stream is read
-    once)."""
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-memory", "in-process-log"])
+def test_a_loop_the_user_owns_pushes_its_batches_and_ends_as_run_does(shm_name, shared):
+    """push(batch) from the user's own loop over an iterator: the same states as run() over
+    batch_fn, also across a fault whose repair replays steps (from the log -- in shared memory,
+    or without it in this process's memory: the iterator is read once)."""
     reference = fault_free(shm_name, 12)
     opt = inplace.adamw(3e-3, master_weights=True, chunk_elems=CHUNK, group=GROUP)
     example = mlp.batches(0)(1)
-    tr = Trainer(mlp.loss, opt, mlp.init(0), example, shm_name=shm_name, snapshot_every=10,
-                 scrub_every=5, devices=jax.devices()[:1])
+    tr = Trainer(mlp.loss, opt, mlp.init(0), example, shm_name=shm_name if shared else None,
+                 snapshot_every=10, scrub_every=5, devices=jax.devices()[:1])
     tr.prewarm()
     try:
         with pytest.raises(RuntimeError, match="push"):
