@@ -40,9 +40,9 @@ from pimhbm.inplace_calls import (Stash, leaf_operands, prechecks, redo_call, sa
 from pimhbm.inplace_calls import layout as inplace_layout
 from pimhbm.repair import REPAIRED
 from pimhbm.scan import scan
+from pimhbm.gradients import check_grads, check_transform, transform_grads
 from pimhbm.update import (FAULT_MASTER, FAULT_MU, FAULT_NU, FAULT_PARAM, _check_learning_rate,
-                           _step_scalars, check_grads, check_transform, join_master,
-                           step_copies_of, step_majority, transform_grads)
+                           _step_scalars, join_master, step_copies_of, step_majority)
 
 DEFAULT_CHUNK_ELEMS = 512  # a warp holds a chunk in registers, 16 elements a lane
 DEFAULT_GROUP = 16  # chunks a parity row covers: 1/16 of the state's bytes

@@ -39,6 +39,7 @@ import numpy as np
 
 from pimhbm import _core
 from pimhbm._ffi import ensure_registered
+from pimhbm.gradients import check_grads, check_transform, transform_grads
 from pimhbm.scan import scan, verify
 
 DEFAULT_CHUNK_ELEMS = 16384  # 64 KiB of every fp32 tensor, 32 KiB of every bf16 tensor
@@ -214,17 +215,6 @@ def _leaf_digests(p, master, mu, nu, chunk_elems) -> dict[str, jax.Array]:
     if master is not None:
         tables["master"] = scan(master, chunk_elems * master.dtype.itemsize).digests
     return tables
-
-
-def check_grads(grads: Any, params: Any) -> None:
-    """Gradients of the parameters' structure, each of its parameter's shape and dtype."""
-    if jax.tree.structure(grads) != jax.tree.structure(params):
-        raise ValueError("gradients must have the structure of the parameters: "
-                         f"{jax.tree.structure(params)}, got {jax.tree.structure(grads)}")
-    for (path, g), p in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(params)):
-        if g.shape != p.shape or g.dtype != p.dtype:
-            raise ValueError(f"gradient {jax.tree_util.keystr(path)} is {g.dtype}{tuple(g.shape)}; "
-                             f"it must match its parameter, {p.dtype}{tuple(p.shape)}")
 
 
 def _step_scalars(lr, count, b1, b2) -> jax.Array:
@@ -493,29 +483,7 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
                  device_copy, gradient_transform)
 
 
-def check_transform(tx: Any, params: Any = None) -> None:
-    """A gradient transformation: optax's kind and, for ``params``, stateless (its state would
-    not be protected: no digest, no parity, no snapshot -- a repair or a replay could not put
-    it back)."""
-    if tx is None:
-        return
-    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-        raise TypeError(f"gradient_transform must be an optax GradientTransformation (init, "
-                        f"update), got {type(tx).__name__}")
-    if params is not None and jax.tree.leaves(jax.eval_shape(tx.init, params)):
-        raise ValueError("gradient_transform keeps a state of its own (e.g. a count or a moving "
-                         "average), which would not be protected: only stateless transformations "
-                         "of the gradients (clip_by_global_norm, masks, scaling) are supported")
 
-
-def transform_grads(tx: Any, grads: Any, params: Any) -> Any:
-    """``grads`` through the stateless gradient transformation ``tx`` (None: as they are),
-    checked again against the parameters' structure, shapes and dtypes."""
-    if tx is None:
-        return grads
-    grads, _ = tx.update(grads, tx.init(grads), None)
-    check_grads(grads, params)
-    return grads
 
 
 def restore_unless(commit: jax.Array, sources: list[jax.Array],
