@@ -11,7 +11,7 @@ linear layer's gradients, the loss. XLA's flag is read once per process, so the 
 itself twice (flag off, then on) and prints both side by side.
 
 usage: python bench/determinism_bisect.py [--tokens 16384] [--seq 4096] [--layers 2]
-                                           [--vocab 8192] [--tiny] [--json OUT]
+                                           [--vocab 8192] [--tiny] [--only REGEX] [--json OUT]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any, Callable
@@ -47,10 +48,10 @@ def pieces(args) -> dict[str, Callable[[], tuple[Callable, tuple]]]:
             q, k, v, is_causal=True, implementation=impl).astype(jnp.float32) * r)
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2))), (q, k, v)
 
-    def embedding():
+    def embedding(ordered):
         table, tokens = normal((cfg.vocab, cfg.hidden)), jax.random.randint(next(key), (b, t), 0, cfg.vocab)
         r = normal((b, t, cfg.hidden))
-        f = lambda table: jnp.sum(llama3.embed(table, tokens).astype(jnp.float32) * r)
+        f = lambda table: jnp.sum(llama3.embed(table, tokens, ordered).astype(jnp.float32) * r)
         return jax.jit(jax.grad(f)), (table,)
 
     def norm_weight():
@@ -78,15 +79,16 @@ def pieces(args) -> dict[str, Callable[[], tuple[Callable, tuple]]]:
         f = lambda p, x: jnp.sum(llama3.decoder_layer(p, x, cfg, impl).astype(jnp.float32) * r)
         return jax.jit(jax.grad(f, argnums=(0, 1))), (p, x)
 
-    def step(impl):
+    def step(impl, ordered=False):
         params = llama3.init(jax.random.key(1), cfg)
         batch = {"tokens": jax.random.randint(next(key), (b, t + 1), 0, cfg.vocab)}
-        return jax.jit(jax.grad(lambda p: llama3.loss(p, batch, cfg, impl))), (params,)
+        return jax.jit(jax.grad(lambda p: llama3.loss(p, batch, cfg, impl, ordered))), (params,)
 
     return {
         "attention fwd+bwd, cuDNN": lambda: attention("cudnn"),
         "attention fwd+bwd, XLA": lambda: attention("xla"),
-        "embedding gradient (scatter-add)": embedding,
+        "embedding gradient (scatter-add)": lambda: embedding(False),
+        "embedding gradient, ordered (sort + scan)": lambda: embedding(True),
         "RMSNorm gradients (weight: a column sum)": norm_weight,
         "linear layer gradients (dW, dx)": linear,
         "log-softmax cross-entropy gradient": cross_entropy,
@@ -94,6 +96,10 @@ def pieces(args) -> dict[str, Callable[[], tuple[Callable, tuple]]]:
         "decoder layer fwd+bwd, XLA": lambda: layer("xla"),
         f"whole loss gradient ({args.layers} layers), cuDNN": lambda: step("cudnn"),
         f"whole loss gradient ({args.layers} layers), XLA": lambda: step("xla"),
+        f"whole loss gradient ({args.layers} layers), XLA, ordered embedding":
+            lambda: step("xla", True),
+        f"whole loss gradient ({args.layers} layers), cuDNN, ordered embedding":
+            lambda: step("cudnn", True),
     }
 
 
@@ -119,6 +125,8 @@ def child(args) -> None:
     from common import time_jax
 
     for name, make in pieces(args).items():
+        if args.only and not re.search(args.only, name):
+            continue
         row = {"piece": name}
         try:
             fn, fn_args = make()
@@ -139,6 +147,7 @@ def run_child(args, deterministic: bool) -> list[dict]:
     argv = [sys.executable, __file__, "--child", "--tokens", str(args.tokens), "--seq",
             str(args.seq), "--layers", str(args.layers), "--vocab", str(args.vocab)]
     argv += ["--tiny"] if args.tiny else []
+    argv += ["--only", args.only] if args.only else []
     print(f"running the pieces with XLA's deterministic flag {'on' if deterministic else 'off'} ...",
           flush=True)
     out = subprocess.run(argv, env=env, capture_output=True, text=True)
@@ -164,6 +173,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=2, help="decoder layers of the whole step")
     p.add_argument("--vocab", type=int, default=8192, help="vocabulary")
     p.add_argument("--tiny", action="store_true", help="a tiny model (a check of the script)")
+    p.add_argument("--only", help="run only the pieces whose names match this regex")
     p.add_argument("--json", help="write both runs' rows here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -437,3 +437,29 @@ def test_llama3_tool_times_exact_mode_in_a_process_of_its_own():
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     line = next(l for l in run.stdout.splitlines() if l.startswith("EXACT "))
     assert json.loads(line[len("EXACT "):])["protected_ms"] > 0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
+def test_the_ordered_embedding_gradient_is_the_row_sums_in_a_fixed_order(rng, dtype):
+    """ordered=True: the same rows forward; the gradient is each row's cotangents summed in
+    float32 (np.add.at in float64 to float32 tolerance, then rounded to the table's dtype),
+    unrepeated rows zero, and two calls agree bit for bit; on ragged token counts."""
+    dtype = jnp.dtype(dtype)
+    vocab, hidden = 2048, 24
+    table = jnp.asarray(rng.standard_normal((vocab, hidden)), dtype)
+    for shape in [(1, 1), (3, 37), (2, 500)]:
+        tokens = jnp.asarray(rng.integers(0, 60, shape), jnp.int32)  # many repeats
+        tokens = tokens.at[0, 0].set(vocab - 1)  # the last row too
+        cot = jnp.asarray(rng.standard_normal(shape + (hidden,)), dtype)
+        np.testing.assert_array_equal(llama3.embed(table, tokens, ordered=True), table[tokens])
+        grad = jax.jit(jax.grad(lambda t: jnp.sum(
+            llama3.embed(t, tokens, ordered=True).astype(jnp.float32) * cot.astype(jnp.float32))))
+        got = grad(table)
+        want = np.zeros((vocab, hidden))
+        np.add.at(want, np.asarray(tokens).reshape(-1),
+                  np.asarray(cot, np.float64).reshape(-1, hidden))
+        tol = 1e-5 if dtype == jnp.float32 else 1e-2
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol)
+        assert np.asarray(got).tobytes() == np.asarray(grad(table)).tobytes()
+        unused = np.setdiff1d(np.arange(vocab), np.asarray(tokens))
+        assert not np.asarray(got, np.float64)[unused].any()

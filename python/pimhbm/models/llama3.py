@@ -15,6 +15,7 @@ CPU trains in seconds (byte-level vocabulary).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -212,22 +213,61 @@ def decoder_layer(p: dict[str, jax.Array], x: jax.Array, cfg: Config,
 ONE_HOT_EMBED_MAX_VOCAB = 1024
 
 
-def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
+def embed(table: jax.Array, tokens: jax.Array, ordered: bool = False) -> jax.Array:
     """Rows of ``table`` [vocab, hidden] for int32 ``tokens``. The gradient of a gather is a
-    scatter-add, which XLA makes bit-repeatable on GPUs (exact-replay mode) only by ordering
-    it, at a high cost; for small vocabularies (byte-level models) a one-hot product is exact
-    (one non-zero term per output), repeatable and cheap. Larger vocabularies gather."""
+    scatter-add, which XLA makes bit-repeatable on GPUs only under its deterministic flag, at a
+    high cost (54 ms against 0.6 at 8B dimensions, bench/NOTES.md); for small vocabularies
+    (byte-level models) a one-hot product is exact (one non-zero term per output), repeatable
+    and cheap. Larger vocabularies gather; with ``ordered`` their gradient is summed in a fixed
+    order (``ordered_gather``): repeatable without the flag."""
     if table.shape[0] <= ONE_HOT_EMBED_MAX_VOCAB:
         # HIGHEST: on GPUs a float32 product otherwise runs in TF32 and would round the rows.
         return jnp.einsum("btv,vh->bth", jax.nn.one_hot(tokens, table.shape[0], dtype=table.dtype),
                           table, precision=jax.lax.Precision.HIGHEST)
+    if ordered:
+        return ordered_gather(table.shape[0], table, tokens)
     return table[tokens]
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def ordered_gather(vocab: int, table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``table[tokens]``, whose gradient sums each row's cotangents in a fixed order: the token
+    positions sorted by row (a stable sort), each row's run summed by a segmented scan (float32;
+    a fixed tree, whatever the device), the sums written once each. No atomics, so two runs
+    agree bit for bit; about 3 ms at 16384 tokens of 4096 (bench/determinism_bisect.py)."""
+    return table[tokens]
+
+
+def _ordered_gather_fwd(vocab, table, tokens):
+    return table[tokens], tokens
+
+
+def _ordered_gather_bwd(vocab, tokens, g):
+    ids = tokens.reshape(-1)
+    order = jnp.argsort(ids, stable=True)
+    ids = ids[order]
+    rows = g.reshape(ids.shape[0], -1).astype(jnp.float32)[order]
+    new = ids[1:] != ids[:-1]
+    starts = jnp.concatenate([jnp.ones((1,), bool), new])
+    ends = jnp.concatenate([new, jnp.ones((1,), bool)])
+
+    def combine(a, b):  # a segmented sum: a run restarts where b starts one
+        return a[0] | b[0], jnp.where(b[0][:, None], b[1], a[1] + b[1])
+    _, sums = jax.lax.associative_scan(combine, (starts, rows))
+    # Each row's sum sits at its run's last position: written once, every other one dropped.
+    target = jnp.where(ends, ids, vocab)
+    grad = jnp.zeros((vocab, rows.shape[1]), jnp.float32).at[target].set(sums, mode="drop")
+    return grad.astype(g.dtype), None
+
+
+ordered_gather.defvjp(_ordered_gather_fwd, _ordered_gather_bwd)
+
+
 def forward(params: dict[str, Any], tokens: jax.Array, cfg: Config,
-            attention_impl: str | None = None) -> jax.Array:
-    """Logits [B, T, vocab] (float32) of int32 tokens [B, T]."""
-    x = embed(params["embed"], tokens)
+            attention_impl: str | None = None, ordered: bool = False) -> jax.Array:
+    """Logits [B, T, vocab] (float32) of int32 tokens [B, T]. ``ordered``: the embedding's
+    gradient summed in a fixed order (``embed``)."""
+    x = embed(params["embed"], tokens, ordered)
     for layer in params["layers"]:
         x = decoder_layer(layer, x, cfg, attention_impl)
     x = rms_norm(x, params["norm"], cfg.norm_eps)
@@ -236,10 +276,10 @@ def forward(params: dict[str, Any], tokens: jax.Array, cfg: Config,
 
 
 def loss(params: dict[str, Any], batch: dict[str, jax.Array], cfg: Config,
-         attention_impl: str | None = None) -> jax.Array:
+         attention_impl: str | None = None, ordered: bool = False) -> jax.Array:
     """Mean next-token cross-entropy of batch["tokens"] [B, T+1]."""
     tokens = batch["tokens"]
-    logits = forward(params, tokens[:, :-1], cfg, attention_impl)
+    logits = forward(params, tokens[:, :-1], cfg, attention_impl, ordered)
     logp = jax.nn.log_softmax(logits)
     # A one-hot product rather than take_along_axis: no scatter in the backward pass (see embed).
     targets = jax.nn.one_hot(tokens[:, 1:], cfg.vocab, dtype=logp.dtype)
