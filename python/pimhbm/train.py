@@ -64,14 +64,16 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                   replica_transport: str = "collective", shard: int = 1,
                   device_copy: bool = True, recheck_every: int | None = None,
                   state: StateKind | str = StateKind.ONE_COPY, in_flight: int = 2,
-                  telemetry: Any = "auto", gradient_transform: Any = None) -> Trainer:
+                  telemetry: Any = "auto", gradient_transform: Any = None,
+                  ordered_embedding: bool = False) -> Trainer:
     """A protected trainer of the Llama-3 ``cfg`` on byte-level ``data``: bf16 parameters with
     fp32 master weights and moments, and (with ``shm_name``) host snapshots in shared memory.
     ``state``: one copy updated in place (pimhbm.inplace; parity over groups of chunks repairs
     a damaged chunk) or two slots (pimhbm.adamw; a device copy repairs it). ``device_copy``:
     each device's own redundancy, parity or the device copy (False: damaged chunks come from
     the other replicas only). ``gradient_transform``: a stateless optax transformation of the
-    gradients run first (see pimhbm.inplace.adamw). ``in_flight``,
+    gradients run first (see pimhbm.inplace.adamw). ``ordered_embedding``: the embedding's
+    gradient summed in a fixed order (``llama3.embed``; for exact replays). ``in_flight``,
     ``telemetry``: the Trainer's. ``chunk_elems``:
     None for the kind's default (512 in place, 1024
     with two slots). ``recheck_every``: the Trainer's sampled re-execution (None: its
@@ -88,7 +90,7 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
         opt = pimhbm.adamw(peak_lr, weight_decay=0.01, master_weights=master,
                            device_copy=device_copy, chunk_elems=chunk_elems or 1024,
                            gradient_transform=gradient_transform)
-    loss = lambda p, b: llama3.loss(p, b, cfg, attention_impl)
+    loss = lambda p, b: llama3.loss(p, b, cfg, attention_impl, ordered_embedding)
     return Trainer(loss, opt, params, text_batches(data, batch, seq, seed),
                    learning_rate=warmup_cosine(peak_lr, warmup, steps), shm_name=shm_name,
                    snapshot_every=snapshot_every, scrub_every=scrub_every,

@@ -170,6 +170,7 @@ class Job(NamedTuple):
     cfg: Any  # llama3.Config
     batch: int  # sequences a step
     attention: str  # "cudnn" or "xla"
+    exact: bool  # exact-replay mode: the embedding's gradient summed in a fixed order too
     data: bytes
     results: dict  # the figures, written to --json
 
@@ -228,7 +229,8 @@ def _setup(args: Any) -> Job | str:
                "telemetry": not args.no_telemetry,
                "tokens": args.tokens,
                "params": cfg.num_params()}
-    return Job(args, console, devices, dev, mesh, cfg, batch, attention, data, results)
+    return Job(args, console, devices, dev, mesh, cfg, batch, attention, deterministic, data,
+               results)
 
 
 def _fresh_params(job: Job) -> Any:
@@ -256,13 +258,14 @@ class PlainStep:
         params = jax.tree.map(lambda p: job.put(p, fsdp(p)), _fresh_params(job))
         master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
         tx = optax.inject_hyperparams(optax.adamw)(learning_rate=3e-4, weight_decay=0.01)
-        cfg, attention = job.cfg, job.attention
+        cfg, attention, ordered = job.cfg, job.attention, job.exact
 
         @functools.partial(jax.jit, donate_argnums=0)
         def step(state, b, lr):
             master, opt, params = state
             opt.hyperparams["learning_rate"] = lr
-            loss, grads = jax.value_and_grad(lambda p: llama3.loss(p, b, cfg, attention))(params)
+            loss, grads = jax.value_and_grad(
+                lambda p: llama3.loss(p, b, cfg, attention, ordered))(params)
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
             updates, opt = tx.update(grads, opt, master)
             master = optax.apply_updates(master, updates)
@@ -301,6 +304,7 @@ def _protected(job: Job, shm_name: str) -> Any:
                          chunk_elems=4096 if args.state == "two-slots" else None,
                          snapshot_every=args.snapshot_every, scrub_every=args.scrub_every,
                          inject_gradients=True, devices=job.devices, attention_impl=job.attention,
+                         ordered_embedding=job.exact,
                          params=_fresh_params(job), replica_transport=args.replica_transport,
                          shard=args.shard, device_copy=not args.no_device_copy, state=args.state,
                          in_flight=args.in_flight,
