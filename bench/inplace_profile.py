@@ -23,7 +23,7 @@ def main() -> int:
 def run(n, dtype, master):
     params = {f"w{i}": jnp.full((n // 8,), 0.01, dtype) for i in range(8)}
     grads = jax.tree.map(lambda p: p * 0.5, params)
-    for opt in (inplace.adamw(1e-4, master_weights=master), pimhbm.adamw(1e-4, master_weights=master)):
+    for opt in (inplace.adamw(1e-4, master_weights=master), pimhbm.update.adamw(1e-4, master_weights=master)):
         step = jax.jit(lambda g, s: opt.update(g, s), donate_argnums=1)
         state = opt.init(params)
         for _ in range(3):

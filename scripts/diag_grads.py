@@ -40,7 +40,7 @@ for impl in ("xla", None):
 import pimhbm  # noqa: E402
 
 for chunk in (1024, 4096):
-    opt = pimhbm.adamw(3e-3, weight_decay=0.01, master_weights=True, device_copy=True,
+    opt = pimhbm.update.adamw(3e-3, weight_decay=0.01, master_weights=True, device_copy=True,
                        chunk_elems=chunk)
     state = jax.jit(opt.init)(params)
     jax.block_until_ready(state)

@@ -50,7 +50,7 @@ from pimhbm.models import mlp  # noqa: E402
 from pimhbm.recovery import Action, IncidentKind, Trainer  # noqa: E402
 
 STEPS = 20
-opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=DEVICE_COPY, chunk_elems=256)
+opt = pimhbm.update.adamw(3e-3, master_weights=True, device_copy=DEVICE_COPY, chunk_elems=256)
 shard = 2 if platform == "cpu" else 1
 seen_batch_rows = []  # the batch rows one device computes on, as the step is traced
 

@@ -15,7 +15,7 @@ STEPS = 20
 
 
 def make_trainer(name, devices):
-    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+    opt = pimhbm.update.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
     tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=name, snapshot_every=10,
                  scrub_every=5, telemetry=None, devices=jax.devices()[:devices])
     tr.prewarm()

@@ -26,7 +26,7 @@ HERE = os.path.dirname(__file__)
 
 
 def make_trainer(name, inject=False, resume=False, device_copy=True, **kwargs):
-    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=device_copy, chunk_elems=256)
+    opt = pimhbm.update.adamw(3e-3, master_weights=True, device_copy=device_copy, chunk_elems=256)
     tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=name, snapshot_every=10,
                  scrub_every=5, inject_gradients=inject, resume=resume, **kwargs)
     tr.prewarm()
@@ -387,7 +387,7 @@ def test_a_lost_shard_is_rebuilt_from_a_replica(shm_name, fault_capacity, fault_
         def before_scrub(self, trainer, step):
             pass
 
-    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+    opt = pimhbm.update.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
     tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=shm_name, snapshot_every=10,
                  scrub_every=5, fault_capacity=fault_capacity, replica_transport=transport)
     tr.prewarm()
@@ -424,7 +424,7 @@ def test_sharded_campaign_on_a_replica_by_shard_mesh(shm_name):
     steps = 30
 
     def trainer(name):
-        opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+        opt = pimhbm.update.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
         tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=name, snapshot_every=10,
                      scrub_every=5, inject_gradients=True, devices=jax.devices()[:4], shard=2,
                      fault_capacity=64)
@@ -662,7 +662,7 @@ def test_a_step_that_fails_on_every_replay_stops_the_run_with_a_clear_error(shm_
             b["x"][3, 5] = np.nan
         return b
 
-    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+    opt = pimhbm.update.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
     tr = Trainer(mlp.loss, opt, mlp.init(0), batch_fn, shm_name=shm_name, max_skips=3)
     tr.prewarm()
     with pytest.raises(pimhbm.recovery.PersistentFault,
@@ -699,7 +699,7 @@ def test_the_gradient_fault_hook_leaves_every_gradient_alone_when_told_to():
 
 
 def test_the_ipc_transport_is_for_several_processes():
-    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+    opt = pimhbm.update.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
     with pytest.raises(ValueError, match="replica_transport='ipc' pulls from another process"):
         Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), replica_transport="ipc")
     with pytest.raises(ValueError, match="'collective', 'peer' or 'ipc'"):
@@ -707,7 +707,7 @@ def test_the_ipc_transport_is_for_several_processes():
 
 
 def test_without_device_copies_every_fault_is_repaired_from_a_replica(shm_name, fault_free):
-    """Replicas instead of a device copy (pimhbm.adamw(device_copy=False) on a replica axis):
+    """Replicas instead of a device copy (pimhbm.update.adamw(device_copy=False) on a replica axis):
     the update writes no copy; each damaged chunk -- flips, bursts, on one device each -- is
     pulled from another replica, and the run ends bit-identical to the fault-free run *with*
     device copies (the copy never enters the mathematics)."""
@@ -738,7 +738,7 @@ def test_without_device_copies_every_fault_is_repaired_from_a_replica(shm_name, 
 def test_without_device_copies_a_replica_axis_is_required():
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 devices")
-    opt = pimhbm.adamw(3e-3, device_copy=False, chunk_elems=256)
+    opt = pimhbm.update.adamw(3e-3, device_copy=False, chunk_elems=256)
     with pytest.raises(ValueError, match="needs more devices than shard=2"):
         Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), devices=jax.devices()[:2], shard=2)
 
@@ -834,7 +834,7 @@ def test_a_flipped_bit_in_the_engines_counters_ends_in_the_same_run(shm_name, fa
         flipped = [copies.copy() for _ in range(n)]
         flipped[0][1] ^= 1 << 12
         opt = state.opt
-        state = TrainState(pimhbm.AdamWState(opt.slots, opt.current,
+        state = TrainState(pimhbm.update.AdamWState(opt.slots, opt.current,
                                              _per_device(tr, flipped, opt.step_copies),
                                              opt.device_copy), state.halted)
     tr.state = state
@@ -862,7 +862,7 @@ def test_what_the_engine_does_is_logged_and_prewarm_says_how_far_it_is(shm_name,
             pass
 
     seen = []
-    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+    opt = pimhbm.update.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
     tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=shm_name, snapshot_every=10,
                  scrub_every=5)
     tr.prewarm(progress=lambda done, total, what: seen.append((done, total, what)))

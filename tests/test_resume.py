@@ -22,7 +22,7 @@ STEPS = 30
 
 
 def make_trainer(name, resume=False, seed=0, prewarm=True):
-    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+    opt = pimhbm.update.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
     tr = Trainer(mlp.loss, opt, mlp.init(seed), mlp.batches(seed), shm_name=name,
                  snapshot_every=10, scrub_every=5, resume=resume, telemetry=None,
                  devices=jax.devices()[:1])

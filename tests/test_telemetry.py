@@ -162,7 +162,7 @@ def test_monitor_reports_events_and_counter_increases(standin):
 def trainer(name, telemetry, resume=False):
     # The stand-in's devices are the four virtual CPU devices, by position (on a GPU machine
     # too: there NVML's devices would be matched to the GPUs by UUID).
-    opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+    opt = pimhbm.update.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
     tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=name, snapshot_every=4,
                  scrub_every=1000, telemetry=telemetry, resume=resume,
                  devices=jax.devices("cpu"))

@@ -56,7 +56,7 @@ def numpy_adamw(g, w, m, v, count, lr=LR, b1=0.9, b2=0.999, eps=1e-8, wd=1e-4):
 
 def test_fault_free_fp32_is_the_optax_formula_bit_for_bit(rng):
     params = random_params(rng)
-    opt = pimhbm.adamw(LR)
+    opt = pimhbm.update.adamw(LR)
     state = opt.init(params)
     step = make_step(opt)
     ref = {k: (np.asarray(p), np.zeros(p.shape, np.float32), np.zeros(p.shape, np.float32))
@@ -76,7 +76,7 @@ def test_fault_free_fp32_is_the_optax_formula_bit_for_bit(rng):
 def test_fault_free_fp32_agrees_with_optax(rng):
     """optax under XLA may fuse multiply-adds; agreement is to fp32 rounding."""
     params = random_params(rng)
-    opt, tx = pimhbm.adamw(LR), optax.adamw(LR)
+    opt, tx = pimhbm.update.adamw(LR), optax.adamw(LR)
     state, ostate, oparams = opt.init(params), tx.init(params), params
     step = make_step(opt)
     ostep = jax.jit(lambda g, s, p: tx.update(g, s, p))
@@ -96,7 +96,7 @@ def test_fault_free_fp32_agrees_with_optax(rng):
 
 def test_bf16_with_master_weights_is_the_optax_formula_on_the_master(rng):
     params = random_params(rng, ml_dtypes.bfloat16)
-    opt = pimhbm.adamw(LR, master_weights=True)
+    opt = pimhbm.update.adamw(LR, master_weights=True)
     state = opt.init(params)
     step = make_step(opt)
     ref = {k: (np.asarray(p, np.float32), np.zeros(p.shape, np.float32),
@@ -147,7 +147,7 @@ def test_split_master_is_exact_and_rounds_p_to_nearest_ties_away(rng):
 
 def test_digests_of_the_new_state_are_the_scan_digests(rng):
     params = random_params(rng, ml_dtypes.bfloat16)
-    opt = pimhbm.adamw(LR, master_weights=True, chunk_elems=1024)
+    opt = pimhbm.update.adamw(LR, master_weights=True, chunk_elems=1024)
     state = make_step(opt)(random_grads(rng, params), opt.init(params), jnp.float32(LR))[0]
     for name in ("params", "master", "mu", "nu"):
         key = {"params": "p"}.get(name, name)
@@ -161,7 +161,7 @@ def test_digests_of_the_new_state_are_the_scan_digests(rng):
 def test_nonfinite_gradients_skip_the_step_bit_exactly(rng, kind):
     dtype = np.float32 if kind == "fp32" else ml_dtypes.bfloat16
     params = random_params(rng, dtype)
-    opt = pimhbm.adamw(LR, master_weights=kind != "fp32", chunk_elems=256)
+    opt = pimhbm.update.adamw(LR, master_weights=kind != "fp32", chunk_elems=256)
     step = make_step(opt)
     state = opt.init(params)
     for _ in range(3):
@@ -200,7 +200,7 @@ def test_nonfinite_gradients_skip_the_step_bit_exactly(rng, kind):
 def test_a_flipped_bit_in_the_state_skips_and_reports_its_chunk(rng, target, bit):
     params = random_params(rng, ml_dtypes.bfloat16)
     chunk = 512
-    opt = pimhbm.adamw(LR, master_weights=True, chunk_elems=chunk)
+    opt = pimhbm.update.adamw(LR, master_weights=True, chunk_elems=chunk)
     step = make_step(opt)
     state = opt.init(params)
     state, _ = step(random_grads(rng, params), state, jnp.float32(LR))
@@ -214,7 +214,7 @@ def test_a_flipped_bit_in_the_state_skips_and_reports_its_chunk(rng, target, bit
     slot = slot._replace(**{target: dict(tree, **{name: flipped})})
     slots = list(state.slots)
     slots[state.current] = slot
-    state = pimhbm.AdamWState(tuple(slots), state.current, state.step_copies)
+    state = pimhbm.update.AdamWState(tuple(slots), state.current, state.step_copies)
     before = bits(current_view(state))
     state, report = step(random_grads(rng, params), state, jnp.float32(LR))
     assert not bool(report.committed)
@@ -228,7 +228,7 @@ def test_a_flipped_bit_in_the_state_skips_and_reports_its_chunk(rng, target, bit
 
 def test_learning_rate_changes_without_recompiling(rng):
     params = random_params(rng)
-    opt = pimhbm.adamw(LR)
+    opt = pimhbm.update.adamw(LR)
     step = make_step(opt)
     state = opt.init(params)
     for i in range(6):
@@ -244,7 +244,7 @@ def test_xla_aliases_the_update_in_place_no_hidden_copies(rng, master):
     step, XLA must alias every one of them: no copies counted."""
     dtype = ml_dtypes.bfloat16 if master else np.float32
     params = random_params(rng, dtype)
-    opt = pimhbm.adamw(LR, master_weights=master, device_copy=True, chunk_elems=1024)
+    opt = pimhbm.update.adamw(LR, master_weights=master, device_copy=True, chunk_elems=1024)
     step = make_step(opt)
     state = opt.init(params)
     state, _ = step(random_grads(rng, params), state, jnp.float32(LR))  # both parities compiled
@@ -281,7 +281,7 @@ def test_an_unaliased_result_is_copied_in_first_and_counted_under_its_op(rng):
 
 def test_the_compiled_step_has_no_conditional_and_no_host_transfer(rng):
     params = random_params(rng, ml_dtypes.bfloat16)
-    opt = pimhbm.adamw(LR, master_weights=True)
+    opt = pimhbm.update.adamw(LR, master_weights=True)
     state = opt.init(params)
     grads = random_grads(rng, params)
 
@@ -302,7 +302,7 @@ def test_the_compiled_step_has_no_conditional_and_no_host_transfer(rng):
 
 def test_bad_inputs_raise_clear_errors(rng):
     params = random_params(rng)
-    opt = pimhbm.adamw(LR)
+    opt = pimhbm.update.adamw(LR)
     state = opt.init(params)
     grads = random_grads(rng, params)
     with pytest.raises(ValueError, match="structure of the parameters"):
@@ -311,9 +311,9 @@ def test_bad_inputs_raise_clear_errors(rng):
     with pytest.raises(ValueError, match=r"gradient \['t1'\] is bfloat16"):
         opt.update(wrong, state)
     with pytest.raises(ValueError, match="chunk_elems"):
-        pimhbm.adamw(LR, chunk_elems=100)
+        pimhbm.update.adamw(LR, chunk_elems=100)
     with pytest.raises(TypeError, match="master weights are for bfloat16"):
-        pimhbm.adamw(LR, master_weights=True).init(params)
+        pimhbm.update.adamw(LR, master_weights=True).init(params)
     with pytest.raises(TypeError, match="float32 or bfloat16"):
         opt.init({"x": jnp.zeros(4, jnp.int32)})
     with pytest.raises(ValueError, match="does not match"):
@@ -437,7 +437,7 @@ def test_gpu_update_equals_cpu_update(rng, kind):
     in bench/adamw_variants_test.cu.)"""
     dtype = np.float32 if kind == "fp32" else ml_dtypes.bfloat16
     params = random_params(rng, dtype)
-    opt = pimhbm.adamw(LR, master_weights=kind == "bf16_master", chunk_elems=1024)
+    opt = pimhbm.update.adamw(LR, master_weights=kind == "bf16_master", chunk_elems=1024)
     results = {}
     for platform in ("cpu", "gpu"):
         dev = jax.devices(platform)[0]
@@ -460,12 +460,12 @@ def test_the_verdict_is_global_across_devices(rng):
     if len(jax.devices("cpu")) < 4:
         pytest.skip("needs 4 CPU devices")
     mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("dp",))
-    opt = pimhbm.adamw(LR, chunk_elems=64)
+    opt = pimhbm.update.adamw(LR, chunk_elems=64)
     params = {"w": jnp.asarray(rng.standard_normal((4 * 1000,)).astype(np.float32))}
     spec = P("dp")
 
     def state_specs(current):
-        return pimhbm.AdamWState((spec, spec), current, P())
+        return pimhbm.update.AdamWState((spec, spec), current, P())
 
     init = jax.jit(jax.shard_map(opt.init, mesh=mesh, in_specs=spec, out_specs=state_specs(0)))
     state = init(params)
@@ -532,7 +532,7 @@ def test_restore_clean_puts_back_only_clean_chunks_of_every_tensor_when_not_comm
 # -- the step counter -------------------------------------------------------------------------------
 
 def _with_step_copies(state, copies):
-    return pimhbm.AdamWState(state.slots, state.current, jnp.asarray(copies, jnp.int32),
+    return pimhbm.update.AdamWState(state.slots, state.current, jnp.asarray(copies, jnp.int32),
                              state.device_copy)
 
 
@@ -542,7 +542,7 @@ def test_a_flipped_bit_of_the_step_counter_changes_nothing(rng, copy, bit):
     copies outvote it, and the next update writes all three again."""
     params = random_params(rng, shapes=((33, 7), (129,)))
     grads = [random_grads(rng, params) for _ in range(6)]
-    opt = pimhbm.adamw(LR)
+    opt = pimhbm.update.adamw(LR)
     step = make_step(opt)
 
     def run(flip):
@@ -568,7 +568,7 @@ def test_a_flipped_bit_of_the_step_counter_changes_nothing(rng, copy, bit):
 @pytest.mark.parametrize("api", ["optax.chain", "as_transformation"])
 def test_used_as_an_optax_transformation_it_says_what_to_use_instead(rng, api):
     params = random_params(rng)
-    opt = pimhbm.adamw(LR)
+    opt = pimhbm.update.adamw(LR)
     tx = optax.chain(optax.clip_by_global_norm(1.0), opt) if api == "optax.chain" else opt
     state = tx.init(params)  # construction and init cannot tell
     with pytest.raises(TypeError, match="not an optax GradientTransformation.*pimhbm.guard"):
@@ -591,9 +591,9 @@ def test_a_gradient_transformation_runs_first_in_the_same_step(rng):
             assert bool(report.committed)
         return state
 
-    state = run(pimhbm.adamw(LR, gradient_transform=clip), grads)
-    want = run(pimhbm.adamw(LR), clipped)
-    unclipped = run(pimhbm.adamw(LR), grads)
+    state = run(pimhbm.update.adamw(LR, gradient_transform=clip), grads)
+    want = run(pimhbm.update.adamw(LR), clipped)
+    unclipped = run(pimhbm.update.adamw(LR), grads)
     for k in params:
         np.testing.assert_allclose(np.asarray(state.params[k]), np.asarray(want.params[k]),
                                    rtol=1e-6, atol=1e-7)
@@ -601,6 +601,6 @@ def test_a_gradient_transformation_runs_first_in_the_same_step(rng):
                                    atol=1e-8)
         assert np.abs(np.asarray(state.mu[k])).sum() < 0.9 * np.abs(np.asarray(unclipped.mu[k])).sum()
     with pytest.raises(ValueError, match="state of its own"):
-        pimhbm.adamw(LR, gradient_transform=optax.scale_by_adam()).init(params)
+        pimhbm.update.adamw(LR, gradient_transform=optax.scale_by_adam()).init(params)
     with pytest.raises(TypeError, match="GradientTransformation"):
-        pimhbm.adamw(LR, gradient_transform=lambda g: g)
+        pimhbm.update.adamw(LR, gradient_transform=lambda g: g)

@@ -28,20 +28,15 @@ __all__ = [
 ]
 
 from pimhbm.update import (  # noqa: E402
-    AdamW,
-    AdamWState,
     GuardState,
     Slot,
-    UpdateReport,
-    adamw,
     guard,
     join_master,
     restore_unless,
     split_master,
 )
 
-__all__ += ["AdamW", "AdamWState", "GuardState", "Slot", "UpdateReport", "adamw", "guard",
-            "join_master", "restore_unless", "split_master"]
+__all__ += ["GuardState", "Slot", "guard", "join_master", "restore_unless", "split_master"]
 
 from pimhbm import faults  # noqa: E402,F401
 
@@ -72,3 +67,9 @@ from pimhbm import report  # noqa: E402,F401
 # pimhbm.recovery.Trainer, pimhbm.train.llama_trainer), loaded by a plain `import pimhbm`. Last,
 # because each of them imports pimhbm and uses the names above.
 from pimhbm import backup, campaign, inplace, recovery, train  # noqa: E402,F401
+
+# The guarded optimizer: AdamW updated in place on one copy of the state (pimhbm.inplace). The
+# two-slot one is pimhbm.update.adamw.
+from pimhbm.inplace import AdamW, AdamWState, UpdateReport, adamw  # noqa: E402
+
+__all__ += ["AdamW", "AdamWState", "UpdateReport", "adamw"]

@@ -10,7 +10,7 @@ Kinds:
                     where replicas exist, on one device only (repaired from a healthy replica),
                     otherwise on every device (the host snapshot)
 
-A run without its own redundancy (pimhbm.adamw(device_copy=False), pimhbm.inplace.adamw(group=0):
+A run without its own redundancy (pimhbm.update.adamw(device_copy=False), pimhbm.adamw(group=0):
 replicas only) has no double faults, and its state faults each damage one device: the others
 hold the healthy replicas.
 """

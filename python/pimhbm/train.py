@@ -28,7 +28,7 @@ class StateKind(enum.StrEnum):
     """How the protected state is held."""
 
     ONE_COPY = "one-copy"  # pimhbm.inplace: updated in place; parity, or the replicas
-    TWO_SLOTS = "two-slots"  # pimhbm.adamw: the step writes the other slot; a device copy
+    TWO_SLOTS = "two-slots"  # pimhbm.update.adamw: the step writes the other slot; a device copy
 
 
 def text_batches(data: bytes, batch: int, seq: int, seed: int) -> Callable[[int], dict[str, np.ndarray]]:
@@ -69,7 +69,7 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
     """A protected trainer of the Llama-3 ``cfg`` on byte-level ``data``: bf16 parameters with
     fp32 master weights and moments, and (with ``shm_name``) host snapshots in shared memory.
     ``state``: one copy updated in place (pimhbm.inplace; parity over groups of chunks repairs
-    a damaged chunk) or two slots (pimhbm.adamw; a device copy repairs it). ``device_copy``:
+    a damaged chunk) or two slots (pimhbm.update.adamw; a device copy repairs it). ``device_copy``:
     each device's own redundancy, parity or the device copy (False: damaged chunks come from
     the other replicas only). ``gradient_transform``: a stateless optax transformation of the
     gradients run first (see pimhbm.inplace.adamw). ``ordered_embedding``: the embedding's
@@ -87,7 +87,7 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                             group=inplace.DEFAULT_GROUP if device_copy else 0,
                             gradient_transform=gradient_transform)
     else:
-        opt = pimhbm.adamw(peak_lr, weight_decay=0.01, master_weights=master,
+        opt = pimhbm.update.adamw(peak_lr, weight_decay=0.01, master_weights=master,
                            device_copy=device_copy, chunk_elems=chunk_elems or 1024,
                            gradient_transform=gradient_transform)
     loss = lambda p, b: llama3.loss(p, b, cfg, attention_impl, ordered_embedding)

@@ -1,8 +1,9 @@
 """The guarded optimizer update: faulty values never reach the parameters.
 
-``pimhbm.adamw`` is AdamW (the mathematics of ``optax.adamw``) fused with integrity checks. The
-state it manages -- parameters (bf16 or fp32), optional fp32 master weights, fp32 moments, and a
-digest table per tensor -- is held twice (two *slots*). Master weights are stored split: the bf16
+``pimhbm.update.adamw`` (two slots; ``pimhbm.adamw`` is the in-place one, ``pimhbm.inplace``) is
+AdamW (the mathematics of ``optax.adamw``) fused with integrity checks. The state it manages --
+parameters (bf16 or fp32), optional fp32 master weights, fp32 moments, and a digest table per
+tensor -- is held twice (two *slots*). Master weights are stored split: the bf16
 parameter is their upper half (rounded) and a uint16 tensor holds the rest (``join_master``), so
 they cost 2 bytes a parameter beside it, not 4, and the parameters' check is part of theirs. An
 update reads the current slot and the gradients in one pass over memory and, in that same pass,
@@ -282,7 +283,7 @@ class AdamW:
         for path, p in jax.tree_util.tree_leaves_with_path(params):
             dtype = jnp.asarray(p).dtype
             if dtype not in (jnp.float32, jnp.bfloat16):
-                raise TypeError(f"parameter {jax.tree_util.keystr(path)} is {dtype}: pimhbm.adamw "
+                raise TypeError(f"parameter {jax.tree_util.keystr(path)} is {dtype}: pimhbm.update.adamw "
                                 "updates float32 or bfloat16 parameters")
             if self.master_weights and dtype != jnp.bfloat16:
                 raise TypeError(f"parameter {jax.tree_util.keystr(path)} is {dtype}: master "

@@ -28,7 +28,7 @@ def run(args: Any) -> int:
     console = options.console()
     dev = jax.devices()[0]
     cfg = llama3.tiny(layers=args.layers, hidden=args.hidden)
-    opt = pimhbm.adamw(1e-3, master_weights=True, device_copy=True)
+    opt = pimhbm.update.adamw(1e-3, master_weights=True, device_copy=True)
 
     # Prewarm: the protected step compiled from ShapeDtypeStructs only.
     shapes = llama3.abstract_params(cfg)
@@ -42,7 +42,7 @@ def run(args: Any) -> int:
     before = dev.memory_stats() or {}
     t0 = time.perf_counter()
     compiled = [jax.jit(step, donate_argnums=0).lower(
-        pimhbm.AdamWState(state_shapes.slots, c, state_shapes.step_copies, state_shapes.device_copy), batch).compile()
+        pimhbm.update.AdamWState(state_shapes.slots, c, state_shapes.step_copies, state_shapes.device_copy), batch).compile()
         for c in (0, 1)]
     seconds = time.perf_counter() - t0
     after = dev.memory_stats() or {}

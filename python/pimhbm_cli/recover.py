@@ -90,7 +90,7 @@ def run(args: Any) -> int:
     name = f"pimhbm_recover_{uuid.uuid4().hex[:8]}"
 
     def trainer():
-        opt = pimhbm.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
+        opt = pimhbm.update.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
         t = Trainer(mlp.loss, opt, mlp.init(args.seed), mlp.batches(args.seed, batch=16 * len(devices)),
                     shm_name=name, snapshot_every=10, scrub_every=5, inject_gradients=True,
                     shard=args.shard, replica_transport=args.replica_transport, devices=devices)

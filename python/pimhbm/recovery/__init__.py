@@ -3,7 +3,7 @@
 Each step runs one compiled program that computes the gradients, updates the state and leaves
 a small fault summary on the device. The state is held once and updated in place
 (:mod:`pimhbm.inplace`: parity over groups of chunks is the redundancy) or in two slots with a
-device copy (:class:`pimhbm.AdamW`: programs per slot parity); either way digests are checked
+device copy (:class:`pimhbm.update.AdamW`: programs per slot parity); either way digests are checked
 and rewritten in the update's own pass. The host fetches the summary asynchronously and acts
 one step later, so the steady-state loop never waits for the device.
 

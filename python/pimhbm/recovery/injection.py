@@ -17,7 +17,7 @@ def inject(state: TrainState, compiler: Compiler, path: str, tensor: str, fault:
     t_, placement, layout = compiler.t, compiler.placement, compiler.t.layout
     opt = state.opt
     if into_copy and not t_.device_copy:
-        raise ValueError("this run keeps no device copy (pimhbm.adamw(device_copy=False), or "
+        raise ValueError("this run keeps no device copy (pimhbm.update.adamw(device_copy=False), or "
                          "one copy of the state: pimhbm.inplace)")
     leaves = slot_tensors(opt.device_copy, t_.treedef) if into_copy else t_.tensors(opt)
     i = layout.leaf_index(path)

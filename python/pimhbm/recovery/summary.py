@@ -70,7 +70,7 @@ def fault_list(maps: list[jax.Array], capacity: int) -> FaultList:
 
 def step_summary(report: Any, treedef: Any, capacity: int,
                  disagree: list[jax.Array]) -> StepSummary:
-    """This device's summary of a two-slot update's report (pimhbm.UpdateReport) and of the
+    """This device's summary of a two-slot update's report (pimhbm.update.UpdateReport) and of the
     replicas' disagreement maps (per leaf; none without replicas)."""
     committed = report.committed.astype(jnp.int32)
     return StepSummary(

@@ -53,8 +53,8 @@ def _transport(name: str) -> Transport:
 def _check_options(opt: AdamW | inplace.AdamW, transport: Transport, devices: list, shard: int,
                    max_skips: int, multiprocess: bool) -> None:
     if not isinstance(opt, (AdamW, inplace.AdamW)):
-        raise TypeError(f"the Trainer takes pimhbm.adamw(...) or pimhbm.inplace.adamw(...), got "
-                        f"{type(opt).__name__}")
+        raise TypeError(f"the Trainer takes pimhbm.adamw(...) (one copy) or "
+                        f"pimhbm.update.adamw(...) (two slots), got {type(opt).__name__}")
     if max_skips < 2:
         raise ValueError(f"max_skips={max_skips}: a step must be allowed at least one replay")
     if shard < 1 or len(devices) % shard:
@@ -65,7 +65,7 @@ def _check_options(opt: AdamW | inplace.AdamW, transport: Transport, devices: li
     local = opt.group > 0 if isinstance(opt, inplace.AdamW) else opt.device_copy
     if not local and len(devices) == shard:
         what = ("without parity (pimhbm.inplace.adamw(group=0))" if isinstance(opt, inplace.AdamW)
-                else "without the device copy (pimhbm.adamw(device_copy=False))")
+                else "without the device copy (pimhbm.update.adamw(device_copy=False))")
         raise ValueError(f"{what} damaged chunks are repaired from another replica: that "
                          f"needs more devices than shard={shard} (a replica axis); got "
                          f"{len(devices)}")
@@ -88,7 +88,7 @@ class Trainer(FaultHandling, RunLoop):
     its own key, the same again in a replay -- recovery/feed.py; with ``has_aux`` it returns
     ``(loss, aux)``, and each committed step's aux is in ``stats.aux``) with ``opt`` -- one copy of
     the state updated in place (pimhbm.inplace.adamw: parity for chunk repair unless
-    ``group=0``), or two slots (pimhbm.adamw: a device copy unless ``device_copy=False``) --
+    ``group=0``), or two slots (pimhbm.update.adamw: a device copy unless ``device_copy=False``) --
     and, with
     ``shm_name``, host snapshots in POSIX shared memory that survive the process, every
     ``snapshot_every`` steps. The snapshot is the last resort (parity, replicas and the stash

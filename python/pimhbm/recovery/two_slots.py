@@ -1,4 +1,4 @@
-"""The engine's traced functions for two slots of the state (pimhbm.adamw): the step writes
+"""The engine's traced functions for two slots of the state (pimhbm.update.adamw): the step writes
 the other slot, a sampled step's re-execution runs after it and can undo it, and the repairs
 rewrite damaged chunks from the device copy (or rewrite the device copy from the state).
 Everything else -- gradients, replicas, the vote, snapshots, injection -- is Traced's."""
