@@ -50,8 +50,14 @@ def test_a_scan_runs_per_shard_and_equals_the_whole(mesh, rng):
     assert got.digests.sharding.spec[0] == "x" and got.nonfinite.sharding.spec[0] == "x"
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(got, whole))
     assert gathers(f.lower(on(mesh, x, "x", None)).compile().as_text()) == []
-    flags = jax.jit(lambda x, t: pimhbm.verify(x, t, 1024))(on(mesh, x, "x", None), got.digests)
+    verify = jax.jit(lambda x, t: pimhbm.verify(x, t, 1024))
+    flags = verify(on(mesh, x, "x", None), got.digests)
     assert flags.sharding.spec[0] == "x" and not bool(flags.any())
+    # A flipped bit in the last shard is found in its chunk of the whole tensor, and only there.
+    damaged = np.asarray(x).copy()
+    damaged.reshape(-1).view(np.uint32)[60 * 96 + 7] ^= np.uint32(1 << 3)
+    flags = np.asarray(verify(on(mesh, jnp.asarray(damaged), "x", None), got.digests))
+    assert np.flatnonzero(flags).tolist() == [(60 * 96 + 7) * 4 // 1024]
     # The control: each shard scanned as a tensor of its own has other digests -- the chunk
     # base is what made them the whole tensor's.
     own = pimhbm.scan(np.asarray(x)[16:32], 1024).digests
@@ -224,3 +230,22 @@ def test_a_mesh_of_explicit_axes_gets_the_same_per_shard_update(rng):
     state, report = update(g_placed, state)
     whole, _ = update(grads, opt.init(params))
     assert bool(report.committed) and bits(state) == bits(whole)
+
+
+def test_a_parameter_damaged_in_a_shard_cancels_the_step_on_every_device(mesh, rng):
+    """The checks before the update, per shard: a flipped bit in the second device's shard of p
+    cancels the whole step (nothing written anywhere) and is reported in its chunk of the whole
+    tensor."""
+    opt = inplace.adamw(1e-3, chunk_elems=CHUNK, group=GROUP)
+    params, placed = sharded_params(rng, mesh, np.float32)
+    grads = {k: on(mesh, jnp.ones(v.shape, v.dtype), *v.sharding.spec) for k, v in placed.items()}
+    state = opt.init(placed)
+    element = 64 * 64 + 3 * CHUNK + 5  # the second device's shard of w
+    w = np.asarray(state.params["w"]).copy()
+    w.reshape(-1).view(np.uint32)[element] ^= np.uint32(1 << 20)
+    damaged = state._replace(params=dict(state.params, w=on(mesh, jnp.asarray(w), "x", None)))
+    before = bits(damaged)
+    new, report = jax.jit(opt.update)(grads, damaged)
+    assert not bool(report.applied) and int(report.digest_faults) == 1
+    assert np.flatnonzero(np.asarray(report.fault_maps["w"])).tolist() == [element // CHUNK]
+    assert bits(new) == before
