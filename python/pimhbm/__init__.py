@@ -63,7 +63,7 @@ __all__ += ["Health", "DeviceHealth", "Monitor", "health"]
 from pimhbm import peer  # noqa: E402,F401
 from pimhbm import report  # noqa: E402,F401
 
-# The modules users reach as pimhbm.<module>.<name> (pimhbm.inplace.adamw,
+# The modules users reach as pimhbm.<module>.<name> (pimhbm.update.adamw,
 # pimhbm.recovery.Trainer, pimhbm.train.llama_trainer), loaded by a plain `import pimhbm`. Last,
 # because each of them imports pimhbm and uses the names above.
 from pimhbm import backup, campaign, inplace, recovery, train  # noqa: E402,F401

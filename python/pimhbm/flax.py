@@ -1,4 +1,4 @@
-"""``flax.nnx.Optimizer`` for the guarded in-place AdamW (``pimhbm.inplace.adamw``).
+"""``flax.nnx.Optimizer`` for the guarded in-place AdamW (``pimhbm.adamw``).
 
 It has the shape of ``nnx.Optimizer`` as of flax 0.11 (checked against 0.12.12):
 ``Optimizer(model, tx, wrt=...)``, then ``update(model, grads, **kwargs)``, the model not kept.
@@ -12,7 +12,7 @@ are added. A full training loop::
 
     model = nnx.Sequential(nnx.Linear(8, 32, rngs=nnx.Rngs(0)), nnx.relu,
                            nnx.Linear(32, 1, rngs=nnx.Rngs(1)))
-    optimizer = pimhbm.flax.Optimizer(model, pimhbm.inplace.adamw(1e-3))
+    optimizer = pimhbm.flax.Optimizer(model, pimhbm.adamw(1e-3))
 
     @nnx.jit(donate_argnums=(0, 1))  # donated: the update writes the parameters in place
     def train_step(model, optimizer, x, y):
@@ -58,7 +58,7 @@ class Optimizer(nnx.Pytree):
 
     def __init__(self, model: Any, opt: AdamW, *, wrt: Any = nnx.Param):
         if not isinstance(opt, AdamW):
-            raise TypeError(f"pimhbm.flax.Optimizer takes pimhbm.inplace.adamw(...), got "
+            raise TypeError(f"pimhbm.flax.Optimizer takes pimhbm.adamw(...), got "
                             f"{type(opt).__name__}; for an optax transformation use "
                             "flax.nnx.Optimizer")
         self.opt = opt

@@ -72,7 +72,7 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
     a damaged chunk) or two slots (pimhbm.update.adamw; a device copy repairs it). ``device_copy``:
     each device's own redundancy, parity or the device copy (False: damaged chunks come from
     the other replicas only). ``gradient_transform``: a stateless optax transformation of the
-    gradients run first (see pimhbm.inplace.adamw). ``ordered_embedding``: the embedding's
+    gradients run first (see pimhbm.adamw). ``ordered_embedding``: the embedding's
     gradient summed in a fixed order (``llama3.embed``; for exact replays). ``in_flight``,
     ``telemetry``: the Trainer's. ``chunk_elems``:
     None for the kind's default (512 in place, 1024

@@ -64,7 +64,7 @@ def _check_options(opt: AdamW | inplace.AdamW, transport: Transport, devices: li
                          f"norm would be a shard's): not supported with shard={shard}")
     local = opt.group > 0 if isinstance(opt, inplace.AdamW) else opt.device_copy
     if not local and len(devices) == shard:
-        what = ("without parity (pimhbm.inplace.adamw(group=0))" if isinstance(opt, inplace.AdamW)
+        what = ("without parity (pimhbm.adamw(group=0))" if isinstance(opt, inplace.AdamW)
                 else "without the device copy (pimhbm.update.adamw(device_copy=False))")
         raise ValueError(f"{what} damaged chunks are repaired from another replica: that "
                          f"needs more devices than shard={shard} (a replica axis); got "
@@ -87,7 +87,7 @@ class Trainer(FaultHandling, RunLoop):
     key)`` with ``rng``, a PRNG key: then each step and each device's slice of the batch gets
     its own key, the same again in a replay -- recovery/feed.py; with ``has_aux`` it returns
     ``(loss, aux)``, and each committed step's aux is in ``stats.aux``) with ``opt`` -- one copy of
-    the state updated in place (pimhbm.inplace.adamw: parity for chunk repair unless
+    the state updated in place (pimhbm.adamw: parity for chunk repair unless
     ``group=0``), or two slots (pimhbm.update.adamw: a device copy unless ``device_copy=False``) --
     and, with
     ``shm_name``, host snapshots in POSIX shared memory that survive the process, every
