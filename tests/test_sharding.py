@@ -249,3 +249,58 @@ def test_a_parameter_damaged_in_a_shard_cancels_the_step_on_every_device(mesh, r
     assert not bool(report.applied) and int(report.digest_faults) == 1
     assert np.flatnonzero(np.asarray(report.fault_maps["w"])).tolist() == [element // CHUNK]
     assert bits(new) == before
+
+
+def test_the_repair_runs_per_shard_with_no_all_gather(mesh, rng):
+    """repair of a chunk left by the update, on sharded leaves: each device rebuilds and redoes
+    the stash's rows of its own chunks (the program holds no all-gather) and the state equals
+    the unsharded run's repair bit for bit."""
+    opt = inplace.adamw(1e-3, master_weights=True, chunk_elems=CHUNK, group=GROUP)
+    params = {"w": jnp.asarray(rng.standard_normal((256, 64)), jnp.bfloat16),
+              "v": jnp.asarray(rng.standard_normal((512, 32)), jnp.bfloat16)}
+    grads = {k: jnp.asarray(rng.standard_normal(v.shape), jnp.bfloat16) for k, v in params.items()}
+    update, repair = steps(opt)
+    element = 3 * 128 * 32 + 2 * CHUNK + 9  # the last device's shard of v
+
+    def damaged_report(state, place):
+        nu = np.asarray(state.nu["v"]).copy()
+        nu.reshape(-1).view(np.uint32)[element] ^= np.uint32(1 << 30)
+        state = state._replace(nu=dict(state.nu, v=place(jnp.asarray(nu))))
+        return update({k: place(g) for k, g in grads.items()}, state)
+
+    sharded, report = damaged_report(opt.init({k: on(mesh, v, "x", None) for k, v in params.items()}),
+                                     lambda a: on(mesh, a, "x", None))
+    assert int(report.digest_faults) == 1
+    assert np.asarray(report.stash.index)[0].tolist() == [0, element // CHUNK, 8]
+    assert gathers(repair.lower(sharded, report).compile().as_text()) == []
+    sharded, fixed = repair(sharded, report)
+    whole, whole_report = damaged_report(opt.init(params), lambda a: a)
+    whole, _ = repair(whole, whole_report)
+    assert bool(fixed.complete) and int(fixed.faults) == 0
+    assert sharded.nu["v"].sharding.spec[0] == "x" and bits(sharded) == bits(whole)
+
+
+def test_a_chunk_of_a_shard_is_rebuilt_with_its_chunk_base(rng):
+    """The rebuild kernel itself (on this machine's default device): a damaged chunk in rows
+    [128, 192) of a tensor, rebuilt from the shard's parity rows with the shard's first chunk
+    index, verifies against the whole tensor's digests; with chunk base 0 it does not."""
+    from pimhbm.repair import REPAIRED, STILL_DAMAGED
+    chunk_bytes = CHUNK * 4
+    x = jnp.asarray(rng.standard_normal((256, 64)), jnp.float32)
+    table, rows = pimhbm.scan(x, chunk_bytes).digests, parity.parity(x, chunk_bytes, GROUP)
+    first = 128 * 64 // CHUNK
+    shard = np.asarray(x[128:192]).copy()
+    shard.reshape(-1).view(np.uint32)[5 * CHUNK + 3] ^= np.uint32(1 << 11)
+
+    def rebuild(base):
+        call = jax.ffi.ffi_call("pimhbm_parity_rebuild",
+                                (jax.ShapeDtypeStruct(shard.shape, shard.dtype),
+                                 jax.ShapeDtypeStruct((1,), jnp.int32)),
+                                input_output_aliases={1: 0})
+        return call(jnp.asarray([5], jnp.int32), jnp.asarray(shard), table[first:first + 32],
+                    rows[first // GROUP:(first + 32) // GROUP], jnp.asarray([base], jnp.int32),
+                    chunk_bytes=np.int64(chunk_bytes), group=np.int64(GROUP))
+
+    fixed, status = rebuild(first)
+    assert int(status[0]) == REPAIRED and bits(fixed) == bits(x[128:192])
+    assert int(rebuild(0)[1][0]) == STILL_DAMAGED  # the control: the shard's own numbering

@@ -18,6 +18,8 @@
 
 #include <cstdint>
 
+#include "pimhbm/digest.h"
+
 #if defined(PIMHBM_WITH_CUDA)
 #include <cuda_runtime_api.h>
 #endif
@@ -38,7 +40,14 @@ struct Grouped {  // a tensor's bytes in chunks and groups, its digests and its 
   int64_t chunk_bytes;
   int64_t group;
   const uint32_t* table;  // digests, uint32 (chunks, 2)
+  // One int32 in the buffers' memory: the index of chunk 0 in its whole tensor (a shard's
+  // digests are the whole tensor's); null: 0. Groups and the list are the buffer's own chunks.
+  const int32_t* chunk_base = nullptr;
 };
+
+PIMHBM_HD int64_t grouped_base(const Grouped& t) {
+  return t.chunk_base != nullptr ? *t.chunk_base : 0;
+}
 
 void parity_cpu(const uint8_t* data, int64_t nbytes, int64_t chunk_bytes, int64_t group,
                 uint32_t* rows);

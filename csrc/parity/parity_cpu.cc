@@ -69,7 +69,7 @@ void rebuild_cpu(const Grouped& t, const uint32_t* rows, const int32_t* list, in
     const int64_t first = c * t.chunk_bytes;
     const int64_t len = std::min(t.chunk_bytes, t.nbytes - first);
     std::memcpy(t.data + first, row.data(), static_cast<size_t>(len));
-    const uint64_t d = scan::chunk_digest(t.data + first, len, c);
+    const uint64_t d = scan::chunk_digest(t.data + first, len, grouped_base(t) + c);
     const bool ok = d == digest_join(t.table[2 * c], t.table[2 * c + 1]);
     status[k] = ok ? repair::kRepaired : repair::kStillDamaged;
   }

@@ -86,7 +86,8 @@ __global__ void __launch_bounds__(kThreads)
         store_word(to, len, w, acc);
       }
       __syncthreads();
-      const uint64_t d = block_chunk_digest(to, len, static_cast<uint64_t>(c), scratch);
+      const uint64_t d =
+          block_chunk_digest(to, len, static_cast<uint64_t>(grouped_base(t) + c), scratch);
       result = d == digest_join(t.table[2 * c], t.table[2 * c + 1]) ? repair::kRepaired
                                                                     : repair::kStillDamaged;
     }

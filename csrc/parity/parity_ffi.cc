@@ -55,12 +55,14 @@ ffi::Error parity_handler(Platform on, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuf
                                static_cast<uint32_t*>(rows->untyped_data())});
 }
 
-// list, x, its digests, its parity rows -> x (aliased), status
+// list, x, its digests, its parity rows, chunk_base -> x (aliased), status
 template <typename Platform>
 ffi::Error rebuild_handler(Platform on, ffi::Buffer<ffi::S32> list, ffi::AnyBuffer x_in,
                            ffi::AnyBuffer table, ffi::AnyBuffer rows,
-                           ffi::Result<ffi::AnyBuffer> x, ffi::ResultBuffer<ffi::S32> status,
-                           int64_t chunk_bytes, int64_t group) {
+                           ffi::Buffer<ffi::S32> chunk_base, ffi::Result<ffi::AnyBuffer> x,
+                           ffi::ResultBuffer<ffi::S32> status, int64_t chunk_bytes,
+                           int64_t group) {
+  PIMHBM_FFI_RETURN_IF_ERROR(check_count(kRebuild, "chunk_base", chunk_base, 1));
   PIMHBM_FFI_RETURN_IF_ERROR(check_rows(kRebuild, *x, rows, chunk_bytes, group));
   const int64_t nbytes = static_cast<int64_t>(x->size_bytes());
   PIMHBM_FFI_RETURN_IF_ERROR(
@@ -70,7 +72,7 @@ ffi::Error rebuild_handler(Platform on, ffi::Buffer<ffi::S32> list, ffi::AnyBuff
   PIMHBM_FFI_RETURN_IF_ERROR(
       ffi_util::copy_unaliased(on, ffi_util::unaliased(kRebuild, {{x_in, *x}})));
   const Grouped t{static_cast<uint8_t*>(x->untyped_data()), nbytes, chunk_bytes, group,
-                  static_cast<const uint32_t*>(table.untyped_data())};
+                  static_cast<const uint32_t*>(table.untyped_data()), chunk_base.typed_data()};
   return launch(on, RebuildCall{t, static_cast<const uint32_t*>(rows.untyped_data()),
                                 list.typed_data(), k, status->typed_data()});
 }
@@ -87,12 +89,13 @@ ffi::Error rebuild_handler(Platform on, ffi::Buffer<ffi::S32> list, ffi::AnyBuff
 PIMHBM_FFI_HANDLERS(PimhbmParity, pimhbm::parity::parity_handler, PIMHBM_PARITY_BINDING,
                     PIMHBM_FFI_CAPTURABLE);
 
-// list, x, digests, parity rows -> x (aliased), status
+// list, x, digests, parity rows, chunk_base int32 (1,) -> x (aliased), status
 #define PIMHBM_REBUILD_BINDING(bind)              \
   bind.Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() \
       .Arg<::xla::ffi::AnyBuffer>()               \
       .Arg<::xla::ffi::AnyBuffer>()               \
       .Arg<::xla::ffi::AnyBuffer>()               \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() \
       .Ret<::xla::ffi::AnyBuffer>()               \
       .Ret<::xla::ffi::Buffer<::xla::ffi::S32>>() \
       .Attr<int64_t>("chunk_bytes")               \

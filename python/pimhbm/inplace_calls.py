@@ -6,7 +6,8 @@ device on its own shards, its digests keyed by the chunks' indices in the whole 
 leaves are updated whole on every device. The verdict's counts and the stash are the whole
 call's: each device's counts are summed over the leaf's mesh axes, and the stashes of the
 devices are packed into one, in device order, with whole-tensor chunk indices -- by sums over
-the mesh (psum), never by a gather of the state.
+the mesh (psum), never by a gather of the state. A redo reads that stash on every device and
+redoes the rows of its own chunks.
 """
 
 from __future__ import annotations
@@ -153,27 +154,18 @@ def _ffi(target: str, lead: list, leaf_ops: list[dict], attrs: dict, tail: list)
     return results, list(outs[per * len(leaf_ops):])
 
 
-def redo_call(scalars: jax.Array, stash: Stash, leaf_ops: list[dict], attrs: dict):
-    """pimhbm_adamw_redo over every leaf, whole (a redo is rare: not per shard)."""
-    results, (totals,) = _ffi("pimhbm_adamw_redo", [scalars, stash.rows, stash.index], leaf_ops,
-                              attrs, [jax.ShapeDtypeStruct((layout()["totals"], 2), jnp.uint32)])
-    return results, totals
-
-
-def update_call(scalars: jax.Array, go: jax.Array, leaf_ops: list[dict], attrs: dict,
-                capacity: int):
-    """pimhbm_adamw_inplace over every leaf: per leaf its results by name, the stash, the
-    totals (uint32 (3, 2)); per shard under a mesh (module docstring)."""
-    lay, n = layout(), len(leaf_ops)
+def _leafwise(target: str, lead: list, leaf_ops: list[dict], attrs: dict, tail: list,
+              per_shard) -> tuple[list[dict], list]:
+    """``target`` over every leaf as one op that XLA partitions: whole where there is no mesh;
+    under one, ``per_shard(plan, leaves, lead, ops, by_axes) -> (results per leaf, tail's
+    outputs)`` with ``by_axes`` the leaves grouped by their mesh axes (None: whole)."""
+    lay, n, k = layout(), len(leaf_ops), len(lead)
     chunk_elems, group = int(attrs["chunk_elems"]), int(attrs["group"])
-    tail = [jax.ShapeDtypeStruct((capacity, chunk_elems), jnp.uint32),
-            jax.ShapeDtypeStruct((capacity, lay["stash_columns"]), jnp.int32),
-            jax.ShapeDtypeStruct((lay["totals"], 2), jnp.uint32)]
     leaves = [Leaf(tuple(ops["p"].shape), chunk_elems, max(group, 1)) for ops in leaf_ops]
     per_in, per_out = len(lay["operands"]), len(lay["results"])
 
     def unflatten(flat):
-        return list(flat[:2]), [dict(zip(lay["operands"], flat[2 + per_in * i:2 + per_in * (i + 1)]))
+        return list(flat[:k]), [dict(zip(lay["operands"], flat[k + per_in * i:k + per_in * (i + 1)]))
                                 for i in range(n)]
 
     def flatten(results, rest):
@@ -181,34 +173,108 @@ def update_call(scalars: jax.Array, go: jax.Array, leaf_ops: list[dict], attrs: 
 
     def whole(*flat):
         lead, ops = unflatten(flat)
-        return flatten(*_ffi("pimhbm_adamw_inplace", lead, ops, attrs, tail))
+        return flatten(*_ffi(target, lead, ops, attrs, tail))
 
     def lower(plan: Plan, *flat):
         lead, ops = unflatten(flat)
-        results, merged = [None] * n, _StashMerge(plan, tail)
         by_axes: dict[Any, list[int]] = {}
         for i in range(n):
             by_axes.setdefault(plan.axes[i], []).append(i)
+        return flatten(*per_shard(plan, leaves, lead, ops, by_axes))
+
+    operands = [WHOLE] * k + [_role(name, ops[name], i) for i, ops in enumerate(leaf_ops)
+                              for name in lay["operands"]]
+    results = [_role(name, _result_type(ops, name), i) for i, ops in enumerate(leaf_ops)
+               for name in lay["results"]] + [WHOLE] * len(tail)
+    op = partitioned(whole, lower, leaves, operands, results,
+                     no_vmap=f"{target} cannot be vmapped: {NO_VMAP}")
+    outs = op(*lead, *[ops[name] for ops in leaf_ops for name in lay["operands"]])
+    res = [dict(zip(lay["results"], outs[per_out * i:per_out * (i + 1)])) for i in range(n)]
+    return res, list(outs[per_out * n:])
+
+
+def _group_call(target, plan, leaves, lead, ops, idx, attrs, tail):
+    """``target`` over the leaves ``idx`` of one mesh-axes group, each with its chunk base."""
+    bases = [plan.chunk_base(leaves, i) for i in idx]
+    part, rest = _ffi(target, lead, [dict(ops[i], chunk_base=b) for i, b in zip(idx, bases)],
+                      attrs, tail)
+    return part, rest, bases
+
+
+def update_call(scalars: jax.Array, go: jax.Array, leaf_ops: list[dict], attrs: dict,
+                capacity: int):
+    """pimhbm_adamw_inplace over every leaf: per leaf its results by name, the stash, the
+    totals (uint32 (3, 2)); per shard under a mesh (module docstring)."""
+    lay = layout()
+    tail = [jax.ShapeDtypeStruct((capacity, int(attrs["chunk_elems"])), jnp.uint32),
+            jax.ShapeDtypeStruct((capacity, lay["stash_columns"]), jnp.int32),
+            jax.ShapeDtypeStruct((lay["totals"], 2), jnp.uint32)]
+
+    def per_shard(plan, leaves, lead, ops, by_axes):
+        results, merged = [None] * len(ops), _StashMerge(plan, tail)
         for axes, idx in by_axes.items():
-            bases = [plan.chunk_base(leaves, i) for i in idx]
-            part, (rows, index, totals) = _ffi("pimhbm_adamw_inplace", lead,
-                                               [dict(ops[i], chunk_base=b) for i, b in zip(idx, bases)],
-                                               attrs, tail)
+            part, (rows, index, totals), bases = _group_call(
+                "pimhbm_adamw_inplace", plan, leaves, lead, ops, idx, attrs, tail)
             for i, r in zip(idx, part):
                 results[i] = r
             merged.add(axes, Stash(rows, index), totals, jnp.asarray(idx, jnp.int32),
                        jnp.concatenate(bases))
-        return flatten(results, merged.result())
+        return results, merged.result()
 
-    operands = [WHOLE, WHOLE] + [_role(name, ops[name], i) for i, ops in enumerate(leaf_ops)
-                                 for name in lay["operands"]]
-    results = [_role(name, _result_type(ops, name), i) for i, ops in enumerate(leaf_ops)
-               for name in lay["results"]] + [WHOLE] * len(tail)
-    op = partitioned(whole, lower, leaves, operands, results,
-                     no_vmap=f"pimhbm_adamw_inplace cannot be vmapped: {NO_VMAP}")
-    outs = op(scalars, go, *[ops[name] for ops in leaf_ops for name in lay["operands"]])
-    res = [dict(zip(lay["results"], outs[per_out * i:per_out * (i + 1)])) for i in range(n)]
-    return res, Stash(outs[-3], outs[-2]), outs[-1]
+    res, (rows, index, totals) = _leafwise("pimhbm_adamw_inplace", [scalars, go], leaf_ops, attrs,
+                                           tail, per_shard)
+    return res, Stash(rows, index), totals
+
+
+def redo_call(scalars: jax.Array, stash: Stash, leaf_ops: list[dict], attrs: dict):
+    """pimhbm_adamw_redo over every leaf: per leaf its results by name, and the totals. Per
+    shard under a mesh: each device redoes the stash's rows of its own chunks."""
+    tail = [jax.ShapeDtypeStruct((layout()["totals"], 2), jnp.uint32)]
+
+    def per_shard(plan, leaves, lead, ops, by_axes):
+        scalars, rows, index = lead
+        results, totals = [None] * len(ops), jnp.zeros((tail[0].shape[0],), jnp.int32)
+        for axes, idx in by_axes.items():
+            limits = [leaves[i].local_chunks(plan.shards(i)) if axes else _INT32_MAX for i in idx]
+            bases = jnp.concatenate([plan.chunk_base(leaves, i) for i in idx])
+            local = _local_rows(index, idx, bases, limits, len(ops))
+            part, (words,), _ = _group_call("pimhbm_adamw_redo", plan, leaves,
+                                            [scalars, rows, local], ops, idx, attrs, tail)
+            for i, r in zip(idx, part):
+                results[i] = r
+            counts = saturated(words)
+            if axes is not None:
+                counts = jax.lax.psum(jnp.minimum(counts, _INT32_MAX // plan.shards(idx[0])), axes)
+            totals = _saturating_add(totals, counts)
+        return results, [_words(totals)]
+
+    res, (totals,) = _leafwise("pimhbm_adamw_redo", [scalars, stash.rows, stash.index], leaf_ops,
+                               attrs, tail, per_shard)
+    return res, totals
+
+
+def _local_rows(index: jax.Array, idx: list[int], bases: jax.Array, limits: list[int],
+                leaves: int) -> jax.Array:
+    """A stash's index (whole-call leaf, whole-tensor chunk, bits) as one group's call reads
+    it: its leaves renumbered in the group, chunks in this device's shard; every other row
+    unused (-1, -1, 0)."""
+    place = jnp.full((leaves,), -1, jnp.int32).at[jnp.asarray(idx)].set(
+        jnp.arange(len(idx), dtype=jnp.int32))
+    j = place[jnp.clip(index[:, 0], 0, leaves - 1)]
+    k = jnp.clip(j, 0, len(idx) - 1)
+    chunk = index[:, 1] - bases[k]
+    mine = (index[:, 0] >= 0) & (j >= 0) & (chunk >= 0) & (chunk < jnp.asarray(limits)[k])
+    unused = jnp.asarray([-1, -1, 0], jnp.int32)
+    return jnp.where(mine[:, None], jnp.stack([j, chunk, index[:, 2]], axis=1), unused)
+
+
+def _saturating_add(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.where(b > _INT32_MAX - a, _INT32_MAX, a + b)
+
+
+def _words(counts: jax.Array) -> jax.Array:
+    """int32 counts as the ops' 64-bit counters: uint32 (..., (low, high))."""
+    return jnp.stack([counts.astype(jnp.uint32), jnp.zeros_like(counts, jnp.uint32)], axis=1)
 
 
 def saturated(words: jax.Array) -> jax.Array:
@@ -254,11 +320,7 @@ class _StashMerge:
             rows, index = jax.lax.psum(rows, axes), jax.lax.psum(index, axes)
         self.rows, self.index = self.rows | rows, self.index + index
         self.offset = self.offset + total
-        room = _INT32_MAX - self.totals
-        self.totals = jnp.where(counts > room, _INT32_MAX, self.totals + counts)
+        self.totals = _saturating_add(self.totals, counts)
 
     def result(self) -> list[jax.Array]:
-        index = self.index - jnp.asarray([1, 1, 0], jnp.int32)
-        words = jnp.stack([self.totals.astype(jnp.uint32), jnp.zeros_like(self.totals, jnp.uint32)],
-                          axis=1)
-        return [self.rows, index, words]
+        return [self.rows, self.index - jnp.asarray([1, 1, 0], jnp.int32), _words(self.totals)]

@@ -8,13 +8,16 @@ parity costs 1/group of its bytes. See csrc/parity/parity.h.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pimhbm._ffi import ensure_registered
 from pimhbm.scan import _check_chunk_bytes, _check_dtype, num_chunks
-from pimhbm.sharding import Arg, Leaf, Role, partitioned
+from pimhbm.repair import NOT_LISTED, OUT_OF_RANGE
+from pimhbm.sharding import WHOLE, Arg, Leaf, Plan, Role, partitioned
 
 GROUP_CONFLICT = -4  # a rebuild status beside pimhbm.repair's: two entries in one group
 
@@ -59,9 +62,31 @@ def rebuild(chunks: jax.Array, x: jax.Array, table: jax.Array, rows: jax.Array,
     ensure_registered()
     chunk_bytes, group = _check_chunk_bytes(chunk_bytes), _check_group(group)
     chunks = jnp.asarray(chunks, jnp.int32).reshape(-1)
-    out, status = jax.ffi.ffi_call(
-        "pimhbm_parity_rebuild",
-        (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(chunks.shape, jnp.int32)),
-        input_output_aliases={1: 0})(chunks, x, table, rows, chunk_bytes=np.int64(chunk_bytes),
-                                     group=np.int64(group))
-    return out, status
+
+    def call(chunks, x, table, rows, base):
+        return tuple(jax.ffi.ffi_call(
+            "pimhbm_parity_rebuild",
+            (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(chunks.shape, jnp.int32)),
+            input_output_aliases={1: 0})(chunks, x, table, rows, base,
+                                         chunk_bytes=np.int64(chunk_bytes), group=np.int64(group)))
+
+    leaves = [Leaf(tuple(x.shape), chunk_bytes // x.dtype.itemsize, group)]
+
+    def lower(plan: Plan, chunks, x, table, rows):
+        """This device's entries of the list, in its own chunks; every entry's status is its
+        owner's (a group never straddles two shards, so conflicts are found by their owner)."""
+        base = plan.chunk_base(leaves, 0)
+        if plan.axes[0] is None:
+            return call(chunks, x, table, rows, base)
+        local = chunks - base[0]
+        mine = (chunks >= 0) & (local >= 0) & (local < table.shape[0])
+        x, status = call(jnp.where(mine, local, -1), x, table, rows, base)
+        owned = jax.lax.psum(jnp.where(mine, status, 0), plan.axes[0])
+        total = math.prod(x.shape) * plan.shards(0) // leaves[0].chunk_elems
+        return x, jnp.where(chunks < 0, NOT_LISTED, jnp.where(chunks >= total, OUT_OF_RANGE, owned))
+
+    op = partitioned(lambda *a: call(*a, jnp.zeros((1,), jnp.int32)), lower, leaves,
+                     [WHOLE, Arg(Role.ELEMS, 0), Arg(Role.CHUNKS, 0), Arg(Role.GROUPS, 0)],
+                     [Arg(Role.ELEMS, 0), WHOLE],
+                     no_vmap="pimhbm_parity_rebuild cannot be vmapped: it rebuilds one tensor in place")
+    return op(chunks, x, table, rows)
