@@ -193,12 +193,10 @@ def _leafwise(target: str, lead: list, leaf_ops: list[dict], attrs: dict, tail: 
     return res, list(outs[per_out * n:])
 
 
-def _group_call(target, plan, leaves, lead, ops, idx, attrs, tail):
+def _group_call(target, lead, ops, idx, bases, attrs, tail):
     """``target`` over the leaves ``idx`` of one mesh-axes group, each with its chunk base."""
-    bases = [plan.chunk_base(leaves, i) for i in idx]
-    part, rest = _ffi(target, lead, [dict(ops[i], chunk_base=b) for i, b in zip(idx, bases)],
-                      attrs, tail)
-    return part, rest, bases
+    return _ffi(target, lead, [dict(ops[i], chunk_base=b) for i, b in zip(idx, bases)], attrs,
+                tail)
 
 
 def update_call(scalars: jax.Array, go: jax.Array, leaf_ops: list[dict], attrs: dict,
@@ -213,8 +211,9 @@ def update_call(scalars: jax.Array, go: jax.Array, leaf_ops: list[dict], attrs: 
     def per_shard(plan, leaves, lead, ops, by_axes):
         results, merged = [None] * len(ops), _StashMerge(plan, tail)
         for axes, idx in by_axes.items():
-            part, (rows, index, totals), bases = _group_call(
-                "pimhbm_adamw_inplace", plan, leaves, lead, ops, idx, attrs, tail)
+            bases = [plan.chunk_base(leaves, i) for i in idx]
+            part, (rows, index, totals) = _group_call("pimhbm_adamw_inplace", lead, ops, idx,
+                                                      bases, attrs, tail)
             for i, r in zip(idx, part):
                 results[i] = r
             merged.add(axes, Stash(rows, index), totals, jnp.asarray(idx, jnp.int32),
@@ -236,10 +235,10 @@ def redo_call(scalars: jax.Array, stash: Stash, leaf_ops: list[dict], attrs: dic
         results, totals = [None] * len(ops), jnp.zeros((tail[0].shape[0],), jnp.int32)
         for axes, idx in by_axes.items():
             limits = [leaves[i].local_chunks(plan.shards(i)) if axes else _INT32_MAX for i in idx]
-            bases = jnp.concatenate([plan.chunk_base(leaves, i) for i in idx])
-            local = _local_rows(index, idx, bases, limits, len(ops))
-            part, (words,), _ = _group_call("pimhbm_adamw_redo", plan, leaves,
-                                            [scalars, rows, local], ops, idx, attrs, tail)
+            bases = [plan.chunk_base(leaves, i) for i in idx]
+            local = _local_rows(index, idx, jnp.concatenate(bases), limits, len(ops))
+            part, (words,) = _group_call("pimhbm_adamw_redo", [scalars, rows, local], ops, idx,
+                                         bases, attrs, tail)
             for i, r in zip(idx, part):
                 results[i] = r
             counts = saturated(words)
