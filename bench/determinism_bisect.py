@@ -32,6 +32,7 @@ def pieces(args) -> dict[str, Callable[[], tuple[Callable, tuple]]]:
     import jax
     import jax.numpy as jnp
 
+    import pimhbm
     from pimhbm.models import llama3
 
     cfg = (llama3.tiny(layers=args.layers, vocab=args.vocab) if args.tiny
@@ -44,8 +45,10 @@ def pieces(args) -> dict[str, Callable[[], tuple[Callable, tuple]]]:
         q, k, v = (normal((b, t, cfg.heads, cfg.head_dim)), normal((b, t, cfg.kv_heads, cfg.head_dim)),
                    normal((b, t, cfg.kv_heads, cfg.head_dim)))
         r = normal((b, t, cfg.heads, cfg.head_dim))
-        f = lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, implementation=impl).astype(jnp.float32) * r)
+        attend = (pimhbm.attention if impl == llama3.PIMHBM_ATTENTION else
+                  lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                               implementation=impl))
+        f = lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * r)
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2))), (q, k, v)
 
     def embedding(ordered):
@@ -87,6 +90,7 @@ def pieces(args) -> dict[str, Callable[[], tuple[Callable, tuple]]]:
     return {
         "attention fwd+bwd, cuDNN": lambda: attention("cudnn"),
         "attention fwd+bwd, XLA": lambda: attention("xla"),
+        "attention fwd+bwd, pimhbm": lambda: attention(llama3.PIMHBM_ATTENTION),
         "embedding gradient (scatter-add)": lambda: embedding(False),
         "embedding gradient, ordered (sort + scan)": lambda: embedding(True),
         "RMSNorm gradients (weight: a column sum)": norm_weight,
@@ -100,6 +104,8 @@ def pieces(args) -> dict[str, Callable[[], tuple[Callable, tuple]]]:
             lambda: step("xla", True),
         f"whole loss gradient ({args.layers} layers), cuDNN, ordered embedding":
             lambda: step("cudnn", True),
+        f"whole loss gradient ({args.layers} layers), pimhbm, ordered embedding":
+            lambda: step(llama3.PIMHBM_ATTENTION, True),
     }
 
 

@@ -8,6 +8,7 @@
 
 #include <stdexcept>
 
+#include "attention/attention_ffi.h"
 #include "backup/shm_region.h"
 #include "backup/snapshot.h"
 #include "faults/inject_ffi.h"
@@ -66,6 +67,8 @@ constexpr Target kTargets[] = {
     PIMHBM_TARGET("pimhbm_adamw_redo", PimhbmAdamWRedo),
     PIMHBM_TARGET("pimhbm_inplace_precheck", PimhbmInPlacePrecheck),
     PIMHBM_TARGET("pimhbm_parity_rebuild", PimhbmParityRebuild),
+    PIMHBM_TARGET("pimhbm_attention_fwd", PimhbmAttentionFwd),
+    PIMHBM_TARGET("pimhbm_attention_bwd", PimhbmAttentionBwd),
 };
 #undef PIMHBM_TARGET
 

@@ -73,3 +73,8 @@ from pimhbm import backup, campaign, inplace, recovery, train  # noqa: E402,F401
 from pimhbm.inplace import AdamW, AdamWState, UpdateReport, adamw  # noqa: E402
 
 __all__ += ["AdamW", "AdamWState", "UpdateReport", "adamw"]
+
+# Attention whose replays are bit-identical without XLA's deterministic flag (pimhbm.attention).
+from pimhbm.attention import attention  # noqa: E402
+
+__all__ += ["attention"]

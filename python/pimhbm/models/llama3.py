@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pimhbm.attention import attention
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -192,6 +194,11 @@ def _linear(x: jax.Array, w: jax.Array) -> jax.Array:  # w: [out, in]
     return jnp.einsum("...i,oi->...o", x, w)
 
 
+# attention_impl: jax.nn.dot_product_attention's implementations ("xla", "cudnn", None: XLA picks)
+# or this one: pimhbm.attention, whose replays are bit-identical without XLA's flag (bf16 only).
+PIMHBM_ATTENTION = "pimhbm"
+
+
 def decoder_layer(p: dict[str, jax.Array], x: jax.Array, cfg: Config,
                   attention_impl: str | None = None) -> jax.Array:
     b, t, _ = x.shape
@@ -202,7 +209,10 @@ def decoder_layer(p: dict[str, jax.Array], x: jax.Array, cfg: Config,
     pos = jnp.arange(t)
     q = rope(q, pos, cfg.rope_theta, cfg.rope_scaling)
     k = rope(k, pos, cfg.rope_theta, cfg.rope_scaling)
-    a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
+    if attention_impl == PIMHBM_ATTENTION:
+        a = attention(q, k, v)
+    else:
+        a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_impl)
     x = x + _linear(a.reshape(b, t, cfg.heads * cfg.head_dim), p["o_proj"])
     h = rms_norm(x, p["post_attention_layernorm"], cfg.norm_eps)
     mlp = jax.nn.silu(_linear(h, p["gate_proj"])) * _linear(h, p["up_proj"])
