@@ -7,9 +7,13 @@ against the fastest plain step (``optax.adamw``, cuDNN attention, no determinist
 the device memory of both, each in a process of its own; then runs a fault campaign at this
 scale and checks that it ends bit-identical to the same run without faults.
 
-Bit-identical replays need a deterministic step: on GPUs run with
-XLA_FLAGS=--xla_gpu_deterministic_ops=true (``--deterministic`` sets it). Exact mode is timed
-as a row of its own against the same fast plain step: its cost is what bit-identity costs.
+Bit-identical replays need a repeatable step. ``--deterministic`` (exact mode) builds it from
+pimhbm's own attention (``pimhbm.attention``: its sums in a fixed order) and an embedding
+gradient summed in a fixed order, without XLA's global deterministic flag (every other op of
+this step repeats bit for bit without it; ``bench/determinism_bisect.py``). With ``--tiny`` (head
+dims our kernels do not take) exact mode on a GPU still sets
+XLA_FLAGS=--xla_gpu_deterministic_ops=true and uses XLA's attention. Exact mode is timed as a
+row of its own against the same fast plain step: its cost is what bit-identity costs.
 
 ``--processes N`` runs the same job as N processes of one host, the way clusters run it: each
 process drives its share of the devices (one GPU each on a GPU machine), they meet through
@@ -51,8 +55,8 @@ def add_arguments(p) -> None:
     p.add_argument("--faults", type=non_negative_int, default=2, help="faults of each kind in the campaign")
     p.add_argument("--no-campaign", action="store_true", help="only the timings")
     p.add_argument("--deterministic", action="store_true",
-                   help="set XLA_FLAGS=--xla_gpu_deterministic_ops=true (needed for bit-identical "
-                        "replays on GPUs)")
+                   help="exact mode: a repeatable step (pimhbm's attention, an ordered embedding "
+                        "gradient), needed for bit-identical replays on GPUs")
     p.add_argument("--devices", type=positive_int, default=1,
                    help="data parallel over this many GPUs; both steps sharded alike")
     p.add_argument("--shard", type=positive_int, default=1,
@@ -125,9 +129,6 @@ def run(args: Any) -> int:
         return 2
     if args.processes > 1 and args.process_id is None:
         return processes.launch(args)
-    if args.deterministic and "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   " --xla_gpu_deterministic_ops=true").strip()
     memory, exact_ms = None, None
     child = args.memory_of or args.exact_of_protected
     if not (args.no_memory or args.tiny or child or args.processes > 1):
@@ -159,6 +160,22 @@ def job_console(args: Any):
     return options.console(quiet=jax.process_index() != 0)  # process 0 prints and writes the figures
 
 
+def _attention(cfg: Any, platform: str, exact: bool) -> str:
+    """cuDNN's fused attention on GPUs; in exact mode pimhbm's (repeatable without XLA's flag),
+    or XLA's own where our kernels do not take the model's head dim (--tiny: XLA's flag is then
+    on, and with it this XLA cannot run the cuDNN graph it compiled: openxla/xla#46500). CPUs:
+    XLA's, repeatable as it is."""
+    from pimhbm.attention import HEAD_DIMS
+    from pimhbm.models import llama3
+
+    if platform != "gpu":
+        return "xla"
+    if not exact:
+        return "cudnn"
+    supported = cfg.head_dim in HEAD_DIMS and cfg.dtype == "bfloat16"
+    return llama3.PIMHBM_ATTENTION if supported else "xla"
+
+
 class Job(NamedTuple):
     """What the measurements share: the devices, the model, the data."""
 
@@ -169,7 +186,7 @@ class Job(NamedTuple):
     mesh: Any  # ('dp', 'shard')
     cfg: Any  # llama3.Config
     batch: int  # sequences a step
-    attention: str  # "cudnn" or "xla"
+    attention: str  # "cudnn", "pimhbm" or "xla" (llama3.decoder_layer's attention_impl)
     exact: bool  # exact-replay mode: the embedding's gradient summed in a fixed order too
     data: bytes
     results: dict  # the figures, written to --json
@@ -204,11 +221,8 @@ def _setup(args: Any) -> Job | str:
     mesh = jax.sharding.Mesh(np.array(devices).reshape(-1, args.shard), ("dp", "shard"))
     cfg = (llama3.tiny(layers=args.layers, vocab=args.vocab) if args.tiny else
            llama3.llama3_8b(layers=args.layers, vocab=args.vocab))
-    # cuDNN's fused attention on GPUs, except in exact-replay mode: with XLA's deterministic-ops
-    # flag this XLA fails to look up the compiled cuDNN graph (an IndexError from
-    # raw_hash_map::at; openxla/xla#46500), so both steps use XLA's own attention there.
-    deterministic = "deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
-    attention = "cudnn" if dev.platform == "gpu" and not deterministic else "xla"
+    exact = args.deterministic or args.exact_of_protected
+    attention = _attention(cfg, dev.platform, exact)
     batch = args.tokens // args.seq
     console = job_console(args)
     console.print(f"[bold]pimhbm llama3[/]: {args.layers} {'tiny' if args.tiny else 'Llama-3-8B'} "
@@ -218,7 +232,7 @@ def _setup(args: Any) -> Job | str:
                   f"{batch} x {args.seq} = {args.tokens} tokens a step, on {len(devices)} x "
                   f"{dev.device_kind} ({len(devices) // args.shard} replicas x {args.shard} "
                   f"shards; {jax.process_count()} process(es)); "
-                  f"deterministic ops: {'on' if deterministic else 'off'}")
+                  f"exact mode: {'on, attention ' + attention if exact else 'off'}")
     data = np.random.default_rng(0).integers(0, 256, size=4_000_000, dtype=np.uint8).tobytes()
     results = {"device": dev.device_kind, "devices": len(devices),
                "processes": jax.process_count(), "shard": args.shard, "tiny": args.tiny,
@@ -229,7 +243,7 @@ def _setup(args: Any) -> Job | str:
                "telemetry": not args.no_telemetry,
                "tokens": args.tokens,
                "params": cfg.num_params()}
-    return Job(args, console, devices, dev, mesh, cfg, batch, attention, deterministic, data,
+    return Job(args, console, devices, dev, mesh, cfg, batch, attention, exact, data,
                results)
 
 
@@ -297,8 +311,12 @@ class PlainStep:
 
 def _protected(job: Job, shm_name: str) -> Any:
     """The recovery engine's step (fault hooks compiled in, as in the campaign)."""
+    from pimhbm.recovery.trainer import RECHECK_EVERY
     from pimhbm.train import llama_trainer
     args = job.args
+    # The step is repeatable in exact mode, flag or not: sampled re-execution on, as the
+    # Trainer's default turns it on for steps it knows to be repeatable.
+    recheck = RECHECK_EVERY if job.exact else None
     return llama_trainer(job.cfg, job.data, steps=1000, batch=job.batch, seq=args.seq,
                          peak_lr=3e-4, warmup=5, shm_name=shm_name,
                          chunk_elems=4096 if args.state == "two-slots" else None,
@@ -307,7 +325,7 @@ def _protected(job: Job, shm_name: str) -> Any:
                          ordered_embedding=job.exact,
                          params=_fresh_params(job), replica_transport=args.replica_transport,
                          shard=args.shard, device_copy=not args.no_device_copy, state=args.state,
-                         in_flight=args.in_flight,
+                         in_flight=args.in_flight, recheck_every=recheck,
                          telemetry=None if args.no_telemetry else "auto")
 
 

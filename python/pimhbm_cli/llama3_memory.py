@@ -107,14 +107,12 @@ EXACT_PREFIX = "EXACT "
 
 
 def exact_in_child(argv: list[str], console) -> float | None:
-    """The protected step's time in exact mode (XLA's deterministic ops: bit-identical replays),
-    from a process of its own (the flag is the process's); None where it failed."""
-    console.print("the protected step in exact mode (deterministic ops), in a process of its "
-                  "own ...")
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true").strip()
+    """The protected step's time in exact mode (bit-identical replays: pimhbm's attention, an
+    ordered embedding gradient, no XLA flag), from a process of its own (its programs and
+    memory its own); None where it failed."""
+    console.print("the protected step in exact mode, in a process of its own ...")
     run = subprocess.run([sys.executable, "-m", "pimhbm_cli", *argv, "--exact-of-protected",
-                          "--no-campaign"], capture_output=True, text=True, env=env, timeout=900)
+                          "--no-campaign"], capture_output=True, text=True, timeout=900)
     line = next((l for l in run.stdout.splitlines() if l.startswith(EXACT_PREFIX)), None)
     if run.returncode != 0 or line is None:
         console.print(f"[red]exact mode could not be timed[/] (exit {run.returncode}):\n"
@@ -124,7 +122,7 @@ def exact_in_child(argv: list[str], console) -> float | None:
 
 
 def exact_here(job: Any, rounds: int = 3) -> float:
-    """This process's protected step time (its XLA flags as set by exact_in_child): the median
+    """This process's protected step time (in exact mode, as exact_in_child asks): the median
     of ``rounds`` rounds of --steps steps, printed as the EXACT line."""
     import statistics
     import time
