@@ -20,31 +20,40 @@
 namespace pimhbm::attention {
 namespace {
 
-constexpr int kRows = 64;  // a tile's queries or keys
-constexpr int kWarps = 4;  // each owns 16 rows of its block's tile
+constexpr int kWarps = 4;  // a block's warps; each owns 16 M rows of the block's row tile
 constexpr int kThreads = 32 * kWarps;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// The tilings (rows a warp owns = 16 M; tiles of kv rows they loop over). The forward pass and
+// dQ own 32 query rows a warp (M = 2: each loaded fragment of K or V serves two row tiles);
+// dK/dV own 16 key rows a warp (their two accumulators fill the registers) over 64-query tiles.
+// The forward pass's key tiles: 64 keys, 32 at head dim 128 (64 would spill its registers).
 template <int D>
-struct Tile {
-  static constexpr int kStride = D + 8;  // the padding puts ldmatrix's 8 rows in 32 banks
-  static constexpr int kElems = kRows * kStride;
-  static constexpr int kBytes = kElems * 2;
-};
+__host__ __device__ constexpr int fwd_keys() {
+  return D == 128 ? 32 : 64;
+}
+constexpr int kFwdM = 2;
+constexpr int kDqM = 2, kDqKeys = 32;
+constexpr int kDkvKeys = 16 * kWarps, kDkvQueries = 64;
+
+// Shared-memory rows are D + 8 elements apart: the padding puts ldmatrix's 8 rows in 32 banks.
+template <int D>
+__host__ __device__ constexpr int stride_of() {
+  return D + 8;
+}
+
+__host__ __device__ constexpr int tiles(int n, int rows) { return (n + rows - 1) / rows; }
 
 struct Dims {
-  int seq, heads, kv_heads, group, blocks;  // blocks: tiles along the sequence
+  int seq, heads, kv_heads, group;
   bool causal;
   float scale, scale_log2;  // 1 / sqrt(head_dim), and times log2(e)
 };
 
 Dims dims_of(const Shape& s) {
-  return Dims{static_cast<int>(s.seq),      static_cast<int>(s.heads),
-              static_cast<int>(s.kv_heads), static_cast<int>(s.group()),
-              static_cast<int>((s.seq + kRows - 1) / kRows),
-              s.causal,                     s.scale(),
-              s.scale() * kLog2e};
+  return Dims{static_cast<int>(s.seq), static_cast<int>(s.heads), static_cast<int>(s.kv_heads),
+              static_cast<int>(s.group()), s.causal, s.scale(), s.scale() * kLog2e};
 }
 
 // ---- PTX ------------------------------------------------------------------------------------
@@ -96,32 +105,41 @@ __device__ __forceinline__ int lane_id() { return threadIdx.x % 32; }
 __device__ __forceinline__ int acc_row(int e) { return lane_id() / 4 + 8 * (e / 2); }
 __device__ __forceinline__ int acc_col(int n, int e) { return 8 * n + 2 * (lane_id() % 4) + e % 2; }
 
-// acc += A B^T: A is 16 rows at `a`, B is N rows at `b`, both K wide, row-major in shared
-// memory with row stride `stride`.
-template <int K, int N>
-__device__ __forceinline__ void mma_abt(float (&acc)[N / 8][4], const uint16_t* a,
+// acc += A B^T for M row tiles: A's tile m is the 16 rows at `a` + 16 m rows, B is N rows at
+// `b`, both K wide, row-major in shared memory with row stride `stride`. Each fragment of B
+// loaded serves all M tiles: shared-memory traffic, not the tensor cores, bounds these
+// products, so more rows a warp means fewer loads a product.
+template <int M, int K, int N>
+__device__ __forceinline__ void mma_abt(float (&acc)[M][N / 8][4], const uint16_t* a,
                                         const uint16_t* b, int stride) {
   const int lane = lane_id();
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
-    uint32_t af[4];
-    ldmatrix_x4(af, a + (lane % 16) * stride + kk * 16 + (lane / 16) * 8);
+    uint32_t af[M][4];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      ldmatrix_x4(af[m], a + (16 * m + lane % 16) * stride + kk * 16 + (lane / 16) * 8);
+    }
 #pragma unroll
     for (int np = 0; np < N / 16; ++np) {
       uint32_t bf[4];
       ldmatrix_x4(bf, b + (np * 16 + lane % 8 + (lane / 16) * 8) * stride + kk * 16 +
                           ((lane / 8) % 2) * 8);
-      mma(acc[2 * np], af, bf[0], bf[1]);
-      mma(acc[2 * np + 1], af, bf[2], bf[3]);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        mma(acc[m][2 * np], af[m], bf[0], bf[1]);
+        mma(acc[m][2 * np + 1], af[m], bf[2], bf[3]);
+      }
     }
   }
 }
 
-// acc += A B: A (16 x K) as bf16 fragments in registers, B K rows at `b`, N wide, row-major in
-// shared memory.
-template <int K, int N>
-__device__ __forceinline__ void mma_ab(float (&acc)[N / 8][4], const uint32_t (&a)[K / 16][4],
-                                       const uint16_t* b, int stride) {
+// acc += A B for M row tiles: A (16 x K each) as bf16 fragments in registers, B K rows at `b`,
+// N wide, row-major in shared memory.
+template <int M, int K, int N>
+__device__ __forceinline__ void mma_ab(float (&acc)[M][N / 8][4],
+                                       const uint32_t (&a)[M][K / 16][4], const uint16_t* b,
+                                       int stride) {
   const int lane = lane_id();
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
@@ -130,50 +148,58 @@ __device__ __forceinline__ void mma_ab(float (&acc)[N / 8][4], const uint32_t (&
       uint32_t bf[4];
       ldmatrix_x4_trans(bf, b + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * stride + dp * 16 +
                                 (lane / 16) * 8);
-      mma(acc[2 * dp], a[kk], bf[0], bf[1]);
-      mma(acc[2 * dp + 1], a[kk], bf[2], bf[3]);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        mma(acc[m][2 * dp], a[m][kk], bf[0], bf[1]);
+        mma(acc[m][2 * dp + 1], a[m][kk], bf[2], bf[3]);
+      }
     }
   }
 }
 
-// A 16 x N accumulator as the bf16 left operand of the next product: the layouts line up, so
+// 16 x N accumulators as the bf16 left operands of the next product: the layouts line up, so
 // each lane converts its own values.
-template <int N>
-__device__ __forceinline__ void to_operand(uint32_t (&a)[N / 16][4], const float (&c)[N / 8][4]) {
+template <int M, int N>
+__device__ __forceinline__ void to_operand(uint32_t (&a)[M][N / 16][4],
+                                           const float (&c)[M][N / 8][4]) {
 #pragma unroll
-  for (int kk = 0; kk < N / 16; ++kk) {
-    a[kk][0] = pack_bf16(c[2 * kk][0], c[2 * kk][1]);
-    a[kk][1] = pack_bf16(c[2 * kk][2], c[2 * kk][3]);
-    a[kk][2] = pack_bf16(c[2 * kk + 1][0], c[2 * kk + 1][1]);
-    a[kk][3] = pack_bf16(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+  for (int m = 0; m < M; ++m) {
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) {
+      a[m][kk][0] = pack_bf16(c[m][2 * kk][0], c[m][2 * kk][1]);
+      a[m][kk][1] = pack_bf16(c[m][2 * kk][2], c[m][2 * kk][3]);
+      a[m][kk][2] = pack_bf16(c[m][2 * kk + 1][0], c[m][2 * kk + 1][1]);
+      a[m][kk][3] = pack_bf16(c[m][2 * kk + 1][2], c[m][2 * kk + 1][3]);
+    }
   }
 }
 
 // ---- tiles ----------------------------------------------------------------------------------
 
-// Rows [row0, row0 + 64) of the matrix at `base` (row stride `row_stride` elements, D wide)
+// Rows [row0, row0 + ROWS) of the matrix at `base` (row stride `row_stride` elements, D wide)
 // into `tile`; rows at or past `seq` are zero-filled.
-template <int D>
+template <int D, int ROWS>
 __device__ __forceinline__ void load_tile(uint16_t* tile, const uint16_t* base, int row0, int seq,
                                           int64_t row_stride) {
   constexpr int kPieces = D / 8;  // 16 bytes each
-  for (int i = threadIdx.x; i < kRows * kPieces; i += kThreads) {
+  for (int i = threadIdx.x; i < ROWS * kPieces; i += kThreads) {
     const int r = i / kPieces, c = i % kPieces;
     const bool inside = row0 + r < seq;
     const uint16_t* src = inside ? base + (row0 + r) * row_stride + c * 8 : base;
-    cp_async16(tile + r * Tile<D>::kStride + c * 8, src, inside);
+    cp_async16(tile + r * stride_of<D>() + c * 8, src, inside);
   }
 }
 
-// Stores row `row` (of 16 x D accumulator rows e / 2) scaled by `factor` as bf16.
-template <int D>
-__device__ __forceinline__ void store_row(uint16_t* out, const float (&acc)[D / 8][4], int half,
-                                          float factor) {
+// Stores the row of row tile m, half `half` (rows acc_row(0) or acc_row(2)) scaled by `factor`
+// as bf16.
+template <int D, int M>
+__device__ __forceinline__ void store_row(uint16_t* out, const float (&acc)[M][D / 8][4], int m,
+                                          int half, float factor) {
   const int t = lane_id() % 4;
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
     *reinterpret_cast<uint32_t*>(out + 8 * n + 2 * t) =
-        pack_bf16(factor * acc[n][2 * half], factor * acc[n][2 * half + 1]);
+        pack_bf16(factor * acc[m][n][2 * half], factor * acc[m][n][2 * half + 1]);
   }
 }
 
@@ -191,23 +217,30 @@ __device__ __forceinline__ int64_t head_base(int b, int h, int seq, int heads) {
   return (static_cast<int64_t>(b) * seq * heads + h) * D;
 }
 
-}  // namespace
+// Whether a tile of keys [k0, k0 + keys) needs the mask for rows from q0 on: it crosses the
+// diagonal, or the sequence's end.
+__device__ __forceinline__ bool needs_mask(const Dims& d, int k0, int keys, int q0) {
+  return k0 + keys > d.seq || (d.causal && k0 + keys - 1 > q0);
+}
 
-namespace {
+__device__ __forceinline__ bool masked(const Dims& d, int key, int row) {
+  return key >= d.seq || (d.causal && key > row);
+}
 
 // ---- forward --------------------------------------------------------------------------------
 
-// One key tile of the online softmax of the lane's two rows (halves 0 and 1: rows acc_row(0)
-// and acc_row(2)): s holds the tile's scores in log2 units (masked ones -inf) and becomes P;
-// the running maxima m, the lane's partial sums l and the output rows acc are rescaled.
-template <int D>
-__device__ __forceinline__ void softmax_tile(float (&s)[kRows / 8][4], float (&m)[2],
-                                             float (&l)[2], float (&acc)[D / 8][4]) {
+// One key tile of the online softmax of a row tile's two rows a lane (halves 0 and 1: rows
+// acc_row(0) and acc_row(2)): s holds the tile's scores in log2 units (masked ones -inf) and
+// becomes P; the running maxima m, the lane's partial sums l and the output rows acc are
+// rescaled.
+template <int D, int N>
+__device__ __forceinline__ void softmax_tile(float (&s)[N / 8][4], float (&m)[2], float (&l)[2],
+                                             float (&acc)[D / 8][4]) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float mx = -INFINITY;
 #pragma unroll
-    for (int n = 0; n < kRows / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
+    for (int n = 0; n < N / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the row's four lanes
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m[half], mx);
@@ -221,7 +254,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kRows / 8][4], float (&m
       acc[n][2 * half + 1] *= alpha;
     }
 #pragma unroll
-    for (int n = 0; n < kRows / 8; ++n) {
+    for (int n = 0; n < N / 8; ++n) {
       s[n][2 * half] = exp2f(s[n][2 * half] - base);
       s[n][2 * half + 1] = exp2f(s[n][2 * half + 1] - base);
       l[half] += s[n][2 * half] + s[n][2 * half + 1];
@@ -230,65 +263,79 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kRows / 8][4], float (&m
 }
 
 template <int D>
+constexpr int forward_smem() {
+  return (16 * kFwdM * kWarps + 2 * fwd_keys<D>()) * stride_of<D>() * 2;
+}
+
+// A block per (query tile of 16 M kWarps rows, head, batch): its key tiles in order, K of the
+// next one arriving while V of this one is in use.
+template <int D>
 __global__ void __launch_bounds__(kThreads) forward_kernel(Args a) {
-  constexpr int S = Tile<D>::kStride, E = Tile<D>::kElems;
+  constexpr int M = kFwdM, N = fwd_keys<D>(), S = stride_of<D>(), kQRows = 16 * M * kWarps;
   extern __shared__ __align__(16) uint16_t smem[];
-  uint16_t *sq = smem, *sk = smem + E, *sv = smem + 2 * E;
+  uint16_t *sq = smem, *sk = smem + kQRows * S, *sv = sk + N * S;
   const Dims& d = a.dims;
   const int warp = threadIdx.x / 32;
-  const int q0 = (d.blocks - 1 - blockIdx.x) * kRows;  // the longest rows of keys first
-  const int h = blockIdx.y, b = blockIdx.z, row0 = q0 + 16 * warp;
+  const int q0 = (tiles(d.seq, kQRows) - 1 - blockIdx.x) * kQRows;  // the longest rows first
+  const int h = blockIdx.y, b = blockIdx.z, row0 = q0 + 16 * M * warp;
   const int64_t q_stride = static_cast<int64_t>(d.heads) * D;
   const int64_t kv_stride = static_cast<int64_t>(d.kv_heads) * D;
   const int64_t q_base = head_base<D>(b, h, d.seq, d.heads);
   const int64_t kv_base = head_base<D>(b, h / d.group, d.seq, d.kv_heads);
-  const int kv_end = d.causal ? min(d.seq, q0 + kRows) : d.seq;
-  const int kblocks = (kv_end + kRows - 1) / kRows;
+  const int kblocks = tiles(d.causal ? min(d.seq, q0 + kQRows) : d.seq, N);
 
-  load_tile<D>(sq, a.q + q_base, q0, d.seq, q_stride);
-  load_tile<D>(sk, a.k + kv_base, 0, d.seq, kv_stride);
+  load_tile<D, kQRows>(sq, a.q + q_base, q0, d.seq, q_stride);
+  load_tile<D, N>(sk, a.k + kv_base, 0, d.seq, kv_stride);
   cp_async_commit();
-  float acc[D / 8][4] = {};
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  float acc[M][D / 8][4] = {};
+  float m[M][2], l[M][2];
+#pragma unroll
+  for (int mi = 0; mi < M; ++mi) m[mi][0] = m[mi][1] = -INFINITY, l[mi][0] = l[mi][1] = 0.0f;
   for (int j = 0; j < kblocks; ++j) {
-    const int k0 = j * kRows;
-    load_tile<D>(sv, a.v + kv_base, k0, d.seq, kv_stride);
+    const int k0 = j * N;
+    load_tile<D, N>(sv, a.v + kv_base, k0, d.seq, kv_stride);
     cp_async_commit();
     cp_async_wait<1>();  // K_j
     __syncthreads();
-    float s[kRows / 8][4] = {};
-    mma_abt<D, kRows>(s, sq + 16 * warp * S, sk, S);
+    float s[M][N / 8][4] = {};
+    mma_abt<M, D, N>(s, sq + 16 * M * warp * S, sk, S);
     __syncthreads();  // every warp is done with K_j
-    if (j + 1 < kblocks) load_tile<D>(sk, a.k + kv_base, k0 + kRows, d.seq, kv_stride);
+    if (j + 1 < kblocks) load_tile<D, N>(sk, a.k + kv_base, k0 + N, d.seq, kv_stride);
     cp_async_commit();
-    const bool edge = j == kblocks - 1;  // the diagonal, or the sequence's end
+    const bool edge = needs_mask(d, k0, N, q0);
 #pragma unroll
-    for (int n = 0; n < kRows / 8; ++n) {
+    for (int mi = 0; mi < M; ++mi) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = k0 + acc_col(n, e), row = row0 + acc_row(e);
-        const bool masked = edge && (col >= d.seq || (d.causal && col > row));
-        s[n][e] = masked ? -INFINITY : s[n][e] * d.scale_log2;
+      for (int n = 0; n < N / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const bool out = edge && masked(d, k0 + acc_col(n, e), row0 + 16 * mi + acc_row(e));
+          s[mi][n][e] = out ? -INFINITY : s[mi][n][e] * d.scale_log2;
+        }
       }
+      softmax_tile<D, N>(s[mi], m[mi], l[mi], acc[mi]);
     }
-    softmax_tile<D>(s, m, l, acc);
-    uint32_t p[kRows / 16][4];
-    to_operand<kRows>(p, s);
+    uint32_t p[M][N / 16][4];
+    to_operand<M, N>(p, s);
     cp_async_wait<1>();  // V_j
     __syncthreads();
-    mma_ab<kRows, D>(acc, p, sv, S);
+    mma_ab<M, N, D>(acc, p, sv, S);
     __syncthreads();  // every warp is done with V_j
   }
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 1);
-    l[half] += __shfl_xor_sync(0xffffffffu, l[half], 2);
-    const int row = row0 + acc_row(2 * half);
-    if (row >= d.seq) continue;
-    store_row<D>(a.out + q_base + row * q_stride, acc, half, 1.0f / l[half]);
-    if (lane_id() % 4 == 0) {
-      a.lse_out[(static_cast<int64_t>(b) * d.heads + h) * d.seq + row] =
-          m[half] * kLn2 + logf(l[half]);
+  for (int mi = 0; mi < M; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float sum = l[mi][half];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int row = row0 + 16 * mi + acc_row(2 * half);
+      if (row >= d.seq) continue;
+      store_row<D, M>(a.out + q_base + row * q_stride, acc, mi, half, 1.0f / sum);
+      if (lane_id() % 4 == 0) {
+        a.lse_out[(static_cast<int64_t>(b) * d.heads + h) * d.seq + row] =
+            m[mi][half] * kLn2 + logf(sum);
+      }
     }
   }
 }
@@ -311,44 +358,51 @@ __global__ void delta_kernel(Args a, int64_t rows) {
   for (int w = 16; w > 0; w /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, w);
   if (lane_id() != 0) return;
   const Dims& d = a.dims;
-  const int64_t h = row % d.heads, t = (row / d.heads) % d.seq, b = row / (d.heads * static_cast<int64_t>(d.seq));
+  const int64_t h = row % d.heads, t = (row / d.heads) % d.seq;
+  const int64_t b = row / (d.heads * static_cast<int64_t>(d.seq));
   a.delta[(b * d.heads + h) * d.seq + t] = sum;
 }
 
-// dK and dV of one key tile: the query tiles of each query head of the kv head's group, in
-// order, two of them in flight.
+template <int D>
+constexpr int dkdv_smem() {
+  return (2 * kDkvKeys + 4 * kDkvQueries) * stride_of<D>() * 2 + 4 * kDkvQueries * 4;
+}
+
+// dK and dV of one key tile (a block per (key tile, kv head, batch)): the query tiles of each
+// query head of the kv head's group, in order, two of them in flight.
 template <int D>
 __global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a) {
-  constexpr int S = Tile<D>::kStride, E = Tile<D>::kElems;
+  constexpr int N = kDkvQueries, S = stride_of<D>(), E = N * S;
   extern __shared__ __align__(16) uint16_t smem[];
-  uint16_t *sk = smem, *sv = smem + E, *sq = smem + 2 * E, *sdo = smem + 4 * E;  // 2 buffers
-  float* srows = reinterpret_cast<float*>(smem + 6 * E);  // per buffer: lse * log2(e), delta
+  uint16_t *sk = smem, *sv = smem + kDkvKeys * S;
+  uint16_t *sq = sv + kDkvKeys * S, *sdo = sq + 2 * E;      // 2 buffers each
+  float* srows = reinterpret_cast<float*>(sdo + 2 * E);     // per buffer: lse log2(e), delta
   const Dims& d = a.dims;
-  const int warp = threadIdx.x / 32, k0 = blockIdx.x * kRows, hk = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, k0 = blockIdx.x * kDkvKeys, hk = blockIdx.y, b = blockIdx.z;
   const int64_t q_stride = static_cast<int64_t>(d.heads) * D;
   const int64_t kv_stride = static_cast<int64_t>(d.kv_heads) * D;
   const int64_t kv_base = head_base<D>(b, hk, d.seq, d.kv_heads);
-  const int qb_first = d.causal ? blockIdx.x : 0, qblocks = d.blocks - qb_first;
+  const int qb_first = d.causal ? k0 / N : 0, qblocks = tiles(d.seq, N) - qb_first;
   const int steps = d.group * qblocks;
   auto issue = [&](int step) {
     const int buf = step % 2, h = hk * d.group + step / qblocks;
-    const int q0 = (qb_first + step % qblocks) * kRows;
+    const int q0 = (qb_first + step % qblocks) * N;
     const int64_t q_base = head_base<D>(b, h, d.seq, d.heads);
-    load_tile<D>(sq + buf * E, a.q + q_base, q0, d.seq, q_stride);
-    load_tile<D>(sdo + buf * E, a.d_o + q_base, q0, d.seq, q_stride);
-    if (threadIdx.x < kRows) {
+    load_tile<D, N>(sq + buf * E, a.q + q_base, q0, d.seq, q_stride);
+    load_tile<D, N>(sdo + buf * E, a.d_o + q_base, q0, d.seq, q_stride);
+    if (threadIdx.x < N) {
       const int row = q0 + threadIdx.x;
       const int64_t at = (static_cast<int64_t>(b) * d.heads + h) * d.seq + row;
-      srows[buf * 2 * kRows + threadIdx.x] = row < d.seq ? a.lse[at] * kLog2e : INFINITY;
-      srows[buf * 2 * kRows + kRows + threadIdx.x] = row < d.seq ? a.delta[at] : 0.0f;
+      srows[buf * 2 * N + threadIdx.x] = row < d.seq ? a.lse[at] * kLog2e : INFINITY;
+      srows[buf * 2 * N + N + threadIdx.x] = row < d.seq ? a.delta[at] : 0.0f;
     }
     cp_async_commit();
   };
 
-  load_tile<D>(sk, a.k + kv_base, k0, d.seq, kv_stride);
-  load_tile<D>(sv, a.v + kv_base, k0, d.seq, kv_stride);
+  load_tile<D, kDkvKeys>(sk, a.k + kv_base, k0, d.seq, kv_stride);
+  load_tile<D, kDkvKeys>(sv, a.v + kv_base, k0, d.seq, kv_stride);
   issue(0);
-  float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+  float dk[1][D / 8][4] = {}, dv[1][D / 8][4] = {};
   for (int it = 0; it < steps; ++it) {
     if (it + 1 < steps) {
       issue(it + 1);
@@ -357,77 +411,88 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a) {
     }
     cp_async_wait<1>();
     __syncthreads();
-    const int buf = it % 2, q0 = (qb_first + it % qblocks) * kRows;
+    const int buf = it % 2, q0 = (qb_first + it % qblocks) * N;
     const uint16_t *tq = sq + buf * E, *tdo = sdo + buf * E;
-    const float *lse2 = srows + buf * 2 * kRows, *delta = lse2 + kRows;
-    const bool diagonal = d.causal && q0 == k0;
-    float p[kRows / 8][4] = {};  // P^T: the warp's 16 keys x the tile's 64 queries
-    mma_abt<D, kRows>(p, sk + 16 * warp * S, tq, S);
+    const float *lse2 = srows + buf * 2 * N, *delta = lse2 + N;
+    const bool diagonal = d.causal && q0 < k0 + kDkvKeys && k0 < q0 + N;
+    float p[1][N / 8][4] = {};  // P^T: the warp's 16 keys x the tile's queries
+    mma_abt<1, D, N>(p, sk + 16 * warp * S, tq, S);
 #pragma unroll
-    for (int n = 0; n < kRows / 8; ++n) {
+    for (int n = 0; n < N / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = k0 + 16 * warp + acc_row(e), col = acc_col(n, e);
-        p[n][e] = diagonal && key > q0 + col ? 0.0f : exp2f(p[n][e] * d.scale_log2 - lse2[col]);
+        const bool out = diagonal && key > q0 + col;  // rows past the end: lse is +inf
+        p[0][n][e] = out ? 0.0f : exp2f(p[0][n][e] * d.scale_log2 - lse2[col]);
       }
     }
-    uint32_t op[kRows / 16][4];
-    to_operand<kRows>(op, p);
-    mma_ab<kRows, D>(dv, op, tdo, S);  // dV += P^T dO
-    float dp[kRows / 8][4] = {};
-    mma_abt<D, kRows>(dp, sv + 16 * warp * S, tdo, S);  // dP^T = V dO^T
+    uint32_t op[1][N / 16][4];
+    to_operand<1, N>(op, p);
+    mma_ab<1, N, D>(dv, op, tdo, S);  // dV += P^T dO
+    float dp[1][N / 8][4] = {};
+    mma_abt<1, D, N>(dp, sv + 16 * warp * S, tdo, S);  // dP^T = V dO^T
 #pragma unroll
-    for (int n = 0; n < kRows / 8; ++n) {
+    for (int n = 0; n < N / 8; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) p[n][e] *= dp[n][e] - delta[acc_col(n, e)];
+      for (int e = 0; e < 4; ++e) p[0][n][e] *= dp[0][n][e] - delta[acc_col(n, e)];
     }
-    to_operand<kRows>(op, p);
-    mma_ab<kRows, D>(dk, op, tq, S);  // dK += dS^T Q
+    to_operand<1, N>(op, p);
+    mma_ab<1, N, D>(dk, op, tq, S);  // dK += dS^T Q
     __syncthreads();  // every warp is done with this buffer
   }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = k0 + 16 * warp + acc_row(2 * half);
     if (key >= d.seq) continue;
-    store_row<D>(a.dk + kv_base + key * kv_stride, dk, half, d.scale);
-    store_row<D>(a.dv + kv_base + key * kv_stride, dv, half, 1.0f);
+    store_row<D, 1>(a.dk + kv_base + key * kv_stride, dk, 0, half, d.scale);
+    store_row<D, 1>(a.dv + kv_base + key * kv_stride, dv, 0, half, 1.0f);
   }
 }
 
-// dQ of one query tile: its key tiles in order, two of them in flight.
+template <int D>
+constexpr int dq_smem() {
+  return (2 * 16 * kDqM * kWarps + 4 * kDqKeys) * stride_of<D>() * 2;
+}
+
+// dQ of one query tile (a block per (query tile, head, batch)): its key tiles in order, two of
+// them in flight.
 template <int D>
 __global__ void __launch_bounds__(kThreads) dq_kernel(Args a) {
-  constexpr int S = Tile<D>::kStride, E = Tile<D>::kElems;
+  constexpr int M = kDqM, N = kDqKeys, S = stride_of<D>(), E = N * S;
+  constexpr int kQRows = 16 * M * kWarps;
   extern __shared__ __align__(16) uint16_t smem[];
-  uint16_t *sq = smem, *sdo = smem + E, *sk = smem + 2 * E, *sv = smem + 4 * E;  // 2 buffers
+  uint16_t *sq = smem, *sdo = smem + kQRows * S;
+  uint16_t *sk = sdo + kQRows * S, *sv = sk + 2 * E;  // 2 buffers each
   const Dims& d = a.dims;
   const int warp = threadIdx.x / 32;
-  const int q0 = (d.blocks - 1 - blockIdx.x) * kRows;
-  const int h = blockIdx.y, b = blockIdx.z, row0 = q0 + 16 * warp;
+  const int q0 = (tiles(d.seq, kQRows) - 1 - blockIdx.x) * kQRows;
+  const int h = blockIdx.y, b = blockIdx.z, row0 = q0 + 16 * M * warp;
   const int64_t q_stride = static_cast<int64_t>(d.heads) * D;
   const int64_t kv_stride = static_cast<int64_t>(d.kv_heads) * D;
   const int64_t q_base = head_base<D>(b, h, d.seq, d.heads);
   const int64_t kv_base = head_base<D>(b, h / d.group, d.seq, d.kv_heads);
-  const int kv_end = d.causal ? min(d.seq, q0 + kRows) : d.seq;
-  const int kblocks = (kv_end + kRows - 1) / kRows;
-  float lse2[2], delta[2];
+  const int kblocks = tiles(d.causal ? min(d.seq, q0 + kQRows) : d.seq, N);
+  float lse2[M][2], delta[M][2];
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = row0 + acc_row(2 * half);
-    const int64_t at = (static_cast<int64_t>(b) * d.heads + h) * d.seq + row;
-    lse2[half] = row < d.seq ? a.lse[at] * kLog2e : 0.0f;
-    delta[half] = row < d.seq ? a.delta[at] : 0.0f;
+  for (int mi = 0; mi < M; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + 16 * mi + acc_row(2 * half);
+      const int64_t at = (static_cast<int64_t>(b) * d.heads + h) * d.seq + row;
+      lse2[mi][half] = row < d.seq ? a.lse[at] * kLog2e : 0.0f;
+      delta[mi][half] = row < d.seq ? a.delta[at] : 0.0f;
+    }
   }
   auto issue = [&](int j) {
-    load_tile<D>(sk + (j % 2) * E, a.k + kv_base, j * kRows, d.seq, kv_stride);
-    load_tile<D>(sv + (j % 2) * E, a.v + kv_base, j * kRows, d.seq, kv_stride);
+    load_tile<D, N>(sk + (j % 2) * E, a.k + kv_base, j * N, d.seq, kv_stride);
+    load_tile<D, N>(sv + (j % 2) * E, a.v + kv_base, j * N, d.seq, kv_stride);
     cp_async_commit();
   };
 
-  load_tile<D>(sq, a.q + q_base, q0, d.seq, q_stride);
-  load_tile<D>(sdo, a.d_o + q_base, q0, d.seq, q_stride);
+  load_tile<D, kQRows>(sq, a.q + q_base, q0, d.seq, q_stride);
+  load_tile<D, kQRows>(sdo, a.d_o + q_base, q0, d.seq, q_stride);
   issue(0);
-  float dq[D / 8][4] = {};
+  float dq[M][D / 8][4] = {};
   for (int j = 0; j < kblocks; ++j) {
     if (j + 1 < kblocks) {
       issue(j + 1);
@@ -437,35 +502,43 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Args a) {
     cp_async_wait<1>();
     __syncthreads();
     const uint16_t *tk = sk + (j % 2) * E, *tv = sv + (j % 2) * E;
-    const int k0 = j * kRows;
-    const bool edge = j == kblocks - 1;
-    float p[kRows / 8][4] = {};
-    mma_abt<D, kRows>(p, sq + 16 * warp * S, tk, S);
+    const int k0 = j * N;
+    const bool edge = needs_mask(d, k0, N, q0);
+    float p[M][N / 8][4] = {};
+    mma_abt<M, D, N>(p, sq + 16 * M * warp * S, tk, S);
 #pragma unroll
-    for (int n = 0; n < kRows / 8; ++n) {
+    for (int mi = 0; mi < M; ++mi) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = k0 + acc_col(n, e), row = row0 + acc_row(e);
-        const bool masked = edge && (col >= d.seq || (d.causal && col > row));
-        p[n][e] = masked ? 0.0f : exp2f(p[n][e] * d.scale_log2 - lse2[e / 2]);
+      for (int n = 0; n < N / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const bool out = edge && masked(d, k0 + acc_col(n, e), row0 + 16 * mi + acc_row(e));
+          p[mi][n][e] = out ? 0.0f : exp2f(p[mi][n][e] * d.scale_log2 - lse2[mi][e / 2]);
+        }
       }
     }
-    float dp[kRows / 8][4] = {};
-    mma_abt<D, kRows>(dp, sdo + 16 * warp * S, tv, S);  // dP = dO V^T
+    float dp[M][N / 8][4] = {};
+    mma_abt<M, D, N>(dp, sdo + 16 * M * warp * S, tv, S);  // dP = dO V^T
 #pragma unroll
-    for (int n = 0; n < kRows / 8; ++n) {
+    for (int mi = 0; mi < M; ++mi) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) p[n][e] *= dp[n][e] - delta[e / 2];
+      for (int n = 0; n < N / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[mi][n][e] *= dp[mi][n][e] - delta[mi][e / 2];
+      }
     }
-    uint32_t op[kRows / 16][4];
-    to_operand<kRows>(op, p);
-    mma_ab<kRows, D>(dq, op, tk, S);  // dQ += dS K
+    uint32_t op[M][N / 16][4];
+    to_operand<M, N>(op, p);
+    mma_ab<M, N, D>(dq, op, tk, S);  // dQ += dS K
     __syncthreads();  // every warp is done with this buffer
   }
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = row0 + acc_row(2 * half);
-    if (row < d.seq) store_row<D>(a.dq + q_base + row * q_stride, dq, half, d.scale);
+  for (int mi = 0; mi < M; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + 16 * mi + acc_row(2 * half);
+      if (row < d.seq) store_row<D, M>(a.dq + q_base + row * q_stride, dq, mi, half, d.scale);
+    }
   }
 }
 
@@ -484,8 +557,9 @@ template <int D>
 cudaError_t forward_d(const Forward& c, cudaStream_t stream) {
   Args a{};
   a.q = c.q, a.k = c.k, a.v = c.v, a.out = c.o, a.lse_out = c.lse, a.dims = dims_of(c.shape);
-  const dim3 grid(a.dims.blocks, a.dims.heads, static_cast<unsigned>(c.shape.batch));
-  return launch(forward_kernel<D>, grid, 3 * Tile<D>::kBytes, stream, a);
+  const dim3 grid(tiles(a.dims.seq, 16 * kFwdM * kWarps), a.dims.heads,
+                  static_cast<unsigned>(c.shape.batch));
+  return launch(forward_kernel<D>, grid, forward_smem<D>(), stream, a);
 }
 
 template <int D>
@@ -499,10 +573,11 @@ cudaError_t backward_d(const Backward& c, cudaStream_t stream) {
                     32 * kRowsPerBlock, 0, stream>>>(a, rows);
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
   const unsigned batch = static_cast<unsigned>(c.shape.batch);
-  PIMHBM_CUDA_RETURN_IF_ERROR(launch(dkdv_kernel<D>, dim3(a.dims.blocks, a.dims.kv_heads, batch),
-                                     6 * Tile<D>::kBytes + 4 * kRows * 4, stream, a));
-  return launch(dq_kernel<D>, dim3(a.dims.blocks, a.dims.heads, batch), 6 * Tile<D>::kBytes,
-                stream, a);
+  PIMHBM_CUDA_RETURN_IF_ERROR(launch(dkdv_kernel<D>,
+                                     dim3(tiles(a.dims.seq, kDkvKeys), a.dims.kv_heads, batch),
+                                     dkdv_smem<D>(), stream, a));
+  return launch(dq_kernel<D>, dim3(tiles(a.dims.seq, 16 * kDqM * kWarps), a.dims.heads, batch),
+                dq_smem<D>(), stream, a);
 }
 
 }  // namespace
