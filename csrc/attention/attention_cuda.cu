@@ -92,6 +92,14 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// 2^x from the special-function unit alone (ex2.approx.ftz: within 2 ulp, -inf gives 0);
+// exp2f wraps the same instruction in range fix-ups this kernel's arguments never need.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
@@ -105,32 +113,49 @@ __device__ __forceinline__ int lane_id() { return threadIdx.x % 32; }
 __device__ __forceinline__ int acc_row(int e) { return lane_id() / 4 + 8 * (e / 2); }
 __device__ __forceinline__ int acc_col(int n, int e) { return 8 * n + 2 * (lane_id() % 4) + e % 2; }
 
-// acc += A B^T for M row tiles: A's tile m is the 16 rows at `a` + 16 m rows, B is N rows at
-// `b`, both K wide, row-major in shared memory with row stride `stride`. Each fragment of B
-// loaded serves all M tiles: shared-memory traffic, not the tensor cores, bounds these
-// products, so more rows a warp means fewer loads a product.
+// One step (columns 16 kk .. 16 kk + 15 of K) of acc += A B^T for M row tiles: A's tile m is
+// the 16 rows at `a` + 16 m rows, B is N rows at `b`, row-major in shared memory with row
+// stride `stride`. Each fragment of B loaded serves all M tiles.
+template <int M, int N>
+__device__ __forceinline__ void abt_step(float (&acc)[M][N / 8][4], const uint16_t* a,
+                                         const uint16_t* b, int stride, int kk) {
+  const int lane = lane_id();
+  uint32_t af[M][4];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    ldmatrix_x4(af[m], a + (16 * m + lane % 16) * stride + kk * 16 + (lane / 16) * 8);
+  }
+#pragma unroll
+  for (int np = 0; np < N / 16; ++np) {
+    uint32_t bf[4];
+    ldmatrix_x4(bf, b + (np * 16 + lane % 8 + (lane / 16) * 8) * stride + kk * 16 +
+                        ((lane / 8) % 2) * 8);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      mma(acc[m][2 * np], af[m], bf[0], bf[1]);
+      mma(acc[m][2 * np + 1], af[m], bf[2], bf[3]);
+    }
+  }
+}
+
+// acc += A B^T (both K wide).
 template <int M, int K, int N>
 __device__ __forceinline__ void mma_abt(float (&acc)[M][N / 8][4], const uint16_t* a,
                                         const uint16_t* b, int stride) {
-  const int lane = lane_id();
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) abt_step<M, N>(acc, a, b, stride, kk);
+}
+
+// Two products acc1 += A1 B1^T and acc2 += A2 B2^T in one pass over K: twice the independent
+// accumulators between an accumulator's dependent tensor-core operations.
+template <int M, int K, int N>
+__device__ __forceinline__ void mma_abt_pair(float (&acc1)[M][N / 8][4], const uint16_t* a1,
+                                             const uint16_t* b1, float (&acc2)[M][N / 8][4],
+                                             const uint16_t* a2, const uint16_t* b2, int stride) {
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
-    uint32_t af[M][4];
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      ldmatrix_x4(af[m], a + (16 * m + lane % 16) * stride + kk * 16 + (lane / 16) * 8);
-    }
-#pragma unroll
-    for (int np = 0; np < N / 16; ++np) {
-      uint32_t bf[4];
-      ldmatrix_x4(bf, b + (np * 16 + lane % 8 + (lane / 16) * 8) * stride + kk * 16 +
-                          ((lane / 8) % 2) * 8);
-#pragma unroll
-      for (int m = 0; m < M; ++m) {
-        mma(acc[m][2 * np], af[m], bf[0], bf[1]);
-        mma(acc[m][2 * np + 1], af[m], bf[2], bf[3]);
-      }
-    }
+    abt_step<M, N>(acc1, a1, b1, stride, kk);
+    abt_step<M, N>(acc2, a2, b2, stride, kk);
   }
 }
 
@@ -245,7 +270,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[N / 8][4], float (&m)[2]
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(m[half], mx);
     const float base = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet stays 0
-    const float alpha = exp2f(m[half] - base);
+    const float alpha = fast_exp2(m[half] - base);
     m[half] = m_new;
     l[half] *= alpha;
 #pragma unroll
@@ -255,8 +280,8 @@ __device__ __forceinline__ void softmax_tile(float (&s)[N / 8][4], float (&m)[2]
     }
 #pragma unroll
     for (int n = 0; n < N / 8; ++n) {
-      s[n][2 * half] = exp2f(s[n][2 * half] - base);
-      s[n][2 * half + 1] = exp2f(s[n][2 * half + 1] - base);
+      s[n][2 * half] = fast_exp2(s[n][2 * half] - base);
+      s[n][2 * half + 1] = fast_exp2(s[n][2 * half + 1] - base);
       l[half] += s[n][2 * half] + s[n][2 * half + 1];
     }
   }
@@ -415,22 +440,20 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a) {
     const uint16_t *tq = sq + buf * E, *tdo = sdo + buf * E;
     const float *lse2 = srows + buf * 2 * N, *delta = lse2 + N;
     const bool diagonal = d.causal && q0 < k0 + kDkvKeys && k0 < q0 + N;
-    float p[1][N / 8][4] = {};  // P^T: the warp's 16 keys x the tile's queries
-    mma_abt<1, D, N>(p, sk + 16 * warp * S, tq, S);
+    float p[1][N / 8][4] = {}, dp[1][N / 8][4] = {};  // the warp's 16 keys x the queries
+    mma_abt_pair<1, D, N>(p, sk + 16 * warp * S, tq, dp, sv + 16 * warp * S, tdo, S);  // S^T, dP^T
 #pragma unroll
     for (int n = 0; n < N / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int key = k0 + 16 * warp + acc_row(e), col = acc_col(n, e);
         const bool out = diagonal && key > q0 + col;  // rows past the end: lse is +inf
-        p[0][n][e] = out ? 0.0f : exp2f(p[0][n][e] * d.scale_log2 - lse2[col]);
+        p[0][n][e] = out ? 0.0f : fast_exp2(p[0][n][e] * d.scale_log2 - lse2[col]);
       }
     }
     uint32_t op[1][N / 16][4];
     to_operand<1, N>(op, p);
     mma_ab<1, N, D>(dv, op, tdo, S);  // dV += P^T dO
-    float dp[1][N / 8][4] = {};
-    mma_abt<1, D, N>(dp, sv + 16 * warp * S, tdo, S);  // dP^T = V dO^T
 #pragma unroll
     for (int n = 0; n < N / 8; ++n) {
 #pragma unroll
@@ -504,8 +527,8 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Args a) {
     const uint16_t *tk = sk + (j % 2) * E, *tv = sv + (j % 2) * E;
     const int k0 = j * N;
     const bool edge = needs_mask(d, k0, N, q0);
-    float p[M][N / 8][4] = {};
-    mma_abt<M, D, N>(p, sq + 16 * M * warp * S, tk, S);
+    float p[M][N / 8][4] = {}, dp[M][N / 8][4] = {};  // S = Q K^T, dP = dO V^T
+    mma_abt_pair<M, D, N>(p, sq + 16 * M * warp * S, tk, dp, sdo + 16 * M * warp * S, tv, S);
 #pragma unroll
     for (int mi = 0; mi < M; ++mi) {
 #pragma unroll
@@ -513,12 +536,10 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Args a) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const bool out = edge && masked(d, k0 + acc_col(n, e), row0 + 16 * mi + acc_row(e));
-          p[mi][n][e] = out ? 0.0f : exp2f(p[mi][n][e] * d.scale_log2 - lse2[mi][e / 2]);
+          p[mi][n][e] = out ? 0.0f : fast_exp2(p[mi][n][e] * d.scale_log2 - lse2[mi][e / 2]);
         }
       }
     }
-    float dp[M][N / 8][4] = {};
-    mma_abt<M, D, N>(dp, sdo + 16 * M * warp * S, tv, S);  // dP = dO V^T
 #pragma unroll
     for (int mi = 0; mi < M; ++mi) {
 #pragma unroll
