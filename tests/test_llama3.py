@@ -423,9 +423,8 @@ def test_llama3_tool_measures_each_steps_memory_in_a_process_of_its_own():
 
 
 def test_llama3_tool_times_exact_mode_in_a_process_of_its_own():
-    """`pimhbm llama3 --exact-of-protected` (the child the tool starts, with XLA's
-    deterministic ops, for the exact-mode row beside the fast plain step): one line with the
-    protected step's time."""
+    """`pimhbm llama3 --exact-of-protected` (the child the tool starts, in exact mode, for the
+    exact-mode row beside the fast plain step): one line with the protected step's time."""
     import json
     import subprocess
     import sys
@@ -437,6 +436,18 @@ def test_llama3_tool_times_exact_mode_in_a_process_of_its_own():
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     line = next(l for l in run.stdout.splitlines() if l.startswith("EXACT "))
     assert json.loads(line[len("EXACT "):])["protected_ms"] > 0
+
+
+def test_exact_mode_picks_an_attention_that_repeats_without_xla_flags():
+    """GPUs: cuDNN's attention for speed; pimhbm's in exact mode where it takes the head dim
+    (XLA's, with the flag, on the tiny models); CPUs: XLA's, repeatable as it is."""
+    from pimhbm_cli.llama3 import _attention
+
+    big, tiny = llama3.llama3_8b(layers=1), llama3.tiny()
+    assert _attention(big, "gpu", exact=False) == "cudnn"
+    assert _attention(big, "gpu", exact=True) == llama3.PIMHBM_ATTENTION
+    assert _attention(tiny, "gpu", exact=True) == "xla"
+    assert _attention(big, "cpu", exact=True) == "xla"
 
 
 @pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])

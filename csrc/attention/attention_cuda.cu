@@ -52,8 +52,13 @@ struct Dims {
 };
 
 Dims dims_of(const Shape& s) {
-  return Dims{static_cast<int>(s.seq), static_cast<int>(s.heads), static_cast<int>(s.kv_heads),
-              static_cast<int>(s.group()), s.causal, s.scale(), s.scale() * kLog2e};
+  return Dims{static_cast<int>(s.seq),
+              static_cast<int>(s.heads),
+              static_cast<int>(s.kv_heads),
+              static_cast<int>(s.group()),
+              s.causal,
+              s.scale(),
+              s.scale() * kLog2e};
 }
 
 // ---- PTX ------------------------------------------------------------------------------------
@@ -128,8 +133,8 @@ __device__ __forceinline__ void abt_step(float (&acc)[M][N / 8][4], const uint16
 #pragma unroll
   for (int np = 0; np < N / 16; ++np) {
     uint32_t bf[4];
-    ldmatrix_x4(bf, b + (np * 16 + lane % 8 + (lane / 16) * 8) * stride + kk * 16 +
-                        ((lane / 8) % 2) * 8);
+    ldmatrix_x4(
+        bf, b + (np * 16 + lane % 8 + (lane / 16) * 8) * stride + kk * 16 + ((lane / 8) % 2) * 8);
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       mma(acc[m][2 * np], af[m], bf[0], bf[1]);
@@ -162,17 +167,16 @@ __device__ __forceinline__ void mma_abt_pair(float (&acc1)[M][N / 8][4], const u
 // acc += A B for M row tiles: A (16 x K each) as bf16 fragments in registers, B K rows at `b`,
 // N wide, row-major in shared memory.
 template <int M, int K, int N>
-__device__ __forceinline__ void mma_ab(float (&acc)[M][N / 8][4],
-                                       const uint32_t (&a)[M][K / 16][4], const uint16_t* b,
-                                       int stride) {
+__device__ __forceinline__ void mma_ab(float (&acc)[M][N / 8][4], const uint32_t (&a)[M][K / 16][4],
+                                       const uint16_t* b, int stride) {
   const int lane = lane_id();
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
 #pragma unroll
     for (int dp = 0; dp < N / 16; ++dp) {
       uint32_t bf[4];
-      ldmatrix_x4_trans(bf, b + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * stride + dp * 16 +
-                                (lane / 16) * 8);
+      ldmatrix_x4_trans(
+          bf, b + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * stride + dp * 16 + (lane / 16) * 8);
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         mma(acc[m][2 * dp], a[m][kk], bf[0], bf[1]);
@@ -400,8 +404,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a) {
   constexpr int N = kDkvQueries, S = stride_of<D>(), E = N * S;
   extern __shared__ __align__(16) uint16_t smem[];
   uint16_t *sk = smem, *sv = smem + kDkvKeys * S;
-  uint16_t *sq = sv + kDkvKeys * S, *sdo = sq + 2 * E;      // 2 buffers each
-  float* srows = reinterpret_cast<float*>(sdo + 2 * E);     // per buffer: lse log2(e), delta
+  uint16_t *sq = sv + kDkvKeys * S, *sdo = sq + 2 * E;   // 2 buffers each
+  float* srows = reinterpret_cast<float*>(sdo + 2 * E);  // per buffer: lse log2(e), delta
   const Dims& d = a.dims;
   const int warp = threadIdx.x / 32, k0 = blockIdx.x * kDkvKeys, hk = blockIdx.y, b = blockIdx.z;
   const int64_t q_stride = static_cast<int64_t>(d.heads) * D;
@@ -461,7 +465,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a) {
     }
     to_operand<1, N>(op, p);
     mma_ab<1, N, D>(dk, op, tq, S);  // dK += dS^T Q
-    __syncthreads();  // every warp is done with this buffer
+    __syncthreads();                 // every warp is done with this buffer
   }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -551,7 +555,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Args a) {
     uint32_t op[M][N / 16][4];
     to_operand<M, N>(op, p);
     mma_ab<M, N, D>(dq, op, tk, S);  // dQ += dS K
-    __syncthreads();  // every warp is done with this buffer
+    __syncthreads();                 // every warp is done with this buffer
   }
 #pragma unroll
   for (int mi = 0; mi < M; ++mi) {

@@ -27,11 +27,11 @@ namespace {
 
 constexpr const char* kFwd = "pimhbm.attention";
 constexpr const char* kBwd = "pimhbm.attention (backward)";
-constexpr int64_t kMaxGrid = 65535;           // batch and heads index CUDA grid dimensions
+constexpr int64_t kMaxGrid = 65535;            // batch and heads index CUDA grid dimensions
 constexpr int64_t kMaxSeq = (1ll << 31) - 64;  // positions are int on the GPU
 
-ffi::Error check_dims(const char* op, const char* name, const ffi::AnyBuffer& x,
-                      ffi::DataType want, std::initializer_list<int64_t> dims) {
+ffi::Error check_dims(const char* op, const char* name, const ffi::AnyBuffer& x, ffi::DataType want,
+                      std::initializer_list<int64_t> dims) {
   const auto got = x.dimensions();
   bool same = x.element_type() == want && got.size() == dims.size();
   for (size_t i = 0; same && i < dims.size(); ++i) same = got[i] == dims.begin()[i];
@@ -58,13 +58,13 @@ ffi::ErrorOr<Shape> shape_of(const char* op, const ffi::AnyBuffer& q, const ffi:
     return invalid(op, "k must be [batch, seq, kv_heads, head_dim] with kv_heads dividing q's " +
                            std::to_string(s.heads) + " heads, got " + shape_str(kd));
   }
-  PIMHBM_FFI_RETURN_IF_ERROR(check_dims(op, "k", k, ffi::DataType::BF16,
-                                        {s.batch, s.seq, s.kv_heads, s.head_dim}));
-  PIMHBM_FFI_RETURN_IF_ERROR(check_dims(op, "v", v, ffi::DataType::BF16,
-                                        {s.batch, s.seq, s.kv_heads, s.head_dim}));
+  PIMHBM_FFI_RETURN_IF_ERROR(
+      check_dims(op, "k", k, ffi::DataType::BF16, {s.batch, s.seq, s.kv_heads, s.head_dim}));
+  PIMHBM_FFI_RETURN_IF_ERROR(
+      check_dims(op, "v", v, ffi::DataType::BF16, {s.batch, s.seq, s.kv_heads, s.head_dim}));
   if (s.batch > kMaxGrid || s.heads > kMaxGrid || s.seq > kMaxSeq) {
-    return invalid(op, "at most 65535 sequences, 65535 heads and 2^31 - 64 positions, got " +
-                           shape_str(qd));
+    return invalid(
+        op, "at most 65535 sequences, 65535 heads and 2^31 - 64 positions, got " + shape_str(qd));
   }
   return s;
 }
@@ -111,8 +111,8 @@ ffi::Error backward_handler(Platform on, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   PIMHBM_FFI_RETURN_IF_ERROR(check_dims(kBwd, "delta", *delta, f32, row_dims));
   return launch(on, Backward{s, bf16_in(q), bf16_in(k), bf16_in(v), bf16_in(o), bf16_in(d_o),
                              static_cast<const float*>(lse.untyped_data()),
-                             static_cast<float*>(delta->untyped_data()), bf16_out(dq),
-                             bf16_out(dk), bf16_out(dv)});
+                             static_cast<float*>(delta->untyped_data()), bf16_out(dq), bf16_out(dk),
+                             bf16_out(dv)});
 }
 
 }  // namespace

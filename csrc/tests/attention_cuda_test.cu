@@ -30,8 +30,10 @@ std::vector<uint16_t> random_bf16(size_t n, std::mt19937& gen) {
 template <typename T>
 double relative_error(const std::vector<T>& got, const std::vector<T>& want) {
   auto value = [](T x) -> double {
-    if constexpr (std::is_same_v<T, float>) return x;
-    else return bf16_to_float(x);
+    if constexpr (std::is_same_v<T, float>)
+      return x;
+    else
+      return bf16_to_float(x);
   };
   double err = 0, scale = 1e-2;
   for (size_t i = 0; i < got.size(); ++i) {
@@ -49,8 +51,8 @@ struct Outputs {
 
 void run_gpu(const Shape& s, const std::vector<uint16_t>& q, const std::vector<uint16_t>& k,
              const std::vector<uint16_t>& v, const std::vector<uint16_t>& d_o, Outputs* out) {
-  DeviceBuffer<uint16_t> dq_(s.q_elems()), dk_(s.kv_elems()), dv_(s.kv_elems()),
-      q_(s.q_elems()), k_(s.kv_elems()), v_(s.kv_elems()), o_(s.q_elems()), do_(s.q_elems());
+  DeviceBuffer<uint16_t> dq_(s.q_elems()), dk_(s.kv_elems()), dv_(s.kv_elems()), q_(s.q_elems()),
+      k_(s.kv_elems()), v_(s.kv_elems()), o_(s.q_elems()), do_(s.q_elems());
   DeviceBuffer<float> lse_(s.rows()), delta_(s.rows());
   PIMHBM_ASSERT_CUDA(q_.upload(q));
   PIMHBM_ASSERT_CUDA(k_.upload(k));
@@ -58,11 +60,12 @@ void run_gpu(const Shape& s, const std::vector<uint16_t>& q, const std::vector<u
   PIMHBM_ASSERT_CUDA(do_.upload(d_o));
   for (auto* b : {&o_, &dq_, &dk_, &dv_}) PIMHBM_ASSERT_CUDA(b->poison());
   PIMHBM_ASSERT_CUDA(lse_.poison());
-  PIMHBM_ASSERT_CUDA(forward_cuda(Forward{s, q_.get(), k_.get(), v_.get(), o_.get(), lse_.get()}, 0));
-  PIMHBM_ASSERT_CUDA(backward_cuda(Backward{s, q_.get(), k_.get(), v_.get(), o_.get(), do_.get(),
-                                            lse_.get(), delta_.get(), dq_.get(), dk_.get(),
-                                            dv_.get()},
-                                   0));
+  PIMHBM_ASSERT_CUDA(
+      forward_cuda(Forward{s, q_.get(), k_.get(), v_.get(), o_.get(), lse_.get()}, 0));
+  PIMHBM_ASSERT_CUDA(
+      backward_cuda(Backward{s, q_.get(), k_.get(), v_.get(), o_.get(), do_.get(), lse_.get(),
+                             delta_.get(), dq_.get(), dk_.get(), dv_.get()},
+                    0));
   PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
   cudaError_t err = cudaSuccess;
   out->o = o_.download(&err);
@@ -82,13 +85,12 @@ TEST_P(AttentionCuda, MatchesCpuAndRepeats) {
   const auto q = random_bf16(s.q_elems(), gen), k = random_bf16(s.kv_elems(), gen),
              v = random_bf16(s.kv_elems(), gen), d_o = random_bf16(s.q_elems(), gen);
   Outputs want{std::vector<uint16_t>(s.q_elems()), std::vector<uint16_t>(s.q_elems()),
-           std::vector<uint16_t>(s.kv_elems()), std::vector<uint16_t>(s.kv_elems()),
-           std::vector<float>(s.rows())};
+               std::vector<uint16_t>(s.kv_elems()), std::vector<uint16_t>(s.kv_elems()),
+               std::vector<float>(s.rows())};
   std::vector<float> delta(s.rows());
   forward_cpu(Forward{s, q.data(), k.data(), v.data(), want.o.data(), want.lse.data()});
-  backward_cpu(Backward{s, q.data(), k.data(), v.data(), want.o.data(), d_o.data(),
-                        want.lse.data(), delta.data(), want.dq.data(), want.dk.data(),
-                        want.dv.data()});
+  backward_cpu(Backward{s, q.data(), k.data(), v.data(), want.o.data(), d_o.data(), want.lse.data(),
+                        delta.data(), want.dq.data(), want.dk.data(), want.dv.data()});
   Outputs got, again;
   ASSERT_NO_FATAL_FAILURE(run_gpu(s, q, k, v, d_o, &got));
   constexpr double kTol = 2e-2;
@@ -107,8 +109,8 @@ TEST_P(AttentionCuda, MatchesCpuAndRepeats) {
 std::vector<Shape> shapes() {
   const bool small = testing::small_sizes();
   // batch, seq, heads, kv_heads, head_dim, causal
-  return {{1, 1, 2, 1, 64, true},   {2, 63, 4, 2, 64, true},
-          {1, 65, 4, 1, 128, true}, {2, small ? 70 : 333, 8, 2, 128, true},
+  return {{1, 1, 2, 1, 64, true},    {2, 63, 4, 2, 64, true},
+          {1, 65, 4, 1, 128, true},  {2, small ? 70 : 333, 8, 2, 128, true},
           {1, 100, 2, 2, 64, false}, {1, small ? 129 : 257, 4, 2, 128, false}};
 }
 
