@@ -232,6 +232,20 @@ __device__ __forceinline__ void store_row(uint16_t* out, const float (&acc)[M][D
   }
 }
 
+// A double-buffered loop's turn: asks for the tiles of step + 1 (`issue`, which commits them as
+// one group; past the last step an empty group, so that the count in flight stays one), then
+// waits for this step's and for every thread's view of them.
+template <typename Issue>
+__device__ __forceinline__ void next_tiles(Issue& issue, int step, int steps) {
+  if (step + 1 < steps) {
+    issue(step + 1);
+  } else {
+    cp_async_commit();
+  }
+  cp_async_wait<1>();
+  __syncthreads();
+}
+
 struct Args {
   const uint16_t *q, *k, *v, *o, *d_o;
   const float* lse;
@@ -433,13 +447,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a) {
   issue(0);
   float dk[1][D / 8][4] = {}, dv[1][D / 8][4] = {};
   for (int it = 0; it < steps; ++it) {
-    if (it + 1 < steps) {
-      issue(it + 1);
-    } else {
-      cp_async_commit();
-    }
-    cp_async_wait<1>();
-    __syncthreads();
+    next_tiles(issue, it, steps);
     const int buf = it % 2, q0 = (qb_first + it % qblocks) * N;
     const uint16_t *tq = sq + buf * E, *tdo = sdo + buf * E;
     const float *lse2 = srows + buf * 2 * N, *delta = lse2 + N;
@@ -521,13 +529,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Args a) {
   issue(0);
   float dq[M][D / 8][4] = {};
   for (int j = 0; j < kblocks; ++j) {
-    if (j + 1 < kblocks) {
-      issue(j + 1);
-    } else {
-      cp_async_commit();
-    }
-    cp_async_wait<1>();
-    __syncthreads();
+    next_tiles(issue, j, kblocks);
     const uint16_t *tk = sk + (j % 2) * E, *tv = sv + (j % 2) * E;
     const int k0 = j * N;
     const bool edge = needs_mask(d, k0, N, q0);

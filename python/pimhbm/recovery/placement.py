@@ -29,8 +29,10 @@ class Transport(enum.StrEnum):
 
 
 def repeatable(devices: list[Any]) -> bool:
-    """Whether a step on these devices gives the same bits every time it runs: on CPUs always;
-    on GPUs with XLA's deterministic ops (without, its attention and some reductions vary)."""
+    """Whether any step on these devices gives the same bits every time it runs: on CPUs always;
+    on GPUs with XLA's deterministic ops (without, cuDNN's attention backward and scatter-adds
+    vary). A step built from repeatable ops alone (pimhbm.attention, an ordered embedding) is
+    repeatable without the flag, which only its author knows: they say so by recheck_every."""
     if devices[0].platform == "cpu":
         return True
     return "xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")

@@ -124,8 +124,9 @@ class Trainer(FaultHandling, RunLoop):
     second time, each device's slice on the next device, and compared bit for bit (sampled
     re-execution: finite wrong values no digest can see); a step whose gradients differ is
     undone and replayed, and a device whose gradients differ twice ends the run. It needs a
-    repeatable step: by default every 200 steps where the step is (CPUs; GPUs with XLA's
-    deterministic ops), else never."""
+    repeatable step: by default every 200 steps where every step is (CPUs; GPUs with XLA's
+    deterministic ops), else never (a step repeatable without the flag -- on pimhbm.attention
+    and llama3's ordered embedding -- asks for it with recheck_every=200)."""
 
     def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], opt: AdamW, params: Any,
                  batch_fn: Callable[[int], dict[str, np.ndarray]], *,
