@@ -2,7 +2,7 @@
 inputs), forward and gradients, on random grouped-query shapes whose sequence lengths are no
 multiple of any tile, head dims 64 and 128, batch 1 and 3; two runs bitwise equal; bad shapes
 and dtypes refused with a clear error, by the Python front and by the FFI handler itself; batch
-and kv heads sharded under plain jit with no gather. On a GPU the same checks run on the CUDA
+and kv heads sharded under plain jit with no gather; vmap folded into the batch. On a GPU the same checks run on the CUDA
 kernels, plus: against cuDNN's attention and against the CPU reference."""
 
 from __future__ import annotations
@@ -87,6 +87,18 @@ def test_two_runs_are_bitwise_equal(rng):
     first, second = step(q, k, v, g), step(q, k, v, g)
     for a, b in zip(first, second):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
+def test_vmap_folds_into_the_batch(rng):
+    """jax.vmap over a leading axis computes what a loop over it does, bit for bit, forward
+    and backward."""
+    q, k, v, g = (jnp.stack(xs) for xs in zip(*(inputs(rng, 2, 40, 4, 2, 64) for _ in range(3))))
+    mapped = jax.jit(jax.vmap(lambda q, k, v, g: value_and_grads(pimhbm.attention, q, k, v, g)))
+    looped = [value_and_grads(pimhbm.attention, q[i], k[i], v[i], g[i]) for i in range(3)]
+    for j, got in enumerate(mapped(q, k, v, g)):
+        want = jnp.stack([out[j] for out in looped])
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                      np.asarray(want).view(np.uint16))
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -10,7 +10,8 @@ atomics -- so two runs on the same inputs are equal bit for bit without XLA's gl
 the plain C++ reference.
 
 Under ``jax.jit`` with sharded inputs each device computes its own sequences and kv heads (the
-batch dimension and the heads dimension may be sharded; sequence and head_dim are gathered).
+batch dimension and the heads dimension may be sharded; sequence and head_dim are gathered);
+under ``jax.vmap`` the mapped axis joins the batch.
 """
 
 from __future__ import annotations
@@ -97,7 +98,21 @@ def _sharded(call, rule: str, roles: tuple[str, ...], out_roles: tuple[str, ...]
         return rule, dict(need_replication_factors=("t", "g", "d"), g=group)
 
     op.def_partition(partition=partition, sharding_rule=sharding_rule)
-    return op
+
+    # Under jax.vmap the mapped axis joins the batch: every operand and result leads with it.
+    @jax.custom_batching.custom_vmap
+    def call_op(*xs):
+        return op(*xs)
+
+    @call_op.def_vmap
+    def batched(axis_size, in_batched, *xs):
+        xs = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
+              for x, b in zip(xs, in_batched)]
+        outs = call_op(*(x.reshape(-1, *x.shape[2:]) for x in xs))
+        return (tuple(o.reshape(axis_size, -1, *o.shape[1:]) for o in outs),
+                tuple(True for _ in outs))
+
+    return call_op
 
 
 @functools.cache
