@@ -195,3 +195,26 @@ def test_gpu_matches_cudnn_and_the_cpu_reference(rng, shape):
 def test_runs_where_expected():
     """The GPU checks above run on a GPU machine (a positive control of the skip)."""
     assert has_gpu() == any(d.platform == "gpu" for d in jax.devices())
+
+
+def test_the_trainer_on_pimhbm_attention(rng):
+    """The engine's step on pimhbm.attention and the ordered embedding (exact mode without XLA's
+    flag), data parallel over 4 devices: every step's re-execution on another device agrees bit
+    for bit (else an incident and a replay), nothing compiles after prewarm."""
+    needs_devices(4)
+    from pimhbm.models import llama3
+    from pimhbm.train import llama_trainer
+
+    cfg = llama3.Config(vocab=256, hidden=128, intermediate=256, layers=1, heads=2, kv_heads=1,
+                        head_dim=64)
+    data = rng.integers(0, 256, size=50_000, dtype=np.uint8).tobytes()
+    trainer = llama_trainer(cfg, data, steps=6, batch=4, seq=32, devices=jax.devices()[:4],
+                            attention_impl=llama3.PIMHBM_ATTENTION, ordered_embedding=True,
+                            recheck_every=1, telemetry=None)
+    try:
+        trainer.prewarm()
+        stats = trainer.run(6)
+    finally:
+        trainer.close()
+    assert (stats.steps_committed, stats.steps_replayed, stats.incidents) == (6, 0, [])
+    assert stats.compiles_after_prewarm == 0
