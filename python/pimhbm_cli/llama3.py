@@ -221,7 +221,10 @@ def _setup(args: Any) -> Job | str:
     mesh = jax.sharding.Mesh(np.array(devices).reshape(-1, args.shard), ("dp", "shard"))
     cfg = (llama3.tiny(layers=args.layers, vocab=args.vocab) if args.tiny else
            llama3.llama3_8b(layers=args.layers, vocab=args.vocab))
-    exact = args.deterministic or args.exact_of_protected
+    # XLA's flag set by the user asks for exact mode too (and rules cuDNN's attention out: under
+    # it this XLA cannot run the cuDNN graph it compiled).
+    flag = "xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
+    exact = args.deterministic or args.exact_of_protected or flag
     attention = _attention(cfg, dev.platform, exact)
     batch = args.tokens // args.seq
     console = job_console(args)
