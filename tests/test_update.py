@@ -74,7 +74,9 @@ def test_fault_free_fp32_is_the_optax_formula_bit_for_bit(rng):
 
 
 def test_fault_free_fp32_agrees_with_optax(rng):
-    """optax under XLA may fuse multiply-adds; agreement is to fp32 rounding."""
+    """optax under XLA may fuse multiply-adds; agreement is to fp32 rounding. The moments are
+    running sums of terms that may cancel: a small sum carries its larger inputs' absolute
+    rounding (~1 ulp of 1.0 for mu after 60 steps of unit-scale gradients), hence the atol."""
     params = random_params(rng)
     opt, tx = pimhbm.update.adamw(LR), optax.adamw(LR)
     state, ostate, oparams = opt.init(params), tx.init(params), params
@@ -89,9 +91,9 @@ def test_fault_free_fp32_agrees_with_optax(rng):
         np.testing.assert_allclose(np.asarray(state.params[k]), np.asarray(oparams[k]),
                                    rtol=2e-6, atol=1e-6)
         np.testing.assert_allclose(np.asarray(state.mu[k]), np.asarray(ostate[0].mu[k]),
-                                   rtol=1e-5, atol=1e-7)
+                                   rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(np.asarray(state.nu[k]), np.asarray(ostate[0].nu[k]),
-                                   rtol=1e-5, atol=1e-9)
+                                   rtol=1e-5, atol=1e-8)
 
 
 def test_bf16_with_master_weights_is_the_optax_formula_on_the_master(rng):
