@@ -16,6 +16,7 @@ under ``jax.vmap`` the mapped axis joins the batch.
 
 from __future__ import annotations
 
+import enum
 import functools
 
 import jax
@@ -28,11 +29,17 @@ from pimhbm._ffi import ensure_registered
 
 HEAD_DIMS = (64, 128)
 
-# Shardy's view: q's heads are (kv head, member of its group), so the kv heads may be split
-# across devices with their query heads; sequence, head_dim and the group stay whole.
-_Q, _KV, _ROWS = "b t (k g) d", "b t k d", "b (k g) t"
-_FWD_RULE = f"{_Q}, {_KV}, {_KV} -> {_Q}, {_ROWS}"
-_BWD_RULE = f"{_Q}, {_KV}, {_KV}, {_Q}, {_ROWS}, {_Q} -> {_Q}, {_KV}, {_KV}, {_ROWS}"
+class _Layout(enum.Enum):
+    """An operand's or result's layout, as Shardy's factors: q's heads are (kv head, member of
+    its group), so the kv heads may be split across devices with their query heads; sequence,
+    head_dim and the group stay whole."""
+
+    Q = "b t (k g) d"  # [batch, seq, heads, head_dim]: q, o, dO, dq
+    KV = "b t k d"  # [batch, seq, kv_heads, head_dim]: k, v, dk, dv
+    ROWS = "b (k g) t"  # [batch, heads, seq]: lse, delta
+
+    def spec(self, batch, heads) -> P:
+        return P(batch, heads, None) if self is _Layout.ROWS else P(batch, None, heads, None)
 
 
 def _check(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
@@ -77,20 +84,16 @@ def _axes(sharding, dim: int):
     return spec[dim] if spec is not None and dim < len(spec) else None
 
 
-def _sharded(call, rule: str, roles: tuple[str, ...], out_roles: tuple[str, ...]):
-    """``call`` as an op XLA partitions over the batch and kv-head dimensions; ``roles`` name
-    each operand's layout ("q", "kv" or "rows"), ``out_roles`` each result's."""
+def _sharded(call, ins: tuple[_Layout, ...], outs: tuple[_Layout, ...]):
+    """``call`` as an op XLA partitions over the batch and kv-head dimensions, its operands and
+    results laid out as ``ins`` and ``outs`` say."""
     op = custom_partitioning(call)
-
-    def spec(role: str, batch, heads) -> P:
-        return {"q": P(batch, None, heads, None), "kv": P(batch, None, heads, None),
-                "rows": P(batch, heads, None)}[role]
+    rule = (", ".join(l.value for l in ins) + " -> " + ", ".join(l.value for l in outs))
 
     def partition(mesh, arg_shapes, result_shape):
         batch, heads = _axes(arg_shapes[0].sharding, 0), _axes(arg_shapes[1].sharding, 2)
-        args = tuple(NamedSharding(mesh, spec(r, batch, heads)) for r in roles)
-        outs = tuple(NamedSharding(mesh, spec(r, batch, heads)) for r in out_roles)
-        return mesh, call, outs, args
+        return (mesh, call, tuple(NamedSharding(mesh, l.spec(batch, heads)) for l in outs),
+                tuple(NamedSharding(mesh, l.spec(batch, heads)) for l in ins))
 
     def sharding_rule(mesh, value_types, result_types):
         group = value_types[0].shape[2] // value_types[1].shape[2]
@@ -117,10 +120,10 @@ def _sharded(call, rule: str, roles: tuple[str, ...], out_roles: tuple[str, ...]
 
 @functools.cache
 def _ops(causal: bool):
-    fwd = _sharded(functools.partial(_fwd_call, causal), _FWD_RULE, ("q", "kv", "kv"),
-                   ("q", "rows"))
-    bwd = _sharded(functools.partial(_bwd_call, causal), _BWD_RULE,
-                   ("q", "kv", "kv", "q", "rows", "q"), ("q", "kv", "kv", "rows"))
+    q, kv, rows = _Layout.Q, _Layout.KV, _Layout.ROWS
+    fwd = _sharded(functools.partial(_fwd_call, causal), (q, kv, kv), (q, rows))
+    bwd = _sharded(functools.partial(_bwd_call, causal), (q, kv, kv, q, rows, q),
+                   (q, kv, kv, rows))
 
     @jax.custom_vjp
     def attend(q, k, v):
