@@ -29,6 +29,7 @@ from pimhbm._ffi import ensure_registered
 
 HEAD_DIMS = (64, 128)
 
+
 class _Layout(enum.Enum):
     """An operand's or result's layout, as Shardy's factors: q's heads are (kv head, member of
     its group), so the kv heads may be split across devices with their query heads; sequence,
