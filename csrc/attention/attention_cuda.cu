@@ -36,9 +36,12 @@ __host__ __device__ constexpr int fwd_keys() {
   return D == 128 ? 32 : 64;
 }
 constexpr int kFwdM = 2;
-constexpr int kDkvKeys = 16 * kWarps, kDkvQueries = 64;
+// The backward pass: eight warps, 16 keys each, over 64-query tiles; dQ's product split as 4
+// slices of 16 query rows by 2 halves of the head dim.
+constexpr int kDkvWarps = 8, kDkvThreads = 32 * kDkvWarps;
+constexpr int kDkvKeys = 16 * kDkvWarps, kDkvQueries = 64, kDqSlices = kDkvQueries / 16;
+static_assert(kDkvWarps == 2 * kDqSlices, "each slice of dQ's rows takes two warps");
 constexpr int kDsStride = kDkvQueries + 8;  // dS^T in shared memory, padded as the tiles are
-static_assert(kDkvKeys == kDkvQueries, "dQ's turns take key tile i as query tile i's last");
 
 // Shared-memory rows are D + 8 elements apart: the padding puts ldmatrix's 8 rows in 32 banks.
 template <int D>
@@ -210,11 +213,11 @@ __device__ __forceinline__ void to_operand(uint32_t (&a)[M][N / 16][4],
 
 // Rows [row0, row0 + ROWS) of the matrix at `base` (row stride `row_stride` elements, D wide)
 // into `tile`; rows at or past `seq` are zero-filled.
-template <int D, int ROWS>
+template <int D, int ROWS, int THREADS = kThreads>
 __device__ __forceinline__ void load_tile(uint16_t* tile, const uint16_t* base, int row0, int seq,
                                           int64_t row_stride) {
   constexpr int kPieces = D / 8;  // 16 bytes each
-  for (int i = threadIdx.x; i < ROWS * kPieces; i += kThreads) {
+  for (int i = threadIdx.x; i < ROWS * kPieces; i += THREADS) {
     const int r = i / kPieces, c = i % kPieces;
     const bool inside = row0 + r < seq;
     const uint16_t* src = inside ? base + (row0 + r) * row_stride + c * 8 : base;
@@ -436,10 +439,6 @@ __device__ __forceinline__ int load_acquire(const int32_t* p) {
   return v;
 }
 
-__device__ __forceinline__ void store_release(int32_t* p, int32_t v) {
-  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-
 // The lanes of a warp return once `turn` has reached `want`.
 __device__ __forceinline__ void wait_turn(const int32_t* turn, int want) {
   if (lane_id() == 0) {
@@ -448,12 +447,13 @@ __device__ __forceinline__ void wait_turn(const int32_t* turn, int want) {
   __syncwarp();
 }
 
-// Passes a warp's turn on once the whole GPU sees every lane's sums (each lane's fence covers
-// its own reductions).
-__device__ __forceinline__ void pass_turn(int32_t* turn, int next) {
+// Counts a warp's part as added once the whole GPU sees every lane's sums (each lane's fence
+// covers its own reductions).
+__device__ __forceinline__ void pass_turn(int32_t* turn) {
   asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
   __syncwarp();
-  if (lane_id() == 0) store_release(turn, next);
+  if (lane_id() == 0)
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(turn) : "memory");
 }
 
 // sum[0..1] += v, performed in L2.
@@ -481,37 +481,35 @@ __device__ __forceinline__ void store_ds(uint16_t* sds, const uint32_t (&ds)[1][
   }
 }
 
-// This key tile's part of dQ (dS K, 64 columns at a time) for the warp's 16 rows of a query
-// tile, into the float sums at `sum` (row stride `stride`; rows from `rows_left` on are past
-// the end): stored when it is the first part, added otherwise.
+// This key tile's part of dQ (dS K) for the warp's slice of 16 rows of a query tile and its
+// half of the head dim, into the float sums at `sum` (row stride `stride`; rows from
+// `rows_left` on are past the end): stored when it is the first part, added otherwise.
 template <int D>
 __device__ __forceinline__ void add_dq(const uint16_t* sds, const uint16_t* sk, float* sum,
                                        int64_t stride, int rows_left, bool first) {
-  constexpr int K = kDkvKeys, S = stride_of<D>();
+  constexpr int K = kDkvKeys, S = stride_of<D>(), C = D / 2;
   const int lane = lane_id(), warp = threadIdx.x / 32;
-  uint32_t ds[1][K / 16][4];  // dS, the warp's 16 query rows x the tile's keys
+  const int slice = 16 * (warp % kDqSlices), c0 = C * (warp / kDqSlices);
+  uint32_t ds[1][K / 16][4];  // dS, the slice's 16 query rows x the tile's keys
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
-    ldmatrix_x4_trans(ds[0][kk], sds + (16 * kk + lane % 8 + (lane / 16) * 8) * kDsStride +
-                                     16 * warp + ((lane / 8) % 2) * 8);
+    ldmatrix_x4_trans(ds[0][kk], sds + (16 * kk + lane % 8 + (lane / 16) * 8) * kDsStride + slice +
+                                     ((lane / 8) % 2) * 8);
   }
+  float part[1][C / 8][4] = {};
+  mma_ab<1, K, C>(part, ds, sk + c0, S);
 #pragma unroll
-  for (int c = 0; c < D; c += 64) {
-    float part[1][8][4] = {};
-    mma_ab<1, K, 64>(part, ds, sk + c, S);
+  for (int half = 0; half < 2; ++half) {
+    const int row = slice + acc_row(2 * half);
+    if (row >= rows_left) continue;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = 16 * warp + acc_row(2 * half);
-      if (row >= rows_left) continue;
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-        float* at = sum + row * stride + c + acc_col(n, 0);
-        const float x = part[0][n][2 * half], y = part[0][n][2 * half + 1];
-        if (first) {
-          __stcg(reinterpret_cast<float2*>(at), make_float2(x, y));
-        } else {
-          reduce_add2(at, x, y);
-        }
+    for (int n = 0; n < C / 8; ++n) {
+      float* at = sum + row * stride + c0 + acc_col(n, 0);
+      const float x = part[0][n][2 * half], y = part[0][n][2 * half + 1];
+      if (first) {
+        __stcg(reinterpret_cast<float2*>(at), make_float2(x, y));
+      } else {
+        reduce_add2(at, x, y);
       }
     }
   }
@@ -540,7 +538,7 @@ constexpr int dkdv_smem() {
 // over the query tiles of each query head of the kv head's group, in order, two of them in
 // flight; and, at each query tile, this key tile's part of its dQ, in its turn.
 template <int D>
-__global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a, DqSums dq) {
+__global__ void __launch_bounds__(kDkvThreads, 1) dkdv_kernel(Args a, DqSums dq) {
   constexpr int N = kDkvQueries, S = stride_of<D>(), E = N * S;
   extern __shared__ __align__(16) uint16_t smem[];
   uint16_t *sk = smem, *sv = smem + kDkvKeys * S;
@@ -559,8 +557,8 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a, DqSums dq) {
     const int buf = step % 2, h = hk * d.group + step / qblocks;
     const int q0 = (qb_first + step % qblocks) * N;
     const int64_t q_base = head_base<D>(b, h, d.seq, d.heads);
-    load_tile<D, N>(sq + buf * E, a.q + q_base, q0, d.seq, q_stride);
-    load_tile<D, N>(sdo + buf * E, a.d_o + q_base, q0, d.seq, q_stride);
+    load_tile<D, N, kDkvThreads>(sq + buf * E, a.q + q_base, q0, d.seq, q_stride);
+    load_tile<D, N, kDkvThreads>(sdo + buf * E, a.d_o + q_base, q0, d.seq, q_stride);
     if (threadIdx.x < N) {
       const int row = q0 + threadIdx.x;
       const int64_t at = (static_cast<int64_t>(b) * d.heads + h) * d.seq + row;
@@ -570,12 +568,11 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a, DqSums dq) {
     cp_async_commit();
   };
 
-  load_tile<D, kDkvKeys>(sk, a.k + kv_base, k0, d.seq, kv_stride);
-  load_tile<D, kDkvKeys>(sv, a.v + kv_base, k0, d.seq, kv_stride);
+  load_tile<D, kDkvKeys, kDkvThreads>(sk, a.k + kv_base, k0, d.seq, kv_stride);
+  load_tile<D, kDkvKeys, kDkvThreads>(sv, a.v + kv_base, k0, d.seq, kv_stride);
   issue(0);
   float dk[1][D / 8][4] = {}, dv[1][D / 8][4] = {};
   int32_t* pending = nullptr;  // the warp's turn to pass on, once its last sums are done
-  int turn_next = 0;
   for (int it = 0; it < steps; ++it) {
     next_tiles(issue, it, steps);
     const int buf = it % 2, h = hk * d.group + it / qblocks, q0 = (qb_first + it % qblocks) * N;
@@ -604,22 +601,24 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a, DqSums dq) {
     to_operand<1, N>(op, p);
     mma_ab<1, N, D>(dk, op, tq, S);  // dK += dS^T Q
     store_ds<N>(sds, op);
-    if (pending) pass_turn(pending, turn_next);  // the last step's sums are done by now
-    __syncthreads();                             // dS^T from every warp
+    if (pending) pass_turn(pending);  // the last step's sums are done by now
+    __syncthreads();                  // dS^T from every warp
 
     // dQ += dS K, in this key tile's turn: the first part is the one of the last key tile that
-    // reaches the query tile (the diagonal's, when causal).
-    const int first = d.causal ? q0 / N : gridDim.x - 1, turn = first - tile;
-    const bool rows_here = q0 + 16 * warp < d.seq;  // a warp past the end has no turn
-    int32_t* turns = dq.turn + (static_cast<int64_t>(b) * d.heads + h) * d.seq + q0 + 16 * warp;
-    if (turn > 0 && rows_here) wait_turn(turns, turn);
+    // reaches the query tile (the diagonal's, when causal). A slice's turn counts the parts of
+    // both halves: two a key tile.
+    const int last_tile = gridDim.x - 1;
+    const int first = d.causal ? min((q0 + N - 1) / kDkvKeys, last_tile) : last_tile;
+    const int turn = first - tile, slice = 16 * (warp % kDqSlices);
+    const bool rows_here = q0 + slice < d.seq;  // a slice past the end has no turn
+    int32_t* turns = dq.turn + (static_cast<int64_t>(b) * d.heads + h) * d.seq + q0 + slice;
+    if (turn > 0 && rows_here) wait_turn(turns, 2 * turn);
     add_dq<D>(sds, sk, dq.sum + head_base<D>(b, h, d.seq, d.heads) + q0 * q_stride, q_stride,
               d.seq - q0, turn == 0);
     pending = tile > 0 && rows_here ? turns : nullptr;  // tile 0 adds the last part
-    turn_next = turn + 1;
     __syncthreads();  // every warp is done with this buffer and dS^T
   }
-  if (pending) pass_turn(pending, turn_next);
+  if (pending) pass_turn(pending);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = k0 + 16 * warp + acc_row(2 * half);
@@ -632,11 +631,11 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a, DqSums dq) {
 // ---- launches -------------------------------------------------------------------------------
 
 template <typename Kernel, typename... Params>
-cudaError_t launch(Kernel kernel, dim3 grid, int smem, cudaStream_t stream,
+cudaError_t launch(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream,
                    const Params&... params) {
   PIMHBM_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<grid, kThreads, smem, stream>>>(params...);
+  kernel<<<grid, threads, smem, stream>>>(params...);
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
   return cudaSuccess;
 }
@@ -647,7 +646,7 @@ cudaError_t forward_d(const Forward& c, cudaStream_t stream) {
   a.q = c.q, a.k = c.k, a.v = c.v, a.out = c.o, a.lse_out = c.lse, a.dims = dims_of(c.shape);
   const dim3 grid(tiles(a.dims.seq, 16 * kFwdM * kWarps), a.dims.heads,
                   static_cast<unsigned>(c.shape.batch));
-  return launch(forward_kernel<D>, grid, forward_smem<D>(), stream, a);
+  return launch(forward_kernel<D>, grid, kThreads, forward_smem<D>(), stream, a);
 }
 
 template <int D>
@@ -663,9 +662,9 @@ cudaError_t backward_d(const Backward& c, cudaStream_t stream) {
   PIMHBM_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(c.dq_turn, 0, static_cast<size_t>(rows) * sizeof(int32_t), stream));
   const unsigned batch = static_cast<unsigned>(c.shape.batch);
-  PIMHBM_CUDA_RETURN_IF_ERROR(launch(dkdv_kernel<D>,
-                                     dim3(tiles(a.dims.seq, kDkvKeys), a.dims.kv_heads, batch),
-                                     dkdv_smem<D>(), stream, a, DqSums{c.dq_sum, c.dq_turn}));
+  PIMHBM_CUDA_RETURN_IF_ERROR(
+      launch(dkdv_kernel<D>, dim3(tiles(a.dims.seq, kDkvKeys), a.dims.kv_heads, batch), kDkvThreads,
+             dkdv_smem<D>(), stream, a, DqSums{c.dq_sum, c.dq_turn}));
   const int64_t n = c.shape.q_elems();
   constexpr int kStoreThreads = 256;
   dq_store_kernel<<<static_cast<unsigned>((n / 8 + kStoreThreads - 1) / kStoreThreads),
