@@ -4,8 +4,9 @@ bf16, grouped-query heads of Llama-3-8B (32 query heads, 8 kv heads, head dim 12
 --head-dim 64), a fixed number of tokens per call split into sequences of 1k to 16k.
 
 TFLOP/s count the causal products only (forward 4 b t^2 h d / 2; backward 2.5x that, the
-convention of FlashAttention's papers), so both rows are counted alike. Each row also says
-whether two runs of ours were bitwise equal.
+convention of FlashAttention's papers), so both rows are counted alike: ours recomputes the
+scores twice in its backward pass (dK/dV and dQ are separate passes), which it pays in time,
+not in credited work. Each row also says whether two runs of ours were bitwise equal.
 
 usage: python bench/attention_bench.py [--tokens 16384] [--seqs 1024,2048,4096,8192,16384]
                                        [--head-dim 128] [--json OUT]

@@ -1,6 +1,6 @@
 """Two forward + backward passes of pimhbm.attention at the Llama-3-8B layer's shape (4 x 4096
 tokens, 32 query heads, 8 kv heads, head dim 128), for Nsight Compute: `ncu --kernel-name
-regex:'forward_kernel|dkdv_kernel' --launch-skip 3 ... python
+regex:'forward_kernel|dkdv_kernel|dq_kernel' --launch-skip 3 ... python
 bench/attention_profile.py`. Prints nothing of its own."""
 
 from __future__ import annotations

@@ -9,10 +9,9 @@
 //
 // Every sum runs in a fixed order: the forward pass over key blocks in order; the backward pass
 // computes dK and dV per key block (looping over query blocks, and over the query heads that
-// share the kv head, in order) and dQ per query block as a sum over the key blocks, added in a
-// fixed order (on the GPU the key blocks take turns at each query block's float sums; no value
-// is ever accumulated by atomics). Two calls on the same inputs are bitwise equal, on the CPU
-// and on the GPU.
+// share the kv head, in order) and dQ per query block (looping over key blocks) in two
+// separate passes, so no value is ever accumulated by atomics. Two calls on the same inputs
+// are bitwise equal, on the CPU and on the GPU.
 #pragma once
 
 #include <cmath>
@@ -51,11 +50,6 @@ struct Backward {
   const float* lse;
   float* delta;  // written: rowsum(dO * O), the backward pass's scratch
   uint16_t *dq, *dk, *dv;
-  // The GPU's scratch (the CPU leaves both alone): dq_sum float, q's shape, the running sums of
-  // dQ; dq_turn int32 [batch, heads, seq], how many key blocks have added to each query block
-  // (the entry of the block's first row).
-  float* dq_sum = nullptr;
-  int32_t* dq_turn = nullptr;
 };
 
 void forward_cpu(const Forward& call);

@@ -5,11 +5,10 @@
 // memory, and never written.
 //
 // forward: a block per (query tile, head, batch), the online softmax over key tiles in order.
-// backward: delta (a warp per row), then one pass per key tile (a block per (key tile, kv head,
-// batch), looping over the query heads of its group and their query tiles in order) that sums
-// dK and dV in registers and adds its part of each query tile's dQ to float sums in global
-// memory -- the key tiles taking turns, the last tile first, so every sum runs in one order
-// and two runs are bitwise equal -- and dq is written from the sums at the end.
+// backward: delta (a warp per row), then dK/dV (a block per (key tile, kv head, batch), looping
+// over the query heads of its group and their query tiles in order) and dQ (a block per
+// (query tile, head, batch), looping over key tiles in order): every output written once, by
+// one block, from sums in a fixed order.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -28,20 +27,15 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // The tilings (rows a warp owns = 16 M; tiles of kv rows they loop over). The forward pass and
 // dQ own 32 query rows a warp (M = 2: each loaded fragment of K or V serves two row tiles);
-// dK/dV own 16 key rows a warp (their two accumulators fill the registers) over 64-query tiles,
-// and 16 query rows of each tile's dQ.
+// dK/dV own 16 key rows a warp (their two accumulators fill the registers) over 64-query tiles.
 // The forward pass's key tiles: 64 keys, 32 at head dim 128 (64 would spill its registers).
 template <int D>
 __host__ __device__ constexpr int fwd_keys() {
   return D == 128 ? 32 : 64;
 }
 constexpr int kFwdM = 2;
-// The backward pass: eight warps, 16 keys each, over 64-query tiles; dQ's product split as 4
-// slices of 16 query rows by 2 halves of the head dim.
-constexpr int kDkvWarps = 8, kDkvThreads = 32 * kDkvWarps;
-constexpr int kDkvKeys = 16 * kDkvWarps, kDkvQueries = 64, kDqSlices = kDkvQueries / 16;
-static_assert(kDkvWarps == 2 * kDqSlices, "each slice of dQ's rows takes two warps");
-constexpr int kDsStride = kDkvQueries + 8;  // dS^T in shared memory, padded as the tiles are
+constexpr int kDqM = 2, kDqKeys = 32;
+constexpr int kDkvKeys = 16 * kWarps, kDkvQueries = 64;
 
 // Shared-memory rows are D + 8 elements apart: the padding puts ldmatrix's 8 rows in 32 banks.
 template <int D>
@@ -213,11 +207,11 @@ __device__ __forceinline__ void to_operand(uint32_t (&a)[M][N / 16][4],
 
 // Rows [row0, row0 + ROWS) of the matrix at `base` (row stride `row_stride` elements, D wide)
 // into `tile`; rows at or past `seq` are zero-filled.
-template <int D, int ROWS, int THREADS = kThreads>
+template <int D, int ROWS>
 __device__ __forceinline__ void load_tile(uint16_t* tile, const uint16_t* base, int row0, int seq,
                                           int64_t row_stride) {
   constexpr int kPieces = D / 8;  // 16 bytes each
-  for (int i = threadIdx.x; i < ROWS * kPieces; i += THREADS) {
+  for (int i = threadIdx.x; i < ROWS * kPieces; i += kThreads) {
     const int r = i / kPieces, c = i % kPieces;
     const bool inside = row0 + r < seq;
     const uint16_t* src = inside ? base + (row0 + r) * row_stride + c * 8 : base;
@@ -260,14 +254,8 @@ struct Args {
   Dims dims;
 };
 // Past 128 bytes the compiler reads the parameter through its address and branches around the
-// masks instead of selecting: the forward kernel ran ~25 % slower.
+// masks instead of selecting: the forward kernel ran ~25 % slower (bench/NOTES.md).
 static_assert(sizeof(Args) <= 128, "the kernels' parameter must stay within 128 bytes");
-
-// dQ's scratch, the backward kernel's second parameter.
-struct DqSums {
-  float* sum;
-  int32_t* turn;
-};
 
 // Where (batch b, head h)'s rows start in a [batch, seq, heads, D] tensor.
 template <int D>
@@ -421,133 +409,22 @@ __global__ void delta_kernel(Args a, int64_t rows) {
   a.delta[(b * d.heads + h) * d.seq + t] = sum;
 }
 
-// ---- dQ's turns ------------------------------------------------------------------------------
-// Query tile i's dQ is the sum of one part per key tile, added in the order of the key tiles
-// from the last that reaches it down to tile 0. Each warp owns 16 rows of the tile's dQ: the
-// warp of key tile j waits until `turn` (the count of parts added to its rows) says the warp of
-// tile j + 1 is done, adds its part by reductions in L2 (red.add: nothing comes back, so the
-// warp does not wait for the sums), and passes the turn on one step later, once those
-// reductions are surely done. Each float of the sums thus gets its parts in one order, and two
-// runs are bitwise equal. The blocks of a kv head run the last key tile first (block x holds
-// key tile tiles - 1 - x, and blocks start in the order of their index), so a warp only waits
-// for one that started before it; and each block meets its query tiles at least one step after
-// the block before it did, so the turn is usually there already.
-
-__device__ __forceinline__ int load_acquire(const int32_t* p) {
-  int32_t v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// The lanes of a warp return once `turn` has reached `want`.
-__device__ __forceinline__ void wait_turn(const int32_t* turn, int want) {
-  if (lane_id() == 0) {
-    while (load_acquire(turn) < want) __nanosleep(32);
-  }
-  __syncwarp();
-}
-
-// Counts a warp's part as added once the whole GPU sees every lane's sums (each lane's fence
-// covers its own reductions).
-__device__ __forceinline__ void pass_turn(int32_t* turn) {
-  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-  __syncwarp();
-  if (lane_id() == 0)
-    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(turn) : "memory");
-}
-
-// sum[0..1] += v, performed in L2.
-__device__ __forceinline__ void reduce_add2(float* sum, float x, float y) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(sum), "f"(x), "f"(y) : "memory");
-#else
-  atomicAdd(sum, x);
-  atomicAdd(sum + 1, y);
-#endif
-}
-
-// A warp's dS^T (its 16 keys x the tile's queries, bf16 fragments) into shared memory, where
-// dQ's product reads it by query rows.
-template <int N>
-__device__ __forceinline__ void store_ds(uint16_t* sds, const uint32_t (&ds)[1][N / 16][4]) {
-  const int lane = lane_id(), row = 16 * (threadIdx.x / 32) + lane / 4, col = 2 * (lane % 4);
-#pragma unroll
-  for (int kk = 0; kk < N / 16; ++kk) {
-    uint16_t* at = sds + row * kDsStride + 16 * kk + col;
-    *reinterpret_cast<uint32_t*>(at) = ds[0][kk][0];
-    *reinterpret_cast<uint32_t*>(at + 8 * kDsStride) = ds[0][kk][1];
-    *reinterpret_cast<uint32_t*>(at + 8) = ds[0][kk][2];
-    *reinterpret_cast<uint32_t*>(at + 8 * kDsStride + 8) = ds[0][kk][3];
-  }
-}
-
-// This key tile's part of dQ (dS K) for the warp's slice of 16 rows of a query tile and its
-// half of the head dim, into the float sums at `sum` (row stride `stride`; rows from
-// `rows_left` on are past the end): stored when it is the first part, added otherwise.
-template <int D>
-__device__ __forceinline__ void add_dq(const uint16_t* sds, const uint16_t* sk, float* sum,
-                                       int64_t stride, int rows_left, bool first) {
-  constexpr int K = kDkvKeys, S = stride_of<D>(), C = D / 2;
-  const int lane = lane_id(), warp = threadIdx.x / 32;
-  const int slice = 16 * (warp % kDqSlices), c0 = C * (warp / kDqSlices);
-  uint32_t ds[1][K / 16][4];  // dS, the slice's 16 query rows x the tile's keys
-#pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk) {
-    ldmatrix_x4_trans(ds[0][kk], sds + (16 * kk + lane % 8 + (lane / 16) * 8) * kDsStride + slice +
-                                     ((lane / 8) % 2) * 8);
-  }
-  float part[1][C / 8][4] = {};
-  mma_ab<1, K, C>(part, ds, sk + c0, S);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = slice + acc_row(2 * half);
-    if (row >= rows_left) continue;
-#pragma unroll
-    for (int n = 0; n < C / 8; ++n) {
-      float* at = sum + row * stride + c0 + acc_col(n, 0);
-      const float x = part[0][n][2 * half], y = part[0][n][2 * half + 1];
-      if (first) {
-        __stcg(reinterpret_cast<float2*>(at), make_float2(x, y));
-      } else {
-        reduce_add2(at, x, y);
-      }
-    }
-  }
-}
-
-// dq = scale * dQ's float sums, as bf16: a thread per 8 values (head_dim is a multiple of 8).
-__global__ void dq_store_kernel(const float* sum, uint16_t* dq, int64_t n, float scale) {
-  const int64_t i = 8 * (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
-  if (i >= n) return;
-  const float4 a = *reinterpret_cast<const float4*>(sum + i);
-  const float4 b = *reinterpret_cast<const float4*>(sum + i + 4);
-  const uint4 out{pack_bf16(scale * a.x, scale * a.y), pack_bf16(scale * a.z, scale * a.w),
-                  pack_bf16(scale * b.x, scale * b.y), pack_bf16(scale * b.z, scale * b.w)};
-  *reinterpret_cast<uint4*>(dq + i) = out;
-}
-
-// ---- dK, dV and dQ's parts -------------------------------------------------------------------
-
 template <int D>
 constexpr int dkdv_smem() {
-  return (2 * kDkvKeys + 4 * kDkvQueries) * stride_of<D>() * 2 + 4 * kDkvQueries * 4 +
-         kDkvKeys * kDsStride * 2;
+  return (2 * kDkvKeys + 4 * kDkvQueries) * stride_of<D>() * 2 + 4 * kDkvQueries * 4;
 }
 
-// One key tile (a block per (key tile, kv head, batch), the last key tile first): dK and dV
-// over the query tiles of each query head of the kv head's group, in order, two of them in
-// flight; and, at each query tile, this key tile's part of its dQ, in its turn.
+// dK and dV of one key tile (a block per (key tile, kv head, batch)): the query tiles of each
+// query head of the kv head's group, in order, two of them in flight.
 template <int D>
-__global__ void __launch_bounds__(kDkvThreads, 1) dkdv_kernel(Args a, DqSums dq) {
+__global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a) {
   constexpr int N = kDkvQueries, S = stride_of<D>(), E = N * S;
   extern __shared__ __align__(16) uint16_t smem[];
   uint16_t *sk = smem, *sv = smem + kDkvKeys * S;
   uint16_t *sq = sv + kDkvKeys * S, *sdo = sq + 2 * E;   // 2 buffers each
   float* srows = reinterpret_cast<float*>(sdo + 2 * E);  // per buffer: lse log2(e), delta
-  uint16_t* sds = reinterpret_cast<uint16_t*>(srows + 4 * N);
   const Dims& d = a.dims;
-  const int warp = threadIdx.x / 32, hk = blockIdx.y, b = blockIdx.z;
-  const int tile = gridDim.x - 1 - blockIdx.x, k0 = tile * kDkvKeys;
+  const int warp = threadIdx.x / 32, k0 = blockIdx.x * kDkvKeys, hk = blockIdx.y, b = blockIdx.z;
   const int64_t q_stride = static_cast<int64_t>(d.heads) * D;
   const int64_t kv_stride = static_cast<int64_t>(d.kv_heads) * D;
   const int64_t kv_base = head_base<D>(b, hk, d.seq, d.kv_heads);
@@ -557,8 +434,8 @@ __global__ void __launch_bounds__(kDkvThreads, 1) dkdv_kernel(Args a, DqSums dq)
     const int buf = step % 2, h = hk * d.group + step / qblocks;
     const int q0 = (qb_first + step % qblocks) * N;
     const int64_t q_base = head_base<D>(b, h, d.seq, d.heads);
-    load_tile<D, N, kDkvThreads>(sq + buf * E, a.q + q_base, q0, d.seq, q_stride);
-    load_tile<D, N, kDkvThreads>(sdo + buf * E, a.d_o + q_base, q0, d.seq, q_stride);
+    load_tile<D, N>(sq + buf * E, a.q + q_base, q0, d.seq, q_stride);
+    load_tile<D, N>(sdo + buf * E, a.d_o + q_base, q0, d.seq, q_stride);
     if (threadIdx.x < N) {
       const int row = q0 + threadIdx.x;
       const int64_t at = (static_cast<int64_t>(b) * d.heads + h) * d.seq + row;
@@ -568,14 +445,13 @@ __global__ void __launch_bounds__(kDkvThreads, 1) dkdv_kernel(Args a, DqSums dq)
     cp_async_commit();
   };
 
-  load_tile<D, kDkvKeys, kDkvThreads>(sk, a.k + kv_base, k0, d.seq, kv_stride);
-  load_tile<D, kDkvKeys, kDkvThreads>(sv, a.v + kv_base, k0, d.seq, kv_stride);
+  load_tile<D, kDkvKeys>(sk, a.k + kv_base, k0, d.seq, kv_stride);
+  load_tile<D, kDkvKeys>(sv, a.v + kv_base, k0, d.seq, kv_stride);
   issue(0);
   float dk[1][D / 8][4] = {}, dv[1][D / 8][4] = {};
-  int32_t* pending = nullptr;  // the warp's turn to pass on, once its last sums are done
   for (int it = 0; it < steps; ++it) {
     next_tiles(issue, it, steps);
-    const int buf = it % 2, h = hk * d.group + it / qblocks, q0 = (qb_first + it % qblocks) * N;
+    const int buf = it % 2, q0 = (qb_first + it % qblocks) * N;
     const uint16_t *tq = sq + buf * E, *tdo = sdo + buf * E;
     const float *lse2 = srows + buf * 2 * N, *delta = lse2 + N;
     const bool diagonal = d.causal && q0 < k0 + kDkvKeys && k0 < q0 + N;
@@ -600,25 +476,8 @@ __global__ void __launch_bounds__(kDkvThreads, 1) dkdv_kernel(Args a, DqSums dq)
     }
     to_operand<1, N>(op, p);
     mma_ab<1, N, D>(dk, op, tq, S);  // dK += dS^T Q
-    store_ds<N>(sds, op);
-    if (pending) pass_turn(pending);  // the last step's sums are done by now
-    __syncthreads();                  // dS^T from every warp
-
-    // dQ += dS K, in this key tile's turn: the first part is the one of the last key tile that
-    // reaches the query tile (the diagonal's, when causal). A slice's turn counts the parts of
-    // both halves: two a key tile.
-    const int last_tile = gridDim.x - 1;
-    const int first = d.causal ? min((q0 + N - 1) / kDkvKeys, last_tile) : last_tile;
-    const int turn = first - tile, slice = 16 * (warp % kDqSlices);
-    const bool rows_here = q0 + slice < d.seq;  // a slice past the end has no turn
-    int32_t* turns = dq.turn + (static_cast<int64_t>(b) * d.heads + h) * d.seq + q0 + slice;
-    if (turn > 0 && rows_here) wait_turn(turns, 2 * turn);
-    add_dq<D>(sds, sk, dq.sum + head_base<D>(b, h, d.seq, d.heads) + q0 * q_stride, q_stride,
-              d.seq - q0, turn == 0);
-    pending = tile > 0 && rows_here ? turns : nullptr;  // tile 0 adds the last part
-    __syncthreads();  // every warp is done with this buffer and dS^T
+    __syncthreads();                 // every warp is done with this buffer
   }
-  if (pending) pass_turn(pending);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = k0 + 16 * warp + acc_row(2 * half);
@@ -628,14 +487,98 @@ __global__ void __launch_bounds__(kDkvThreads, 1) dkdv_kernel(Args a, DqSums dq)
   }
 }
 
+template <int D>
+constexpr int dq_smem() {
+  return (2 * 16 * kDqM * kWarps + 4 * kDqKeys) * stride_of<D>() * 2;
+}
+
+// dQ of one query tile (a block per (query tile, head, batch)): its key tiles in order, two of
+// them in flight.
+template <int D>
+__global__ void __launch_bounds__(kThreads) dq_kernel(Args a) {
+  constexpr int M = kDqM, N = kDqKeys, S = stride_of<D>(), E = N * S;
+  constexpr int kQRows = 16 * M * kWarps;
+  extern __shared__ __align__(16) uint16_t smem[];
+  uint16_t *sq = smem, *sdo = smem + kQRows * S;
+  uint16_t *sk = sdo + kQRows * S, *sv = sk + 2 * E;  // 2 buffers each
+  const Dims& d = a.dims;
+  const int warp = threadIdx.x / 32;
+  const int q0 = (tiles(d.seq, kQRows) - 1 - blockIdx.x) * kQRows;
+  const int h = blockIdx.y, b = blockIdx.z, row0 = q0 + 16 * M * warp;
+  const int64_t q_stride = static_cast<int64_t>(d.heads) * D;
+  const int64_t kv_stride = static_cast<int64_t>(d.kv_heads) * D;
+  const int64_t q_base = head_base<D>(b, h, d.seq, d.heads);
+  const int64_t kv_base = head_base<D>(b, h / d.group, d.seq, d.kv_heads);
+  const int kblocks = tiles(d.causal ? min(d.seq, q0 + kQRows) : d.seq, N);
+  float lse2[M][2], delta[M][2];
+#pragma unroll
+  for (int mi = 0; mi < M; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + 16 * mi + acc_row(2 * half);
+      const int64_t at = (static_cast<int64_t>(b) * d.heads + h) * d.seq + row;
+      lse2[mi][half] = row < d.seq ? a.lse[at] * kLog2e : 0.0f;
+      delta[mi][half] = row < d.seq ? a.delta[at] : 0.0f;
+    }
+  }
+  auto issue = [&](int j) {
+    load_tile<D, N>(sk + (j % 2) * E, a.k + kv_base, j * N, d.seq, kv_stride);
+    load_tile<D, N>(sv + (j % 2) * E, a.v + kv_base, j * N, d.seq, kv_stride);
+    cp_async_commit();
+  };
+
+  load_tile<D, kQRows>(sq, a.q + q_base, q0, d.seq, q_stride);
+  load_tile<D, kQRows>(sdo, a.d_o + q_base, q0, d.seq, q_stride);
+  issue(0);
+  float dq[M][D / 8][4] = {};
+  for (int j = 0; j < kblocks; ++j) {
+    next_tiles(issue, j, kblocks);
+    const uint16_t *tk = sk + (j % 2) * E, *tv = sv + (j % 2) * E;
+    const int k0 = j * N;
+    const bool edge = needs_mask(d, k0, N, q0);
+    float p[M][N / 8][4] = {}, dp[M][N / 8][4] = {};  // S = Q K^T, dP = dO V^T
+    mma_abt_pair<M, D, N>(p, sq + 16 * M * warp * S, tk, dp, sdo + 16 * M * warp * S, tv, S);
+#pragma unroll
+    for (int mi = 0; mi < M; ++mi) {
+#pragma unroll
+      for (int n = 0; n < N / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const bool out = edge && masked(d, k0 + acc_col(n, e), row0 + 16 * mi + acc_row(e));
+          p[mi][n][e] = out ? 0.0f : fast_exp2(p[mi][n][e] * d.scale_log2 - lse2[mi][e / 2]);
+        }
+      }
+    }
+#pragma unroll
+    for (int mi = 0; mi < M; ++mi) {
+#pragma unroll
+      for (int n = 0; n < N / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[mi][n][e] *= dp[mi][n][e] - delta[mi][e / 2];
+      }
+    }
+    uint32_t op[M][N / 16][4];
+    to_operand<M, N>(op, p);
+    mma_ab<M, N, D>(dq, op, tk, S);  // dQ += dS K
+    __syncthreads();                 // every warp is done with this buffer
+  }
+#pragma unroll
+  for (int mi = 0; mi < M; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + 16 * mi + acc_row(2 * half);
+      if (row < d.seq) store_row<D, M>(a.dq + q_base + row * q_stride, dq, mi, half, d.scale);
+    }
+  }
+}
+
 // ---- launches -------------------------------------------------------------------------------
 
-template <typename Kernel, typename... Params>
-cudaError_t launch(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream,
-                   const Params&... params) {
+template <typename Kernel>
+cudaError_t launch(Kernel kernel, dim3 grid, int smem, cudaStream_t stream, const Args& a) {
   PIMHBM_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<grid, threads, smem, stream>>>(params...);
+  kernel<<<grid, kThreads, smem, stream>>>(a);
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
   return cudaSuccess;
 }
@@ -646,7 +589,7 @@ cudaError_t forward_d(const Forward& c, cudaStream_t stream) {
   a.q = c.q, a.k = c.k, a.v = c.v, a.out = c.o, a.lse_out = c.lse, a.dims = dims_of(c.shape);
   const dim3 grid(tiles(a.dims.seq, 16 * kFwdM * kWarps), a.dims.heads,
                   static_cast<unsigned>(c.shape.batch));
-  return launch(forward_kernel<D>, grid, kThreads, forward_smem<D>(), stream, a);
+  return launch(forward_kernel<D>, grid, forward_smem<D>(), stream, a);
 }
 
 template <int D>
@@ -659,18 +602,12 @@ cudaError_t backward_d(const Backward& c, cudaStream_t stream) {
   delta_kernel<D><<<static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock),
                     32 * kRowsPerBlock, 0, stream>>>(a, rows);
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
-  PIMHBM_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(c.dq_turn, 0, static_cast<size_t>(rows) * sizeof(int32_t), stream));
   const unsigned batch = static_cast<unsigned>(c.shape.batch);
-  PIMHBM_CUDA_RETURN_IF_ERROR(
-      launch(dkdv_kernel<D>, dim3(tiles(a.dims.seq, kDkvKeys), a.dims.kv_heads, batch), kDkvThreads,
-             dkdv_smem<D>(), stream, a, DqSums{c.dq_sum, c.dq_turn}));
-  const int64_t n = c.shape.q_elems();
-  constexpr int kStoreThreads = 256;
-  dq_store_kernel<<<static_cast<unsigned>((n / 8 + kStoreThreads - 1) / kStoreThreads),
-                    kStoreThreads, 0, stream>>>(c.dq_sum, c.dq, n, a.dims.scale);
-  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
-  return cudaSuccess;
+  PIMHBM_CUDA_RETURN_IF_ERROR(launch(dkdv_kernel<D>,
+                                     dim3(tiles(a.dims.seq, kDkvKeys), a.dims.kv_heads, batch),
+                                     dkdv_smem<D>(), stream, a));
+  return launch(dq_kernel<D>, dim3(tiles(a.dims.seq, 16 * kDqM * kWarps), a.dims.heads, batch),
+                dq_smem<D>(), stream, a);
 }
 
 }  // namespace

@@ -90,14 +90,12 @@ ffi::Error forward_handler(Platform on, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi:
                             static_cast<float*>(lse->untyped_data())});
 }
 
-// q, k, v, o, lse, dO -> dq, dk, dv, and scratch: delta float32 [batch, heads, seq], dq_sum
-// float32 (q's shape), dq_turn int32 [batch, heads, seq]
+// q, k, v, o, lse, dO -> dq, dk, dv, delta float32 [batch, heads, seq] (scratch)
 template <typename Platform>
 ffi::Error backward_handler(Platform on, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                             ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer d_o,
                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
-                            ffi::Result<ffi::AnyBuffer> dq_sum, ffi::Result<ffi::AnyBuffer> dq_turn,
                             bool causal) {
   PIMHBM_FFI_ASSIGN_OR_RETURN(const Shape s, shape_of(kBwd, q, k, v, causal));
   const auto bf16 = ffi::DataType::BF16, f32 = ffi::DataType::F32;
@@ -111,13 +109,10 @@ ffi::Error backward_handler(Platform on, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   PIMHBM_FFI_RETURN_IF_ERROR(check_dims(kBwd, "dk", *dk, bf16, kv_dims));
   PIMHBM_FFI_RETURN_IF_ERROR(check_dims(kBwd, "dv", *dv, bf16, kv_dims));
   PIMHBM_FFI_RETURN_IF_ERROR(check_dims(kBwd, "delta", *delta, f32, row_dims));
-  PIMHBM_FFI_RETURN_IF_ERROR(check_dims(kBwd, "dq_sum", *dq_sum, f32, q_dims));
-  PIMHBM_FFI_RETURN_IF_ERROR(check_dims(kBwd, "dq_turn", *dq_turn, ffi::DataType::S32, row_dims));
   return launch(on, Backward{s, bf16_in(q), bf16_in(k), bf16_in(v), bf16_in(o), bf16_in(d_o),
                              static_cast<const float*>(lse.untyped_data()),
                              static_cast<float*>(delta->untyped_data()), bf16_out(dq), bf16_out(dk),
-                             bf16_out(dv), static_cast<float*>(dq_sum->untyped_data()),
-                             static_cast<int32_t*>(dq_turn->untyped_data())});
+                             bf16_out(dv)});
 }
 
 }  // namespace
@@ -134,7 +129,7 @@ ffi::Error backward_handler(Platform on, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 PIMHBM_FFI_HANDLERS(PimhbmAttentionFwd, pimhbm::attention::forward_handler,
                     PIMHBM_ATTENTION_FWD_BINDING, PIMHBM_FFI_CAPTURABLE);
 
-// q, k, v, o, lse, dO -> dq, dk, dv, delta, dq_sum, dq_turn
+// q, k, v, o, lse, dO -> dq, dk, dv, delta
 #define PIMHBM_ATTENTION_BWD_BINDING(bind) \
   bind.Arg<::xla::ffi::AnyBuffer>()        \
       .Arg<::xla::ffi::AnyBuffer>()        \
@@ -142,8 +137,6 @@ PIMHBM_FFI_HANDLERS(PimhbmAttentionFwd, pimhbm::attention::forward_handler,
       .Arg<::xla::ffi::AnyBuffer>()        \
       .Arg<::xla::ffi::AnyBuffer>()        \
       .Arg<::xla::ffi::AnyBuffer>()        \
-      .Ret<::xla::ffi::AnyBuffer>()        \
-      .Ret<::xla::ffi::AnyBuffer>()        \
       .Ret<::xla::ffi::AnyBuffer>()        \
       .Ret<::xla::ffi::AnyBuffer>()        \
       .Ret<::xla::ffi::AnyBuffer>()        \

@@ -53,22 +53,19 @@ void run_gpu(const Shape& s, const std::vector<uint16_t>& q, const std::vector<u
              const std::vector<uint16_t>& v, const std::vector<uint16_t>& d_o, Outputs* out) {
   DeviceBuffer<uint16_t> dq_(s.q_elems()), dk_(s.kv_elems()), dv_(s.kv_elems()), q_(s.q_elems()),
       k_(s.kv_elems()), v_(s.kv_elems()), o_(s.q_elems()), do_(s.q_elems());
-  DeviceBuffer<float> lse_(s.rows()), delta_(s.rows()), dq_sum_(s.q_elems());
-  DeviceBuffer<int32_t> dq_turn_(s.rows());
+  DeviceBuffer<float> lse_(s.rows()), delta_(s.rows());
   PIMHBM_ASSERT_CUDA(q_.upload(q));
   PIMHBM_ASSERT_CUDA(k_.upload(k));
   PIMHBM_ASSERT_CUDA(v_.upload(v));
   PIMHBM_ASSERT_CUDA(do_.upload(d_o));
   for (auto* b : {&o_, &dq_, &dk_, &dv_}) PIMHBM_ASSERT_CUDA(b->poison());
   PIMHBM_ASSERT_CUDA(lse_.poison());
-  PIMHBM_ASSERT_CUDA(dq_sum_.poison());       // NaN: the first part of each sum must be stored
-  PIMHBM_ASSERT_CUDA(dq_turn_.poison(0x01));  // every turn already "taken" unless reset
   PIMHBM_ASSERT_CUDA(
       forward_cuda(Forward{s, q_.get(), k_.get(), v_.get(), o_.get(), lse_.get()}, 0));
-  PIMHBM_ASSERT_CUDA(backward_cuda(
-      Backward{s, q_.get(), k_.get(), v_.get(), o_.get(), do_.get(), lse_.get(), delta_.get(),
-               dq_.get(), dk_.get(), dv_.get(), dq_sum_.get(), dq_turn_.get()},
-      0));
+  PIMHBM_ASSERT_CUDA(
+      backward_cuda(Backward{s, q_.get(), k_.get(), v_.get(), o_.get(), do_.get(), lse_.get(),
+                             delta_.get(), dq_.get(), dk_.get(), dv_.get()},
+                    0));
   PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
   cudaError_t err = cudaSuccess;
   out->o = o_.download(&err);
@@ -112,13 +109,9 @@ TEST_P(AttentionCuda, MatchesCpuAndRepeats) {
 std::vector<Shape> shapes() {
   const bool small = testing::small_sizes();
   // batch, seq, heads, kv_heads, head_dim, causal
-  return {{1, 1, 2, 1, 64, true},
-          {2, 63, 4, 2, 64, true},
-          {1, 65, 4, 1, 128, true},
-          {2, small ? 70 : 333, 8, 2, 128, true},
-          {1, 100, 2, 2, 64, false},
-          {1, small ? 129 : 257, 4, 2, 128, false},
-          {1, small ? 300 : 1000, 8, 2, 64, true}};
+  return {{1, 1, 2, 1, 64, true},    {2, 63, 4, 2, 64, true},
+          {1, 65, 4, 1, 128, true},  {2, small ? 70 : 333, 8, 2, 128, true},
+          {1, 100, 2, 2, 64, false}, {1, small ? 129 : 257, 4, 2, 128, false}};
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionCuda, ::testing::ValuesIn(shapes()));

@@ -4,8 +4,8 @@
 head_dim] (bfloat16; head_dim 64 or 128; kv_heads dividing heads; any sequence length) returns
 softmax(q k^T / sqrt(head_dim)) v, causal by default, as ``jax.nn.dot_product_attention`` does,
 and is differentiable (``jax.custom_vjp``). Its kernels (csrc/attention) sum every value in a
-fixed order -- the backward pass computes dK and dV per key tile and adds each key tile's part of
-dQ in turn, the same order every time, never by atomics -- so two runs on the same inputs are equal bit for bit without XLA's global
+fixed order -- the backward pass computes dK and dV per key tile and dQ per query tile, never by
+atomics -- so two runs on the same inputs are equal bit for bit without XLA's global
 ``--xla_gpu_deterministic_ops`` flag, which is what exact replay needs. On CPUs the same op runs
 the plain C++ reference.
 
@@ -35,9 +35,9 @@ class _Layout(enum.Enum):
     its group), so the kv heads may be split across devices with their query heads; sequence,
     head_dim and the group stay whole."""
 
-    Q = "b t (k g) d"  # [batch, seq, heads, head_dim]: q, o, dO, dq, dq_sum
+    Q = "b t (k g) d"  # [batch, seq, heads, head_dim]: q, o, dO, dq
     KV = "b t k d"  # [batch, seq, kv_heads, head_dim]: k, v, dk, dv
-    ROWS = "b (k g) t"  # [batch, heads, seq]: lse, delta, dq_turn
+    ROWS = "b (k g) t"  # [batch, heads, seq]: lse, delta
 
     def spec(self, batch, heads) -> P:
         return P(batch, heads, None) if self is _Layout.ROWS else P(batch, None, heads, None)
@@ -62,9 +62,9 @@ def _check(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
                          f"({heads})")
 
 
-def _rows(q: jax.Array, dtype=jnp.float32) -> jax.ShapeDtypeStruct:
+def _rows(q: jax.Array) -> jax.ShapeDtypeStruct:
     batch, seq, heads, _ = q.shape
-    return jax.ShapeDtypeStruct((batch, heads, seq), dtype)
+    return jax.ShapeDtypeStruct((batch, heads, seq), jnp.float32)
 
 
 def _fwd_call(causal: bool, q, k, v):
@@ -74,10 +74,8 @@ def _fwd_call(causal: bool, q, k, v):
 
 
 def _bwd_call(causal: bool, q, k, v, o, lse, g):
-    # dq, dk, dv, then the kernels' scratch: delta, dQ's float sums and its key tiles' turns.
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-           jax.ShapeDtypeStruct(v.shape, v.dtype), _rows(q),
-           jax.ShapeDtypeStruct(q.shape, jnp.float32), _rows(q, jnp.int32))
+           jax.ShapeDtypeStruct(v.shape, v.dtype), _rows(q))
     return tuple(jax.ffi.ffi_call("pimhbm_attention_bwd", out, vmap_method="sequential")(
         q, k, v, o, lse, g, causal=np.bool_(causal)))
 
@@ -126,7 +124,7 @@ def _ops(causal: bool):
     q, kv, rows = _Layout.Q, _Layout.KV, _Layout.ROWS
     fwd = _sharded(functools.partial(_fwd_call, causal), (q, kv, kv), (q, rows))
     bwd = _sharded(functools.partial(_bwd_call, causal), (q, kv, kv, q, rows, q),
-                   (q, kv, kv, rows, q, rows))
+                   (q, kv, kv, rows))
 
     @jax.custom_vjp
     def attend(q, k, v):
@@ -138,7 +136,7 @@ def _ops(causal: bool):
 
     def attend_bwd(res, g):
         q, k, v, o, lse = res
-        dq, dk, dv, *_scratch = bwd(q, k, v, o, lse, g.astype(jnp.bfloat16))
+        dq, dk, dv, _ = bwd(q, k, v, o, lse, g.astype(jnp.bfloat16))
         return dq, dk, dv
 
     attend.defvjp(attend_fwd, attend_bwd)
