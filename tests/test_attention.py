@@ -1,6 +1,6 @@
 """pimhbm.attention against jax.nn.dot_product_attention (XLA's, in float32 from the same bf16
 inputs), forward and gradients, on random grouped-query shapes whose sequence lengths are no
-multiple of any tile, head dims 64 and 128, batch 1 and 3; two runs bitwise equal; bad shapes
+multiple of any tile, head dims 16, 32, 64 and 128, batch 1 and 3; two runs bitwise equal; bad shapes
 and dtypes refused with a clear error, by the Python front and by the FFI handler itself; batch
 and kv heads sharded under plain jit with no gather; vmap folded into the batch. On a GPU the
 same checks run on the CUDA kernels, plus: against cuDNN's attention and the CPU reference."""
@@ -20,7 +20,8 @@ from conftest import has_gpu, needs_devices, requires_gpu
 
 # batch, seq, heads, kv_heads, head_dim, causal
 SHAPES = [(1, 1, 2, 1, 64, True), (3, 67, 4, 2, 64, True), (1, 130, 8, 2, 128, True),
-          (3, 45, 4, 4, 128, False), (1, 200, 6, 3, 64, False), (3, 129, 4, 1, 128, True)]
+          (3, 45, 4, 4, 128, False), (1, 200, 6, 3, 64, False), (3, 129, 4, 1, 128, True),
+          (2, 70, 4, 2, 16, True), (1, 97, 2, 1, 32, False)]
 # Errors relative to the largest reference value: bf16 outputs (2^-8), and on the GPU bf16
 # probabilities and score gradients inside the products, as every fused attention keeps them.
 TOL = 2e-2
@@ -103,7 +104,7 @@ def test_vmap_folds_into_the_batch(rng):
 
 @pytest.mark.parametrize("bad, message", [
     (dict(dtype=jnp.float32), "q must be bfloat16"),
-    (dict(q_shape=(1, 8, 2, 96)), "head_dim must be 64 or 128"),
+    (dict(q_shape=(1, 8, 2, 96)), "head_dim must be 16, 32, 64 or 128"),
     (dict(k_shape=(1, 8, 3, 64)), r"kv_heads \(3\) must divide q's heads \(4\)"),
     (dict(k_shape=(1, 9, 2, 64)), "k and v must be"),
     (dict(q_shape=(8, 4, 64)), "must be 4-d"),
@@ -175,7 +176,8 @@ def test_a_llama_layer_on_pimhbm_attention(rng):
 
 # cuDNN's own limits: even sequence lengths (JAX refuses odd ones for its masked kernels).
 CUDNN_SHAPES = [(3, 66, 4, 2, 64, True), (1, 130, 8, 2, 128, True), (3, 46, 4, 4, 128, False),
-                (1, 200, 6, 3, 64, False), (2, 1000, 8, 2, 128, True)]
+                (1, 200, 6, 3, 64, False), (2, 1000, 8, 2, 128, True), (2, 70, 4, 2, 16, True),
+                (1, 96, 2, 1, 32, False)]
 
 
 @requires_gpu

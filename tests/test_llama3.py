@@ -440,14 +440,31 @@ def test_llama3_tool_times_exact_mode_in_a_process_of_its_own():
 
 def test_exact_mode_picks_an_attention_that_repeats_without_xla_flags():
     """GPUs: cuDNN's attention for speed; pimhbm's in exact mode where it takes the head dim
-    (XLA's, with the flag, on the tiny models); CPUs: XLA's, repeatable as it is."""
+    (the tiny models' 16 too), XLA's (with the flag) where it does not; CPUs: XLA's, repeatable
+    as it is."""
     from pimhbm_cli.llama3 import _attention
 
     big, tiny = llama3.llama3_8b(layers=1), llama3.tiny()
+    odd = llama3.tiny(hidden=96)  # head dim 24: not one our kernels take
     assert _attention(big, "gpu", exact=False) == "cudnn"
     assert _attention(big, "gpu", exact=True) == llama3.PIMHBM_ATTENTION
-    assert _attention(tiny, "gpu", exact=True) == "xla"
+    assert _attention(tiny, "gpu", exact=True) == llama3.PIMHBM_ATTENTION
+    assert _attention(odd, "gpu", exact=True) == "xla"
     assert _attention(big, "cpu", exact=True) == "xla"
+
+
+def test_xla_flag_is_set_only_where_our_attention_cannot_serve():
+    """The CLI sets XLA's deterministic flag before JAX starts only where exact replays need it:
+    the demo at a head dim our kernels do not take, and recover; never for the demo's default
+    model or llama3's tiny one."""
+    from pimhbm_cli import _needs_exact_replay, _parser
+
+    parse = lambda *argv: _parser().parse_args(list(argv))
+    assert not _needs_exact_replay(parse("demo"))
+    assert _needs_exact_replay(parse("demo", "--hidden", "96"))
+    assert not _needs_exact_replay(parse("llama3", "--tiny", "--deterministic"))
+    assert not _needs_exact_replay(parse("llama3", "--tiny"))
+    assert _needs_exact_replay(parse("recover"))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])

@@ -35,7 +35,7 @@ struct Shape {
 };
 
 // The head dims the kernels are built for.
-inline bool supported_head_dim(int64_t d) { return d == 64 || d == 128; }
+inline bool supported_head_dim(int64_t d) { return d == 16 || d == 32 || d == 64 || d == 128; }
 
 struct Forward {
   Shape shape;

@@ -614,12 +614,34 @@ cudaError_t backward_d(const Backward& c, cudaStream_t stream) {
 
 cudaError_t forward_cuda(const Forward& call, cudaStream_t stream) {
   if (call.shape.q_elems() == 0) return cudaSuccess;
-  return call.shape.head_dim == 64 ? forward_d<64>(call, stream) : forward_d<128>(call, stream);
+  switch (call.shape.head_dim) {
+    case 16:
+      return forward_d<16>(call, stream);
+    case 32:
+      return forward_d<32>(call, stream);
+    case 64:
+      return forward_d<64>(call, stream);
+    case 128:
+      return forward_d<128>(call, stream);
+    default:
+      return cudaErrorInvalidValue;  // supported_head_dim() is checked before
+  }
 }
 
 cudaError_t backward_cuda(const Backward& call, cudaStream_t stream) {
   if (call.shape.q_elems() == 0) return cudaSuccess;
-  return call.shape.head_dim == 64 ? backward_d<64>(call, stream) : backward_d<128>(call, stream);
+  switch (call.shape.head_dim) {
+    case 16:
+      return backward_d<16>(call, stream);
+    case 32:
+      return backward_d<32>(call, stream);
+    case 64:
+      return backward_d<64>(call, stream);
+    case 128:
+      return backward_d<128>(call, stream);
+    default:
+      return cudaErrorInvalidValue;  // supported_head_dim() is checked before
+  }
 }
 
 }  // namespace pimhbm::attention

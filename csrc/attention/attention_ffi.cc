@@ -52,7 +52,7 @@ ffi::ErrorOr<Shape> shape_of(const char* op, const ffi::AnyBuffer& q, const ffi:
   }
   const Shape s{qd[0], qd[1], qd[2], kd.size() == 4 ? kd[2] : 0, qd[3], causal};
   if (!supported_head_dim(s.head_dim)) {
-    return invalid(op, "head_dim must be 64 or 128, got " + std::to_string(s.head_dim));
+    return invalid(op, "head_dim must be 16, 32, 64 or 128, got " + std::to_string(s.head_dim));
   }
   if (kd.size() != 4 || s.kv_heads < 1 || s.heads % s.kv_heads != 0) {
     return invalid(op, "k must be [batch, seq, kv_heads, head_dim] with kv_heads dividing q's " +

@@ -111,7 +111,8 @@ std::vector<Shape> shapes() {
   // batch, seq, heads, kv_heads, head_dim, causal
   return {{1, 1, 2, 1, 64, true},    {2, 63, 4, 2, 64, true},
           {1, 65, 4, 1, 128, true},  {2, small ? 70 : 333, 8, 2, 128, true},
-          {1, 100, 2, 2, 64, false}, {1, small ? 129 : 257, 4, 2, 128, false}};
+          {1, 100, 2, 2, 64, false}, {1, small ? 129 : 257, 4, 2, 128, false},
+          {2, 70, 4, 2, 16, true},   {1, small ? 97 : 300, 2, 1, 32, false}};
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionCuda, ::testing::ValuesIn(shapes()));

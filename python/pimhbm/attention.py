@@ -1,7 +1,7 @@
 """Causal grouped-query attention whose every replay is bit-identical, at tensor-core speed.
 
 ``attention(q, k, v)`` with q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads,
-head_dim] (bfloat16; head_dim 64 or 128; kv_heads dividing heads; any sequence length) returns
+head_dim] (bfloat16; head_dim 16, 32, 64 or 128; kv_heads dividing heads; any sequence length) returns
 softmax(q k^T / sqrt(head_dim)) v, causal by default, as ``jax.nn.dot_product_attention`` does,
 and is differentiable (``jax.custom_vjp``). Its kernels (csrc/attention) sum every value in a
 fixed order -- the backward pass computes dK and dV per key tile and dQ per query tile, never by
@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pimhbm._ffi import ensure_registered
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (16, 32, 64, 128)
 
 
 class _Layout(enum.Enum):
@@ -52,7 +52,7 @@ def _check(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
                              f"head_dim], got shape {x.shape}")
     batch, seq, heads, head_dim = q.shape
     if head_dim not in HEAD_DIMS:
-        raise ValueError(f"pimhbm.attention: head_dim must be 64 or 128, got {head_dim}")
+        raise ValueError(f"pimhbm.attention: head_dim must be 16, 32, 64 or 128, got {head_dim}")
     if k.shape != v.shape or k.shape[:2] != (batch, seq) or k.shape[3] != head_dim:
         raise ValueError(f"pimhbm.attention: k and v must be [batch, seq, kv_heads, head_dim] "
                          f"with q's batch, seq and head_dim {(batch, seq, head_dim)}, got "

@@ -33,10 +33,17 @@ def _module(name: str):
 
 
 def _needs_exact_replay(args: argparse.Namespace) -> bool:
-    # pimhbm llama3's exact mode needs no flag, but on its tiny models (head dims our attention
-    # does not take) it uses XLA's attention, which does.
-    return args.command in ("demo", "recover") or (args.command == "llama3" and
-                                                   args.deterministic and args.tiny)
+    """Whether the command's exact replays need XLA's deterministic flag: not where the model's
+    attention is pimhbm's (the demo's and llama3's models, when their head dim is one our
+    kernels take); `recover` (its small MLP's steps on several devices) sets it still."""
+    from pimhbm.attention import HEAD_DIMS
+    from pimhbm.models import llama3
+
+    if args.command == "demo":
+        return llama3.tiny(hidden=args.hidden).head_dim not in HEAD_DIMS
+    if args.command == "llama3":
+        return args.deterministic and args.tiny and llama3.tiny().head_dim not in HEAD_DIMS
+    return args.command == "recover"
 
 
 def _parser() -> argparse.ArgumentParser:

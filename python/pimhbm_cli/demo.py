@@ -85,10 +85,19 @@ def progress_counts(campaign: Campaign, stats: Any, step: int) -> tuple[int, int
     return len(due), sum(f.detected for f in due), sum(f.repaired for f in due)
 
 
-def _attention() -> str | None:
-    """XLA's own attention in exact-replay mode: with XLA's deterministic-ops flag this XLA fails
-    to run the cuDNN attention it compiled (see `pimhbm llama3`); else the best available."""
-    return "xla" if "xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "") else None
+def _xla_flag() -> bool:
+    return "xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
+
+
+def _attention(device, exact: bool) -> str | None:
+    """The attention of the plain step (``exact`` False: the fastest, XLA's pick) and of the
+    protected runs, which must repeat bit for bit: on GPUs pimhbm's, repeatable without XLA's
+    flag; XLA's own where the flag is on (set for head dims our kernels do not take: with it
+    this XLA fails to run the cuDNN attention it compiled, see `pimhbm llama3`). CPUs: XLA's,
+    repeatable as it is."""
+    if _xla_flag():
+        return "xla"
+    return llama3.PIMHBM_ATTENTION if exact and device.platform == "gpu" else None
 
 
 def _plain_step_seconds(cfg, data, args, device) -> float:
@@ -104,7 +113,8 @@ def _plain_step_seconds(cfg, data, args, device) -> float:
     def step(state, batch, lr):
         master, opt, params = state
         opt.hyperparams["learning_rate"] = lr
-        loss, grads = jax.value_and_grad(lambda p: llama3.loss(p, batch, cfg, _attention()))(params)
+        loss, grads = jax.value_and_grad(
+            lambda p: llama3.loss(p, batch, cfg, _attention(device, exact=False)))(params)
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         updates, opt = tx.update(grads, opt, master)
         master = optax.apply_updates(master, updates)
@@ -181,7 +191,8 @@ def _both_runs(console, cfg, data, args, device, kinds) -> Runs:
     (fault hooks included), host snapshots in shared memory (removed at the end)."""
     names = [f"pimhbm_demo_{uuid.uuid4().hex[:10]}_{k}" for k in ("clean", "faulty")]
     common = dict(steps=args.steps, batch=args.batch, seq=args.seq, seed=args.seed,
-                  inject_gradients=True, devices=[device], attention_impl=_attention())
+                  inject_gradients=True, devices=[device],
+                  attention_impl=_attention(device, exact=True))
     try:
         clean = llama_trainer(cfg, data, **common, shm_name=names[0])
         pre = _prewarm(console, clean, "prewarm")
@@ -313,9 +324,8 @@ def run(args: Any) -> int:
                   f"{cfg.num_params() / 1e6:.2f} M parameters, bf16 with fp32 master weights) on "
                   f"{len(data) / 1e3:.0f} KB of text, {args.steps} steps of {args.batch}x{args.seq} "
                   f"bytes, on {device.platform.upper()} ({device.device_kind}); seed {args.seed}; "
-                  "exact-replay mode (XLA deterministic ops): " +
-                  ("on" if "xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
-                   else "off"))
+                  "exact replays by " + ("XLA's deterministic ops" if _xla_flag() else
+                                         f"{_attention(device, exact=True) or 'XLA'} attention"))
     console.print("timing the unprotected step (optax.adamw) ...")
     plain = _plain_step_seconds(cfg, data, args, device)
     runs = _both_runs(console, cfg, data, args, device, kinds)

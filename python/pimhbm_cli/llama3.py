@@ -10,10 +10,9 @@ scale and checks that it ends bit-identical to the same run without faults.
 Bit-identical replays need a repeatable step. ``--deterministic`` (exact mode) builds it from
 pimhbm's own attention (``pimhbm.attention``: its sums in a fixed order) and an embedding
 gradient summed in a fixed order, without XLA's global deterministic flag (every other op of
-this step repeats bit for bit without it; ``bench/determinism_bisect.py``). With ``--tiny`` (head
-dims our kernels do not take) exact mode on a GPU still sets
-XLA_FLAGS=--xla_gpu_deterministic_ops=true and uses XLA's attention. Exact mode is timed as a
-row of its own against the same fast plain step: its cost is what bit-identity costs.
+this step repeats bit for bit without it; ``bench/determinism_bisect.py``); ``--tiny`` too (head
+dim 16). Exact mode is timed as a row of its own against the same fast plain step: its cost is
+what bit-identity costs.
 
 ``--processes N`` runs the same job as N processes of one host, the way clusters run it: each
 process drives its share of the devices (one GPU each on a GPU machine), they meet through
@@ -162,7 +161,7 @@ def job_console(args: Any):
 
 def _attention(cfg: Any, platform: str, exact: bool) -> str:
     """cuDNN's fused attention on GPUs; in exact mode pimhbm's (repeatable without XLA's flag),
-    or XLA's own where our kernels do not take the model's head dim (--tiny: XLA's flag is then
+    or XLA's own where our kernels do not take the model's head dim (XLA's flag must then be
     on, and with it this XLA cannot run the cuDNN graph it compiled: openxla/xla#46500). CPUs:
     XLA's, repeatable as it is."""
     from pimhbm.attention import HEAD_DIMS
