@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "attention/attention.h"
 #include "pimhbm/cuda_check.h"
@@ -610,38 +611,36 @@ cudaError_t backward_d(const Backward& c, cudaStream_t stream) {
                 dq_smem<D>(), stream, a);
 }
 
+// `run` instantiated for the call's head dim (a std::integral_constant); supported_head_dim()
+// is checked before a call gets here.
+template <typename Run>
+cudaError_t by_head_dim(int64_t head_dim, Run run) {
+  switch (head_dim) {
+    case 16:
+      return run(std::integral_constant<int, 16>{});
+    case 32:
+      return run(std::integral_constant<int, 32>{});
+    case 64:
+      return run(std::integral_constant<int, 64>{});
+    case 128:
+      return run(std::integral_constant<int, 128>{});
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
 }  // namespace
 
 cudaError_t forward_cuda(const Forward& call, cudaStream_t stream) {
   if (call.shape.q_elems() == 0) return cudaSuccess;
-  switch (call.shape.head_dim) {
-    case 16:
-      return forward_d<16>(call, stream);
-    case 32:
-      return forward_d<32>(call, stream);
-    case 64:
-      return forward_d<64>(call, stream);
-    case 128:
-      return forward_d<128>(call, stream);
-    default:
-      return cudaErrorInvalidValue;  // supported_head_dim() is checked before
-  }
+  return by_head_dim(call.shape.head_dim,
+                     [&](auto d) { return forward_d<decltype(d)::value>(call, stream); });
 }
 
 cudaError_t backward_cuda(const Backward& call, cudaStream_t stream) {
   if (call.shape.q_elems() == 0) return cudaSuccess;
-  switch (call.shape.head_dim) {
-    case 16:
-      return backward_d<16>(call, stream);
-    case 32:
-      return backward_d<32>(call, stream);
-    case 64:
-      return backward_d<64>(call, stream);
-    case 128:
-      return backward_d<128>(call, stream);
-    default:
-      return cudaErrorInvalidValue;  // supported_head_dim() is checked before
-  }
+  return by_head_dim(call.shape.head_dim,
+                     [&](auto d) { return backward_d<decltype(d)::value>(call, stream); });
 }
 
 }  // namespace pimhbm::attention
