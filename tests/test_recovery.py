@@ -175,6 +175,26 @@ def test_batch_log_ring(shm_name):
         backup.log_batch(10, [np.zeros(4, np.int32)])
 
 
+def test_the_snapshot_kept_is_checked_again_before_the_other_slot_is_overwritten(shm_name, rng):
+    """Two sealed snapshots: the next one goes over the older. If the newer one's digest table
+    changed in host memory since this process sealed it, the next goes over the newer instead
+    (the older is the only one that verifies); the damage is found though nothing re-read the
+    slot since its seal."""
+    x = rng.standard_normal(8).astype(np.float32)
+    table = np.arange(4, dtype=np.uint32)
+    specs = specs_of([("x", x)]) + specs_of([("x digests", table)], digest_tables=True)
+    backup = HostBackup(shm_name, specs, specs_of([("b", x)]), ring=2, create=True)
+    for slot, step in ((0, 10), (1, 20)):
+        backup.begin(slot, step)
+        backup.region.numpy(backup.offsets(slot)[1], [4], "uint32")[:] = table + step
+        backup.complete(slot)
+    assert backup.slot_for_next() == 0  # control: both verify, the older is overwritten
+    backup.region.numpy(backup.offsets(1)[1], [4], "uint32")[2] ^= 1 << 7  # one bit, after the seal
+    assert not backup.verified(1) and backup.verified(0)
+    assert backup.slot_for_next() == 1
+    backup.close()
+
+
 # -- the engine ---------------------------------------------------------------------------------
 
 def test_fault_free_run_reports_nothing_and_compiles_nothing(shm_name):

@@ -265,7 +265,9 @@ class HostBackup:
 
     def slot_for_next(self) -> int:
         """The slot to write next: one that holds no snapshot that verifies, else the older one
-        (never the newest good snapshot). A slot this process sealed is not checked again."""
+        (never the newest good snapshot). The snapshot to be kept is checked again even when
+        this process sealed it: host memory can change after a seal, and writing over the
+        older slot would then leave no snapshot that verifies."""
         for s in (0, 1):
             if s not in self._trusted:
                 self._trusted[s] = self.snapshot_step(s) if self.verified(s) else None
@@ -274,7 +276,14 @@ class HostBackup:
             return 0
         if steps[1] is None:
             return 1
-        return 0 if steps[0] < steps[1] else 1
+        older, newer = (0, 1) if steps[0] < steps[1] else (1, 0)
+        if not self.verified(newer):
+            log.warning("/%s: the snapshot of step %d (slot %d) no longer verifies: the next "
+                        "snapshot goes there, the older one is kept", self.name, steps[newer],
+                        newer)
+            self._trusted[newer] = None
+            return newer
+        return older
 
     def begin(self, slot: int, step: int) -> None:
         """Marks ``slot`` incomplete before its tensors are overwritten with step ``step``."""
