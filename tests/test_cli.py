@@ -69,6 +69,11 @@ def test_recover_refuses_more_devices_than_there_are(capsys):
     assert "--devices 64" in capsys.readouterr().out
 
 
+def test_demo_refuses_a_width_whose_heads_the_model_cannot_split(capsys):
+    assert cli.main(["demo", "--hidden", "6", "--steps", "2"]) == 2  # head dim 1: odd
+    assert "--hidden 6" in capsys.readouterr().err
+
+
 def test_run_stats_serialise_to_json_with_every_field():
     import json
 

@@ -1,8 +1,8 @@
 """Causal grouped-query attention whose every replay is bit-identical, at tensor-core speed.
 
 ``attention(q, k, v)`` with q [batch, seq, heads, head_dim] and k, v [batch, seq, kv_heads,
-head_dim] (bfloat16; head_dim 16, 32, 64 or 128; kv_heads dividing heads; any sequence length) returns
-softmax(q k^T / sqrt(head_dim)) v, causal by default, as ``jax.nn.dot_product_attention`` does,
+head_dim] (bfloat16; head_dim 16, 32, 64 or 128; kv_heads dividing heads; any sequence length)
+returns softmax(q k^T / sqrt(head_dim)) v, causal by default, as ``jax.nn.dot_product_attention`` does,
 and is differentiable (``jax.custom_vjp``). Its kernels (csrc/attention) sum every value in a
 fixed order -- the backward pass computes dK and dV per key tile and dQ per query tile, never by
 atomics -- so two runs on the same inputs are equal bit for bit without XLA's global

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import time
 import uuid
 from typing import Any, NamedTuple
@@ -318,7 +319,11 @@ def run(args: Any) -> int:
     device = jax.devices(args.device)[0] if args.device else jax.devices()[0]
     kinds = args.kinds or list(KINDS)  # the parser took only known kinds
     os.makedirs(args.out, exist_ok=True)
-    cfg = llama3.tiny(layers=args.layers, hidden=args.hidden)
+    try:
+        cfg = llama3.tiny(layers=args.layers, hidden=args.hidden)
+    except ValueError as err:  # a width whose heads the model cannot split
+        print(f"pimhbm demo: --hidden {args.hidden}: {err}", file=sys.stderr)
+        return 2
     data = corpus_bytes()
     console.print(f"[bold]pimhbm demo[/]: Llama-3 ({cfg.layers} layers, hidden {cfg.hidden}, "
                   f"{cfg.num_params() / 1e6:.2f} M parameters, bf16 with fp32 master weights) on "
