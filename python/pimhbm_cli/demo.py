@@ -31,6 +31,8 @@ from pimhbm import report
 from pimhbm.backup import HostBackup
 from pimhbm.campaign import KINDS, Campaign, unlocated_note
 from pimhbm.models import llama3
+from pimhbm.recovery.placement import xla_deterministic_flag
+from pimhbm.recovery.trainer import RECHECK_EVERY
 from pimhbm.train import llama_trainer, text_batches, warmup_cosine
 from pimhbm_cli import options
 from pimhbm_cli.data import corpus_bytes
@@ -86,17 +88,13 @@ def progress_counts(campaign: Campaign, stats: Any, step: int) -> tuple[int, int
     return len(due), sum(f.detected for f in due), sum(f.repaired for f in due)
 
 
-def _xla_flag() -> bool:
-    return "xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
-
-
 def _attention(device, exact: bool) -> str | None:
     """The attention of the plain step (``exact`` False: the fastest, XLA's pick) and of the
     protected runs, which must repeat bit for bit: on GPUs pimhbm's, repeatable without XLA's
     flag; XLA's own where the flag is on (set for head dims our kernels do not take: with it
     this XLA fails to run the cuDNN attention it compiled, see `pimhbm llama3`). CPUs: XLA's,
     repeatable as it is."""
-    if _xla_flag():
+    if xla_deterministic_flag():
         return "xla"
     return llama3.PIMHBM_ATTENTION if exact and device.platform == "gpu" else None
 
@@ -191,9 +189,11 @@ def _both_runs(console, cfg, data, args, device, kinds) -> Runs:
     """Run 1 without faults, run 2 the same under the campaign: the same compiled programs
     (fault hooks included), host snapshots in shared memory (removed at the end)."""
     names = [f"pimhbm_demo_{uuid.uuid4().hex[:10]}_{k}" for k in ("clean", "faulty")]
+    # The step repeats bit for bit on every platform (see _attention), which the Trainer cannot
+    # tell without XLA's flag: sampled re-execution is asked for.
     common = dict(steps=args.steps, batch=args.batch, seq=args.seq, seed=args.seed,
                   inject_gradients=True, devices=[device],
-                  attention_impl=_attention(device, exact=True))
+                  attention_impl=_attention(device, exact=True), recheck_every=RECHECK_EVERY)
     try:
         clean = llama_trainer(cfg, data, **common, shm_name=names[0])
         pre = _prewarm(console, clean, "prewarm")
@@ -329,7 +329,7 @@ def run(args: Any) -> int:
                   f"{cfg.num_params() / 1e6:.2f} M parameters, bf16 with fp32 master weights) on "
                   f"{len(data) / 1e3:.0f} KB of text, {args.steps} steps of {args.batch}x{args.seq} "
                   f"bytes, on {device.platform.upper()} ({device.device_kind}); seed {args.seed}; "
-                  "exact replays by " + ("XLA's deterministic ops" if _xla_flag() else
+                  "exact replays by " + ("XLA's deterministic ops" if xla_deterministic_flag() else
                                          f"{_attention(device, exact=True) or 'XLA'} attention"))
     console.print("timing the unprotected step (optax.adamw) ...")
     plain = _plain_step_seconds(cfg, data, args, device)

@@ -207,6 +207,7 @@ def _setup(args: Any) -> Job | str:
     import jax
 
     from pimhbm.models import llama3
+    from pimhbm.recovery.placement import xla_deterministic_flag
 
     if args.devices < 1 or args.devices > len(jax.devices()):
         return f"--devices {args.devices}: this machine has {len(jax.devices())}"
@@ -222,8 +223,7 @@ def _setup(args: Any) -> Job | str:
            llama3.llama3_8b(layers=args.layers, vocab=args.vocab))
     # XLA's flag set by the user asks for exact mode too (and rules cuDNN's attention out: under
     # it this XLA cannot run the cuDNN graph it compiled).
-    flag = "xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
-    exact = args.deterministic or args.exact_of_protected or flag
+    exact = args.deterministic or args.exact_of_protected or xla_deterministic_flag()
     attention = _attention(cfg, dev.platform, exact)
     batch = args.tokens // args.seq
     console = job_console(args)

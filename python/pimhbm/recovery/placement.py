@@ -28,6 +28,11 @@ class Transport(enum.StrEnum):
         return Transport.PEER if self is Transport.PEER else Transport.COLLECTIVE
 
 
+def xla_deterministic_flag() -> bool:
+    """Whether XLA's deterministic-ops flag is on in this process's XLA_FLAGS."""
+    return "xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
+
+
 def repeatable(devices: list[Any]) -> bool:
     """Whether any step on these devices gives the same bits every time it runs: on CPUs always;
     on GPUs with XLA's deterministic ops (without, cuDNN's attention backward and scatter-adds
@@ -35,7 +40,7 @@ def repeatable(devices: list[Any]) -> bool:
     repeatable without the flag, which only its author knows: they say so by recheck_every."""
     if devices[0].platform == "cpu":
         return True
-    return "xla_gpu_deterministic_ops=true" in os.environ.get("XLA_FLAGS", "")
+    return xla_deterministic_flag()
 
 
 def fsdp_spec(shape: tuple[int, ...], shard: int) -> P:
