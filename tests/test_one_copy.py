@@ -410,6 +410,28 @@ def test_a_sampled_steps_re_execution_closes_its_gate_before_any_write(shm_name,
         tr.close(unlink=True)
 
 
+def _dots(hlo: str) -> int:
+    return hlo.count(" dot(")
+
+
+def test_a_sampled_step_runs_both_gradient_computations_through_one_loop_body(shm_name):
+    """Two copies of the gradient computation in one program may be compiled differently and
+    differ in their last bits with nothing wrong; the sampled step runs one compiled body
+    twice: its program holds the gradient's products once (as the plain step does) inside a
+    loop. The control: a program with the gradient written out twice holds them twice."""
+    tr = make_trainer(shm_name, recheck_every=5)
+    try:
+        plain, sampled = tr.programs.step[0].as_text(), tr.programs.sampled[0].as_text()
+        assert _dots(plain) > 0 and " while(" in sampled
+        assert _dots(sampled) == _dots(plain)
+        params, a, b = mlp.init(0), mlp.batches(0)(0), mlp.batches(0)(1)
+        twice = jax.jit(lambda p, a, b: [jax.grad(mlp.loss)(p, x) for x in (a, b)])
+        assert _dots(twice.lower(params, a, b).compile().as_text()) == 2 * _dots(
+            jax.jit(jax.grad(mlp.loss)).lower(params, a).compile().as_text())
+    finally:
+        tr.close(unlink=True)
+
+
 def test_a_gradient_fault_on_a_step_halted_behind_another_counts_as_overwritten(shm_name):
     """A NaN gradient planned for the step in flight behind one whose update found a damaged
     moment (that step is halted, and runs again without the NaN) reached nothing: the campaign

@@ -106,15 +106,17 @@ class OneCopy(Traced):
     def step(self, state: TrainState, batch: dict, lr: jax.Array, grad_fault: jax.Array, *,
              digests: bool = False):
         """As Traced.step, in place; a sampled step (``digests``) also computes each device's
-        slice again on the next device first, and differing gradients close the gate. The
+        slice again on the next device first (Traced._gradients_twice), and differing
+        gradients close the gate. The
         update waits for a snapshot copy still reading the state (snapshot_fence)."""
-        local, loss, aux = self._local_gradients(state.opt.params, batch, grad_fault)
         mismatched = None
         gate = state.halted == 0
         if digests:
-            mismatched = self._recomputed_mismatches(state.opt.params, batch,
-                                                     self._digests(local, loss))
+            local, loss, aux, mismatched = self._gradients_twice(state.opt.params, batch,
+                                                                 grad_fault)
             gate &= jax.lax.psum(mismatched, AXES) == 0
+        else:
+            local, loss, aux = self._local_gradients(state.opt.params, batch, grad_fault)
         grads, gate, disagree = self._reduced_and_gated(local, grad_fault, state.opt, gate)
         lr = None if callable(self.opt.learning_rate) else lr
         opt, report = self.opt.update(snapshot_fence(grads), state.opt, lr, gate=gate,

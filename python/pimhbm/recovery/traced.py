@@ -136,6 +136,43 @@ class Traced:
         again = jax.lax.ppermute(self._digests(grads, loss), AXES, [(b, a) for a, b in ahead])
         return jnp.sum(jnp.any(again != own, axis=-1), dtype=jnp.int32)
 
+    def _gradients_twice(self, params: Any, batch: dict, grad_fault: jax.Array
+                         ) -> tuple[Any, jax.Array, Any, jax.Array]:
+        """A sampled step's gradients and their re-execution, both by one compiled loop body:
+        this device's slice of the batch, then the next device's. Two copies of the gradient
+        computation in one program may be compiled differently (fused otherwise, reduced in
+        another order) and then differ in their last bits with nothing wrong; one body run
+        twice executes the same kernels in the same order. The trip count passes an
+        optimization barrier, so that the compiler cannot unroll the loop into two copies.
+        Returns this device's gradients (with the campaign's fault where it is meant for
+        it), its loss and aux, and this device's count of digests its re-execution did not
+        reproduce."""
+        n = len(self.placement.devices)
+        ahead = [((i + 1) % n, i) for i in range(n)]  # device i gets device i + 1's slice
+        theirs = jax.tree.map(lambda x: jax.lax.ppermute(x, AXES, ahead), batch)
+        both = jax.tree.map(lambda a, b: jnp.stack([a, b]), batch, theirs)
+
+        def once(i):
+            return self._local_gradients(params, jax.tree.map(lambda x: x[i], both), None)
+
+        def body(i, out):
+            return jax.tree.map(lambda s, x: jax.lax.dynamic_update_index_in_dim(s, x, i, 0),
+                                out, once(i))
+
+        shapes = jax.eval_shape(once, 0)
+        out = jax.tree.map(lambda s: jnp.zeros((2, *s.shape), s.dtype), shapes)
+        trips = jax.lax.optimization_barrier(jnp.int32(2))
+        out = jax.lax.fori_loop(0, trips, body, out)
+        (grads, loss, aux), (again, loss_again, _) = (
+            jax.tree.map(lambda x: x[k], out) for k in (0, 1))
+        if self.inject_local:
+            grads = self._hook(grads, grad_fault, grad_fault[1] == jax.lax.axis_index(AXES))
+        back = jax.lax.ppermute(self._digests(again, loss_again), AXES,
+                                [(b, a) for a, b in ahead])
+        mismatched = jnp.sum(jnp.any(back != self._digests(grads, loss), axis=-1),
+                             dtype=jnp.int32)
+        return grads, loss, aux, mismatched
+
     def _hook(self, grads: Any, grad_fault: jax.Array, here: jax.Array) -> Any:
         """The campaign's gradient fault (pimhbm.faults.GradientFault, encoded) where ``here``."""
         leaves = self.treedef.flatten_up_to(grads)
