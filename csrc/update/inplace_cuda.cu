@@ -1,16 +1,13 @@
 // The in-place update on the GPU (inplace.h): one warp per parity group, its chunks in order.
 //
-// Each chunk is read twice, in two passes of the warp: the first sums the chunk's old digest
-// terms (a lane four elements of every tensor at a time, groups gi = lane + 32 j, j < kG) and
-// the warp knows the chunk's verdict before its first write -- a chunk that does not verify is
-// never written; the second reads the chunk again (from L2: the first pass brought it there),
-// updates it four elements at a time, stores it, sums its new digest terms and XORs its change
-// into the warp's parity change for the group, which the lane keeps for its own positions in
-// shared memory (no other lane touches them: no barrier). No chunk sits in registers, so a
-// lane needs few of them and an SM holds twice the warps of a kernel that keeps the chunk
-// between the check and the update (bench/NOTES.md, in-place v5). At the group's end each lane
-// XORs its positions into the parity rows. The math is inplace_math.h's, bit for bit the CPU
-// reference's.
+// A lane holds its part of a chunk in registers -- groups gi = lane + 32 j (j < kG) of four
+// elements of every tensor, 4 kG elements a lane, chunks of 128 kG elements -- so the warp sums
+// the chunk's old digest terms (shuffles, no block barrier) and knows the chunk's verdict before
+// its first write: a chunk that does not verify is never written. A verified chunk is updated
+// in registers and stored, its new digests summed the same way, and its change XORed into the
+// warp's parity change for the group, which the lane keeps for its own positions in shared
+// memory (no other lane touches them: no barrier either). At the group's end each lane XORs its
+// positions into the parity rows. The math is inplace_math.h's, bit for bit the CPU reference's.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -26,8 +23,6 @@ namespace pimhbm::update {
 namespace {
 
 constexpr int kWarps = 4;  // a block: 128 threads
-// Warps an SM holds: 32 (at most 64 registers a thread; the two passes keep no chunk in them).
-constexpr int kBlocksPerSM = 6;
 constexpr int kMaxLeaves = 64;
 
 // The groups a launch takes: of leaf i, groups group0[i] .. group0[i] + first_group[i + 1] -
@@ -42,122 +37,122 @@ static_assert(sizeof(Table) < 32000, "the leaf table must fit the kernel paramet
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 
-// Four elements of every tensor: a lane's group j of a chunk.
-struct Quad {
-  uint32_t p[4];  // fp32 bits, or bf16 bits
-  uint32_t r[4];  // master remainders
-  uint32_t g[4];  // gradient bits (as p)
-  float mu[4], nu[4];
-  int live;  // elements inside the chunk: 4, fewer at a ragged end, or 0
+// A lane's part of a chunk: four elements of every tensor for each of its kG groups.
+template <int kG>
+struct Part {
+  uint32_t p[kG][4];  // fp32 bits, or bf16 bits
+  uint32_t r[kG][4];  // master remainders
+  uint32_t g[kG][4];  // gradient bits (as p)
+  float mu[kG][4], nu[kG][4];
+  int live[kG];  // elements of the group inside the chunk: 4, fewer at a ragged end, or 0
 };
 
-// Elements of group gi (elements 4 gi .. 4 gi + 3 of the chunk) inside a chunk of `count`.
-template <bool kWhole>
-__device__ __forceinline__ int live_of(int64_t count, int64_t gi) {
-  const int64_t left = count - 4 * gi;
-  return kWhole || left >= 4 ? 4 : (left > 0 ? static_cast<int>(left) : 0);
-}
-
-// Loads the quad at element e of the tensors (and, kGrad, of the gradient `g` at ge): vector
-// loads when whole, else element by element, zero past the end (never a load past it).
-template <bool kBF16, bool kMaster, bool kGrad>
-__device__ __forceinline__ void load_quad(const InPlaceLeaf& L, const void* g, int64_t e,
-                                          int64_t ge, Quad& x) {
-  if (x.live == 4) {
+// Loads group j of the lane (group gi of the chunk, elements e .. e + 3 of the tensors, gradient
+// from `g` at chunk offset 4 gi): vector loads when whole, else element by element, zero past
+// the end (never a load past it).
+template <bool kBF16, bool kMaster, int kG>
+__device__ __forceinline__ void load_group(const InPlaceLeaf& L, const void* g, int64_t e,
+                                           int64_t ge, int j, Part<kG>& x) {
+  const int live = x.live[j];
+  if (live == 4) {
     if constexpr (kBF16) {
       const uint2 pv = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(L.p) + e));
-      x.p[0] = pv.x & 0xFFFFu, x.p[1] = pv.x >> 16, x.p[2] = pv.y & 0xFFFFu, x.p[3] = pv.y >> 16;
-      if constexpr (kGrad) {
-        const uint2 gv = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(g) + ge));
-        x.g[0] = gv.x & 0xFFFFu, x.g[1] = gv.x >> 16, x.g[2] = gv.y & 0xFFFFu, x.g[3] = gv.y >> 16;
-      }
+      const uint2 gv = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(g) + ge));
+      x.p[j][0] = pv.x & 0xFFFFu, x.p[j][1] = pv.x >> 16, x.p[j][2] = pv.y & 0xFFFFu, x.p[j][3] = pv.y >> 16;
+      x.g[j][0] = gv.x & 0xFFFFu, x.g[j][1] = gv.x >> 16, x.g[j][2] = gv.y & 0xFFFFu, x.g[j][3] = gv.y >> 16;
     } else {
       const uint4 pv = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(L.p) + e));
-      x.p[0] = pv.x, x.p[1] = pv.y, x.p[2] = pv.z, x.p[3] = pv.w;
-      if constexpr (kGrad) {
-        const uint4 gv = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(g) + ge));
-        x.g[0] = gv.x, x.g[1] = gv.y, x.g[2] = gv.z, x.g[3] = gv.w;
-      }
+      const uint4 gv = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(g) + ge));
+      x.p[j][0] = pv.x, x.p[j][1] = pv.y, x.p[j][2] = pv.z, x.p[j][3] = pv.w;
+      x.g[j][0] = gv.x, x.g[j][1] = gv.y, x.g[j][2] = gv.z, x.g[j][3] = gv.w;
     }
     if constexpr (kMaster) {
       const uint2 rv = __ldg(reinterpret_cast<const uint2*>(L.master + e));
-      x.r[0] = rv.x & 0xFFFFu, x.r[1] = rv.x >> 16, x.r[2] = rv.y & 0xFFFFu, x.r[3] = rv.y >> 16;
+      x.r[j][0] = rv.x & 0xFFFFu, x.r[j][1] = rv.x >> 16, x.r[j][2] = rv.y & 0xFFFFu, x.r[j][3] = rv.y >> 16;
     }
     const float4 mu = __ldg(reinterpret_cast<const float4*>(L.mu + e));
     const float4 nu = __ldg(reinterpret_cast<const float4*>(L.nu + e));
-    x.mu[0] = mu.x, x.mu[1] = mu.y, x.mu[2] = mu.z, x.mu[3] = mu.w;
-    x.nu[0] = nu.x, x.nu[1] = nu.y, x.nu[2] = nu.z, x.nu[3] = nu.w;
+    x.mu[j][0] = mu.x, x.mu[j][1] = mu.y, x.mu[j][2] = mu.z, x.mu[j][3] = mu.w;
+    x.nu[j][0] = nu.x, x.nu[j][1] = nu.y, x.nu[j][2] = nu.z, x.nu[j][3] = nu.w;
     return;
   }
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    x.p[k] = x.r[k] = x.g[k] = 0;
-    x.mu[k] = x.nu[k] = 0.0f;
-    if (k >= x.live) continue;
+    x.p[j][k] = x.r[j][k] = x.g[j][k] = 0;
+    x.mu[j][k] = x.nu[j][k] = 0.0f;
+    if (k >= live) continue;
     if constexpr (kBF16) {
-      x.p[k] = static_cast<const uint16_t*>(L.p)[e + k];
-      if constexpr (kGrad) x.g[k] = static_cast<const uint16_t*>(g)[ge + k];
+      x.p[j][k] = static_cast<const uint16_t*>(L.p)[e + k];
+      x.g[j][k] = static_cast<const uint16_t*>(g)[ge + k];
     } else {
-      x.p[k] = static_cast<const uint32_t*>(L.p)[e + k];
-      if constexpr (kGrad) x.g[k] = static_cast<const uint32_t*>(g)[ge + k];
+      x.p[j][k] = static_cast<const uint32_t*>(L.p)[e + k];
+      x.g[j][k] = static_cast<const uint32_t*>(g)[ge + k];
     }
-    if constexpr (kMaster) x.r[k] = L.master[e + k];
-    x.mu[k] = L.mu[e + k];
-    x.nu[k] = L.nu[e + k];
+    if constexpr (kMaster) x.r[j][k] = L.master[e + k];
+    x.mu[j][k] = L.mu[e + k];
+    x.nu[j][k] = L.nu[e + k];
   }
 }
 
-template <bool kBF16, bool kMaster>
-__device__ __forceinline__ void store_quad(const InPlaceLeaf& L, int64_t e, const Quad& x) {
-  if (x.live == 4) {
+template <bool kBF16, bool kMaster, int kG>
+__device__ __forceinline__ void store_group(const InPlaceLeaf& L, int64_t e, int j,
+                                            const Part<kG>& x) {
+  const int live = x.live[j];
+  if (live == 4) {
     if constexpr (kBF16) {
       *reinterpret_cast<uint2*>(static_cast<uint16_t*>(L.p) + e) =
-          make_uint2(x.p[0] | x.p[1] << 16, x.p[2] | x.p[3] << 16);
+          make_uint2(x.p[j][0] | x.p[j][1] << 16, x.p[j][2] | x.p[j][3] << 16);
     } else {
       *reinterpret_cast<uint4*>(static_cast<uint32_t*>(L.p) + e) =
-          make_uint4(x.p[0], x.p[1], x.p[2], x.p[3]);
+          make_uint4(x.p[j][0], x.p[j][1], x.p[j][2], x.p[j][3]);
     }
     if constexpr (kMaster) {
       *reinterpret_cast<uint2*>(L.master + e) =
-          make_uint2(x.r[0] | x.r[1] << 16, x.r[2] | x.r[3] << 16);
+          make_uint2(x.r[j][0] | x.r[j][1] << 16, x.r[j][2] | x.r[j][3] << 16);
     }
-    *reinterpret_cast<float4*>(L.mu + e) = make_float4(x.mu[0], x.mu[1], x.mu[2], x.mu[3]);
-    *reinterpret_cast<float4*>(L.nu + e) = make_float4(x.nu[0], x.nu[1], x.nu[2], x.nu[3]);
+    *reinterpret_cast<float4*>(L.mu + e) = make_float4(x.mu[j][0], x.mu[j][1], x.mu[j][2], x.mu[j][3]);
+    *reinterpret_cast<float4*>(L.nu + e) = make_float4(x.nu[j][0], x.nu[j][1], x.nu[j][2], x.nu[j][3]);
     return;
   }
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    if (k >= x.live) continue;
+    if (k >= live) continue;
     if constexpr (kBF16) {
-      static_cast<uint16_t*>(L.p)[e + k] = static_cast<uint16_t>(x.p[k]);
+      static_cast<uint16_t*>(L.p)[e + k] = static_cast<uint16_t>(x.p[j][k]);
     } else {
-      static_cast<uint32_t*>(L.p)[e + k] = x.p[k];
+      static_cast<uint32_t*>(L.p)[e + k] = x.p[j][k];
     }
-    if constexpr (kMaster) L.master[e + k] = static_cast<uint16_t>(x.r[k]);
-    L.mu[e + k] = x.mu[k];
-    L.nu[e + k] = x.nu[k];
+    if constexpr (kMaster) L.master[e + k] = static_cast<uint16_t>(x.r[j][k]);
+    L.mu[e + k] = x.mu[j][k];
+    L.nu[e + k] = x.nu[j][k];
   }
 }
 
-// The lane's digest terms, one sum per tensor (missing elements are zero, as the digest pads;
-// no master weights: that sum stays zero).
+// The lane's digest terms of its part, one sum per tensor (missing elements are zero, as the
+// digest pads; no master weights: that sum stays zero).
 struct Terms {
   uint64_t p = 0, r = 0, mu = 0, nu = 0;
 };
 
-// Adds group gi's terms (quad x) to t.
-template <bool kBF16, bool kMaster>
-__device__ __forceinline__ void add_terms(Terms& t, const Quad& x, uint64_t key0, int64_t gi) {
-  const int units32 = (x.live + 1) / 2, units16 = x.live > 0 ? 1 : 0;
-  const uint64_t key32 = key0 + static_cast<uint64_t>(2 * gi) * kUnitStride;
-  const uint64_t key16 = key0 + static_cast<uint64_t>(gi) * kUnitStride;
-  uint32_t mu[4], nu[4];
+template <bool kBF16, bool kMaster, int kG>
+__device__ __forceinline__ Terms lane_terms(const Part<kG>& x, uint64_t key0) {
+  Terms t;
 #pragma unroll
-  for (int k = 0; k < 4; ++k) mu[k] = __float_as_uint(x.mu[k]), nu[k] = __float_as_uint(x.nu[k]);
-  t.p += kBF16 ? kernel::terms_bf16(x.p, key16, units16) : kernel::terms_f32(x.p, key32, units32);
-  if constexpr (kMaster) t.r += kernel::terms_bf16(x.r, key16, units16);
-  t.mu += kernel::terms_f32(mu, key32, units32);
-  t.nu += kernel::terms_f32(nu, key32, units32);
+  for (int j = 0; j < kG; ++j) {
+    const int64_t gi = lane_id() + 32 * j;
+    const int live = x.live[j];
+    const int units32 = (live + 1) / 2, units16 = live > 0 ? 1 : 0;
+    const uint64_t key32 = key0 + static_cast<uint64_t>(2 * gi) * kUnitStride;
+    const uint64_t key16 = key0 + static_cast<uint64_t>(gi) * kUnitStride;
+    uint32_t mu[4], nu[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) mu[k] = __float_as_uint(x.mu[j][k]), nu[k] = __float_as_uint(x.nu[j][k]);
+    t.p += kBF16 ? kernel::terms_bf16(x.p[j], key16, units16) : kernel::terms_f32(x.p[j], key32, units32);
+    if constexpr (kMaster) t.r += kernel::terms_bf16(x.r[j], key16, units16);
+    t.mu += kernel::terms_f32(mu, key32, units32);
+    t.nu += kernel::terms_f32(nu, key32, units32);
+  }
+  return t;
 }
 
 // The warp's four sums, transposed: lanes 8 v .. 8 v + 7 end with the whole sum of tensor v (0 the
@@ -237,54 +232,49 @@ struct ChunkVerdict {
   uint32_t kept;
 };
 
-// The first pass over chunk c (`first` its first element, `count` its elements): the
-// faults of its tensors, from the old digest terms (warp-uniform).
-template <bool kBF16, bool kMaster, int kG, bool kWhole>
-__device__ __forceinline__ int32_t verify_chunk(const InPlaceLeaf& L, int64_t first, int64_t count,
-                                                uint64_t key_chunk, const LaneTensor& tensor) {
-  const uint64_t expected = expected_digest(tensor, first / L.chunk_elems);
-  const uint64_t key0 = chunk_key(key_chunk);
-  Terms t;
-#pragma unroll 1
-  for (int j = 0; j < kG; ++j) {
-    const int64_t gi = lane_id() + 32 * j;
-    Quad x;
-    x.live = live_of<kWhole>(count, gi);
-    load_quad<kBF16, kMaster, false>(L, nullptr, first + 4 * gi, 0, x);
-    add_terms<kBF16, kMaster>(t, x, key0, gi);
-  }
-  return faults_of(tensor, key_chunk, expected, transposed_sum(t));
-}
-
-// The second pass over a verified chunk: read again, updated, stored, its change XORed into
-// acc; returns the lane's elements kept, its new digest terms in `t`.
+// Chunk c: loaded, checked, and where it verifies updated, stored, its tables rewritten and its
+// change XORed into acc. Warp-uniform result. `x` keeps the chunk's gradient for the stash.
+// kWhole: every element of the chunk is there (the compiler drops the ragged paths).
 template <bool kBF16, bool kMaster, bool kParity, int kG, bool kWhole>
-__device__ __forceinline__ uint32_t update_chunk(const InPlaceLeaf& L, int64_t first,
-                                                 int64_t count, const void* g, uint64_t key0,
-                                                 const AdamWHyper& h, const AdamWStep& s,
-                                                 Acc<kG> acc, Terms& t) {
-  uint32_t kept = 0;
-#pragma unroll 1
+__device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* g,
+                                   const AdamWHyper& h, const AdamWStep& s, Acc<kG> acc,
+                                   Part<kG>& x) {
+  const int64_t first = c * L.chunk_elems;
+  const int64_t count = min(L.chunk_elems, L.n - first);
+  const uint64_t key_chunk = inplace_key_chunk(L, c);
+  const uint64_t key0 = chunk_key(key_chunk);
+  const LaneTensor tensor = lane_tensor<kBF16, kMaster>(L, count);
+  const uint64_t expected = expected_digest(tensor, c);
+#pragma unroll
   for (int j = 0; j < kG; ++j) {
-    const int64_t gi = lane_id() + 32 * j;
-    Quad x;
-    x.live = live_of<kWhole>(count, gi);
-    load_quad<kBF16, kMaster, true>(L, g, first + 4 * gi, 4 * gi, x);
+    const int64_t e = 4 * (lane_id() + 32 * j);
+    const int64_t left = count - e;
+    x.live[j] = kWhole || left >= 4 ? 4 : (left > 0 ? static_cast<int>(left) : 0);
+    load_group<kBF16, kMaster, kG>(L, g, first + e, e, j, x);
+  }
+  const int32_t faults =
+      faults_of(tensor, key_chunk, expected,
+                transposed_sum(lane_terms<kBF16, kMaster, kG>(x, key0)));
+  if (faults != 0) return {faults, 0};
+  uint32_t kept = 0;
+#pragma unroll
+  for (int j = 0; j < kG; ++j) {
     uint32_t d[3][4] = {};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      if (k >= x.live) continue;
-      ElemState e{x.p[k], x.r[k], x.mu[k], x.nu[k]};
+      if (k >= x.live[j]) continue;
+      ElemState e{x.p[j][k], x.r[j][k], x.mu[j][k], x.nu[j][k]};
       const ElemState before = e;
-      kept += update_elem(e, kernel::param_value(x.g[k], kBF16), kBF16, kMaster, h, s) ? 0u : 1u;
-      x.p[k] = e.p, x.r[k] = e.r, x.mu[k] = e.mu, x.nu[k] = e.nu;
+      const float gk = kernel::param_value(x.g[j][k], kBF16);
+      kept += update_elem(e, gk, kBF16, kMaster, h, s) ? 0u : 1u;
+      x.p[j][k] = e.p, x.r[j][k] = e.r, x.mu[j][k] = e.mu, x.nu[j][k] = e.nu;
       d[0][k] = word0<kBF16>(before.p, before.r) ^ word0<kBF16>(e.p, e.r);
       d[1][k] = __float_as_uint(before.mu) ^ __float_as_uint(e.mu);
       d[2][k] = __float_as_uint(before.nu) ^ __float_as_uint(e.nu);
     }
-    store_quad<kBF16, kMaster>(L, first + 4 * gi, x);
-    add_terms<kBF16, kMaster>(t, x, key0, gi);
+    store_group<kBF16, kMaster, kG>(L, first + 4 * (lane_id() + 32 * j), j, x);
     if constexpr (kParity) {
+      const int gi = lane_id() + 32 * j;
 #pragma unroll
       for (int w = 0; w < 3; ++w) {
         uint4& a = acc.rows[w][gi];
@@ -292,25 +282,7 @@ __device__ __forceinline__ uint32_t update_chunk(const InPlaceLeaf& L, int64_t f
       }
     }
   }
-  return kept;
-}
-
-// Chunk c: checked and, where it verifies, updated, stored, its tables rewritten and its
-// change XORed into acc. Warp-uniform result. kWhole: every element of the chunk is there
-// (the compiler drops the ragged paths).
-template <bool kBF16, bool kMaster, bool kParity, int kG, bool kWhole>
-__device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* g,
-                                   const AdamWHyper& h, const AdamWStep& s, Acc<kG> acc) {
-  const int64_t first = c * L.chunk_elems;
-  const int64_t count = min(L.chunk_elems, L.n - first);
-  const uint64_t key_chunk = inplace_key_chunk(L, c);
-  const LaneTensor tensor = lane_tensor<kBF16, kMaster>(L, count);
-  const int32_t faults = verify_chunk<kBF16, kMaster, kG, kWhole>(L, first, count, key_chunk, tensor);
-  if (faults != 0) return {faults, 0};
-  Terms t;
-  const uint32_t kept = update_chunk<kBF16, kMaster, kParity, kG, kWhole>(
-      L, first, count, g, chunk_key(key_chunk), h, s, acc, t);
-  write_table(tensor, c, key_chunk, transposed_sum(t));
+  write_table(tensor, c, key_chunk, transposed_sum(lane_terms<kBF16, kMaster, kG>(x, key0)));
   return {0, __reduce_add_sync(0xFFFFFFFFu, kept)};
 }
 
@@ -368,21 +340,26 @@ __device__ __forceinline__ void record(const InPlaceLeaf& L, int64_t c, const Ch
   if (v.kept != 0) atomicAdd(&t[1], static_cast<unsigned long long>(v.kept));
 }
 
-// Chunk c's gradient (`g`, the chunk's first element) into a stash row, if one is left.
+// Chunk c's gradient (held by the lanes) into a stash row, if one is left.
 template <bool kBF16, int kG>
-__device__ void stash_chunk(const InPlaceLeaf& L, int64_t c, int32_t faults, const void* g,
+__device__ void stash_chunk(const InPlaceLeaf& L, int64_t c, int32_t faults, const Part<kG>& x,
                             const Stash& stash, uint64_t* totals) {
   unsigned long long slot = 0;
   if (lane_id() == 0) slot = atomicAdd(reinterpret_cast<unsigned long long*>(totals) + 2, 1ull);
   slot = __shfl_sync(0xFFFFFFFFu, slot, 0);
   if (slot >= static_cast<unsigned long long>(stash.capacity)) return;
   uint32_t* row = stash.rows + static_cast<int64_t>(slot) * L.chunk_elems;
-  const int64_t count = min(L.chunk_elems, L.n - c * L.chunk_elems);
-  for (int64_t e = lane_id(); e < count; e += 32) {
-    if constexpr (kBF16) {
-      reinterpret_cast<uint16_t*>(row)[e] = static_cast<const uint16_t*>(g)[e];
-    } else {
-      row[e] = static_cast<const uint32_t*>(g)[e];
+#pragma unroll
+  for (int j = 0; j < kG; ++j) {
+    const int64_t e = 4 * (lane_id() + 32 * j);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (k >= x.live[j]) continue;
+      if constexpr (kBF16) {
+        reinterpret_cast<uint16_t*>(row)[e + k] = static_cast<uint16_t>(x.g[j][k]);
+      } else {
+        row[e + k] = x.g[j][k];
+      }
     }
   }
   if (lane_id() == 0) {
@@ -401,9 +378,9 @@ __device__ __forceinline__ int leaf_of(const Table& T, int64_t gg) {
 
 // kWhole: the table's groups hold whole chunks only (the main launch); else each is a tensor's
 // last group, whose last chunk is short (the tail launch).
-// At least kBlocksPerSM blocks an SM (bench/NOTES.md, in-place v5).
+// At least 4 blocks (16 warps) an SM: at most 128 registers (bench/NOTES.md, in-place v3).
 template <bool kBF16, bool kMaster, bool kParity, int kG, bool kWhole>
-__global__ void __launch_bounds__(32 * kWarps, kBlocksPerSM)
+__global__ void __launch_bounds__(32 * kWarps, 4)
     inplace_kernel(const __grid_constant__ Table T, const AdamWHyper h, const float* step,
                    const int32_t* go, Stash stash, uint64_t* totals) {
   __shared__ uint4 shared_acc[kParity ? kWarps : 1][3][32 * kG];
@@ -421,10 +398,11 @@ __global__ void __launch_bounds__(32 * kWarps, kBlocksPerSM)
     const int64_t last = min(inplace_chunks(L), (grp + 1) * per);
     if constexpr (kParity) zero_acc<kG>(acc);
     for (int64_t c = grp * per; c < last; ++c) {
+      Part<kG> x;
       const void* g = static_cast<const uint8_t*>(L.g) + c * L.chunk_elems * (kBF16 ? 2 : 4);
-      const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG, kWhole>(L, c, g, h, s, acc);
+      const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG, kWhole>(L, c, g, h, s, acc, x);
       record(L, c, v, totals);
-      if (v.faults != 0) stash_chunk<kBF16, kG>(L, c, v.faults, g, stash, totals);
+      if (v.faults != 0) stash_chunk<kBF16, kG>(L, c, v.faults, x, stash, totals);
     }
     if constexpr (kParity) fold_parity<kBF16, kMaster, kG>(L, grp, acc);
   }
@@ -458,8 +436,9 @@ __global__ void __launch_bounds__(32 * kWarps)
       if (!same_group(j)) continue;
       const int64_t c = at(j, 1);
       if constexpr (kParity) zero_acc<kG>(acc);
+      Part<kG> x;
       const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG, false>(
-          L, c, stash.rows + j * L.chunk_elems, h, s, acc);
+          L, c, stash.rows + j * L.chunk_elems, h, s, acc, x);
       record(L, c, v, totals);
       if constexpr (kParity) {
         if (v.faults == 0) fold_parity<kBF16, kMaster, kG>(L, c / per, acc);
