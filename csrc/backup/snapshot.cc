@@ -4,8 +4,6 @@
 // without overflow, that every copy lies inside it.
 #include "backup/snapshot.h"
 
-#include "backup/shm_region.h"
-
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -13,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "backup/shm_region.h"
+#include "pimhbm/ffi_alias.h"
 #include "pimhbm/ffi_platform.h"
 #include "pimhbm/ffi_util.h"
 
@@ -160,20 +160,29 @@ ffi::Error fence_on(ffi_util::OnCpu) { return ffi::Error::Success(); }
 template <typename Platform>
 ffi::Error fence_handler(Platform on, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   if (args.size() != rets.size()) {
-    return ffi_util::invalid("pimhbm.snapshot_fence", std::to_string(args.size()) +
-                                                          " buffers but " +
-                                                          std::to_string(rets.size()) + " results");
+    return ffi_util::invalid(
+        "pimhbm.snapshot_fence",
+        std::to_string(args.size()) + " buffers but " + std::to_string(rets.size()) + " results");
   }
+  // A result XLA gave a buffer of its own (it does, on the GPU, for a gradient no other op
+  // wrote in place) gets the operand's bytes: the op then passes its buffers through either way.
+  std::vector<ffi_util::Unaliased> copies;
   for (size_t i = 0; i < args.size(); ++i) {
     auto in = args.get<ffi::AnyBuffer>(i);
     auto out = rets.get<ffi::AnyBuffer>(i);
-    if (!in || !out || (*in).untyped_data() != (*out)->untyped_data()) {
+    if (!in || !out) {
       return ffi_util::invalid("pimhbm.snapshot_fence",
-                               "result " + std::to_string(i) + " must alias argument " +
-                                   std::to_string(i) + " (input_output_aliases)");
+                               "argument or result " + std::to_string(i) + " is not a buffer");
     }
+    if ((*in).size_bytes() != (*out)->size_bytes()) {
+      return ffi_util::invalid(
+          "pimhbm.snapshot_fence",
+          "result " + std::to_string(i) + " is not the size of argument " + std::to_string(i));
+    }
+    ffi_util::note_unaliased("pimhbm.snapshot_fence", &copies, *in, **out);
   }
-  return fence_on(on);
+  PIMHBM_FFI_RETURN_IF_ERROR(fence_on(on));
+  return ffi_util::copy_unaliased(on, copies);
 }
 
 }  // namespace
