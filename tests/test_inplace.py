@@ -290,6 +290,9 @@ def test_a_step_that_would_write_non_finite_values_commits_nothing(rng, case):
     state, report = jax.jit(lambda g, s: opt.update(g, s, lr, gate=gate), donate_argnums=1)(grads, state)
     assert not bool(report.applied) and not bool(report.committed)
     assert bits(state) == before
+    # Nothing ran, so nothing is reported per chunk either (the kernel writes the zeros).
+    assert int(report.kept) == 0 and int(report.digest_faults) == 0
+    assert not any(np.asarray(m).any() for m in jax.tree.leaves(report.fault_maps))
 
 
 def test_eps_zero_with_zero_gradients_commits_nothing(rng):

@@ -1,9 +1,11 @@
-// Parity rows and rebuilds on the GPU: one block per group (parity) or per listed chunk
-// (rebuild), threads over the row's 32-bit words. A chunk's bytes past the tensor's end read as
-// zero and are never loaded: the word that holds the end is read byte by byte.
+// Parity rows and rebuilds on the GPU: rows a thread per 16-byte column (aligned data) or a
+// block per group (a view at an odd offset), rebuilds a block per listed chunk, threads over the
+// row's 32-bit words. A chunk's bytes past the tensor's end read as zero and are never loaded:
+// the word that holds the end is read byte by byte.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "parity/parity.h"
 #include "pimhbm/block_digest.cuh"
@@ -55,6 +57,41 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+__device__ __forceinline__ uint4 xor4(uint4 a, uint4 b) {
+  return make_uint4(a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w);
+}
+
+// The same rows from 16-byte-aligned data, a thread per 16-byte column of a row: a whole
+// group's loads are issued before their XORs, so that a thread keeps several 16-byte loads in
+// flight where parity_kernel keeps one 4-byte load (it read at ~1 TB/s: bench/NOTES.md).
+__global__ void __launch_bounds__(kThreads)
+    parity_columns_kernel(const uint8_t* __restrict__ data, int64_t nbytes, int64_t chunk_bytes,
+                          int64_t group, int64_t groups, uint4* __restrict__ rows) {
+  const int64_t cols = chunk_bytes / 16;
+  const int64_t chunks = (nbytes + chunk_bytes - 1) / chunk_bytes;
+  const int64_t whole = nbytes / chunk_bytes;  // chunks that hold chunk_bytes
+  const uint4* columns = reinterpret_cast<const uint4*>(data);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < groups * cols;
+       i += stride) {
+    const int64_t g = i / cols, col = i % cols;
+    const int64_t last = min(chunks, (g + 1) * group);
+    uint4 acc = make_uint4(0, 0, 0, 0);
+    if (last <= whole) {
+#pragma unroll 8
+      for (int64_t c = g * group; c < last; ++c) acc = xor4(acc, __ldg(columns + c * cols + col));
+    } else {
+      uint32_t w[4] = {0, 0, 0, 0};
+      for (int64_t c = g * group; c < last; ++c) {
+        const int64_t len = chunk_len(nbytes, chunk_bytes, c);
+        for (int k = 0; k < 4; ++k) w[k] ^= word_at(data + c * chunk_bytes, len, 4 * col + k);
+      }
+      acc = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    rows[i] = acc;
+  }
+}
+
 __global__ void __launch_bounds__(kThreads)
     rebuild_kernel(Grouped t, const uint32_t* __restrict__ rows, const int32_t* __restrict__ list,
                    int64_t count, int32_t* __restrict__ status) {
@@ -81,7 +118,8 @@ __global__ void __launch_bounds__(kThreads)
       for (int64_t w = threadIdx.x; w < words; w += blockDim.x) {
         uint32_t acc = rows[g * words + w];
         for (int64_t j = g * t.group; j < last; ++j) {
-          if (j != c) acc ^= word_at(t.data + j * t.chunk_bytes, chunk_len(t.nbytes, t.chunk_bytes, j), w);
+          if (j != c)
+            acc ^= word_at(t.data + j * t.chunk_bytes, chunk_len(t.nbytes, t.chunk_bytes, j), w);
         }
         store_word(to, len, w, acc);
       }
@@ -103,14 +141,23 @@ cudaError_t parity_cuda(const uint8_t* data, int64_t nbytes, int64_t chunk_bytes
                         uint32_t* rows, cudaStream_t stream) {
   const int64_t groups = num_groups(nbytes, chunk_bytes, group);
   if (groups == 0) return cudaSuccess;
-  parity_kernel<<<grid_for(groups), kThreads, 0, stream>>>(data, nbytes, chunk_bytes, group, groups,
-                                                           rows);
+  const bool aligned =
+      (reinterpret_cast<uintptr_t>(data) | reinterpret_cast<uintptr_t>(rows)) % 16 == 0;
+  if (aligned) {
+    const int64_t threads = groups * (chunk_bytes / 16);
+    const int64_t blocks = std::min<int64_t>((threads + kThreads - 1) / kThreads, 1 << 20);
+    parity_columns_kernel<<<static_cast<int>(blocks), kThreads, 0, stream>>>(
+        data, nbytes, chunk_bytes, group, groups, reinterpret_cast<uint4*>(rows));
+  } else {  // a view at an odd offset (XLA's own buffers are aligned): a word a thread
+    parity_kernel<<<grid_for(groups), kThreads, 0, stream>>>(data, nbytes, chunk_bytes, group,
+                                                             groups, rows);
+  }
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
   return cudaSuccess;
 }
 
-cudaError_t rebuild_cuda(const Grouped& t, const uint32_t* rows, const int32_t* list,
-                         int64_t count, int32_t* status, cudaStream_t stream) {
+cudaError_t rebuild_cuda(const Grouped& t, const uint32_t* rows, const int32_t* list, int64_t count,
+                         int32_t* status, cudaStream_t stream) {
   if (count == 0) return cudaSuccess;
   rebuild_kernel<<<grid_for(count), kThreads, 0, stream>>>(t, rows, list, count, status);
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();

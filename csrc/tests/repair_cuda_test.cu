@@ -6,6 +6,7 @@
 
 #include "cuda_test_util.h"
 #include "faults/inject.h"
+#include "parity/parity.h"
 #include "repair/repair.h"
 #include "scan/scan.h"
 #include "test_util.h"
@@ -69,6 +70,33 @@ TEST(RepairCuda, MatchesCpu) {
       EXPECT_EQ(down(d_status), cpu_status) << len << " " << chunk;
       EXPECT_EQ(down(d_dst), cpu_dst) << len << " " << chunk;
       EXPECT_EQ(down(d_dt), cpu_table) << len << " " << chunk;
+    }
+  }
+}
+
+// Parity rows on the GPU against the CPU: ragged tensors and groups, 16-byte aligned data (a
+// thread per column) and views 4 and 8 bytes into a buffer (a word a thread).
+TEST(ParityCuda, RowsMatchCpu) {
+  PIMHBM_SKIP_WITHOUT_GPU();
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  for (int64_t len : {int64_t{1}, int64_t{100}, int64_t{4096}, int64_t{100003}}) {
+    for (int64_t chunk : {int64_t{16}, int64_t{1024}, int64_t{2048}}) {
+      for (int64_t offset : {int64_t{0}, int64_t{4}, int64_t{8}}) {
+        const int64_t group = 1 + static_cast<int64_t>(rng() % 9);
+        const auto bytes = random_bytes(rng, len + offset);
+        const int64_t words = parity::num_groups(len, chunk, group) * chunk / 4;
+        std::vector<uint32_t> want(words);
+        parity::parity_cpu(bytes.data() + offset, len, chunk, group, want.data());
+        DeviceBuffer<uint8_t> d_bytes(bytes.size());
+        DeviceBuffer<uint32_t> d_rows(words);
+        PIMHBM_ASSERT_CUDA(d_bytes.upload(bytes));
+        PIMHBM_ASSERT_CUDA(d_rows.poison(0x5A));
+        PIMHBM_ASSERT_CUDA(
+            parity::parity_cuda(d_bytes.get() + offset, len, chunk, group, d_rows.get(), nullptr));
+        PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
+        EXPECT_EQ(down(d_rows), want) << len << " " << chunk << " " << group << " " << offset;
+      }
     }
   }
 }

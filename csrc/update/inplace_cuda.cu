@@ -58,8 +58,10 @@ __device__ __forceinline__ void load_group(const InPlaceLeaf& L, const void* g, 
     if constexpr (kBF16) {
       const uint2 pv = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(L.p) + e));
       const uint2 gv = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(g) + ge));
-      x.p[j][0] = pv.x & 0xFFFFu, x.p[j][1] = pv.x >> 16, x.p[j][2] = pv.y & 0xFFFFu, x.p[j][3] = pv.y >> 16;
-      x.g[j][0] = gv.x & 0xFFFFu, x.g[j][1] = gv.x >> 16, x.g[j][2] = gv.y & 0xFFFFu, x.g[j][3] = gv.y >> 16;
+      x.p[j][0] = pv.x & 0xFFFFu, x.p[j][1] = pv.x >> 16, x.p[j][2] = pv.y & 0xFFFFu,
+      x.p[j][3] = pv.y >> 16;
+      x.g[j][0] = gv.x & 0xFFFFu, x.g[j][1] = gv.x >> 16, x.g[j][2] = gv.y & 0xFFFFu,
+      x.g[j][3] = gv.y >> 16;
     } else {
       const uint4 pv = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(L.p) + e));
       const uint4 gv = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(g) + ge));
@@ -68,7 +70,8 @@ __device__ __forceinline__ void load_group(const InPlaceLeaf& L, const void* g, 
     }
     if constexpr (kMaster) {
       const uint2 rv = __ldg(reinterpret_cast<const uint2*>(L.master + e));
-      x.r[j][0] = rv.x & 0xFFFFu, x.r[j][1] = rv.x >> 16, x.r[j][2] = rv.y & 0xFFFFu, x.r[j][3] = rv.y >> 16;
+      x.r[j][0] = rv.x & 0xFFFFu, x.r[j][1] = rv.x >> 16, x.r[j][2] = rv.y & 0xFFFFu,
+      x.r[j][3] = rv.y >> 16;
     }
     const float4 mu = __ldg(reinterpret_cast<const float4*>(L.mu + e));
     const float4 nu = __ldg(reinterpret_cast<const float4*>(L.nu + e));
@@ -110,8 +113,10 @@ __device__ __forceinline__ void store_group(const InPlaceLeaf& L, int64_t e, int
       *reinterpret_cast<uint2*>(L.master + e) =
           make_uint2(x.r[j][0] | x.r[j][1] << 16, x.r[j][2] | x.r[j][3] << 16);
     }
-    *reinterpret_cast<float4*>(L.mu + e) = make_float4(x.mu[j][0], x.mu[j][1], x.mu[j][2], x.mu[j][3]);
-    *reinterpret_cast<float4*>(L.nu + e) = make_float4(x.nu[j][0], x.nu[j][1], x.nu[j][2], x.nu[j][3]);
+    *reinterpret_cast<float4*>(L.mu + e) =
+        make_float4(x.mu[j][0], x.mu[j][1], x.mu[j][2], x.mu[j][3]);
+    *reinterpret_cast<float4*>(L.nu + e) =
+        make_float4(x.nu[j][0], x.nu[j][1], x.nu[j][2], x.nu[j][3]);
     return;
   }
 #pragma unroll
@@ -146,8 +151,10 @@ __device__ __forceinline__ Terms lane_terms(const Part<kG>& x, uint64_t key0) {
     const uint64_t key16 = key0 + static_cast<uint64_t>(gi) * kUnitStride;
     uint32_t mu[4], nu[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) mu[k] = __float_as_uint(x.mu[j][k]), nu[k] = __float_as_uint(x.nu[j][k]);
-    t.p += kBF16 ? kernel::terms_bf16(x.p[j], key16, units16) : kernel::terms_f32(x.p[j], key32, units32);
+    for (int k = 0; k < 4; ++k)
+      mu[k] = __float_as_uint(x.mu[j][k]), nu[k] = __float_as_uint(x.nu[j][k]);
+    t.p += kBF16 ? kernel::terms_bf16(x.p[j], key16, units16)
+                 : kernel::terms_f32(x.p[j], key32, units32);
     if constexpr (kMaster) t.r += kernel::terms_bf16(x.r[j], key16, units16);
     t.mu += kernel::terms_f32(mu, key32, units32);
     t.nu += kernel::terms_f32(nu, key32, units32);
@@ -187,7 +194,10 @@ __device__ __forceinline__ LaneTensor lane_tensor(const InPlaceLeaf& L, int64_t 
   uint32_t* const high = v == 2 ? L.d_mu : L.d_nu;
   const uint64_t low_bytes = v == 0 ? n * (kBF16 ? 2 : 4) : n * 2;
   return {v < 2 ? low : high, v < 2 ? low_bytes : n * 4,
-          v == 0 ? kFaultParam : v == 1 ? kFaultMaster : v == 2 ? kFaultMu : kFaultNu};
+          v == 0   ? kFaultParam
+          : v == 1 ? kFaultMaster
+          : v == 2 ? kFaultMu
+                   : kFaultNu};
 }
 
 // The digest chunk c must have, as its table holds it (the lane's tensor; 0 where it has none).
@@ -252,9 +262,8 @@ __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* 
     x.live[j] = kWhole || left >= 4 ? 4 : (left > 0 ? static_cast<int>(left) : 0);
     load_group<kBF16, kMaster, kG>(L, g, first + e, e, j, x);
   }
-  const int32_t faults =
-      faults_of(tensor, key_chunk, expected,
-                transposed_sum(lane_terms<kBF16, kMaster, kG>(x, key0)));
+  const int32_t faults = faults_of(tensor, key_chunk, expected,
+                                   transposed_sum(lane_terms<kBF16, kMaster, kG>(x, key0)));
   if (faults != 0) return {faults, 0};
   uint32_t kept = 0;
 #pragma unroll
@@ -310,7 +319,8 @@ __device__ __forceinline__ void fold_parity(const InPlaceLeaf& L, int64_t grp, A
       *qp = make_uint2(old.x ^ pv.x, old.y ^ pv.y);
       if constexpr (kMaster) {
         uint2* qr = reinterpret_cast<uint2*>(L.q_master + grp * (ce / 2)) + gi;
-        const uint2 rv = make_uint2((a.x >> 16) | (a.y & 0xFFFF0000u), (a.z >> 16) | (a.w & 0xFFFF0000u));
+        const uint2 rv =
+            make_uint2((a.x >> 16) | (a.y & 0xFFFF0000u), (a.z >> 16) | (a.w & 0xFFFF0000u));
         const uint2 o = *qr;
         *qr = make_uint2(o.x ^ rv.x, o.y ^ rv.y);
       }
@@ -384,7 +394,7 @@ __global__ void __launch_bounds__(32 * kWarps, 4)
     inplace_kernel(const __grid_constant__ Table T, const AdamWHyper h, const float* step,
                    const int32_t* go, Stash stash, uint64_t* totals) {
   __shared__ uint4 shared_acc[kParity ? kWarps : 1][3][32 * kG];
-  if (*go == 0) return;
+  const bool skipped = *go == 0;  // nothing written but the reports' zeros
   const AdamWStep s = adamw_step(step);
   const int warp = threadIdx.x >> 5;
   const Acc<kG> acc{shared_acc[kParity ? warp : 0]};
@@ -396,6 +406,10 @@ __global__ void __launch_bounds__(32 * kWarps, 4)
     const int64_t grp = T.group0[i] + gg - T.first_group[i];
     const int64_t per = kParity ? L.group : 1;
     const int64_t last = min(inplace_chunks(L), (grp + 1) * per);
+    if (skipped) {
+      for (int64_t c = grp * per + lane_id(); c < last; c += 32) L.faults[c] = L.kept[c] = 0;
+      continue;
+    }
     if constexpr (kParity) zero_acc<kG>(acc);
     for (int64_t c = grp * per; c < last; ++c) {
       Part<kG> x;
@@ -420,7 +434,8 @@ __global__ void __launch_bounds__(32 * kWarps)
   const Acc<kG> acc{shared_acc[kParity ? warp : 0]};
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   const auto at = [&](int64_t k, int col) { return stash.index[kStashIndexColumns * k + col]; };
-  for (int64_t k = static_cast<int64_t>(blockIdx.x) * kWarps + warp; k < stash.entries; k += warps) {
+  for (int64_t k = static_cast<int64_t>(blockIdx.x) * kWarps + warp; k < stash.entries;
+       k += warps) {
     int i = -1;
     for (int j = 0; j < T.count; ++j) i = T.leaf[j].index == at(k, 0) ? j : i;
     if (i < 0 || at(k, 1) < 0 || at(k, 1) >= inplace_chunks(T.leaf[i])) continue;
@@ -478,13 +493,14 @@ template <bool kBF16, bool kMaster, bool kParity, int kG>
 cudaError_t launch_kind(const Table& T, const Launch& l) {
   if (l.redo != nullptr) {
     if (l.redo->entries == 0) return cudaSuccess;
-    redo_kernel<kBF16, kMaster, kParity, kG><<<blocks_for(l.redo->entries), 32 * kWarps, 0,
-                                               l.stream>>>(T, l.h, l.step, *l.redo, l.totals);
+    redo_kernel<kBF16, kMaster, kParity, kG>
+        <<<blocks_for(l.redo->entries), 32 * kWarps, 0, l.stream>>>(T, l.h, l.step, *l.redo,
+                                                                    l.totals);
   } else {
     auto* kernel = l.whole ? inplace_kernel<kBF16, kMaster, kParity, kG, true>
                            : inplace_kernel<kBF16, kMaster, kParity, kG, false>;
-    kernel<<<blocks_for(T.first_group[T.count]), 32 * kWarps, 0, l.stream>>>(
-        T, l.h, l.step, l.go, *l.stash, l.totals);
+    kernel<<<blocks_for(T.first_group[T.count]), 32 * kWarps, 0, l.stream>>>(T, l.h, l.step, l.go,
+                                                                             *l.stash, l.totals);
   }
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
   return cudaSuccess;
@@ -549,16 +565,16 @@ cudaError_t launch_all(const InPlaceLeaf* leaves, size_t count, const Launch& l)
   return cudaSuccess;
 }
 
-// Every report of every leaf zero, the totals zero (and the stash cleared: rows 0, index
-// (-1, -1, 0)).
+// The totals zero; for a redo (no stash) every report of every leaf zero; for the update (the
+// kernel writes each chunk's reports) the stash cleared: rows 0, index (-1, -1, 0).
 cudaError_t clear(const InPlaceLeaf* leaves, size_t count, uint64_t* totals, const Stash* stash,
                   cudaStream_t stream);
 
 }  // namespace
 
 cudaError_t inplace_cuda(const InPlaceLeaf* leaves, size_t count, const AdamWHyper& hyper,
-                         const float* step, const int32_t* go, const Stash& stash,
-                         uint64_t* totals, cudaStream_t stream) {
+                         const float* step, const int32_t* go, const Stash& stash, uint64_t* totals,
+                         cudaStream_t stream) {
   PIMHBM_CUDA_RETURN_IF_ERROR(clear(leaves, count, totals, &stash, stream));
   PIMHBM_CUDA_RETURN_IF_ERROR(
       launch_all(leaves, count, Launch{true, hyper, step, go, &stash, nullptr, totals, stream}));
@@ -587,7 +603,9 @@ cudaError_t clear(const InPlaceLeaf* leaves, size_t count, uint64_t* totals, con
                   cudaStream_t stream) {
   PIMHBM_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(totals, 0, kInPlaceTotals * sizeof(uint64_t), stream));
-  for (size_t i = 0; i < count; ++i) {
+  // The update's kernel writes every chunk's reports itself (a memset a leaf and report cost as
+  // much as the rest of the launches together: bench/NOTES.md); a redo visits only its entries.
+  for (size_t i = 0; i < count && stash == nullptr; ++i) {
     const size_t bytes = static_cast<size_t>(inplace_chunks(leaves[i])) * sizeof(int32_t);
     if (bytes == 0) continue;
     PIMHBM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(leaves[i].faults, 0, bytes, stream));

@@ -1,6 +1,8 @@
-// The checks before the in-place update on the GPU (precheck.h): a warp a chunk, its p and g
-// read as 16-byte vectors, the digest terms and the non-finite squares summed over the warp by
-// shuffles. Memory-bound: 4 bytes a bf16 parameter, read once.
+// The checks before the in-place update on the GPU (precheck.h): a segment of 8 lanes a chunk
+// (a warp four chunks at a time), its p and g read as 16-byte vectors, the digest terms and the
+// non-finite squares summed over the segment by shuffles. Memory-bound: 4 bytes a bf16
+// parameter, read once. (A whole warp a chunk spent 15 shuffles on every 1 KB chunk and kept
+// two vectors a lane in flight: 2.8 TB/s at the 8B layer, bench/NOTES.md.)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -22,15 +24,14 @@ struct Table {
 };
 static_assert(sizeof(Table) < 32000, "the leaf table must fit the kernel parameters");
 
-__device__ __forceinline__ uint64_t warp_sum(uint64_t v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
-  return v;
-}
+constexpr int kSegment = 8;  // lanes a chunk
 
-// A count (never negative; at most a chunk's elements): one warp-wide reduction (sm_80+).
-__device__ __forceinline__ int32_t warp_sum(int32_t v) {
-  return static_cast<int32_t>(__reduce_add_sync(0xFFFFFFFFu, static_cast<unsigned>(v)));
+// Sums over the lane's segment of kSegment lanes (every lane of the warp takes part).
+template <typename T>
+__device__ __forceinline__ T segment_sum(T v) {
+#pragma unroll
+  for (int off = kSegment / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, off);
+  return v;
 }
 
 // Bytes [at, at + 16) of a chunk of `len` bytes, zero past its end (which is never read).
@@ -58,12 +59,15 @@ __device__ __forceinline__ int32_t nonfinite_squares(const uint4 v) {
   return bad;
 }
 
-// Chunk c of leaf L, by one warp: lane 0 writes its two results.
+// Chunk c of leaf L, by the kSegment lanes of a segment (`part`: the lane's place in it); the
+// segment's first lane writes its two results. Past the leaf's chunks (`c` >= chunks) the lanes
+// only take part in the sums.
 template <bool kBF16>
-__device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, int lane) {
+__device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, int64_t chunks,
+                                            int part) {
   constexpr int64_t kSize = kBF16 ? 2 : 4;
   const int64_t first = c * L.chunk_elems;
-  const int64_t len = min(L.chunk_elems, L.n - first) * kSize;
+  const int64_t len = c < chunks ? min(L.chunk_elems, L.n - first) * kSize : 0;
   const uint8_t* p = static_cast<const uint8_t*>(L.p) + first * kSize;
   const uint8_t* g = static_cast<const uint8_t*>(L.g) + first * kSize;
   const uint64_t key_chunk = static_cast<uint64_t>(precheck_base(L) + c);
@@ -72,45 +76,50 @@ __device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, in
   uint64_t acc = 0;
   int32_t bad = 0;
 #pragma unroll 4
-  for (int64_t v = lane; v < vectors; v += 32) {
+  for (int64_t v = part; v < vectors; v += kSegment) {
     const bool whole = 16 * (v + 1) <= len;
-    const uint4 pv = whole ? __ldg(reinterpret_cast<const uint4*>(p) + v) : tail_vector(p, 16 * v, len);
-    const uint4 gv = whole ? __ldg(reinterpret_cast<const uint4*>(g) + v) : tail_vector(g, 16 * v, len);
+    const uint4 pv =
+        whole ? __ldg(reinterpret_cast<const uint4*>(p) + v) : tail_vector(p, 16 * v, len);
+    const uint4 gv =
+        whole ? __ldg(reinterpret_cast<const uint4*>(g) + v) : tail_vector(g, 16 * v, len);
     const uint64_t key = key0 + static_cast<uint64_t>(2 * v) * kUnitStride;
     acc += unit_term(digest_join(pv.x, pv.y), key);
     // A chunk of len bytes has ceil(len / 8) units: the vector's second one may lie past it.
     if (16 * v + 8 < len) acc += unit_term(digest_join(pv.z, pv.w), key + kUnitStride);
     bad += nonfinite_squares<kBF16>(gv);
   }
-  acc = warp_sum(acc);
-  bad = warp_sum(bad);
-  if (lane == 0) {
+  acc = segment_sum(acc);
+  bad = segment_sum(bad);
+  if (part == 0 && c < chunks) {
     const uint64_t d = finalize(acc, static_cast<uint64_t>(len), key_chunk);
     L.damaged[c] = d != digest_join(L.d_p[2 * c], L.d_p[2 * c + 1]) ? 1 : 0;
     L.nonfinite[c] = bad;
   }
 }
 
-// Every warp takes every warps-th chunk of each leaf in turn.
+// Every warp takes every warps-th run of four chunks of each leaf in turn.
 __global__ void __launch_bounds__(32 * kWarps) precheck_kernel(const __grid_constant__ Table T) {
+  constexpr int kPerWarp = 32 / kSegment;
   const int lane = threadIdx.x & 31;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int i = 0; i < T.count; ++i) {
     const PrecheckLeaf& L = T.leaf[i];
     const int64_t chunks = precheck_chunks(L);
-    for (int64_t c = warp; c < chunks; c += warps) {
+    for (int64_t c0 = kPerWarp * warp; c0 < chunks; c0 += kPerWarp * warps) {
+      const int64_t c = c0 + lane / kSegment;
       if (L.bf16) {
-        check_chunk<true>(L, c, lane);
+        check_chunk<true>(L, c, chunks, lane % kSegment);
       } else {
-        check_chunk<false>(L, c, lane);
+        check_chunk<false>(L, c, chunks, lane % kSegment);
       }
     }
   }
 }
 
 cudaError_t launch(const Table& T, int64_t chunks, cudaStream_t stream) {
-  const int blocks = static_cast<int>(std::min<int64_t>((chunks + kWarps - 1) / kWarps, kMaxBlocks));
+  const int64_t warps = (chunks + 32 / kSegment - 1) / (32 / kSegment);
+  const int blocks = static_cast<int>(std::min<int64_t>((warps + kWarps - 1) / kWarps, kMaxBlocks));
   if (blocks == 0) return cudaSuccess;
   precheck_kernel<<<blocks, 32 * kWarps, 0, stream>>>(T);
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
