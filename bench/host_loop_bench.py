@@ -227,7 +227,7 @@ def main() -> int:
 
     plain = llama3.PlainStep(job)
     name = f"pimhbm_hostloop_{uuid.uuid4().hex[:8]}"
-    trainer = llama3._protected(job, name)
+    trainer = llama3._protected(job, name, hooks=False)
     try:
         llama3._prewarm(job, trainer)
         trainer.run(3)

@@ -311,8 +311,9 @@ class PlainStep:
         self.carry = None  # its device memory, for the rest of the run
 
 
-def _protected(job: Job, shm_name: str) -> Any:
-    """The recovery engine's step (fault hooks compiled in, as in the campaign)."""
+def _protected(job: Job, shm_name: str, *, hooks: bool) -> Any:
+    """The recovery engine's step, with the campaign's fault hooks compiled in (``hooks``) or
+    as a user's Trainer has it (the timed step)."""
     from pimhbm.recovery.trainer import RECHECK_EVERY
     from pimhbm.train import llama_trainer
     args = job.args
@@ -323,7 +324,7 @@ def _protected(job: Job, shm_name: str) -> Any:
                          peak_lr=3e-4, warmup=5, shm_name=shm_name,
                          chunk_elems=4096 if args.state == "two-slots" else None,
                          snapshot_every=args.snapshot_every, scrub_every=args.scrub_every,
-                         inject_gradients=True, devices=job.devices, attention_impl=job.attention,
+                         inject_gradients=hooks, devices=job.devices, attention_impl=job.attention,
                          ordered_embedding=job.exact,
                          params=_fresh_params(job), replica_transport=args.replica_transport,
                          shard=args.shard, device_copy=not args.no_device_copy, state=args.state,
@@ -358,6 +359,15 @@ def _timed(fn: Callable[[], None]) -> float:
     t0 = time.perf_counter()
     fn()
     return time.perf_counter() - t0
+
+
+def _what_was_on(trainer: Any) -> dict:
+    """The protection the timed step ran with (the report's "what was on")."""
+    redundancy = ("parity groups" if trainer.one_copy and trainer.local_source else
+                  "device copy" if trainer.local_source else "replicas only")
+    return {"snapshot_every": trainer.snapshots.every if trainer.backup is not None else 0,
+            "scrub_every": trainer.scrub_every, "recheck_every": trainer.recheck_every,
+            "redundancy": redundancy, "fault_hooks": False}
 
 
 def _time_both(job: Job, plain: PlainStep, trainer: Any) -> None:
@@ -444,9 +454,10 @@ def _measure(job: Job) -> int:
     args, results = job.args, job.results
     plain = PlainStep(job)
     name = f"pimhbm_llama3_{uuid.uuid4().hex[:8]}"
-    trainer = _protected(job, name)
+    trainer = _protected(job, name, hooks=False)
     try:
         _prewarm(job, trainer)
+        results["protection"] = _what_was_on(trainer)
         if args.gc_freeze:
             import gc
             gc.collect()
@@ -461,7 +472,11 @@ def _measure(job: Job) -> int:
         if traces:
             report.profile(job.console, traces, results, min(PROFILE_STEPS, args.steps),
                            args.profile, jax.process_index())
-        if not args.no_campaign:
+        if not args.no_campaign:  # a Trainer of its own: the fault hooks compiled in
+            trainer.close(unlink=True)
+            del trainer
+            trainer = _protected(job, name, hooks=True)
+            _prewarm(job, trainer)
             _campaign(job, trainer)
     finally:
         HostBackup.unlink(name)

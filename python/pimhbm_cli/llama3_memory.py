@@ -51,7 +51,7 @@ def measure_here(job: Any, kind: str) -> dict:
         held, params = _nbytes(plain.carry), _elements(plain.carry[2])
     else:
         name = f"pimhbm_llama3_mem_{uuid.uuid4().hex[:8]}"
-        trainer = llama3._protected(job, name)
+        trainer = llama3._protected(job, name, hooks=False)
         try:
             trainer.prewarm()
             trainer.run(STEPS)
@@ -131,7 +131,7 @@ def exact_here(job: Any, rounds: int = 3) -> float:
     from pimhbm_cli import llama3
 
     name = f"pimhbm_llama3_exact_{uuid.uuid4().hex[:8]}"
-    trainer = llama3._protected(job, name)
+    trainer = llama3._protected(job, name, hooks=False)
     try:
         trainer.prewarm()
         trainer.run(3)  # warm

@@ -25,6 +25,11 @@ def timing(console, results: dict, tokens: int, devices: int, kind: str, rounds:
         table.add_row("protected, exact mode (own process)", f"{exact:.2f}",
                       f"{exact / plain:.3f}x")
     console.print(table)
+    if (on := results.get("protection")) is not None:
+        console.print(f"  protected with: host snapshot every "
+                      f"{on['snapshot_every']} steps, scrub every {on['scrub_every']}, sampled "
+                      f"re-execution every {on['recheck_every']} (0: off), redundancy: "
+                      f"{on['redundancy']}; no fault hooks (the campaign's Trainer has them)")
     console.print(f"cost of protection: {results['overhead'] * 100:+.2f} % (target <= "
                   f"{TARGET:.0%}): " +
                   ("[green]met[/]" if results["overhead"] <= TARGET else "[red]not met[/]") +
