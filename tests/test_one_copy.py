@@ -411,19 +411,22 @@ def test_a_sampled_steps_re_execution_closes_its_gate_before_any_write(shm_name,
 
 
 def _dots(hlo: str) -> int:
-    return hlo.count(" dot(")
+    """Matrix products in a compiled program's text: XLA's dots (the CPU's, and those inside a
+    GPU's Triton fusions), and the GPU's cuBLAS calls."""
+    return hlo.count(" dot(") + hlo.count('custom_call_target="__cublas')
 
 
 def test_a_sampled_step_runs_both_gradient_computations_through_one_loop_body(shm_name):
     """Two copies of the gradient computation in one program may be compiled differently and
     differ in their last bits with nothing wrong; the sampled step runs one compiled body
-    twice: its program holds the gradient's products once (as the plain step does) inside a
-    loop. The control: a program with the gradient written out twice holds them twice."""
+    twice: its program holds the gradient's products once (as the plain step does, not twice)
+    inside a loop. The control: a program with the gradient written out twice holds them twice."""
     tr = make_trainer(shm_name, recheck_every=5)
     try:
         plain, sampled = tr.programs.step[0].as_text(), tr.programs.sampled[0].as_text()
         assert _dots(plain) > 0 and " while(" in sampled
-        assert _dots(sampled) == _dots(plain)
+        # Once, not twice (the compiler may merge or split a product differently in a loop).
+        assert _dots(sampled) < 2 * _dots(plain)
         params, a, b = mlp.init(0), mlp.batches(0)(0), mlp.batches(0)(1)
         twice = jax.jit(lambda p, a, b: [jax.grad(mlp.loss)(p, x) for x in (a, b)])
         assert _dots(twice.lower(params, a, b).compile().as_text()) == 2 * _dots(
