@@ -58,10 +58,20 @@ class ScrubSummary(NamedTuple):
     faults: FaultList  # value: Damage bits (the device copy's shifted by 4)
 
 
-def fault_list(maps: list[jax.Array], capacity: int) -> FaultList:
-    """The first ``capacity`` non-zero entries of the concatenated per-leaf ``maps``."""
-    flat = (jnp.concatenate([m.reshape(-1) for m in maps]) if maps
-            else jnp.zeros((0,), jnp.int32))
+def flat(maps: list[jax.Array]) -> jax.Array:
+    """Per-leaf maps as one vector: a reduction over it is one kernel, where a reduction a leaf
+    is one launch each (~120 a step at the 8B layer: bench/NOTES.md)."""
+    return jnp.concatenate([m.reshape(-1) for m in maps]) if maps else jnp.zeros((0,), jnp.int32)
+
+
+def fault_list(maps: list[jax.Array] | jax.Array, capacity: int) -> FaultList:
+    """The first ``capacity`` non-zero entries of the concatenated per-leaf ``maps`` (or of
+    their concatenation, flat)."""
+    flat_maps = maps if isinstance(maps, jax.Array) else flat(maps)
+    return _first_entries(flat_maps, capacity)
+
+
+def _first_entries(flat: jax.Array, capacity: int) -> FaultList:
     idx = first_nonzero(flat, capacity)
     if flat.shape[0] == 0:  # no map (no replicas to disagree): an empty list
         return FaultList(idx, jnp.zeros((capacity,), jnp.int32))
@@ -84,12 +94,12 @@ def inplace_summary(report: Any, treedef: Any, capacity: int,
                     disagree: list[jax.Array]) -> StepSummary:
     """The same for an in-place update's report (pimhbm.inplace.UpdateReport): committed when
     it ran and no device found damage; this device's counts from its own maps."""
-    faults = treedef.flatten_up_to(report.fault_maps)
-    grads = treedef.flatten_up_to(report.grad_nonfinite_maps)
-    mine = lambda maps, f: sum((jnp.sum(f(m), dtype=jnp.int32) for m in maps), jnp.int32(0))
+    faults = flat(treedef.flatten_up_to(report.fault_maps))
+    grads = flat(treedef.flatten_up_to(report.grad_nonfinite_maps))
     return StepSummary(
         (report.applied & (report.digest_faults == 0)).astype(jnp.int32),
-        report.applied.astype(jnp.int32), mine(grads, lambda m: m), mine(faults, lambda m: m != 0),
+        report.applied.astype(jnp.int32), jnp.sum(grads, dtype=jnp.int32),
+        jnp.sum(faults != 0, dtype=jnp.int32),
         fault_list(faults, capacity), fault_list(grads, capacity), fault_list(disagree, capacity))
 
 
