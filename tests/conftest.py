@@ -16,9 +16,11 @@ os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=4")
 # One persistent compilation cache for the session and its workers (pytest-xdist; they inherit
 # the environment): the many Trainers of the suite compile the same programs, and each takes them
 # from the cache after the first. JAX reports a load from the cache as a compilation, so "0
-# compilations after prewarm" keeps its meaning. Not for the processes the tests start: the
-# processes of one multi-process run would then prewarm at different speeds (one from the
-# cache, one compiling), and the first collective's 30 s rendezvous on the CPU times out.
+# compilations after prewarm" keeps its meaning. A test's single child process takes it through
+# cached_env(). Not the processes of a multi-process run: only process 0 writes to the cache
+# (JAX's rule) and process 1 finds none of its programs there (on the CPU it had no hit at all),
+# so process 0 would load what process 1 compiles, and the first collective's 30 s rendezvous
+# on the CPU times out.
 if "PIMHBM_TEST_JAX_CACHE" not in os.environ:
     os.environ["PIMHBM_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="pimhbm-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["PIMHBM_TEST_JAX_CACHE"], ignore_errors=True)
@@ -48,6 +50,17 @@ def rng(request):
     """Fresh random inputs every run; the seed is in the report header and in failures."""
     seed = (_SEED + zlib.crc32(request.node.nodeid.encode())) % 2**32
     return np.random.default_rng(seed)
+
+
+def cached_env(env=None) -> dict:
+    """``env`` (this process's environment where None) with the session's compilation cache, for
+    a test's single child process: JAX reads these variables as it starts, and the child loads
+    what the session (or an earlier child) compiled. Not for a multi-process run (see above)."""
+    env = dict(os.environ if env is None else env)
+    env.update(JAX_COMPILATION_CACHE_DIR=os.environ["PIMHBM_TEST_JAX_CACHE"],
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    return env
 
 
 def has_gpu() -> bool:

@@ -5,10 +5,12 @@ import os
 import subprocess
 import sys
 
+from conftest import cached_env
+
 
 def test_short_demo_run_ends_bit_identical(tmp_path):
     out = tmp_path / "demo"
-    env = dict(os.environ)
+    env = cached_env()
     env.pop("XLA_FLAGS", None)  # one device, as `make demo` runs
     r = subprocess.run([sys.executable, "-m", "pimhbm_cli", "demo", "--steps", "40", "--faults",
                         "3", "--layers", "1", "--hidden", "32", "--batch", "8", "--seq", "32",

@@ -8,6 +8,8 @@ import pytest
 
 from pimhbm.models import llama3
 
+from conftest import cached_env
+
 
 @pytest.fixture(autouse=True)
 def full_float32_matmuls():
@@ -211,7 +213,7 @@ def test_llama3_tool_with_fsdp_on_four_cpu_devices(tmp_path, device_copy):
            "2", "--campaign-steps", "10", "--faults", "1", "--json", str(out)]
     # With the copy also --profile (a CPU trace has no device timeline: nothing to split).
     cmd += ["--profile", str(tmp_path / "profile")] if device_copy else ["--no-device-copy"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(cmd, capture_output=True, text=True, env=cached_env(), timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["devices"] == 4 and r["shard"] == 2 and r["device_copy"] == device_copy
@@ -244,6 +246,7 @@ def test_llama3_tool_as_two_processes_with_fsdp(tmp_path):
     cmd = [sys.executable, "-m", "pimhbm_cli", "llama3", "--tiny", "--layers", "1", "--tokens",
            "256", "--seq", "32", "--vocab", "256", "--steps", "2", "--devices", "4", "--shard",
            "2", "--processes", "2", "--campaign-steps", "6", "--faults", "1", "--json", str(out)]
+    # Without the session's compilation cache (see conftest.py: not for multi-process runs).
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -412,7 +415,7 @@ def test_llama3_tool_measures_each_steps_memory_in_a_process_of_its_own():
         cmd = [sys.executable, "-m", "pimhbm_cli", "llama3", "--tiny", "--layers", "1",
                "--tokens", "256", "--seq", "32", "--vocab", "256", "--steps", "3", "--devices",
                "1", "--memory-of", kind]
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        run = subprocess.run(cmd, capture_output=True, text=True, env=cached_env(), timeout=300)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
         line = next(l for l in run.stdout.splitlines() if l.startswith("MEMORY "))
         figures[kind] = json.loads(line[len("MEMORY "):])
@@ -432,7 +435,7 @@ def test_llama3_tool_times_exact_mode_in_a_process_of_its_own():
     cmd = [sys.executable, "-m", "pimhbm_cli", "llama3", "--tiny", "--layers", "1", "--tokens",
            "256", "--seq", "32", "--vocab", "256", "--steps", "2", "--devices", "1",
            "--exact-of-protected"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(cmd, capture_output=True, text=True, env=cached_env(), timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     line = next(l for l in run.stdout.splitlines() if l.startswith("EXACT "))
     assert json.loads(line[len("EXACT "):])["protected_ms"] > 0

@@ -22,6 +22,8 @@ from pimhbm.campaign import KINDS, Campaign
 from pimhbm.models import mlp
 from pimhbm.recovery import Action, IncidentKind, Trainer
 
+from conftest import cached_env
+
 HERE = os.path.dirname(__file__)
 
 
@@ -268,7 +270,9 @@ def test_fault_campaign_ends_bit_identical_to_the_fault_free_run(shm_name):
 
 def test_sigkill_mid_run_resumes_from_shared_memory(shm_name, tmp_path):
     worker = os.path.join(HERE, "crash_worker.py")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # The session's compilation cache: the killed run and the resumed one load the programs the
+    # reference run compiled.
+    env = cached_env(dict(os.environ, PYTHONUNBUFFERED="1"))
     ref = tmp_path / "ref.npz"
     subprocess.run([sys.executable, worker, shm_name + "_ref", "60", str(ref)], check=True,
                    env=env, capture_output=True, timeout=600)
