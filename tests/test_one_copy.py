@@ -34,14 +34,22 @@ def same_state(a, b):
     return a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
 
 
+_FAULT_FREE = {}  # (steps, kw) -> the state: several tests compare against the same run
+
+
 def fault_free(name, steps, **kw):
-    tr = make_trainer(name + "_ref", **kw)
-    try:
-        stats = tr.run(steps)
-        assert stats.steps_committed == steps and not stats.incidents
-        return tr.current_state()
-    finally:
-        tr.close(unlink=True)
+    """The state after ``steps`` of a run without faults (make_trainer's settings and ``kw``),
+    run once a test process for each (steps, kw)."""
+    key = (steps, tuple(sorted(kw.items())))
+    if key not in _FAULT_FREE:
+        tr = make_trainer(name + "_ref", **kw)
+        try:
+            stats = tr.run(steps)
+            assert stats.steps_committed == steps and not stats.incidents
+            _FAULT_FREE[key] = tr.current_state()
+        finally:
+            tr.close(unlink=True)
+    return _FAULT_FREE[key]
 
 
 def incidents(stats, kind=None, action=None):
