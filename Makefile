@@ -48,7 +48,8 @@ ctest-cpp: build-cpp
 
 # The same sources built without CUDA (-DPIMHBM_CUDA=OFF), as on a machine without a toolkit:
 # the library, its C++ tests, and the Python module, which then runs the update's and the
-# scan's Python tests (on JAX's CPU platform) from a copy of the package beside it.
+# scan's Python tests (on JAX's CPU platform, on every core where pytest-xdist is installed)
+# from a copy of the package beside it.
 build-cpp-cpu: $(VENV)/.ready
 	@mkdir -p build
 	@echo "test: building the C++ suite and the Python module without CUDA in $(CPP_CPU_BUILD)"
@@ -65,7 +66,8 @@ test-cpp-cpu: build-cpp-cpu
 	PYTHONPATH=$(abspath $(CPP_CPU_BUILD)/python) $(PY) -c \
 	  'import pimhbm, sys; print("pimhbm built without CUDA:", pimhbm.__file__); sys.exit(pimhbm._core.with_cuda)'
 	JAX_PLATFORMS=cpu PYTHONPATH=$(abspath $(CPP_CPU_BUILD)/python) $(PY) -m pytest -q \
-	  -p no:cacheprovider tests/test_update.py tests/test_scan.py
+	  -p no:cacheprovider $$($(PY) -c 'import xdist' 2>/dev/null && printf -- '-n %s' \
+	  $(PYTEST_WORKERS)) tests/test_update.py tests/test_scan.py
 
 # pytest runs on every core (at most 4) where pytest-xdist is installed and no GPU is visible;
 # on a GPU each JAX process takes most of the GPU's memory, so there the tests run one by one.
