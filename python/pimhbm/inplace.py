@@ -223,7 +223,10 @@ class AdamW:
 
         # Before any write: the parameters as the backward pass read them, the gradients.
         p_faults, g_bad = self._prechecks(leaves, tables, flat_grads)
-        local = jnp.stack([_total(p_faults), _total(g_bad)])
+        # A sum a leaf (not one over their concatenation): under plain jit a leaf's map is
+        # sharded as the leaf is, and a concatenation would gather them.
+        local = jnp.stack([sum((jnp.sum(m, dtype=jnp.int32) for m in p_faults), jnp.int32(0)),
+                           sum((jnp.sum(b) for b in g_bad), jnp.int32(0))])
         hold = (local != 0).any() | ~jnp.all(jnp.isfinite(scalars)) | (scalars[1] <= 0) | (scalars[2] <= 0)
         if gate is not None:
             hold |= ~jnp.asarray(gate, jnp.bool_)
@@ -335,14 +338,6 @@ class AdamW:
                                      state.step_copies)
         complete = (faults == 0) & (report.stashed <= self.stash_capacity) & ~unrepaired
         return new_state, RepairReport(jax.tree.unflatten(treedef, statuses), faults, complete)
-
-
-def _total(maps: list[jax.Array]) -> jax.Array:
-    """int32: the sum of every leaf's per-chunk counts, as one reduction over their
-    concatenation (a reduction a leaf is a launch each, on the step's critical path)."""
-    if not maps:
-        return jnp.int32(0)
-    return jnp.sum(jnp.concatenate([m.reshape(-1) for m in maps]), dtype=jnp.int32)
 
 
 def _laid_out(x: jax.Array, sharding: Any) -> jax.Array:
