@@ -340,6 +340,51 @@ __device__ __forceinline__ void fold_parity(const InPlaceLeaf& L, int64_t grp, A
   }
 }
 
+// Loads ahead without registers: the next chunk's tensors (and a group's parity rows, read at
+// its end) are asked into L2 while the warp works on the current chunk, so that its loads wait
+// on L2 rather than on DRAM (bench/NOTES.md, in-place v6: a chunk's first loads and the parity
+// rows' were the kernel's longest stalls). A hint only: results do not depend on it.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // One bulk request for the range (16-byte aligned, a multiple of 16 bytes).
+  if (bytes >= 16) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes & ~15u)
+                 : "memory");
+  }
+#else
+  for (uint32_t off = 0; off < bytes; off += 128) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + off));
+  }
+#endif
+}
+
+// Chunk c's tensors into L2, a lane a tensor: p, master, g, mu, nu (never past the leaf's end).
+template <bool kBF16, bool kMaster>
+__device__ __forceinline__ void prefetch_chunk(const InPlaceLeaf& L, int64_t c) {
+  const int lane = lane_id();
+  if (lane >= 5 || (lane == 1 && !kMaster)) return;
+  const int64_t first = c * L.chunk_elems;
+  const uint32_t count = static_cast<uint32_t>(min(L.chunk_elems, L.n - first));
+  constexpr int kP = kBF16 ? 2 : 4;
+  const void* at[5] = {static_cast<const uint8_t*>(L.p) + first * kP, L.master + first,
+                       static_cast<const uint8_t*>(L.g) + first * kP, L.mu + first, L.nu + first};
+  const uint32_t size[5] = {kP, 2, kP, 4, 4};
+  prefetch_l2(at[lane], count * size[lane]);
+}
+
+// The parity rows of group grp into L2, a lane a tensor (lanes 5-8: apart from prefetch_chunk's).
+template <bool kBF16, bool kMaster>
+__device__ __forceinline__ void prefetch_rows(const InPlaceLeaf& L, int64_t grp) {
+  const int t = lane_id() - 5;
+  if (t < 0 || t >= 4 || (t == 1 && !kMaster)) return;
+  const int64_t ce = L.chunk_elems;
+  constexpr int kP = kBF16 ? 2 : 4;
+  const uint32_t* rows[4] = {L.q_p, L.q_master, L.q_mu, L.q_nu};
+  const uint32_t bytes[4] = {static_cast<uint32_t>(ce * kP), static_cast<uint32_t>(ce * 2),
+                             static_cast<uint32_t>(ce * 4), static_cast<uint32_t>(ce * 4)};
+  prefetch_l2(reinterpret_cast<const uint8_t*>(rows[t]) + grp * bytes[t], bytes[t]);
+}
+
 __device__ __forceinline__ void record(const InPlaceLeaf& L, int64_t c, const ChunkVerdict& v,
                                        uint64_t* totals) {
   if (lane_id() != 0) return;
@@ -410,8 +455,12 @@ __global__ void __launch_bounds__(32 * kWarps, 4)
       for (int64_t c = grp * per + lane_id(); c < last; c += 32) L.faults[c] = L.kept[c] = 0;
       continue;
     }
-    if constexpr (kParity) zero_acc<kG>(acc);
+    if constexpr (kParity) {
+      zero_acc<kG>(acc);
+      prefetch_rows<kBF16, kMaster>(L, grp);
+    }
     for (int64_t c = grp * per; c < last; ++c) {
+      if (c + 1 < last) prefetch_chunk<kBF16, kMaster>(L, c + 1);
       Part<kG> x;
       const void* g = static_cast<const uint8_t*>(L.g) + c * L.chunk_elems * (kBF16 ? 2 : 4);
       const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG, kWhole>(L, c, g, h, s, acc, x);
