@@ -82,14 +82,10 @@ def fault_list(maps: list[jax.Array] | jax.Array, capacity: int) -> FaultList:
     """The first ``capacity`` non-zero entries of the concatenated per-leaf ``maps`` (or of
     their concatenation, flat)."""
     flat_maps = maps if isinstance(maps, jax.Array) else flat(maps)
-    return _first_entries(flat_maps, capacity)
-
-
-def _first_entries(flat: jax.Array, capacity: int) -> FaultList:
-    idx = first_nonzero(flat, capacity)
-    if flat.shape[0] == 0:  # no map (no replicas to disagree): an empty list
+    idx = first_nonzero(flat_maps, capacity)
+    if flat_maps.shape[0] == 0:  # no map (no replicas to disagree): an empty list
         return FaultList(idx, jnp.zeros((capacity,), jnp.int32))
-    return FaultList(idx, jnp.where(idx >= 0, flat[jnp.maximum(idx, 0)], 0))
+    return FaultList(idx, jnp.where(idx >= 0, flat_maps[jnp.maximum(idx, 0)], 0))
 
 
 def step_summary(report: Any, treedef: Any, capacity: int,

@@ -125,15 +125,21 @@ class Traced:
             gate &= jax.lax.psum(count, AXES) == 0
         return grads, gate, disagree
 
+    def _ring(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """ppermute's pairs for a re-execution: device i gets device i + 1's slice of the
+        batch (ahead), and the digests go back the other way."""
+        n = len(self.placement.devices)
+        ahead = [((i + 1) % n, i) for i in range(n)]
+        return ahead, [(b, a) for a, b in ahead]
+
     def _recomputed_mismatches(self, params: Any, batch: dict, own: jax.Array) -> jax.Array:
         """Each device computes the next device's slice of the batch again from ``params``; the
         digests go back to the slice's device and are compared with ``own`` (its leaves' and
         its loss's digests, uint32 (leaves + 1, 2)). This device's count of those that differ."""
-        n = len(self.placement.devices)
-        ahead = [((i + 1) % n, i) for i in range(n)]  # device i gets device i + 1's slice
+        ahead, back = self._ring()
         theirs = jax.tree.map(lambda x: jax.lax.ppermute(x, AXES, ahead), batch)
         grads, loss, _ = self._local_gradients(params, theirs, None)
-        again = jax.lax.ppermute(self._digests(grads, loss), AXES, [(b, a) for a, b in ahead])
+        again = jax.lax.ppermute(self._digests(grads, loss), AXES, back)
         return jnp.sum(jnp.any(again != own, axis=-1), dtype=jnp.int32)
 
     def _gradients_twice(self, params: Any, batch: dict, grad_fault: jax.Array
@@ -147,8 +153,7 @@ class Traced:
         Returns this device's gradients (with the campaign's fault where it is meant for
         it), its loss and aux, and this device's count of digests its re-execution did not
         reproduce."""
-        n = len(self.placement.devices)
-        ahead = [((i + 1) % n, i) for i in range(n)]  # device i gets device i + 1's slice
+        ahead, back = self._ring()
         theirs = jax.tree.map(lambda x: jax.lax.ppermute(x, AXES, ahead), batch)
         both = jax.tree.map(lambda a, b: jnp.stack([a, b]), batch, theirs)
 
@@ -167,9 +172,8 @@ class Traced:
             jax.tree.map(lambda x: x[k], out) for k in (0, 1))
         if self.inject_local:
             grads = self._hook(grads, grad_fault, grad_fault[1] == jax.lax.axis_index(AXES))
-        back = jax.lax.ppermute(self._digests(again, loss_again), AXES,
-                                [(b, a) for a, b in ahead])
-        mismatched = jnp.sum(jnp.any(back != self._digests(grads, loss), axis=-1),
+        returned = jax.lax.ppermute(self._digests(again, loss_again), AXES, back)
+        mismatched = jnp.sum(jnp.any(returned != self._digests(grads, loss), axis=-1),
                              dtype=jnp.int32)
         return grads, loss, aux, mismatched
 
