@@ -362,6 +362,30 @@ def test_the_compiled_update_is_in_place_with_no_conditional_and_no_host_transfe
     assert bool(report.committed) and pimhbm._core.unaliased_copies() == before
 
 
+def test_inside_shard_map_the_checks_totals_are_one_reduction_whatever_the_leaves(rng):
+    """The verdict's counts inside shard_map: one reduction over the concatenated per-chunk
+    maps. XLA rewrites a sum of a concatenation as a sum of each part (on a GPU a launch a
+    leaf); the number of reductions in the compiled update must not grow with the leaves.
+    Control: under plain jit the counts are a sum a leaf (sharded maps are not gathered), and
+    there it grows."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("dp",))
+    opt, dtype = make("fp32")
+
+    def reductions(leaves: int, in_shard_map: bool) -> int:
+        params = random_params(rng, dtype, shapes=[(300 + 7 * i,) for i in range(leaves)])
+        state, grads = opt.init(params), random_grads(rng, params)
+        update = opt.update
+        if in_shard_map:
+            update = jax.shard_map(lambda g, s: opt.update(g, s, axis_name="dp"), mesh=mesh,
+                                   in_specs=(P(), P()), out_specs=(P(), P()), check_vma=False)
+        hlo = jax.jit(update).lower(grads, state).compile().as_text()
+        return len(re.findall(r"\breduce\(", hlo))
+
+    assert reductions(3, True) == reductions(9, True)
+    assert reductions(9, False) >= reductions(3, False) + 6  # the control: a sum a leaf
+
+
 def test_the_verdict_is_global_across_devices(rng):
     """Four devices in shard_map: a parameter damaged on one cancels the step on all; a moment
     damaged on one leaves that device's chunk (its repair is local) and the others commit."""

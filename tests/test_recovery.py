@@ -674,6 +674,28 @@ def test_first_nonzero_is_jnp_nonzero_without_a_scatter(rng):
     assert re.findall(r"\b(scatter|sort)\(", hlo) == []
 
 
+def test_a_step_summary_reduces_the_concatenated_maps_once_whatever_the_leaves():
+    """The step's summary counts and lists faults over every leaf's map with one reduction
+    each: the number of reductions does not grow with the leaves (XLA would split a reduction
+    of a concatenation into one a leaf: on a GPU a launch each, every step)."""
+    from types import SimpleNamespace
+    from pimhbm.recovery.summary import inplace_summary
+
+    def reductions(leaves: int) -> int:
+        maps = {f"w{i}": jnp.zeros((100 + 3 * i,), jnp.int32) for i in range(leaves)}
+        treedef = jax.tree.structure(maps)
+
+        def summary(faults, grads):
+            report = SimpleNamespace(applied=jnp.bool_(True), digest_faults=jnp.int32(0),
+                                     fault_maps=faults, grad_nonfinite_maps=grads)
+            return inplace_summary(report, treedef, 8, [])
+
+        hlo = jax.jit(summary).lower(maps, maps).compile().as_text()
+        return len(re.findall(r"\breduce\(", hlo))
+
+    assert reductions(2) == reductions(7)
+
+
 def test_a_step_that_fails_on_every_replay_stops_the_run_with_a_clear_error(shm_name):
     """A batch with a NaN in it makes the same gradient non-finite on every replay: not a
     transient fault. The run stops after max_skips skips of that step, naming the step and

@@ -74,8 +74,11 @@ class ScrubSummary(NamedTuple):
 
 def flat(maps: list[jax.Array]) -> jax.Array:
     """Per-leaf maps as one vector: a reduction over it is one kernel, where a reduction a leaf
-    is one launch each (~120 a step at the 8B layer: bench/NOTES.md)."""
-    return jnp.concatenate([m.reshape(-1) for m in maps]) if maps else jnp.zeros((0,), jnp.int32)
+    is one launch each (~120 a step at the 8B layer: bench/NOTES.md). The barrier keeps it one
+    vector: XLA would rewrite a reduction of a concatenation as one of each part."""
+    if not maps:
+        return jnp.zeros((0,), jnp.int32)
+    return jax.lax.optimization_barrier(jnp.concatenate([m.reshape(-1) for m in maps]))
 
 
 def fault_list(maps: list[jax.Array] | jax.Array, capacity: int) -> FaultList:
