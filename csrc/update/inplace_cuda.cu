@@ -37,31 +37,50 @@ static_assert(sizeof(Table) < 32000, "the leaf table must fit the kernel paramet
 
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 
-// A lane's part of a chunk: four elements of every tensor for each of its kG groups.
-template <int kG>
+// A lane's part of a chunk: four elements of every tensor for each of its kG groups. 16-bit
+// words stay two to a register as loaded (a bf16 group of four is one 64-bit digest unit as it
+// is): half the registers of one a register, and no unpacking and repacking around the digest.
+template <int kG, bool kBF16>
 struct Part {
-  uint32_t p[kG][4];  // fp32 bits, or bf16 bits
-  uint32_t r[kG][4];  // master remainders
-  uint32_t g[kG][4];  // gradient bits (as p)
+  static constexpr int kPW = kBF16 ? 2 : 4;  // registers a group of the parameter and gradient
+  uint32_t p[kG][kPW];  // fp32 bits, or bf16 pairs (element 2i low, 2i + 1 high)
+  uint32_t r[kG][2];    // master remainders, in pairs
+  uint32_t g[kG][kPW];  // gradient bits (as p)
   float mu[kG][4], nu[kG][4];
   int live[kG];  // elements of the group inside the chunk: 4, fewer at a ragged end, or 0
 };
+
+// Element k (0-3) of a group of four held as kPW registers: a 16-bit half or a whole word.
+template <int kPW>
+__device__ __forceinline__ uint32_t word_of(const uint32_t (&w)[kPW], int k) {
+  if constexpr (kPW == 2) return (w[k >> 1] >> (16 * (k & 1))) & 0xFFFFu;
+  return w[k];
+}
+
+// The same, set (the register's other half kept).
+template <int kPW>
+__device__ __forceinline__ void set_word(uint32_t (&w)[kPW], int k, uint32_t v) {
+  if constexpr (kPW == 2) {
+    const int sh = 16 * (k & 1);
+    w[k >> 1] = (w[k >> 1] & ~(0xFFFFu << sh)) | (v << sh);
+  } else {
+    w[k] = v;
+  }
+}
 
 // Loads group j of the lane (group gi of the chunk, elements e .. e + 3 of the tensors, gradient
 // from `g` at chunk offset 4 gi): vector loads when whole, else element by element, zero past
 // the end (never a load past it).
 template <bool kBF16, bool kMaster, int kG>
 __device__ __forceinline__ void load_group(const InPlaceLeaf& L, const void* g, int64_t e,
-                                           int64_t ge, int j, Part<kG>& x) {
+                                           int64_t ge, int j, Part<kG, kBF16>& x) {
   const int live = x.live[j];
   if (live == 4) {
     if constexpr (kBF16) {
       const uint2 pv = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(L.p) + e));
       const uint2 gv = __ldg(reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(g) + ge));
-      x.p[j][0] = pv.x & 0xFFFFu, x.p[j][1] = pv.x >> 16, x.p[j][2] = pv.y & 0xFFFFu,
-      x.p[j][3] = pv.y >> 16;
-      x.g[j][0] = gv.x & 0xFFFFu, x.g[j][1] = gv.x >> 16, x.g[j][2] = gv.y & 0xFFFFu,
-      x.g[j][3] = gv.y >> 16;
+      x.p[j][0] = pv.x, x.p[j][1] = pv.y;
+      x.g[j][0] = gv.x, x.g[j][1] = gv.y;
     } else {
       const uint4 pv = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(L.p) + e));
       const uint4 gv = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint32_t*>(g) + ge));
@@ -70,8 +89,7 @@ __device__ __forceinline__ void load_group(const InPlaceLeaf& L, const void* g, 
     }
     if constexpr (kMaster) {
       const uint2 rv = __ldg(reinterpret_cast<const uint2*>(L.master + e));
-      x.r[j][0] = rv.x & 0xFFFFu, x.r[j][1] = rv.x >> 16, x.r[j][2] = rv.y & 0xFFFFu,
-      x.r[j][3] = rv.y >> 16;
+      x.r[j][0] = rv.x, x.r[j][1] = rv.y;
     }
     const float4 mu = __ldg(reinterpret_cast<const float4*>(L.mu + e));
     const float4 nu = __ldg(reinterpret_cast<const float4*>(L.nu + e));
@@ -80,18 +98,20 @@ __device__ __forceinline__ void load_group(const InPlaceLeaf& L, const void* g, 
     return;
   }
 #pragma unroll
+  for (int w = 0; w < Part<kG, kBF16>::kPW; ++w) x.p[j][w] = x.g[j][w] = 0;
+  x.r[j][0] = x.r[j][1] = 0;
+#pragma unroll
   for (int k = 0; k < 4; ++k) {
-    x.p[j][k] = x.r[j][k] = x.g[j][k] = 0;
     x.mu[j][k] = x.nu[j][k] = 0.0f;
     if (k >= live) continue;
     if constexpr (kBF16) {
-      x.p[j][k] = static_cast<const uint16_t*>(L.p)[e + k];
-      x.g[j][k] = static_cast<const uint16_t*>(g)[ge + k];
+      set_word<2>(x.p[j], k, static_cast<const uint16_t*>(L.p)[e + k]);
+      set_word<2>(x.g[j], k, static_cast<const uint16_t*>(g)[ge + k]);
     } else {
       x.p[j][k] = static_cast<const uint32_t*>(L.p)[e + k];
       x.g[j][k] = static_cast<const uint32_t*>(g)[ge + k];
     }
-    if constexpr (kMaster) x.r[j][k] = L.master[e + k];
+    if constexpr (kMaster) set_word<2>(x.r[j], k, L.master[e + k]);
     x.mu[j][k] = L.mu[e + k];
     x.nu[j][k] = L.nu[e + k];
   }
@@ -99,19 +119,17 @@ __device__ __forceinline__ void load_group(const InPlaceLeaf& L, const void* g, 
 
 template <bool kBF16, bool kMaster, int kG>
 __device__ __forceinline__ void store_group(const InPlaceLeaf& L, int64_t e, int j,
-                                            const Part<kG>& x) {
+                                            const Part<kG, kBF16>& x) {
   const int live = x.live[j];
   if (live == 4) {
     if constexpr (kBF16) {
-      *reinterpret_cast<uint2*>(static_cast<uint16_t*>(L.p) + e) =
-          make_uint2(x.p[j][0] | x.p[j][1] << 16, x.p[j][2] | x.p[j][3] << 16);
+      *reinterpret_cast<uint2*>(static_cast<uint16_t*>(L.p) + e) = make_uint2(x.p[j][0], x.p[j][1]);
     } else {
       *reinterpret_cast<uint4*>(static_cast<uint32_t*>(L.p) + e) =
           make_uint4(x.p[j][0], x.p[j][1], x.p[j][2], x.p[j][3]);
     }
     if constexpr (kMaster) {
-      *reinterpret_cast<uint2*>(L.master + e) =
-          make_uint2(x.r[j][0] | x.r[j][1] << 16, x.r[j][2] | x.r[j][3] << 16);
+      *reinterpret_cast<uint2*>(L.master + e) = make_uint2(x.r[j][0], x.r[j][1]);
     }
     *reinterpret_cast<float4*>(L.mu + e) =
         make_float4(x.mu[j][0], x.mu[j][1], x.mu[j][2], x.mu[j][3]);
@@ -123,11 +141,11 @@ __device__ __forceinline__ void store_group(const InPlaceLeaf& L, int64_t e, int
   for (int k = 0; k < 4; ++k) {
     if (k >= live) continue;
     if constexpr (kBF16) {
-      static_cast<uint16_t*>(L.p)[e + k] = static_cast<uint16_t>(x.p[j][k]);
+      static_cast<uint16_t*>(L.p)[e + k] = static_cast<uint16_t>(word_of<2>(x.p[j], k));
     } else {
       static_cast<uint32_t*>(L.p)[e + k] = x.p[j][k];
     }
-    if constexpr (kMaster) L.master[e + k] = static_cast<uint16_t>(x.r[j][k]);
+    if constexpr (kMaster) L.master[e + k] = static_cast<uint16_t>(word_of<2>(x.r[j], k));
     L.mu[e + k] = x.mu[j][k];
     L.nu[e + k] = x.nu[j][k];
   }
@@ -139,8 +157,14 @@ struct Terms {
   uint64_t p = 0, r = 0, mu = 0, nu = 0;
 };
 
+// Digest term of four 16-bit values held as two pairs: one unit, as it is in memory.
+__device__ __forceinline__ uint64_t terms_pairs(const uint32_t (&w)[2], uint64_t key, int units) {
+  const uint64_t t = unit_term(static_cast<uint64_t>(w[1]) << 32 | w[0], key);
+  return units >= 1 ? t : 0;
+}
+
 template <bool kBF16, bool kMaster, int kG>
-__device__ __forceinline__ Terms lane_terms(const Part<kG>& x, uint64_t key0) {
+__device__ __forceinline__ Terms lane_terms(const Part<kG, kBF16>& x, uint64_t key0) {
   Terms t;
 #pragma unroll
   for (int j = 0; j < kG; ++j) {
@@ -153,9 +177,12 @@ __device__ __forceinline__ Terms lane_terms(const Part<kG>& x, uint64_t key0) {
 #pragma unroll
     for (int k = 0; k < 4; ++k)
       mu[k] = __float_as_uint(x.mu[j][k]), nu[k] = __float_as_uint(x.nu[j][k]);
-    t.p += kBF16 ? kernel::terms_bf16(x.p[j], key16, units16)
-                 : kernel::terms_f32(x.p[j], key32, units32);
-    if constexpr (kMaster) t.r += kernel::terms_bf16(x.r[j], key16, units16);
+    if constexpr (kBF16) {
+      t.p += terms_pairs(x.p[j], key16, units16);
+    } else {
+      t.p += kernel::terms_f32(x.p[j], key32, units32);
+    }
+    if constexpr (kMaster) t.r += terms_pairs(x.r[j], key16, units16);
     t.mu += kernel::terms_f32(mu, key32, units32);
     t.nu += kernel::terms_f32(nu, key32, units32);
   }
@@ -248,7 +275,7 @@ struct ChunkVerdict {
 template <bool kBF16, bool kMaster, bool kParity, int kG, bool kWhole>
 __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* g,
                                    const AdamWHyper& h, const AdamWStep& s, Acc<kG> acc,
-                                   Part<kG>& x) {
+                                   Part<kG, kBF16>& x) {
   const int64_t first = c * L.chunk_elems;
   const int64_t count = min(L.chunk_elems, L.n - first);
   const uint64_t key_chunk = inplace_key_chunk(L, c);
@@ -265,6 +292,7 @@ __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* 
   const int32_t faults = faults_of(tensor, key_chunk, expected,
                                    transposed_sum(lane_terms<kBF16, kMaster, kG>(x, key0)));
   if (faults != 0) return {faults, 0};
+  constexpr int kPW = Part<kG, kBF16>::kPW;
   uint32_t kept = 0;
 #pragma unroll
   for (int j = 0; j < kG; ++j) {
@@ -272,11 +300,14 @@ __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* 
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       if (k >= x.live[j]) continue;
-      ElemState e{x.p[j][k], x.r[j][k], x.mu[j][k], x.nu[j][k]};
+      ElemState e{word_of<kPW>(x.p[j], k), kMaster ? word_of<2>(x.r[j], k) : 0u, x.mu[j][k],
+                  x.nu[j][k]};
       const ElemState before = e;
-      const float gk = kernel::param_value(x.g[j][k], kBF16);
+      const float gk = kernel::param_value(word_of<kPW>(x.g[j], k), kBF16);
       kept += update_elem(e, gk, kBF16, kMaster, h, s) ? 0u : 1u;
-      x.p[j][k] = e.p, x.r[j][k] = e.r, x.mu[j][k] = e.mu, x.nu[j][k] = e.nu;
+      set_word<kPW>(x.p[j], k, e.p);
+      if constexpr (kMaster) set_word<2>(x.r[j], k, e.r);
+      x.mu[j][k] = e.mu, x.nu[j][k] = e.nu;
       d[0][k] = word0<kBF16>(before.p, before.r) ^ word0<kBF16>(e.p, e.r);
       d[1][k] = __float_as_uint(before.mu) ^ __float_as_uint(e.mu);
       d[2][k] = __float_as_uint(before.nu) ^ __float_as_uint(e.nu);
@@ -340,51 +371,6 @@ __device__ __forceinline__ void fold_parity(const InPlaceLeaf& L, int64_t grp, A
   }
 }
 
-// Loads ahead without registers: the next chunk's tensors (and a group's parity rows, read at
-// its end) are asked into L2 while the warp works on the current chunk, so that its loads wait
-// on L2 rather than on DRAM (bench/NOTES.md, in-place v6: a chunk's first loads and the parity
-// rows' were the kernel's longest stalls). A hint only: results do not depend on it.
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // One bulk request for the range (16-byte aligned, a multiple of 16 bytes).
-  if (bytes >= 16) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes & ~15u)
-                 : "memory");
-  }
-#else
-  for (uint32_t off = 0; off < bytes; off += 128) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + off));
-  }
-#endif
-}
-
-// Chunk c's tensors into L2, a lane a tensor: p, master, g, mu, nu (never past the leaf's end).
-template <bool kBF16, bool kMaster>
-__device__ __forceinline__ void prefetch_chunk(const InPlaceLeaf& L, int64_t c) {
-  const int lane = lane_id();
-  if (lane >= 5 || (lane == 1 && !kMaster)) return;
-  const int64_t first = c * L.chunk_elems;
-  const uint32_t count = static_cast<uint32_t>(min(L.chunk_elems, L.n - first));
-  constexpr int kP = kBF16 ? 2 : 4;
-  const void* at[5] = {static_cast<const uint8_t*>(L.p) + first * kP, L.master + first,
-                       static_cast<const uint8_t*>(L.g) + first * kP, L.mu + first, L.nu + first};
-  const uint32_t size[5] = {kP, 2, kP, 4, 4};
-  prefetch_l2(at[lane], count * size[lane]);
-}
-
-// The parity rows of group grp into L2, a lane a tensor (lanes 5-8: apart from prefetch_chunk's).
-template <bool kBF16, bool kMaster>
-__device__ __forceinline__ void prefetch_rows(const InPlaceLeaf& L, int64_t grp) {
-  const int t = lane_id() - 5;
-  if (t < 0 || t >= 4 || (t == 1 && !kMaster)) return;
-  const int64_t ce = L.chunk_elems;
-  constexpr int kP = kBF16 ? 2 : 4;
-  const uint32_t* rows[4] = {L.q_p, L.q_master, L.q_mu, L.q_nu};
-  const uint32_t bytes[4] = {static_cast<uint32_t>(ce * kP), static_cast<uint32_t>(ce * 2),
-                             static_cast<uint32_t>(ce * 4), static_cast<uint32_t>(ce * 4)};
-  prefetch_l2(reinterpret_cast<const uint8_t*>(rows[t]) + grp * bytes[t], bytes[t]);
-}
-
 __device__ __forceinline__ void record(const InPlaceLeaf& L, int64_t c, const ChunkVerdict& v,
                                        uint64_t* totals) {
   if (lane_id() != 0) return;
@@ -397,8 +383,8 @@ __device__ __forceinline__ void record(const InPlaceLeaf& L, int64_t c, const Ch
 
 // Chunk c's gradient (held by the lanes) into a stash row, if one is left.
 template <bool kBF16, int kG>
-__device__ void stash_chunk(const InPlaceLeaf& L, int64_t c, int32_t faults, const Part<kG>& x,
-                            const Stash& stash, uint64_t* totals) {
+__device__ void stash_chunk(const InPlaceLeaf& L, int64_t c, int32_t faults,
+                            const Part<kG, kBF16>& x, const Stash& stash, uint64_t* totals) {
   unsigned long long slot = 0;
   if (lane_id() == 0) slot = atomicAdd(reinterpret_cast<unsigned long long*>(totals) + 2, 1ull);
   slot = __shfl_sync(0xFFFFFFFFu, slot, 0);
@@ -411,7 +397,7 @@ __device__ void stash_chunk(const InPlaceLeaf& L, int64_t c, int32_t faults, con
     for (int k = 0; k < 4; ++k) {
       if (k >= x.live[j]) continue;
       if constexpr (kBF16) {
-        reinterpret_cast<uint16_t*>(row)[e + k] = static_cast<uint16_t>(x.g[j][k]);
+        reinterpret_cast<uint16_t*>(row)[e + k] = static_cast<uint16_t>(word_of<2>(x.g[j], k));
       } else {
         row[e + k] = x.g[j][k];
       }
@@ -455,13 +441,9 @@ __global__ void __launch_bounds__(32 * kWarps, 4)
       for (int64_t c = grp * per + lane_id(); c < last; c += 32) L.faults[c] = L.kept[c] = 0;
       continue;
     }
-    if constexpr (kParity) {
-      zero_acc<kG>(acc);
-      prefetch_rows<kBF16, kMaster>(L, grp);
-    }
+    if constexpr (kParity) zero_acc<kG>(acc);
     for (int64_t c = grp * per; c < last; ++c) {
-      if (c + 1 < last) prefetch_chunk<kBF16, kMaster>(L, c + 1);
-      Part<kG> x;
+      Part<kG, kBF16> x;
       const void* g = static_cast<const uint8_t*>(L.g) + c * L.chunk_elems * (kBF16 ? 2 : 4);
       const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG, kWhole>(L, c, g, h, s, acc, x);
       record(L, c, v, totals);
@@ -500,7 +482,7 @@ __global__ void __launch_bounds__(32 * kWarps)
       if (!same_group(j)) continue;
       const int64_t c = at(j, 1);
       if constexpr (kParity) zero_acc<kG>(acc);
-      Part<kG> x;
+      Part<kG, kBF16> x;
       const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG, false>(
           L, c, stash.rows + j * L.chunk_elems, h, s, acc, x);
       record(L, c, v, totals);
