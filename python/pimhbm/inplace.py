@@ -44,7 +44,9 @@ from pimhbm.gradients import check_grads, check_transform, transform_grads
 from pimhbm.update import (FAULT_MASTER, FAULT_MU, FAULT_NU, FAULT_PARAM, _check_learning_rate,
                            _step_scalars, join_master, step_copies_of, step_majority)
 
-DEFAULT_CHUNK_ELEMS = 512  # a warp holds a chunk in registers, 16 elements a lane
+# A warp holds a chunk in registers, 8 elements a lane: chunks of 256 update ~8 % faster than
+# chunks of 512 with bf16 parameters and master weights (bench/NOTES.md, runs 103 and 109).
+DEFAULT_CHUNK_ELEMS = 256
 DEFAULT_GROUP = 16  # chunks a parity row covers: 1/16 of the state's bytes
 DEFAULT_STASH = 16  # gradients of chunks a step can leave for a redo
 TENSORS = ("p", "master", "mu", "nu")
