@@ -81,7 +81,7 @@ class HostBatches:
         p = self.plain
         for b, lr in zip(self.host[:steps], p.lrs[:steps]):
             batch = {k: jax.device_put(v, self.sharding) for k, v in b.items()}
-            p.carry = p.step(p.carry, batch, lr)
+            p.advance(batch, lr)
         jax.block_until_ready(p.carry)
 
 
