@@ -38,8 +38,8 @@ static_assert(sizeof(Table) < 32000, "the leaf table must fit the kernel paramet
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 
 // A lane's part of a chunk: four elements of every tensor for each of its kG groups. 16-bit
-// words stay two to a register as loaded (a bf16 group of four is one 64-bit digest unit as it
-// is): half the registers of one a register, and no unpacking and repacking around the digest.
+// words stay two to a register as loaded: a bf16 group of four is its 64-bit digest unit as it
+// is, with no unpacking and repacking around the digests (bench/NOTES.md, in-place v7).
 template <int kG, bool kBF16>
 struct Part {
   static constexpr int kPW = kBF16 ? 2 : 4;  // registers a group of the parameter and gradient

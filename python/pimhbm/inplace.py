@@ -343,8 +343,8 @@ def _total(maps: list[jax.Array], axis_name: str | None) -> jax.Array:
     """int32: the sum of per-chunk maps. Inside shard_map (``axis_name``) each map is this
     device's own: one reduction over their concatenation, kept whole by an optimization
     barrier (XLA rewrites a sum of a concatenation as a sum a part: a launch a leaf, ~40 a
-    step at the 8B layer, bench/NOTES.md). Under plain jit a leaf's map is sharded as the leaf is,
-    and a concatenation would gather them: a sum a leaf."""
+    step at the 8B layer, bench/NOTES.md). Under plain jit a leaf's map is sharded as the
+    leaf is, and a concatenation would gather them: a sum a leaf."""
     if not maps:
         return jnp.int32(0)
     if axis_name is not None:  # the barrier: XLA would split a sum of a concatenation again
