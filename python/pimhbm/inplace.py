@@ -339,17 +339,22 @@ class AdamW:
         return new_state, RepairReport(jax.tree.unflatten(treedef, statuses), faults, complete)
 
 
-def _total(maps: list[jax.Array], axis_name: str | None) -> jax.Array:
-    """int32: the sum of per-chunk maps. Inside shard_map (``axis_name``) each map is this
-    device's own: one reduction over their concatenation, kept whole by an optimization
-    barrier (XLA rewrites a sum of a concatenation as a sum a part: a launch a leaf, ~40 a
-    step at the 8B layer, bench/NOTES.md). Under plain jit a leaf's map is sharded as the
-    leaf is, and a concatenation would gather them: a sum a leaf."""
+def concatenated(maps: list[jax.Array]) -> jax.Array:
+    """Per-chunk maps as one vector, kept whole by an optimization barrier: XLA rewrites a
+    reduction of a concatenation as a reduction of each part (on a GPU a launch a leaf, ~40 a
+    step at the 8B layer: bench/NOTES.md). For maps that are a device's own (inside
+    shard_map): under plain jit a leaf's map is sharded as the leaf is, and a concatenation
+    would gather them."""
     if not maps:
-        return jnp.int32(0)
-    if axis_name is not None:  # the barrier: XLA would split a sum of a concatenation again
-        flat = jax.lax.optimization_barrier(jnp.concatenate([m.reshape(-1) for m in maps]))
-        return jnp.sum(flat, dtype=jnp.int32)
+        return jnp.zeros((0,), jnp.int32)
+    return jax.lax.optimization_barrier(jnp.concatenate([m.reshape(-1) for m in maps]))
+
+
+def _total(maps: list[jax.Array], axis_name: str | None) -> jax.Array:
+    """int32: the sum of per-chunk maps: one reduction inside shard_map (``axis_name``), a sum
+    a leaf under plain jit (see ``concatenated``)."""
+    if axis_name is not None:
+        return jnp.sum(concatenated(maps), dtype=jnp.int32)
     return sum((jnp.sum(m, dtype=jnp.int32) for m in maps), jnp.int32(0))
 
 

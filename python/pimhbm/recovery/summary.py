@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pimhbm.inplace import concatenated
 from pimhbm.recovery.layout import ChunkDamage, ChunkRef, Damage, StateLayout
 
 
@@ -73,12 +74,9 @@ class ScrubSummary(NamedTuple):
 
 
 def flat(maps: list[jax.Array]) -> jax.Array:
-    """Per-leaf maps as one vector: a reduction over it is one kernel, where a reduction a leaf
-    is one launch each (~120 a step at the 8B layer: bench/NOTES.md). The barrier keeps it one
-    vector: XLA would rewrite a reduction of a concatenation as one of each part."""
-    if not maps:
-        return jnp.zeros((0,), jnp.int32)
-    return jax.lax.optimization_barrier(jnp.concatenate([m.reshape(-1) for m in maps]))
+    """A device's per-leaf maps as one vector: a reduction over it is one kernel, where a
+    reduction a leaf is one launch each (~120 a step at the 8B layer: bench/NOTES.md)."""
+    return concatenated(maps)
 
 
 def fault_list(maps: list[jax.Array] | jax.Array, capacity: int) -> FaultList:
