@@ -73,16 +73,10 @@ class ScrubSummary(NamedTuple):
     faults: FaultList  # value: Damage bits (the device copy's shifted by 4)
 
 
-def flat(maps: list[jax.Array]) -> jax.Array:
-    """A device's per-leaf maps as one vector: a reduction over it is one kernel, where a
-    reduction a leaf is one launch each (~120 a step at the 8B layer: bench/NOTES.md)."""
-    return concatenated(maps)
-
-
 def fault_list(maps: list[jax.Array] | jax.Array, capacity: int) -> FaultList:
     """The first ``capacity`` non-zero entries of the concatenated per-leaf ``maps`` (or of
     their concatenation, flat)."""
-    flat_maps = maps if isinstance(maps, jax.Array) else flat(maps)
+    flat_maps = maps if isinstance(maps, jax.Array) else concatenated(maps)
     idx = first_nonzero(flat_maps, capacity)
     if flat_maps.shape[0] == 0:  # no map (no replicas to disagree): an empty list
         return FaultList(idx, jnp.zeros((capacity,), jnp.int32))
@@ -105,8 +99,8 @@ def inplace_summary(report: Any, treedef: Any, capacity: int,
                     disagree: list[jax.Array]) -> StepSummary:
     """The same for an in-place update's report (pimhbm.inplace.UpdateReport): committed when
     it ran and no device found damage; this device's counts from its own maps."""
-    faults = flat(treedef.flatten_up_to(report.fault_maps))
-    grads = flat(treedef.flatten_up_to(report.grad_nonfinite_maps))
+    faults = concatenated(treedef.flatten_up_to(report.fault_maps))
+    grads = concatenated(treedef.flatten_up_to(report.grad_nonfinite_maps))
     return StepSummary(
         (report.applied & (report.digest_faults == 0)).astype(jnp.int32),
         report.applied.astype(jnp.int32), jnp.sum(grads, dtype=jnp.int32),
