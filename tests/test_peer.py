@@ -10,6 +10,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import pimhbm
 from pimhbm import faults
+from pull_chain import pull_chain
 
 DTYPES = [np.float32, ml_dtypes.bfloat16, np.int8, np.uint16, np.float64]
 
@@ -155,6 +156,57 @@ def test_pull_repairs_each_devices_chunks_from_the_named_peer(rng, dtype):
     assert status[0, 0] == pimhbm.NOT_LISTED
     assert list(status[1:, 0]) == [pimhbm.SOURCE_DAMAGED] * (n - 1)
     assert np.array_equal(np.asarray(x).reshape(n, size)[n - 1].view(raw.dtype), raw[n - 1])
+
+
+def test_chained_pulls_each_read_the_status_of_the_one_before(rng):
+    """A program's pulls run in one order on every device only where each reads a buffer the one
+    before it wrote (XLA's CPU runtime orders ops by their buffers alone): `after` makes it so.
+    Control: the same chain through an optimization barrier, which orders nothing once
+    compiled (the pulls then all read one buffer), is no chain."""
+    devs = devices_or_skip(2)
+    mesh = Mesh(np.array(devs[:4]), ("dp",))
+    n, count = mesh.devices.size, 4
+    x = random_array(rng, (count, n * 256), np.float32)
+    table = np.stack([np.tile(np.asarray(pimhbm.scan(jnp.asarray(x[k, :256]), 1024).digests), (n, 1))
+                      for k in range(count)])
+
+    def body(x, t, ordered):
+        after, outs = None, []
+        for k in range(count):
+            chunks = jnp.zeros((1,), jnp.int32)  # every device re-pulls chunk 0 from device 0
+            if ordered:
+                (y, _), after = pimhbm.peer.pull(chunks, jnp.zeros(1, jnp.int32), (x[k], t[k]),
+                                                 1024, "dp", mesh, after=after)
+            else:
+                if after is not None:
+                    chunks = jax.lax.optimization_barrier((chunks, after))[0]
+                (y, _), after = pimhbm.peer.pull(chunks, jnp.zeros(1, jnp.int32), (x[k], t[k]),
+                                                 1024, "dp", mesh)
+            outs.append(y)
+        return jnp.stack(outs)
+
+    spec = P(None, "dp")
+    for ordered in (True, False):
+        f = jax.jit(jax.shard_map(lambda x, t: body(x, t, ordered), mesh=mesh,
+                                  in_specs=(spec, spec), out_specs=spec, check_vma=False))
+        hlo = f.lower(x, table).compile().as_text()
+        if ordered:
+            assert len(pull_chain(hlo)) == count
+            same = np.tile(x[:, :256], (1, n))  # device 0's chunk everywhere
+            np.testing.assert_array_equal(np.asarray(f(x, table)), same)
+        else:
+            with pytest.raises(AssertionError, match="follow no other pull"):
+                pull_chain(hlo)
+    with pytest.raises(Exception, match="at most one `after` operand"):
+        f = jax.jit(jax.shard_map(
+            lambda x, t: jax.ffi.ffi_call("pimhbm_peer_pull", [
+                jax.ShapeDtypeStruct(x[0].shape, x.dtype), jax.ShapeDtypeStruct(t[0].shape, t.dtype),
+                jax.ShapeDtypeStruct((1,), jnp.int32)])(
+                    jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), x[0], t[0],
+                    jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), chunk_bytes=np.int64(1024),
+                    **pimhbm.peer._attrs(mesh, "dp", 1000))[0][None],
+            mesh=mesh, in_specs=(spec, spec), out_specs=spec, check_vma=False))
+        jax.block_until_ready(f(x, table))
 
 
 def test_bad_inputs_raise_clear_errors():

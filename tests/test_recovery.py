@@ -23,6 +23,7 @@ from pimhbm.models import mlp
 from pimhbm.recovery import Action, IncidentKind, Trainer
 
 from conftest import cached_env
+from pull_chain import pull_chain
 
 HERE = os.path.dirname(__file__)
 
@@ -418,6 +419,10 @@ def test_a_lost_shard_is_rebuilt_from_a_replica(shm_name, fault_capacity, fault_
     rebuild = tr.programs.rebuild[0].as_text()
     # The transport's own program: pulls from peer memory, or a psum (no pull).
     assert ("pimhbm_peer_pull" in rebuild) == (transport == "peer")
+    if transport == "peer":  # one pull a tensor, each behind the one before on every device
+        tensors = len(tr.layout.paths) * len(tr.layout.names)
+        for program in (rebuild, tr.programs.replica[0].as_text()):
+            assert len(pull_chain(program)) == tensors
     stats = tr.run(20, campaign=LostShard())
     state = [i for i in stats.incidents if i.kind is IncidentKind.STATE]
     assert state and state[0].step == 8

@@ -154,15 +154,20 @@ repair::Sources pull_sources(const std::vector<Payload>& all, const Member& m, c
   return sources;
 }
 
-// chunks, which, x, table -> x, table (aliased), status
+// chunks, which, x, table[, after] -> x, table (aliased), status. `after` is not read: it is
+// there so that the runtime orders this call after the op that wrote it (peer.py's `after`).
 template <typename Platform>
 ffi::Error pull_handler(Platform on, int32_t ordinal, ffi::Buffer<ffi::S32> chunks,
                         ffi::Buffer<ffi::S32> which, ffi::AnyBuffer x_in, ffi::AnyBuffer table_in,
-                        ffi::Result<ffi::AnyBuffer> x, ffi::Result<ffi::AnyBuffer> table,
-                        ffi::ResultBuffer<ffi::S32> status, int64_t chunk_bytes, int64_t tag,
-                        ffi::Span<const int64_t> ordinals, int64_t group_size, int64_t timeout_ms) {
+                        ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> x,
+                        ffi::Result<ffi::AnyBuffer> table, ffi::ResultBuffer<ffi::S32> status,
+                        int64_t chunk_bytes, int64_t tag, ffi::Span<const int64_t> ordinals,
+                        int64_t group_size, int64_t timeout_ms) {
   PIMHBM_FFI_ASSIGN_OR_RETURN(const Member m,
                               member_of(kPull, ordinal, tag, ordinals, group_size, timeout_ms));
+  if (after.size() > 1) {
+    return invalid(kPull, "at most one `after` operand, got " + std::to_string(after.size()));
+  }
   PIMHBM_FFI_RETURN_IF_ERROR(check_pull(chunks, which, *x, *table, *status, chunk_bytes));
   // The target starts as the operand where XLA did not alias them (ffi_alias.h), before the
   // peers meet: what they read of this device is its current state.
@@ -204,6 +209,7 @@ PIMHBM_FFI_HANDLERS(PimhbmPeerAllToAll, pimhbm::peer::Collective<true>::handler,
       .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>() \
       .Arg<::xla::ffi::AnyBuffer>()               \
       .Arg<::xla::ffi::AnyBuffer>()               \
+      .RemainingArgs()                            \
       .Ret<::xla::ffi::AnyBuffer>()               \
       .Ret<::xla::ffi::AnyBuffer>()               \
       .Ret<::xla::ffi::Buffer<::xla::ffi::S32>>() \

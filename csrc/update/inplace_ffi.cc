@@ -2,7 +2,9 @@
 // launches.
 #include "update/inplace_ffi.h"
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "pimhbm/ffi_util.h"
 
@@ -49,6 +51,20 @@ ffi::Error check_rows(const Options& o, const char* name, const ffi::AnyBuffer& 
                            ffi_util::dtype_name(rows.element_type()) + ffi_util::shape_str(dims));
 }
 
+// The kernels move a chunk of each array 16 bytes at a time (XLA's buffers are aligned so).
+ffi::Error check_aligned(const Options& o, const std::vector<ffi::AnyBuffer>& in,
+                         const std::vector<ffi::AnyBuffer>& out) {
+  const auto aligned = [](const ffi::AnyBuffer& b) {
+    return b.element_count() == 0 || reinterpret_cast<uintptr_t>(b.untyped_data()) % 16 == 0;
+  };
+  for (int k = 0; k < kInPlaceAliased; ++k) {  // the state, its digests and parity
+    if (aligned(out[k])) continue;
+    return invalid(o.op, std::string(kInPlaceResults[k]) + " is not 16-byte aligned");
+  }
+  if (!aligned(in[12])) return invalid(o.op, "the gradient is not 16-byte aligned");
+  return ffi::Error::Success();
+}
+
 // Leaf i: its buffers checked and its view for the kernels.
 ffi::ErrorOr<InPlaceLeaf> leaf_at(const Options& o, const ffi::RemainingArgs& args,
                                   const ffi::RemainingRets& rets, size_t arg0, size_t i,
@@ -75,7 +91,8 @@ ffi::ErrorOr<InPlaceLeaf> leaf_at(const Options& o, const ffi::RemainingArgs& ar
     return invalid(o.op, "master weights are for bfloat16 parameters; these are float32");
   }
   const int psize = pt == ffi::DataType::BF16 ? 2 : 4;
-  PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(o.op, "master", out[1], ffi::DataType::U16, master ? n : 0));
+  PIMHBM_FFI_RETURN_IF_ERROR(
+      check_buffer(o.op, "master", out[1], ffi::DataType::U16, master ? n : 0));
   PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(o.op, "mu", out[2], ffi::DataType::F32, n));
   PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(o.op, "nu", out[3], ffi::DataType::F32, n));
   const char* tables[] = {"digests of p", "digests of master", "digests of mu", "digests of nu"};
@@ -92,6 +109,7 @@ ffi::ErrorOr<InPlaceLeaf> leaf_at(const Options& o, const ffi::RemainingArgs& ar
   PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(o.op, "chunk_base", in[13], ffi::DataType::S32, 1));
   PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(o.op, "fault map", out[12], ffi::DataType::S32, chunks));
   PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(o.op, "kept map", out[13], ffi::DataType::S32, chunks));
+  PIMHBM_FFI_RETURN_IF_ERROR(check_aligned(o, in, out));
   for (int k = 0; k < kInPlaceAliased; ++k) ffi_util::note_unaliased(o.op, copies, in[k], out[k]);
 
   InPlaceLeaf L;
@@ -133,7 +151,8 @@ ffi::ErrorOr<int64_t> check_stash(const Options& o, const ffi::AnyBuffer& rows,
 
 ffi::Error check_options(const Options& o) {
   PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_chunk_size(o.op, "chunk_elems", o.chunk_elems));
-  if (o.group < 0) return invalid(o.op, "group must be 0 (no parity) or more, got " + std::to_string(o.group));
+  if (o.group < 0)
+    return invalid(o.op, "group must be 0 (no parity) or more, got " + std::to_string(o.group));
   if (!inplace_chunk_ok(o.chunk_elems)) {
     return invalid(o.op, "chunk_elems must be 128, 256 or 512 (a warp holds a chunk), got " +
                              std::to_string(o.chunk_elems));
@@ -146,7 +165,8 @@ ffi::Error add_leaves(const Options& o, const ffi::RemainingArgs& args,
                       const ffi::RemainingRets& rets, size_t arg0, size_t extra,
                       InPlaceCall* call) {
   const size_t n = (args.size() - arg0) / kInPlaceLeafOperands;
-  if ((args.size() - arg0) % kInPlaceLeafOperands != 0 || rets.size() != n * kInPlaceLeafResults + extra) {
+  if ((args.size() - arg0) % kInPlaceLeafOperands != 0 ||
+      rets.size() != n * kInPlaceLeafResults + extra) {
     return invalid(o.op, "expected " + std::to_string(kInPlaceLeafOperands) + " operands and " +
                              std::to_string(kInPlaceLeafResults) + " results a leaf; got " +
                              std::to_string(args.size() - arg0) + " and " +
@@ -155,7 +175,8 @@ ffi::Error add_leaves(const Options& o, const ffi::RemainingArgs& args,
   for (size_t i = 0; i < n; ++i) {
     ffi::ErrorOr<InPlaceLeaf> leaf = leaf_at(o, args, rets, arg0, i, &call->copies);
     if (leaf.has_error()) {
-      return n == 1 ? leaf.error() : ffi_util::in_context(o.op, "leaf " + std::to_string(i) + ": ", leaf.error());
+      return n == 1 ? leaf.error()
+                    : ffi_util::in_context(o.op, "leaf " + std::to_string(i) + ": ", leaf.error());
     }
     call->leaves.push_back(*leaf);
   }
@@ -166,11 +187,13 @@ ffi::ErrorOr<uint64_t*> totals_of(const Options& o, const ffi::RemainingRets& re
   if (rets.size() == 0) return invalid(o.op, "the totals (last result) are missing");
   auto t = rets.get<ffi::AnyBuffer>(rets.size() - 1);
   if (!t) return invalid(o.op, "the totals (last result) are not a buffer");
-  PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(o.op, "totals", **t, ffi::DataType::U32, 2 * kInPlaceTotals));
+  PIMHBM_FFI_RETURN_IF_ERROR(
+      check_buffer(o.op, "totals", **t, ffi::DataType::U32, 2 * kInPlaceTotals));
   return static_cast<uint64_t*>((*t)->untyped_data());
 }
 
-AdamWHyper hyper_of(float b1, float b2, float omb1, float omb2, float eps, float eps_root, float wd) {
+AdamWHyper hyper_of(float b1, float b2, float omb1, float omb2, float eps, float eps_root,
+                    float wd) {
   return AdamWHyper{b1, b2, omb1, omb2, eps, eps_root, wd};
 }
 
@@ -226,24 +249,24 @@ ffi::Error redo_handler(Platform on, ffi::Buffer<ffi::F32, 1> step, ffi::AnyBuff
 }  // namespace pimhbm::update
 
 // step, go, leaves... -> leaves' results, stash rows, stash index, totals
-#define PIMHBM_INPLACE_BINDING(bind)                    \
-  bind.Arg<::xla::ffi::Buffer<::xla::ffi::F32, 1>>()    \
-      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()       \
-      .RemainingArgs()                                  \
-      .RemainingRets()                                  \
-      .Attr<int64_t>("chunk_elems")                     \
+#define PIMHBM_INPLACE_BINDING(bind)                 \
+  bind.Arg<::xla::ffi::Buffer<::xla::ffi::F32, 1>>() \
+      .Arg<::xla::ffi::Buffer<::xla::ffi::S32>>()    \
+      .RemainingArgs()                               \
+      .RemainingRets()                               \
+      .Attr<int64_t>("chunk_elems")                  \
       .Attr<int64_t>("group") PIMHBM_ADAMW_HYPER_ATTRS
 PIMHBM_FFI_HANDLERS(PimhbmAdamWInPlace, pimhbm::update::inplace_handler, PIMHBM_INPLACE_BINDING,
                     PIMHBM_FFI_CAPTURABLE);
 
 // step, stash rows, stash index, leaves... -> leaves' results, totals
-#define PIMHBM_REDO_BINDING(bind)                       \
-  bind.Arg<::xla::ffi::Buffer<::xla::ffi::F32, 1>>()    \
-      .Arg<::xla::ffi::AnyBuffer>()                     \
-      .Arg<::xla::ffi::AnyBuffer>()                     \
-      .RemainingArgs()                                  \
-      .RemainingRets()                                  \
-      .Attr<int64_t>("chunk_elems")                     \
+#define PIMHBM_REDO_BINDING(bind)                    \
+  bind.Arg<::xla::ffi::Buffer<::xla::ffi::F32, 1>>() \
+      .Arg<::xla::ffi::AnyBuffer>()                  \
+      .Arg<::xla::ffi::AnyBuffer>()                  \
+      .RemainingArgs()                               \
+      .RemainingRets()                               \
+      .Attr<int64_t>("chunk_elems")                  \
       .Attr<int64_t>("group") PIMHBM_ADAMW_HYPER_ATTRS
 PIMHBM_FFI_HANDLERS(PimhbmAdamWRedo, pimhbm::update::redo_handler, PIMHBM_REDO_BINDING,
                     PIMHBM_FFI_CAPTURABLE);

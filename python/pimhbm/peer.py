@@ -87,21 +87,28 @@ def all_to_all(x: jax.Array, axis_name: str, mesh: jax.sharding.Mesh, *,
 
 def pull(chunks: jax.Array, sources: jax.Array, dst: tuple[jax.Array, jax.Array],
          chunk_bytes: int, axis_name: str, mesh: jax.sharding.Mesh, *,
+         after: jax.Array | None = None,
          timeout_ms: int = DEFAULT_TIMEOUT_MS) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     """Rewrites the listed ``chunks`` (int32, -1 = none) of ``dst`` = (tensor, digest table) in
     place from the copy on peer ``sources[k]`` (int32, index along ``axis_name``; entries whose
     source is this device are not its to repair: NOT_LISTED). Returns the new (tensor, table)
-    and a status per entry (pimhbm.REPAIRED, SOURCE_DAMAGED, ...)."""
+    and a status per entry (pimhbm.REPAIRED, SOURCE_DAMAGED, ...).
+
+    ``after``: the status of the pull that must come first. Every device must meet its peers at
+    the pulls of a program in the same order, and XLA's CPU runtime runs ops in any order that
+    its buffers allow (an optimization barrier orders nothing there): the pull takes ``after``
+    as an operand it does not read, so that it is ordered behind the op that wrote it."""
     ensure_registered()
     t, table = dst
     if chunks.shape != sources.shape:
         raise ValueError(f"chunks {tuple(chunks.shape)} and sources {tuple(sources.shape)} differ")
     attrs = _attrs(mesh, axis_name, timeout_ms)
+    operands = (chunks.astype(jnp.int32), sources.astype(jnp.int32), t, table)
     outs = jax.ffi.ffi_call(
         "pimhbm_peer_pull",
         [jax.ShapeDtypeStruct(t.shape, t.dtype), jax.ShapeDtypeStruct(table.shape, table.dtype),
          jax.ShapeDtypeStruct(chunks.shape, jnp.int32)],
         input_output_aliases={2: 0, 3: 1})(
-            chunks.astype(jnp.int32), sources.astype(jnp.int32), t, table,
+            *operands, *(() if after is None else (after,)),
             chunk_bytes=np.int64(chunk_bytes), **attrs)
     return (outs[0], outs[1]), outs[2]

@@ -39,14 +39,6 @@ def slot_of(opt: Any) -> int:
 HALTED = -1
 
 
-def _after(x: jax.Array, previous: jax.Array | None) -> jax.Array:
-    """``x``, available only once ``previous`` is: the peer ops of a program must run in the
-    same order on every device (each meets its peers on the host), and XLA's CPU runtime may
-    otherwise run independent ops in a different order on each device -- every device then
-    waits at a different meeting until the timeout."""
-    return x if previous is None else jax.lax.optimization_barrier((x, previous))[0]
-
-
 @dataclasses.dataclass(frozen=True)
 class Traced:
     """What the traced functions close over (static for the life of a Trainer): what every kind
@@ -286,8 +278,8 @@ class Traced:
                 cb = self.layout.chunk_bytes(k, i)
                 if self.transport.in_programs is Transport.PEER:
                     out[k], status = pimhbm.peer.pull(
-                        _after(lists[i, j], statuses[-1] if statuses else None), src[i, j],
-                        leaf[k], cb, "dp", self.placement.mesh)
+                        lists[i, j], src[i, j], leaf[k], cb, "dp", self.placement.mesh,
+                        after=statuses[-1] if statuses else None)
                 else:
                     out[k], status = replica.pull_collective(lists[i, j], src[i, j], leaf[k],
                                                              cb, "dp")
@@ -311,10 +303,10 @@ class Traced:
                 (t, table), cb = leaf[k], self.layout.chunk_bytes(k, i)
                 if self.transport.in_programs is Transport.PEER:
                     n = table.shape[0]
-                    chunks = _after(jnp.where(take, jnp.arange(n, dtype=jnp.int32), -1), after)
+                    chunks = jnp.where(take, jnp.arange(n, dtype=jnp.int32), -1)
                     (t, table), after = pimhbm.peer.pull(
                         chunks, jnp.full((n,), source, jnp.int32), (t, table), cb, "dp",
-                        self.placement.mesh)
+                        self.placement.mesh, after=after)
                     bad += jnp.sum(take & (after != pimhbm.REPAIRED), dtype=jnp.int32)
                 else:
                     t, table = (replica.copy_whole(x, source, take, "dp") for x in (t, table))
