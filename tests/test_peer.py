@@ -9,7 +9,6 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import pimhbm
-from pimhbm import faults
 from pull_chain import pull_chain
 
 DTYPES = [np.float32, ml_dtypes.bfloat16, np.int8, np.uint16, np.float64]
@@ -83,7 +82,7 @@ def test_repeated_calls_and_two_call_sites_in_one_program(rng):
 
     def body(v):
         a = pimhbm.peer.all_gather(v, "dp", mesh)
-        b = pimhbm.peer.all_gather(v * 2, "dp", mesh)
+        b = pimhbm.peer.all_gather(v * 2, "dp", mesh, after=a)  # one order on every device
         return a + b
 
     f = spmd(mesh, body)

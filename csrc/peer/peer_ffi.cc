@@ -91,6 +91,12 @@ ffi::Error check_collective(const char* op, bool all_to_all, const ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
+// The operands past an op's own: at most one, `after` (peer.py), never read.
+ffi::Error check_after(const char* op, const ffi::RemainingArgs& after) {
+  if (after.size() <= 1) return ffi::Error::Success();
+  return invalid(op, "at most one `after` operand, got " + std::to_string(after.size()));
+}
+
 // What a collective reads from its peers: all_gather every peer's whole input, all_to_all
 // block `rank` of every peer's input.
 Segments segments_of(const std::vector<Payload>& all, int rank, int64_t bytes, bool all_to_all) {
@@ -103,8 +109,9 @@ Segments segments_of(const std::vector<Payload>& all, int rank, int64_t bytes, b
   return s;
 }
 
-// pimhbm_peer_all_gather (kAllToAll false): x -> out (n, *x.shape), every peer's x in rank
-// order. pimhbm_peer_all_to_all (true): x (n, ...) -> out (n, ...), out[p] = peer p's x[rank].
+// pimhbm_peer_all_gather (kAllToAll false): x[, after] -> out (n, *x.shape), every peer's x in
+// rank order. pimhbm_peer_all_to_all (true): x (n, ...)[, after] -> out (n, ...), out[p] = peer
+// p's x[rank]. `after`, not read, orders the call behind the op that wrote it (as the pull's).
 template <bool kAllToAll>
 struct Collective {
   static constexpr const char* kOp =
@@ -112,11 +119,12 @@ struct Collective {
 
   template <typename Platform>
   static ffi::Error handler(Platform on, int32_t ordinal, ffi::AnyBuffer x,
-                            ffi::Result<ffi::AnyBuffer> out, int64_t tag,
+                            ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> out, int64_t tag,
                             ffi::Span<const int64_t> ordinals, int64_t group_size,
                             int64_t timeout_ms) {
     PIMHBM_FFI_ASSIGN_OR_RETURN(const Member m,
                                 member_of(kOp, ordinal, tag, ordinals, group_size, timeout_ms));
+    PIMHBM_FFI_RETURN_IF_ERROR(check_after(kOp, after));
     PIMHBM_FFI_RETURN_IF_ERROR(check_collective(kOp, kAllToAll, x, *out, m.size));
     const auto bytes = static_cast<int64_t>(x.size_bytes());
     return meet(on, kOp, ordinal, m, Payload{x.untyped_data()},
@@ -165,9 +173,7 @@ ffi::Error pull_handler(Platform on, int32_t ordinal, ffi::Buffer<ffi::S32> chun
                         int64_t group_size, int64_t timeout_ms) {
   PIMHBM_FFI_ASSIGN_OR_RETURN(const Member m,
                               member_of(kPull, ordinal, tag, ordinals, group_size, timeout_ms));
-  if (after.size() > 1) {
-    return invalid(kPull, "at most one `after` operand, got " + std::to_string(after.size()));
-  }
+  PIMHBM_FFI_RETURN_IF_ERROR(check_after(kPull, after));
   PIMHBM_FFI_RETURN_IF_ERROR(check_pull(chunks, which, *x, *table, *status, chunk_bytes));
   // The target starts as the operand where XLA did not alias them (ffi_alias.h), before the
   // peers meet: what they read of this device is its current state.
@@ -194,9 +200,11 @@ ffi::Error pull_handler(Platform on, int32_t ordinal, ffi::Buffer<ffi::S32> chun
       .Attr<int64_t>("group_size")                       \
       .Attr<int64_t>("timeout_ms")
 
-#define PIMHBM_PEER_COLLECTIVE_BINDING(bind)                                                      \
-  bind.Ctx<::xla::ffi::DeviceOrdinal>().Arg<::xla::ffi::AnyBuffer>().Ret<::xla::ffi::AnyBuffer>() \
-      PIMHBM_PEER_GROUP_ATTRS
+#define PIMHBM_PEER_COLLECTIVE_BINDING(bind) \
+  bind.Ctx<::xla::ffi::DeviceOrdinal>()      \
+      .Arg<::xla::ffi::AnyBuffer>()          \
+      .RemainingArgs()                       \
+      .Ret<::xla::ffi::AnyBuffer>() PIMHBM_PEER_GROUP_ATTRS
 // Not capturable into a command buffer: each call meets its peers on the host.
 PIMHBM_FFI_HANDLERS(PimhbmPeerAllGather, pimhbm::peer::Collective<false>::handler,
                     PIMHBM_PEER_COLLECTIVE_BINDING, PIMHBM_FFI_NOT_CAPTURABLE);

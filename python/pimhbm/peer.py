@@ -14,7 +14,13 @@ naming the missing ranks, never a hang.
   another device's copy (``sources`` = its index along the axis), each checked against the
   peer's digest before the copy and against its own after (the repair op's statuses)
 
-The devices of a group must all belong to this process (one process seeing its GPUs)."""
+The devices of a group must all belong to this process (one process seeing its GPUs).
+
+Several peer ops in one program must meet their peers in the same order on every device. On
+GPUs each device runs its program's ops in order; XLA's CPU runtime runs them in any order its
+buffers allow (an optimization barrier orders nothing there). So each op takes ``after=``: an
+array written by the op that must come first (its result; a pull's status), passed as an
+operand the op does not read -- a read the runtime orders behind that write."""
 
 from __future__ import annotations
 
@@ -54,6 +60,11 @@ def groups(mesh: jax.sharding.Mesh, axis_name: str) -> np.ndarray:
     return np.vectorize(device_ordinal, otypes=[np.int64])(devices).reshape(-1, size)
 
 
+def _ordering(after: jax.Array | None) -> tuple:
+    """The operand that orders an op behind ``after``'s writer (read by nobody)."""
+    return () if after is None else (after,)
+
+
 def _attrs(mesh, axis_name, timeout_ms) -> dict:
     table = groups(mesh, axis_name)
     if timeout_ms <= 0:
@@ -63,18 +74,23 @@ def _attrs(mesh, axis_name, timeout_ms) -> dict:
 
 
 def all_gather(x: jax.Array, axis_name: str, mesh: jax.sharding.Mesh, *,
+               after: jax.Array | None = None,
                timeout_ms: int = DEFAULT_TIMEOUT_MS) -> jax.Array:
-    """Every peer's ``x`` stacked in axis order: shape (n, *x.shape)."""
+    """Every peer's ``x`` stacked in axis order: shape (n, *x.shape). ``after``: see the
+    module's docstring."""
     ensure_registered()
     attrs = _attrs(mesh, axis_name, timeout_ms)
     n = int(attrs["group_size"])
     return jax.ffi.ffi_call("pimhbm_peer_all_gather",
-                            jax.ShapeDtypeStruct((n, *x.shape), x.dtype))(x, **attrs)
+                            jax.ShapeDtypeStruct((n, *x.shape), x.dtype))(
+                                x, *_ordering(after), **attrs)
 
 
 def all_to_all(x: jax.Array, axis_name: str, mesh: jax.sharding.Mesh, *,
+               after: jax.Array | None = None,
                timeout_ms: int = DEFAULT_TIMEOUT_MS) -> jax.Array:
-    """``x`` of shape (n, ...): block p of the result is block (my index) of peer p's ``x``."""
+    """``x`` of shape (n, ...): block p of the result is block (my index) of peer p's ``x``.
+    ``after``: see the module's docstring."""
     ensure_registered()
     attrs = _attrs(mesh, axis_name, timeout_ms)
     n = int(attrs["group_size"])
@@ -82,7 +98,7 @@ def all_to_all(x: jax.Array, axis_name: str, mesh: jax.sharding.Mesh, *,
         raise ValueError(f"all_to_all needs one block per peer: first dimension {n}, got shape "
                          f"{tuple(x.shape)}")
     return jax.ffi.ffi_call("pimhbm_peer_all_to_all",
-                            jax.ShapeDtypeStruct(x.shape, x.dtype))(x, **attrs)
+                            jax.ShapeDtypeStruct(x.shape, x.dtype))(x, *_ordering(after), **attrs)
 
 
 def pull(chunks: jax.Array, sources: jax.Array, dst: tuple[jax.Array, jax.Array],
@@ -94,10 +110,7 @@ def pull(chunks: jax.Array, sources: jax.Array, dst: tuple[jax.Array, jax.Array]
     source is this device are not its to repair: NOT_LISTED). Returns the new (tensor, table)
     and a status per entry (pimhbm.REPAIRED, SOURCE_DAMAGED, ...).
 
-    ``after``: the status of the pull that must come first. Every device must meet its peers at
-    the pulls of a program in the same order, and XLA's CPU runtime runs ops in any order that
-    its buffers allow (an optimization barrier orders nothing there): the pull takes ``after``
-    as an operand it does not read, so that it is ordered behind the op that wrote it."""
+    ``after``: see the module's docstring (a pull's status is what the next pull takes)."""
     ensure_registered()
     t, table = dst
     if chunks.shape != sources.shape:
@@ -109,6 +122,6 @@ def pull(chunks: jax.Array, sources: jax.Array, dst: tuple[jax.Array, jax.Array]
         [jax.ShapeDtypeStruct(t.shape, t.dtype), jax.ShapeDtypeStruct(table.shape, table.dtype),
          jax.ShapeDtypeStruct(chunks.shape, jnp.int32)],
         input_output_aliases={2: 0, 3: 1})(
-            *operands, *(() if after is None else (after,)),
+            *operands, *_ordering(after),
             chunk_bytes=np.int64(chunk_bytes), **attrs)
     return (outs[0], outs[1]), outs[2]
