@@ -426,14 +426,7 @@ def canonical(report):
     return report._replace(stash=inplace.Stash(rows[order], index[order]))
 
 
-@requires_gpu
-@pytest.mark.parametrize("kind", KINDS)
-def test_gpu_equals_cpu_bit_for_bit_with_damage_and_repair(rng, kind):
-    """The CUDA kernels (update, parity, rebuild, redo) against the CPU reference."""
-    opt, dtype = make(kind, chunk_elems=int(rng.choice([128, 256, 512])), group=int(rng.integers(1, 9)))
-    params = random_params(rng, dtype)
-    grads = [random_grads(rng, params) for _ in range(4)]
-    damage = lambda s: flip(flip(s, "mu", "t0", 999, 7), "nu", "t4", 4096, 31)
+def assert_gpu_equals_cpu(opt, params, grads, damage):
     results = {}
     for platform in ("cpu", "gpu"):
         dev = jax.devices(platform)[0]
@@ -442,6 +435,32 @@ def test_gpu_equals_cpu_bit_for_bit_with_damage_and_repair(rng, kind):
             results[platform] = (bits(state), [bits(canonical(r)) for r in reports])
     assert results["cpu"][0] == results["gpu"][0]
     assert results["cpu"][1] == results["gpu"][1]
+
+
+@requires_gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_equals_cpu_bit_for_bit_with_damage_and_repair(rng, kind):
+    """The CUDA kernels (update, parity, rebuild, redo) against the CPU reference."""
+    opt, dtype = make(kind, chunk_elems=int(rng.choice([128, 256, 512])), group=int(rng.integers(1, 9)))
+    params = random_params(rng, dtype)
+    grads = [random_grads(rng, params) for _ in range(4)]
+    damage = lambda s: flip(flip(s, "mu", "t0", 999, 7), "nu", "t4", 4096, 31)
+    assert_gpu_equals_cpu(opt, params, grads, damage)
+
+
+@requires_gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("chunk_elems,group", [(128, 0), (256, 0), (512, 0), (256, 1), (256, 16),
+                                               (512, 3)])
+def test_gpu_equals_cpu_bit_for_bit_at_every_chunk_size_and_group(rng, kind, chunk_elems, group):
+    """Every shape of the main launch: no parity (replicas are the redundancy), groups of one
+    chunk and of the default 16, chunks of 128 to 512 -- beside the ragged tails of the shapes.
+    Damage (where parity can repair it) in a whole group's chunk."""
+    opt, dtype = make(kind, chunk_elems=chunk_elems, group=group)
+    params = random_params(rng, dtype)
+    grads = [random_grads(rng, params) for _ in range(3)]
+    damage = None if group == 0 else (lambda s: flip(s, "mu", "t0", 300, 5))
+    assert_gpu_equals_cpu(opt, params, grads, damage)
 
 
 def test_used_as_an_optax_transformation_it_says_what_to_use_instead(rng):
