@@ -116,12 +116,11 @@ def pull(chunks: jax.Array, sources: jax.Array, dst: tuple[jax.Array, jax.Array]
     if chunks.shape != sources.shape:
         raise ValueError(f"chunks {tuple(chunks.shape)} and sources {tuple(sources.shape)} differ")
     attrs = _attrs(mesh, axis_name, timeout_ms)
-    operands = (chunks.astype(jnp.int32), sources.astype(jnp.int32), t, table)
     outs = jax.ffi.ffi_call(
         "pimhbm_peer_pull",
         [jax.ShapeDtypeStruct(t.shape, t.dtype), jax.ShapeDtypeStruct(table.shape, table.dtype),
          jax.ShapeDtypeStruct(chunks.shape, jnp.int32)],
         input_output_aliases={2: 0, 3: 1})(
-            *operands, *_ordering(after),
+            chunks.astype(jnp.int32), sources.astype(jnp.int32), t, table, *_ordering(after),
             chunk_bytes=np.int64(chunk_bytes), **attrs)
     return (outs[0], outs[1]), outs[2]
