@@ -2,8 +2,8 @@
 optax.apply_if_finite(optax.adamw), for 268 M parameters:
   fp32 parameters (fp32 moments), and bf16 parameters with fp32 master weights and moments.
 
-usage: python bench/update_bench.py [--params 268435456] [--leaves 8] [--json out.json]
-                                   [--profile DIR]
+usage: python bench/update_bench.py [--params 268435456] [--leaves 8 | --model-layers N]
+                                   [--json out.json] [--profile DIR]
 Reported: ms per step in a steady loop (the slope between batches of 5 and 25 steps, median of
 7; and, beside it, per step of a batch of 25, which also carries the first step's dispatch),
 effective TB/s over optax.adamw's traffic (28 bytes per parameter in both cases: fp32 p, mu, nu
@@ -18,6 +18,7 @@ the guarded step's time goes besides its update kernel.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -34,6 +35,7 @@ from common import write_json  # noqa: E402
 from scan_bench import read_ceiling  # noqa: E402
 
 import pimhbm  # noqa: E402
+from pimhbm.models import llama3  # noqa: E402
 from pimhbm import inplace  # noqa: E402
 from pimhbm_cli import device_profile  # noqa: E402
 
@@ -92,11 +94,22 @@ def make_tree(n_params, leaves, dtype, seed):
             for i, k in enumerate(keys)}
 
 
-def bench_case(kind, n_params, leaves, profile_dir=None):
+def model_tree(layers, dtype, seed):
+    """The 8B-dimension model's parameters (`pimhbm llama3`'s defaults: vocabulary 8192), its
+    leaves of every size from the norms' 4096 up: the update as the training step runs it."""
+    cfg = llama3.llama3_8b(layers=layers, vocab=8192)
+    cfg = dataclasses.replace(cfg, dtype=jnp.dtype(dtype).name)
+    tree = llama3.init(jax.random.key(seed), cfg)
+    return jax.tree.map(lambda x: x * 0.02 if x.ndim == 1 else x, tree)
+
+
+def bench_case(kind, n_params, leaves, profile_dir=None, model_layers=0):
     bf16 = kind == "bf16+master"
     pdtype = jnp.bfloat16 if bf16 else jnp.float32
-    params = make_tree(n_params, leaves, pdtype, 0)
-    grads = jax.tree.map(lambda p: (p * 0.5 + 0.01).astype(pdtype), make_tree(n_params, leaves, pdtype, 1))
+    tree = ((lambda seed: model_tree(model_layers, pdtype, seed)) if model_layers else
+            (lambda seed: make_tree(n_params, leaves, pdtype, seed)))
+    params = tree(0)
+    grads = jax.tree.map(lambda p: (p * 0.5 + 0.01).astype(pdtype), tree(1))
     n = sum(p.size for p in jax.tree.leaves(params))
     out, profiles = {}, {}
 
@@ -186,6 +199,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--params", type=int, default=268435456)
     ap.add_argument("--leaves", type=int, default=8)
+    ap.add_argument("--model-layers", type=int, default=0, metavar="N",
+                    help="instead of --params/--leaves: the leaves of N decoder layers of 8B "
+                         "dimensions with their embedding, LM head and norms (`pimhbm llama3`'s)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="also trace optax.adamw and the guarded update into DIR and list the "
@@ -193,15 +209,17 @@ def main() -> int:
     args = ap.parse_args()
     console = Console(width=120)
     dev = jax.devices()[0]
-    payload = {"device": dev.device_kind, "params": args.params, "results": {}}
-    table = Table(title=f"AdamW step, {args.params / 1e6:.0f} M parameters in {args.leaves} "
-                        f"tensors, {dev.device_kind} (steady: the slope between batches of 5 "
+    what = (f"{args.model_layers} decoder layers of 8B dimensions" if args.model_layers else
+            f"{args.params / 1e6:.0f} M parameters in {args.leaves} tensors")
+    payload = {"device": dev.device_kind, "params": args.params, "tree": what, "results": {}}
+    table = Table(title=f"AdamW step, {what}, {dev.device_kind} (steady: the slope between batches of 5 "
                         "and 25 steps, median of 7; the skipped step: 2 and 7, median of 3)")
     for col in ("state", "update", "ms", "effective TB/s", "vs optax.adamw", "of read ceiling",
                 "ms a step of a batch (steps)", "batch vs optax.adamw"):
         table.add_column(col, justify="left" if col in ("state", "update") else "right")
     for kind in ("fp32", "bf16+master"):
-        n, out, ceiling, profiles = bench_case(kind, args.params, args.leaves, args.profile)
+        n, out, ceiling, profiles = bench_case(kind, args.params, args.leaves, args.profile,
+                                               args.model_layers)
         if profiles:
             payload.setdefault("profiles", {})[kind] = profiles
             print_profiles(console, kind, profiles)
