@@ -166,8 +166,9 @@ def bench_case(kind, n_params, leaves, profile_dir=None, model_layers=0):
     upd = jax.jit(lambda s, g, lr: opt.update(g, s, lr)[0], donate_argnums=0)
     state = opt.init(params)
     # A step that must skip (NaN in the gradient): the predicated restore copies the state back.
-    bad = dict(grads)
-    bad["w0"] = bad["w0"].at[12345].set(jnp.nan)
+    leaves, treedef = jax.tree.flatten(grads)
+    bad = jax.tree.unflatten(treedef, [leaves[0].ravel().at[12345].set(jnp.nan).reshape(leaves[0].shape)]
+                             + leaves[1:])
     steady, batch, long, state = timed_loop(upd, state, (bad, jnp.float32(LR)), short=2, long=7,
                                             reps=3)
     out["two slots, skipped step"] = (steady, batch, long)
