@@ -3,9 +3,13 @@
 
 For each kernel whose name matches a pattern: finds the loops (backward branches), takes the
 innermost loop that holds 128-bit global loads (the streaming loop), and prints its size, its
-branches (the back-edge is one of them), predicated instructions and loads.
+branches (the back-edge is one of them), predicated instructions and loads. With --classes,
+also the loop's instructions by the pipe that issues them (integer, float, memory, control) and
+its most frequent opcodes: an instruction budget a chunk, to set against the loop's elements.
 
-usage: sass_report.py BINARY [NAME_REGEX] [--arch sm_90]
+usage: sass_report.py BINARY [NAME_REGEX] [--arch sm_90] [--classes]
+BINARY: an executable, a shared library or a .cubin (`nvcc -cubin -arch=sm_90 ...`). Where the
+CUDA toolkit has no cuobjdump, PyPI's `nvidia-cuda-cuobjdump` wheel carries one (bin/).
 """
 
 from __future__ import annotations
@@ -61,6 +65,34 @@ def streaming_loop(code: list[tuple[int, str]]):
     return body(lo, hi)
 
 
+# The issuing pipe of an opcode's root (the part before the first dot).
+CLASSES = {
+    "float": ("FADD", "FMUL", "FFMA", "FSEL", "FSETP", "FMNMX", "FCHK", "MUFU", "HADD2", "HMUL2",
+              "HFMA2", "F2F", "F2I", "I2F", "FRND"),
+    "memory": ("LDG", "STG", "LDS", "STS", "LDL", "STL", "LDC", "ULDC", "LDGSTS", "ATOM", "ATOMG",
+               "RED", "REDG"),
+    "control": ("BRA", "BSSY", "BSYNC", "CALL", "RET", "EXIT", "WARPSYNC", "BAR", "SHFL", "VOTE",
+                "VOTEU", "ENDCOLLECTIVE", "NOP", "REDUX", "MATCH"),
+}
+
+
+def opcode(ins: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0]
+
+
+def classes(loop: list[str]) -> str:
+    """The loop's instructions by issuing pipe (integer: the rest), then its top opcodes."""
+    roots = [opcode(i).split(".")[0] for i in loop]
+    count = {c: sum(r in names for r in roots) for c, names in CLASSES.items()}
+    count = {"integer": len(roots) - sum(count.values()), **count}
+    top: dict[str, int] = {}
+    for i in loop:
+        top[opcode(i)] = top.get(opcode(i), 0) + 1
+    common = sorted(top.items(), key=lambda kv: -kv[1])[:12]
+    return ("  by pipe: " + ", ".join(f"{c} {n}" for c, n in count.items()) +
+            "\n  most frequent: " + ", ".join(f"{op} {n}" for op, n in common))
+
+
 def demangle(name: str) -> str:
     tool = shutil.which("c++filt") or shutil.which("cu++filt")
     if tool is None:
@@ -73,6 +105,8 @@ def main() -> int:
     ap.add_argument("binary")
     ap.add_argument("pattern", nargs="?", default="scan_kernel")
     ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--classes", action="store_true",
+                    help="also the loop's instructions by issuing pipe and its top opcodes")
     args = ap.parse_args()
     funcs = functions(dump(args.binary, args.arch))
     rows = 0
@@ -90,6 +124,8 @@ def main() -> int:
         print(f"{pretty.split('(')[0]}\n  inner loop: {len(loop)} instructions, {len(branches)} "
               f"branch (back-edge included), {len(predicated)} predicated, {len(loads)} loads "
               f"({sum('.128' in l for l in loads)} x 128-bit), {len(local)} local-memory accesses")
+        if args.classes:
+            print(classes(loop))
         rows += 1
     if rows == 0:
         print(f"sass_report: no kernel matching {args.pattern!r} with a streaming loop")
