@@ -253,15 +253,93 @@ __device__ __forceinline__ void write_table(const LaneTensor& t, int64_t c, uint
   kernel::table_write(t.table, c, finalize(sum, t.bytes, key_chunk));
 }
 
-// The warp's parity change for a group: word w of element i at acc[w][i] (the lane's own i).
+// The warp's parity change for a group, each lane its own groups of four: acc[1] and acc[2] the
+// moments' words; acc[0] the parameter's four words (fp32), or with bf16 its two pair
+// registers and then the master remainders' two (the words as loaded and stored).
 template <int kG>
 struct Acc {
-  uint4 (*rows)[32 * kG];  // [3][32 kG] groups of four words
+  uint4 (*rows)[32 * kG];  // [3][32 kG]
 };
 
-template <bool kBF16>
-__device__ __forceinline__ uint32_t word0(uint32_t p, uint32_t r) {
-  return kBF16 ? (p & 0xFFFFu) | (r << 16) : p;
+__device__ __forceinline__ bool finite_f32(float x) {
+  return (__float_as_uint(x) & 0x7FFFFFFFu) < 0x7F800000u;
+}
+
+// Elements 2 h and 2 h + 1 of group j, bf16 with master weights, as their pair registers hold
+// them: each element's master word is one byte permutation of the pairs (p << 16 | r, plus
+// 0x8000: split_master's form), and the two new words permute back into the pairs. The same
+// values as update_elem: a new master word whose p is finite also has a finite master (the
+// split only adds 0x8000), so that check covers both. Returns the elements kept.
+template <int kG, bool kWhole>
+__device__ __forceinline__ uint32_t update_master_pair(Part<kG, true>& x, int j, int h,
+                                                       const AdamWHyper& hy, const AdamWStep& s) {
+  uint32_t word[2];
+  uint32_t kept = 0;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int k = 2 * h + e;
+    const uint32_t old = __byte_perm(x.r[j][h], x.p[j][h], e ? 0x7632 : 0x5410);
+    const uint32_t g16 = x.g[j][h];
+    const float g = __uint_as_float(e ? g16 & 0xFFFF0000u : g16 << 16);
+    float w = __uint_as_float(old - 0x8000u), m = x.mu[j][k], v = x.nu[j][k];
+    adamw_element(g, w, m, v, hy, s);
+    const uint32_t bits = __float_as_uint(w);
+    const uint32_t split = (bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : bits + 0x8000u;
+    const bool live = kWhole || k < x.live[j];
+    const bool ok = (split & 0x7FFFFFFFu) < 0x7F800000u && finite_f32(m) && finite_f32(v);
+    const bool take = live && ok;
+    kept += live && !ok ? 1u : 0u;
+    word[e] = take ? split : old;
+    x.mu[j][k] = take ? m : x.mu[j][k];
+    x.nu[j][k] = take ? v : x.nu[j][k];
+  }
+  x.p[j][h] = __byte_perm(word[0], word[1], 0x7632);
+  x.r[j][h] = __byte_perm(word[0], word[1], 0x5410);
+  return kept;
+}
+
+// Group j of the lane updated in place (x), its change into d: d[0] the parameter's words as
+// acc[0] holds them, d[1] and d[2] the moments'. Returns the elements kept.
+template <bool kBF16, bool kMaster, int kG, bool kWhole>
+__device__ __forceinline__ uint32_t update_group(Part<kG, kBF16>& x, int j, const AdamWHyper& h,
+                                                 const AdamWStep& s, uint32_t (&d)[3][4]) {
+  constexpr int kPW = Part<kG, kBF16>::kPW;
+  uint32_t p_before[kPW], r_before[2] = {};
+  if constexpr (kMaster) r_before[0] = x.r[j][0], r_before[1] = x.r[j][1];
+  float mu_before[4], nu_before[4];
+#pragma unroll
+  for (int w = 0; w < kPW; ++w) p_before[w] = x.p[j][w];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) mu_before[k] = x.mu[j][k], nu_before[k] = x.nu[j][k];
+  uint32_t kept = 0;
+  if constexpr (kBF16 && kMaster) {
+    kept = update_master_pair<kG, kWhole>(x, j, 0, h, s) +
+           update_master_pair<kG, kWhole>(x, j, 1, h, s);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      if (!kWhole && k >= x.live[j]) continue;
+      ElemState e{word_of<kPW>(x.p[j], k), 0u, x.mu[j][k], x.nu[j][k]};
+      const float gk = kernel::param_value(word_of<kPW>(x.g[j], k), kBF16);
+      kept += update_elem(e, gk, kBF16, false, h, s) ? 0u : 1u;
+      set_word<kPW>(x.p[j], k, e.p);
+      x.mu[j][k] = e.mu, x.nu[j][k] = e.nu;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    d[1][k] = __float_as_uint(mu_before[k]) ^ __float_as_uint(x.mu[j][k]);
+    d[2][k] = __float_as_uint(nu_before[k]) ^ __float_as_uint(x.nu[j][k]);
+  }
+  if constexpr (kBF16) {
+    d[0][0] = p_before[0] ^ x.p[j][0], d[0][1] = p_before[1] ^ x.p[j][1];
+    d[0][2] = kMaster ? r_before[0] ^ x.r[j][0] : 0u;
+    d[0][3] = kMaster ? r_before[1] ^ x.r[j][1] : 0u;
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) d[0][k] = p_before[k] ^ x.p[j][k];
+  }
+  return kept;
 }
 
 struct ChunkVerdict {
@@ -292,26 +370,11 @@ __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* 
   const int32_t faults = faults_of(tensor, key_chunk, expected,
                                    transposed_sum(lane_terms<kBF16, kMaster, kG>(x, key0)));
   if (faults != 0) return {faults, 0};
-  constexpr int kPW = Part<kG, kBF16>::kPW;
   uint32_t kept = 0;
 #pragma unroll
   for (int j = 0; j < kG; ++j) {
-    uint32_t d[3][4] = {};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      if (k >= x.live[j]) continue;
-      ElemState e{word_of<kPW>(x.p[j], k), kMaster ? word_of<2>(x.r[j], k) : 0u, x.mu[j][k],
-                  x.nu[j][k]};
-      const ElemState before = e;
-      const float gk = kernel::param_value(word_of<kPW>(x.g[j], k), kBF16);
-      kept += update_elem(e, gk, kBF16, kMaster, h, s) ? 0u : 1u;
-      set_word<kPW>(x.p[j], k, e.p);
-      if constexpr (kMaster) set_word<2>(x.r[j], k, e.r);
-      x.mu[j][k] = e.mu, x.nu[j][k] = e.nu;
-      d[0][k] = word0<kBF16>(before.p, before.r) ^ word0<kBF16>(e.p, e.r);
-      d[1][k] = __float_as_uint(before.mu) ^ __float_as_uint(e.mu);
-      d[2][k] = __float_as_uint(before.nu) ^ __float_as_uint(e.nu);
-    }
+    uint32_t d[3][4];
+    kept += update_group<kBF16, kMaster, kG, kWhole>(x, j, h, s, d);
     store_group<kBF16, kMaster, kG>(L, first + 4 * (lane_id() + 32 * j), j, x);
     if constexpr (kParity) {
       const int gi = lane_id() + 32 * j;
@@ -345,15 +408,12 @@ __device__ __forceinline__ void fold_parity(const InPlaceLeaf& L, int64_t grp, A
     const uint4 a = acc.rows[0][gi];
     if constexpr (kBF16) {
       uint2* qp = reinterpret_cast<uint2*>(L.q_p + grp * (ce / 2)) + gi;
-      const uint2 pv = make_uint2((a.x & 0xFFFFu) | (a.y << 16), (a.z & 0xFFFFu) | (a.w << 16));
       const uint2 old = *qp;
-      *qp = make_uint2(old.x ^ pv.x, old.y ^ pv.y);
+      *qp = make_uint2(old.x ^ a.x, old.y ^ a.y);
       if constexpr (kMaster) {
         uint2* qr = reinterpret_cast<uint2*>(L.q_master + grp * (ce / 2)) + gi;
-        const uint2 rv =
-            make_uint2((a.x >> 16) | (a.y & 0xFFFF0000u), (a.z >> 16) | (a.w & 0xFFFF0000u));
         const uint2 o = *qr;
-        *qr = make_uint2(o.x ^ rv.x, o.y ^ rv.y);
+        *qr = make_uint2(o.x ^ a.z, o.y ^ a.w);
       }
     } else {
       uint4* qp = reinterpret_cast<uint4*>(L.q_p + grp * ce) + gi;
