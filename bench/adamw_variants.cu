@@ -111,7 +111,7 @@ __device__ __forceinline__ void staged_chunk(const AdamWLeaf& L, const AdamWHype
                                              const AdamWStep& s, int64_t c, char* smem) {
   using S = Stage<kBF16, kMaster>;
   constexpr int psize = kBF16 ? 2 : 4;
-  const auto [first, count, full_groups, rem, key0] = chunk_span(L, c);
+  const auto [first, count, full_groups, rem] = chunk_span(L, c);
 
   Sums sum;
 #pragma unroll
@@ -131,7 +131,7 @@ __device__ __forceinline__ void staged_chunk(const AdamWLeaf& L, const AdamWHype
     cp_async_wait<kStages - 1>();  // group gi has arrived
     Group x;
     stage_read<kBF16, kMaster>(smem + slot * S::kBytes, x);
-    process_group<kBF16, kMaster, true, true>(L, h, s, first, gi, 4, key0, x, sum, false);
+    process_group<kBF16, kMaster, true, true>(L, h, s, first, gi, 4, x, sum, false);
     slot = slot + 1 == kStages ? 0 : slot + 1;
   }
   cp_async_wait<0>();  // nothing in flight into shared memory past the chunk
@@ -139,7 +139,7 @@ __device__ __forceinline__ void staged_chunk(const AdamWLeaf& L, const AdamWHype
     const int tail_live = threadIdx.x == 0 ? rem : 0;
     Group x;
     load_group<kBF16, kMaster, false>(L, first + 4 * full_groups, tail_live, x);
-    process_group<kBF16, kMaster, false, true>(L, h, s, first, full_groups, tail_live, key0, x, sum,
+    process_group<kBF16, kMaster, false, true>(L, h, s, first, full_groups, tail_live, x, sum,
                                                false);
   }
   const Sums t = block_sum(sum);
@@ -160,7 +160,7 @@ __device__ __forceinline__ void two_pass_chunk(const AdamWLeaf& L, const AdamWHy
                                                const AdamWStep& s, int64_t c) {
   constexpr int psize = kBF16 ? 2 : 4;
   const int64_t bd = blockDim.x;
-  const auto [first, count, full_groups, rem, key0] = chunk_span(L, c);
+  const auto [first, count, full_groups, rem] = chunk_span(L, c);
   const int tail_live = threadIdx.x == 0 ? rem : 0;
 
   Sums old;
@@ -169,12 +169,12 @@ __device__ __forceinline__ void two_pass_chunk(const AdamWLeaf& L, const AdamWHy
     for (int64_t gi = threadIdx.x; gi < full_groups; gi += bd) {
       Group x;
       load_group<kBF16, kMaster, true, !kKeepA>(L, first + 4 * gi, 4, x);
-      old_terms<kBF16, kMaster, true>(x, gi, 4, key0, old);
+      old_terms<kBF16, kMaster, true>(x, gi, old);
     }
     if (rem != 0) {  // block-uniform
       Group x;
       load_group<kBF16, kMaster, false>(L, first + 4 * full_groups, tail_live, x);
-      old_terms<kBF16, kMaster, false>(x, full_groups, tail_live, key0, old);
+      old_terms<kBF16, kMaster, false>(x, full_groups, old);
     }
     old = block_sum(old);
     to_copy = chunk_faults<kMaster>(L, c, count, psize, old) == 0;  // same in every thread
@@ -202,19 +202,19 @@ __device__ __forceinline__ void two_pass_chunk(const AdamWLeaf& L, const AdamWHy
     }
 #pragma unroll
     for (int k = 0; k < kInFlight; ++k) {
-      process_group<kBF16, kMaster, true, !kCopy>(L, h, s, first, gi + k * bd, 4, key0, x[k], sum,
+      process_group<kBF16, kMaster, true, !kCopy>(L, h, s, first, gi + k * bd, 4, x[k], sum,
                                                   to_copy);
     }
   }
   for (; gi < full_groups; gi += bd) {  // what is left: fewer than kInFlight groups
     Group x;
     load_group<kBF16, kMaster, true, kEvictFirst>(L, first + 4 * gi, 4, x);
-    process_group<kBF16, kMaster, true, !kCopy>(L, h, s, first, gi, 4, key0, x, sum, to_copy);
+    process_group<kBF16, kMaster, true, !kCopy>(L, h, s, first, gi, 4, x, sum, to_copy);
   }
   if (rem != 0) {  // block-uniform: only a tensor's last chunk can be ragged
     Group x;
     load_group<kBF16, kMaster, false>(L, first + 4 * full_groups, tail_live, x);
-    process_group<kBF16, kMaster, false, !kCopy>(L, h, s, first, full_groups, tail_live, key0, x,
+    process_group<kBF16, kMaster, false, !kCopy>(L, h, s, first, full_groups, tail_live, x,
                                                  sum, to_copy);
   }
   const Sums t = block_sum(sum);

@@ -270,6 +270,7 @@ void def_regions(nb::module_& m) {
   m.def("snapshot_pending", &pimhbm::backup::snapshot_pending,
         "Whether a snapshot copy is still running.");
   m.attr("chunk_align") = pimhbm::kChunkAlign;
+  m.attr("max_chunk_size") = pimhbm::kMaxChunkSize;
 }
 
 // NVML telemetry: readings and the background thread's events.

@@ -9,11 +9,22 @@ from __future__ import annotations
 import numpy as np
 
 _U64 = np.uint64
-UNIT_STRIDE = _U64(0x9E3779B97F4A7C15)
+_U32 = np.uint32
 CHUNK_STRIDE = _U64(0xD6E8FEB86659FD93)
 MUL1 = _U64(0xFF51AFD7ED558CCD)
 MUL2 = _U64(0xC4CEB9FE1A85EC53)
 LENGTH_MUL = _U64(0x94D049BB133111EB)
+_LOW31 = _U32(0x7FFFFFFF)
+
+
+def word_muls(count: int) -> np.ndarray:
+    """uint64 multipliers of words 0 .. count - 1 of a chunk (each below 2^32, odd)."""
+    with np.errstate(over="ignore"):
+        x = (np.arange(count, dtype=_U32) * _U32(0x5BD1E995) + _U32(0x6A09E667)) & _LOW31
+        x = x ^ (x >> _U32(15))
+        x = (x * _U32(0x2C1B3C6D)) & _LOW31
+        x = x ^ (x >> _U32(13))
+    return x.astype(_U64) * _U64(2) + _U64(1)
 
 
 def _fmix33(x: np.ndarray) -> np.ndarray:
@@ -34,18 +45,12 @@ def chunk_digests(raw: bytes | np.ndarray, chunk_bytes: int) -> np.ndarray:
         for c in range(n):
             piece = data[c * chunk_bytes:(c + 1) * chunk_bytes]
             length = piece.size
-            padded = np.zeros(-(-length // 8) * 8, dtype=np.uint8)
+            padded = np.zeros(-(-length // 4) * 4, dtype=np.uint8)
             padded[:length] = piece
-            units = padded.view("<u8").astype(_U64)
-            key0 = _U64(c + 1) * CHUNK_STRIDE
-            keys = key0 + np.arange(units.size, dtype=_U64) * UNIT_STRIDE
-            x = units ^ keys
-            x = x * MUL1
-            x = x ^ (x >> _U64(32))
-            x = x * MUL2
-            x = x ^ (x >> _U64(32))
-            acc = np.sum(x, dtype=_U64)
-            d = _fmix33(np.array([acc + _U64(length) * LENGTH_MUL + key0], dtype=_U64))[0]
+            words = padded.view("<u4").astype(_U64)
+            acc = np.sum(words * word_muls(words.size), dtype=_U64)
+            key = _U64(c + 1) * CHUNK_STRIDE
+            d = _fmix33(np.array([acc + _U64(length) * LENGTH_MUL + key], dtype=_U64))[0]
             out[c, 0] = np.uint32(int(d) & 0xFFFFFFFF)
             out[c, 1] = np.uint32(int(d) >> 32)
     return out

@@ -118,6 +118,14 @@ def test_bad_chunk_sizes_are_refused(bad):
         pimhbm.scan(np.zeros(4, np.float32), chunk_bytes=bad)
 
 
+def test_chunks_past_the_digests_word_range_are_refused():
+    too_big = pimhbm.MAX_CHUNK_SIZE + 16
+    with pytest.raises(ValueError, match=f"at most {too_big - 16}"):
+        pimhbm.scan(np.zeros(4, np.float32), chunk_bytes=too_big)
+    with pytest.raises(ValueError, match="chunk_elems must be at most"):
+        pimhbm.update.adamw(1e-3, chunk_elems=too_big)
+
+
 def test_non_integer_chunk_size_is_refused():
     with pytest.raises(TypeError, match="chunk_bytes must be an int"):
         pimhbm.scan(np.zeros(4, np.float32), chunk_bytes=16.0)

@@ -5,24 +5,22 @@
 
 #include "scan/scan.h"
 
-static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "digests read little-endian units");
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "digests read little-endian words");
 
 namespace pimhbm::scan {
 
 uint64_t chunk_digest(const uint8_t* p, int64_t len, int64_t chunk) {
   uint64_t acc = 0;
-  uint64_t key = chunk_key(static_cast<uint64_t>(chunk));
-  int64_t full = len / 8;
-  for (int64_t i = 0; i < full; ++i) {
-    uint64_t unit;
-    std::memcpy(&unit, p + 8 * i, 8);
-    acc += unit_term(unit, key);
-    key += kUnitStride;
+  const int64_t full = len / 4;
+  for (int64_t w = 0; w < full; ++w) {
+    uint32_t word;
+    std::memcpy(&word, p + 4 * w, 4);
+    acc += word_term(word, word_mul(static_cast<uint32_t>(w)));
   }
-  if (int64_t rest = len - 8 * full; rest > 0) {  // last unit, zero-padded
-    uint64_t unit = 0;
-    std::memcpy(&unit, p + 8 * full, static_cast<size_t>(rest));
-    acc += unit_term(unit, key);
+  if (const int64_t rest = len - 4 * full; rest > 0) {  // last word, zero-padded
+    uint32_t word = 0;
+    std::memcpy(&word, p + 4 * full, static_cast<size_t>(rest));
+    acc += word_term(word, word_mul(static_cast<uint32_t>(full)));
   }
   return finalize(acc, static_cast<uint64_t>(len), static_cast<uint64_t>(chunk));
 }
@@ -89,8 +87,8 @@ ChunkHealth chunk_health(const uint8_t* p, int64_t len, Elem elem) {
   return h;
 }
 
-void scan_cpu(const void* data, int64_t nbytes, Elem elem, int64_t chunk_bytes,
-              uint32_t* digests, int32_t* nonfinite, float* max_abs, int64_t chunk_base) {
+void scan_cpu(const void* data, int64_t nbytes, Elem elem, int64_t chunk_bytes, uint32_t* digests,
+              int32_t* nonfinite, float* max_abs, int64_t chunk_base) {
   const auto* bytes = static_cast<const uint8_t*>(data);
   int64_t n = num_chunks(nbytes, chunk_bytes);
   for (int64_t c = 0; c < n; ++c) {
@@ -110,8 +108,8 @@ void verify_cpu(const void* data, int64_t nbytes, int64_t chunk_bytes, const uin
   const auto* bytes = static_cast<const uint8_t*>(data);
   int64_t n = num_chunks(nbytes, chunk_bytes);
   for (int64_t c = 0; c < n; ++c) {
-    uint64_t d = chunk_digest(bytes + c * chunk_bytes, chunk_length(nbytes, chunk_bytes, c),
-                              chunk_base + c);
+    uint64_t d =
+        chunk_digest(bytes + c * chunk_bytes, chunk_length(nbytes, chunk_bytes, c), chunk_base + c);
     mismatch[c] = d != digest_join(expected[2 * c], expected[2 * c + 1]) ? 1 : 0;
   }
 }

@@ -9,8 +9,8 @@
 //   bit patterns, so the result is exact and independent of the launch shape -- no floats and
 //   no order-dependent atomics.
 // * Ragged ends never read past the buffer: the last partial group of vectors is loaded under
-//   a predicate and its terms are selected away, and the last 0..15 bytes of a buffer are read
-//   one byte at a time under a predicate by thread 0.
+//   a predicate as zeros (which add no digest term), and the last 0..15 bytes of a buffer are
+//   read one byte at a time under a predicate by thread 0.
 // * The finite check rides on the max: the streaming pass keeps only the largest magnitude bit
 //   pattern (|x| with NaN/Inf included: one AND and half a 3-way max per word, two bf16 or
 //   four fp8 values at a time). A chunk whose largest pattern is NaN/Inf (rare: a damaged
@@ -25,6 +25,7 @@
 #include "pimhbm/cuda_check.h"
 #include "pimhbm/digest.h"
 #include "pimhbm/elem.h"
+#include "pimhbm/word_muls.cuh"
 #include "scan/scan.h"
 
 namespace pimhbm::scan {
@@ -68,9 +69,14 @@ struct F32Check {
     uint32_t a = w & 0x7FFFFFFFu;
     uint32_t nf = (a + 0x00800000u) >> 31;  // a >= 0x7f800000
     n += nf;
-    mx = max(mx, a & (nf - 1u));            // non-finite values count as 0
+    mx = max(mx, a & (nf - 1u));  // non-finite values count as 0
   }
-  __device__ void add(uint4 v) { word(v.x); word(v.y); word(v.z); word(v.w); }
+  __device__ void add(uint4 v) {
+    word(v.x);
+    word(v.y);
+    word(v.z);
+    word(v.w);
+  }
   __device__ uint32_t count() const { return n; }
   __device__ uint64_t max_key() const { return mx; }
   static __device__ float to_float(uint64_t k) { return __uint_as_float(static_cast<uint32_t>(k)); }
@@ -96,7 +102,10 @@ struct F64Check {
     uint64_t a = (static_cast<uint64_t>(ahi) << 32) | lo;
     mx = max(mx, a & (static_cast<uint64_t>(nf) - 1u));
   }
-  __device__ void add(uint4 v) { unit(v.x, v.y); unit(v.z, v.w); }
+  __device__ void add(uint4 v) {
+    unit(v.x, v.y);
+    unit(v.z, v.w);
+  }
   __device__ uint32_t count() const { return n; }
   __device__ uint64_t max_key() const { return mx; }
   static __device__ float to_float(uint64_t k) {
@@ -126,7 +135,12 @@ struct Half2Check {
     uint32_t bad = t - (t >> 15);  // 0x7fff in every non-finite lane
     mx = __vmaxu2(mx, a & ~bad);
   }
-  __device__ void add(uint4 v) { word(v.x); word(v.y); word(v.z); word(v.w); }
+  __device__ void add(uint4 v) {
+    word(v.x);
+    word(v.y);
+    word(v.z);
+    word(v.w);
+  }
   __device__ uint32_t count() const { return n; }
   __device__ uint64_t max_key() const { return fast_key(mx); }
   static __device__ float to_float(uint64_t k) {
@@ -134,8 +148,8 @@ struct Half2Check {
                  : f16_abs_to_float(static_cast<uint32_t>(k));
   }
 };
-using BF16Check = Half2Check<0x7F80u, true>;   // non-finite: |x| >= 0x7f80
-using F16Check = Half2Check<0x7C00u, false>;   // non-finite: |x| >= 0x7c00
+using BF16Check = Half2Check<0x7F80u, true>;  // non-finite: |x| >= 0x7f80
+using F16Check = Half2Check<0x7C00u, false>;  // non-finite: |x| >= 0x7c00
 
 // Four 8-bit values per word, same tricks with 8-bit lanes.
 template <uint32_t kFirstNonFinite, bool kE4M3>
@@ -159,7 +173,12 @@ struct Byte4Check {
     uint32_t bad = t - (t >> 7);  // 0x7f in every non-finite lane
     mx = __vmaxu4(mx, a & ~bad);
   }
-  __device__ void add(uint4 v) { word(v.x); word(v.y); word(v.z); word(v.w); }
+  __device__ void add(uint4 v) {
+    word(v.x);
+    word(v.y);
+    word(v.z);
+    word(v.w);
+  }
   __device__ uint32_t count() const { return n; }
   __device__ uint64_t max_key() const { return fast_key(mx); }
   static __device__ float to_float(uint64_t k) {
@@ -266,27 +285,21 @@ __device__ __forceinline__ Partial block_allreduce(Partial p) {
 
 // ---- one pass over a chunk ------------------------------------------------------------------
 
-// Calls visit(v, key, units) for every 16-byte vector of the chunk that this thread owns:
-// `key` is the digest key of the vector's first 8-byte unit, `units` (0, 1 or 2) how many of
-// its units belong to the chunk. Vectors past the end are zero with units = 0.
+// Calls visit(v, index) for every 16-byte vector of the chunk that this thread owns: `index`
+// is the vector's place in the chunk (its words are 4 index .. 4 index + 3). Bytes past the end
+// read as zero, which the digest ignores (digest.h).
 template <bool kAligned, class Visit>
-__device__ __forceinline__ void for_each_vector(const uint8_t* base, int64_t len, uint64_t key0,
-                                                Visit&& visit) {
+__device__ __forceinline__ void for_each_vector(const uint8_t* base, int64_t len, Visit&& visit) {
   const int64_t bd = blockDim.x;
-  const uint64_t key_step = static_cast<uint64_t>(2 * bd) * kUnitStride;
   const int64_t nvec = len >> 4;
   int64_t j = threadIdx.x;
-  uint64_t key = key0 + static_cast<uint64_t>(2 * j) * kUnitStride;
   // Whole groups: kUnroll loads issued before any is used.
   for (; j + (kUnroll - 1) * bd < nvec; j += kUnroll * bd) {
     uint4 v[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) v[u] = load16<kAligned>(base + 16 * (j + u * bd));
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      visit(v[u], key, 2);
-      key += key_step;
-    }
+    for (int u = 0; u < kUnroll; ++u) visit(v[u], j + u * bd);
   }
   // The last partial group: loads under a predicate. Block-uniform test: a chunk that is a
   // whole number of groups (every full 64 KiB chunk with the default shape) skips it.
@@ -294,9 +307,7 @@ __device__ __forceinline__ void for_each_vector(const uint8_t* base, int64_t len
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t jj = j + u * bd;
-      const bool live = jj < nvec;
-      visit(load16_if<kAligned>(live, base + 16 * jj), key, live ? 2 : 0);
-      key += key_step;
+      visit(load16_if<kAligned>(jj < nvec, base + 16 * jj), jj);
     }
   }
   // The last 0..15 bytes: only a buffer's last chunk has them (block-uniform test); thread 0
@@ -311,9 +322,7 @@ __device__ __forceinline__ void for_each_vector(const uint8_t* base, int64_t len
       const uint32_t byte = (mine && b < rem) ? __ldg(tail + b) : 0u;
       w[b >> 2] |= byte << (8 * (b & 3));
     }
-    const int units = mine ? static_cast<int>((rem + 7) >> 3) : 0;
-    visit(make_uint4(w[0], w[1], w[2], w[3]),
-          key0 + static_cast<uint64_t>(2 * nvec) * kUnitStride, units);
+    visit(make_uint4(w[0], w[1], w[2], w[3]), nvec);
   }
 }
 
@@ -334,17 +343,12 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocks)
   for (int64_t c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const uint8_t* base = data + c * chunk_bytes;
     const int64_t len = chunk_length(nbytes, chunk_bytes, c);
-    const uint64_t key0 = chunk_key(static_cast<uint64_t>(first + c));
 
     // Streaming pass: digest terms and the fast magnitude max.
     uint64_t acc = 0;
     typename Check::Fast fast = 0;
-    for_each_vector<kAligned>(base, len, key0, [&](uint4 v, uint64_t key, int units) {
-      const uint64_t lo = static_cast<uint64_t>(v.y) << 32 | v.x;
-      const uint64_t hi = static_cast<uint64_t>(v.w) << 32 | v.z;
-      const uint64_t t_lo = unit_term(lo, key), t_hi = unit_term(hi, key + kUnitStride);
-      acc += units >= 1 ? t_lo : 0;
-      acc += units >= 2 ? t_hi : 0;
+    for_each_vector<kAligned>(base, len, [&](uint4 v, int64_t index) {
+      acc += vector_terms(v, word_muls_of_vector(static_cast<uint32_t>(index)));
       if constexpr (!kVerify) fast = Check::fast(fast, v);  // zeros past the end: no effect
     });
     const Partial r = block_allreduce(Partial{acc, 0, Check::fast_key(fast)});
@@ -375,8 +379,8 @@ __global__ void __launch_bounds__(kMaxThreads)
     if (nonfinite[c] != -1) continue;  // block-uniform
     const uint8_t* base = data + c * chunk_bytes;
     Check exact;
-    for_each_vector<kAligned>(base, chunk_length(nbytes, chunk_bytes, c), 0,
-                              [&](uint4 v, uint64_t, int) { exact.add(v); });
+    for_each_vector<kAligned>(base, chunk_length(nbytes, chunk_bytes, c),
+                              [&](uint4 v, int64_t) { exact.add(v); });
     const Partial e = block_allreduce(Partial{0, exact.count(), exact.max_key()});
     if (threadIdx.x == 0) {
       nonfinite[c] = static_cast<int32_t>(e.count);
@@ -434,13 +438,20 @@ cudaError_t run(const Args& a, Elem elem, bool verify, LaunchShape shape, cudaSt
   const int blocks = static_cast<int>(std::min<int64_t>(a.nchunks, max_blocks));
   if (verify) return launch<NoCheck, true>(a, threads, blocks, stream);
   switch (elem) {
-    case Elem::kRaw: return launch<NoCheck, false>(a, threads, blocks, stream);
-    case Elem::kF64: return launch<F64Check, false>(a, threads, blocks, stream);
-    case Elem::kF32: return launch<F32Check, false>(a, threads, blocks, stream);
-    case Elem::kF16: return launch<F16Check, false>(a, threads, blocks, stream);
-    case Elem::kBF16: return launch<BF16Check, false>(a, threads, blocks, stream);
-    case Elem::kF8E4M3FN: return launch<E4M3Check, false>(a, threads, blocks, stream);
-    case Elem::kF8E5M2: return launch<E5M2Check, false>(a, threads, blocks, stream);
+    case Elem::kRaw:
+      return launch<NoCheck, false>(a, threads, blocks, stream);
+    case Elem::kF64:
+      return launch<F64Check, false>(a, threads, blocks, stream);
+    case Elem::kF32:
+      return launch<F32Check, false>(a, threads, blocks, stream);
+    case Elem::kF16:
+      return launch<F16Check, false>(a, threads, blocks, stream);
+    case Elem::kBF16:
+      return launch<BF16Check, false>(a, threads, blocks, stream);
+    case Elem::kF8E4M3FN:
+      return launch<E4M3Check, false>(a, threads, blocks, stream);
+    case Elem::kF8E5M2:
+      return launch<E5M2Check, false>(a, threads, blocks, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -450,15 +461,22 @@ cudaError_t run(const Args& a, Elem elem, bool verify, LaunchShape shape, cudaSt
 cudaError_t scan_cuda_shaped(const void* data, int64_t nbytes, Elem elem, int64_t chunk_bytes,
                              uint32_t* digests, int32_t* nonfinite, float* max_abs,
                              cudaStream_t stream, LaunchShape shape, const int32_t* chunk_base) {
-  Args a{static_cast<const uint8_t*>(data), nbytes, chunk_bytes,
-         num_chunks(nbytes, chunk_bytes), digests, nonfinite, max_abs, nullptr, nullptr,
+  Args a{static_cast<const uint8_t*>(data),
+         nbytes,
+         chunk_bytes,
+         num_chunks(nbytes, chunk_bytes),
+         digests,
+         nonfinite,
+         max_abs,
+         nullptr,
+         nullptr,
          chunk_base};
   return run(a, elem, /*verify=*/false, shape, stream);
 }
 
 cudaError_t scan_cuda(const void* data, int64_t nbytes, Elem elem, int64_t chunk_bytes,
-                      uint32_t* digests, int32_t* nonfinite, float* max_abs,
-                      cudaStream_t stream, const int32_t* chunk_base) {
+                      uint32_t* digests, int32_t* nonfinite, float* max_abs, cudaStream_t stream,
+                      const int32_t* chunk_base) {
   return scan_cuda_shaped(data, nbytes, elem, chunk_bytes, digests, nonfinite, max_abs, stream,
                           LaunchShape{}, chunk_base);
 }
@@ -466,8 +484,15 @@ cudaError_t scan_cuda(const void* data, int64_t nbytes, Elem elem, int64_t chunk
 cudaError_t verify_cuda(const void* data, int64_t nbytes, int64_t chunk_bytes,
                         const uint32_t* expected, uint8_t* mismatch, cudaStream_t stream,
                         const int32_t* chunk_base) {
-  Args a{static_cast<const uint8_t*>(data), nbytes, chunk_bytes,
-         num_chunks(nbytes, chunk_bytes), nullptr, nullptr, nullptr, expected, mismatch,
+  Args a{static_cast<const uint8_t*>(data),
+         nbytes,
+         chunk_bytes,
+         num_chunks(nbytes, chunk_bytes),
+         nullptr,
+         nullptr,
+         nullptr,
+         expected,
+         mismatch,
          chunk_base};
   return run(a, Elem::kRaw, /*verify=*/true, LaunchShape{}, stream);
 }

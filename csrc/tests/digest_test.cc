@@ -1,4 +1,6 @@
 // Properties of the chunk digest (digest.h), on the CPU reference.
+#include "pimhbm/digest.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -6,7 +8,6 @@
 #include <numeric>
 #include <vector>
 
-#include "pimhbm/digest.h"
 #include "scan/scan.h"
 #include "test_util.h"
 
@@ -22,7 +23,9 @@ uint32_t get_word(const std::vector<uint8_t>& b, size_t w) {
   std::memcpy(&v, b.data() + 4 * w, 4);
   return v;
 }
-void set_word(std::vector<uint8_t>& b, size_t w, uint32_t v) { std::memcpy(b.data() + 4 * w, &v, 4); }
+void set_word(std::vector<uint8_t>& b, size_t w, uint32_t v) {
+  std::memcpy(b.data() + 4 * w, &v, 4);
+}
 
 uint64_t digest(const std::vector<uint8_t>& b, int64_t chunk = 0) {
   return chunk_digest(b.data(), static_cast<int64_t>(b.size()), chunk);
@@ -151,33 +154,99 @@ TEST(Digest, RandomMultiWordCorruptionsAreDetected) {
   EXPECT_EQ(detected, kTrials);
 }
 
-TEST(Digest, DoesNotDependOnHowUnitsAreSplit) {
-  // The kernels sum unit terms in whatever order their threads reach them; any split and
+TEST(Digest, DoesNotDependOnHowWordsAreSplit) {
+  // The kernels sum word terms in whatever order their threads reach them; any split and
   // order of the sum must give the reference digest.
   PIMHBM_SEED_TRACE();
   auto rng = rng_for_test();
   for (size_t len : {16u, 1000u, 4096u, 65536u}) {
     auto bytes = random_bytes(rng, len);
     const uint64_t want = digest(bytes, 7);
-    const size_t units = (len + 7) / 8;
-    std::vector<uint64_t> terms(units);
-    for (size_t i = 0; i < units; ++i) {
-      uint64_t u = 0;
-      std::memcpy(&u, bytes.data() + 8 * i, std::min<size_t>(8, len - 8 * i));
-      terms[i] = unit_term(u, chunk_key(7) + i * kUnitStride);
+    const size_t words = (len + 3) / 4;
+    std::vector<uint64_t> terms(words);
+    for (size_t i = 0; i < words; ++i) {
+      uint32_t w = 0;
+      std::memcpy(&w, bytes.data() + 4 * i, std::min<size_t>(4, len - 4 * i));
+      terms[i] = word_term(w, word_mul(static_cast<uint32_t>(i)));
     }
     for (int trial = 0; trial < 20; ++trial) {
-      std::vector<size_t> order(units);
+      std::vector<size_t> order(words);
       std::iota(order.begin(), order.end(), 0);
       std::shuffle(order.begin(), order.end(), rng);
       const size_t parts = 1 + rng() % 64;
       std::vector<uint64_t> partial(parts, 0);
-      for (size_t k = 0; k < units; ++k) partial[rng() % parts] += terms[order[k]];
+      for (size_t k = 0; k < words; ++k) partial[rng() % parts] += terms[order[k]];
       uint64_t acc = 0;
       for (uint64_t p : partial) acc += p;
       EXPECT_EQ(finalize(acc, len, 7), want);
     }
   }
+}
+
+TEST(Digest, UnitTermsAreTheirTwoWordsTerms) {
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  for (int trial = 0; trial < 1000; ++trial) {
+    const uint64_t unit = rng(), i = rng() % (1u << 29);
+    const uint32_t w = static_cast<uint32_t>(2 * i);
+    EXPECT_EQ(unit_terms(unit, i),
+              word_term(static_cast<uint32_t>(unit), word_mul(w)) +
+                  word_term(static_cast<uint32_t>(unit >> 32), word_mul(w + 1)));
+  }
+}
+
+// The guarantees of digest.h rest on the multipliers being odd and distinct: checked over the
+// first 2^22 words (chunks of 16 MiB; the defaults are 64 KiB and smaller) and at the top of
+// the range.
+TEST(Digest, WordMultipliersAreOddAndDistinct) {
+  std::vector<uint32_t> m;
+  m.reserve((1u << 22) + 4096);
+  for (uint32_t w = 0; w < (1u << 22); ++w) m.push_back(word_mul(w));
+  for (uint32_t w = 0x7FFFFFFFu - 4095; w <= 0x7FFFFFFEu; ++w) m.push_back(word_mul(w));
+  m.push_back(word_mul(0x7FFFFFFFu));
+  for (uint32_t v : m) ASSERT_EQ(v & 1u, 1u);
+  std::sort(m.begin(), m.end());
+  EXPECT_EQ(std::adjacent_find(m.begin(), m.end()), m.end());
+}
+
+// The sum of a chunk's word terms with the given multipliers.
+uint64_t word_sum(const std::vector<uint8_t>& b, const std::vector<uint32_t>& muls) {
+  uint64_t acc = 0;
+  for (size_t w = 0; w < muls.size(); ++w) acc += word_term(get_word(b, w), muls[w]);
+  return acc;
+}
+
+// Whether every pair of flipped bits of the chunk changes the word sum.
+bool every_pair_of_flips_changes(std::vector<uint8_t> b, const std::vector<uint32_t>& muls) {
+  const uint64_t s0 = word_sum(b, muls);
+  const size_t bits = 8 * b.size();
+  for (size_t x = 0; x < bits; ++x) {
+    for (size_t y = x + 1; y < bits; ++y) {
+      b[x / 8] ^= static_cast<uint8_t>(1u << (x % 8));
+      b[y / 8] ^= static_cast<uint8_t>(1u << (y % 8));
+      const bool same = word_sum(b, muls) == s0;
+      b[x / 8] ^= static_cast<uint8_t>(1u << (x % 8));
+      b[y / 8] ^= static_cast<uint8_t>(1u << (y % 8));
+      if (same) return false;
+    }
+  }
+  return true;
+}
+
+TEST(Digest, EveryPairOfBitFlipsInAChunkIsDetected) {
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  constexpr uint32_t kWords = 32;  // every pair of the chunk's 1024 bits
+  auto bytes = random_bytes(rng, 4 * kWords);
+  std::vector<uint32_t> muls(kWords);
+  for (uint32_t w = 0; w < kWords; ++w) muls[w] = word_mul(w);
+  EXPECT_TRUE(every_pair_of_flips_changes(bytes, muls));
+  // The positive control: with two equal multipliers the same bit flipped one way in one word
+  // and the other way in the other cancels, and the search finds it.
+  set_word(bytes, 5, get_word(bytes, 5) | 0x80000000u);
+  set_word(bytes, 9, get_word(bytes, 9) & 0x7FFFFFFFu);
+  muls[9] = muls[5];
+  EXPECT_FALSE(every_pair_of_flips_changes(bytes, muls));
 }
 
 TEST(Digest, RaggedLengthsAndChunkIndexAreDistinguished) {
@@ -201,9 +270,11 @@ TEST(Digest, KnownAnswers) {
   std::vector<uint8_t> bytes(100);
   for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 31 + 7);
   // The same values come from the independent Python definition in tests/digest_ref.py.
-  EXPECT_EQ(chunk_digest(bytes.data(), 100, 0), 0x49fd3a005c5b17c5ull);
-  EXPECT_EQ(chunk_digest(bytes.data(), 64, 5), 0xd1f17b6e2330cadeull);
-  EXPECT_EQ(chunk_digest(bytes.data(), 3, 2), 0x1bfc924b0a10d6f8ull);
+  EXPECT_EQ(chunk_digest(bytes.data(), 100, 0), 0x2468ec2345067874ull);
+  EXPECT_EQ(chunk_digest(bytes.data(), 64, 5), 0xfaff18c9e8adae37ull);
+  EXPECT_EQ(chunk_digest(bytes.data(), 3, 2), 0x2891d3d6d587b4dcull);
+  EXPECT_EQ(word_mul(0), 536062291u);
+  EXPECT_EQ(word_mul(3), 475453563u);
 }
 
 TEST(ScanTable, ChunkCountsAndLengths) {
@@ -237,13 +308,12 @@ TEST(ScanTable, VerifyFlagsExactlyTheDamagedChunks) {
       bytes[rng() % len] ^= static_cast<uint8_t>(1u << (rng() % 8));
     }
     std::vector<uint8_t> mismatch(n, 9);  // poisoned: every entry must be written
-    scan::verify_cpu(bytes.data(), static_cast<int64_t>(len), chunk, table.data(),
-                     mismatch.data());
+    scan::verify_cpu(bytes.data(), static_cast<int64_t>(len), chunk, table.data(), mismatch.data());
     for (int64_t c = 0; c < n; ++c) {
       const auto from = static_cast<size_t>(c * chunk);
       const auto to = from + static_cast<size_t>(chunk_length(len, chunk, c));
-      const bool damaged = !std::equal(bytes.begin() + from, bytes.begin() + to,
-                                       original.begin() + from);
+      const bool damaged =
+          !std::equal(bytes.begin() + from, bytes.begin() + to, original.begin() + from);
       EXPECT_EQ(mismatch[c], damaged ? 1 : 0) << "chunk " << c << " of " << n;
     }
   }

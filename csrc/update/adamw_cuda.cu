@@ -26,7 +26,7 @@ __device__ __forceinline__ void update_chunk(const AdamWLeaf& L, const AdamWHype
   constexpr int psize = kBF16 ? 2 : 4;
   constexpr bool kEvictFirst = kCopy;
   const int64_t bd = blockDim.x;
-  const auto [first, count, full_groups, rem, key0] = chunk_span(L, c);
+  const auto [first, count, full_groups, rem] = chunk_span(L, c);
   const int tail_live = threadIdx.x == 0 ? rem : 0;
 
   Sums old;
@@ -35,12 +35,12 @@ __device__ __forceinline__ void update_chunk(const AdamWLeaf& L, const AdamWHype
     for (int64_t gi = threadIdx.x; gi < full_groups; gi += bd) {
       Group x;
       load_group<kBF16, kMaster, true, false>(L, first + 4 * gi, 4, x);
-      old_terms<kBF16, kMaster, true>(x, gi, 4, key0, old);
+      old_terms<kBF16, kMaster, true>(x, gi, old);
     }
     if (rem != 0) {  // block-uniform
       Group x;
       load_group<kBF16, kMaster, false>(L, first + 4 * full_groups, tail_live, x);
-      old_terms<kBF16, kMaster, false>(x, full_groups, tail_live, key0, old);
+      old_terms<kBF16, kMaster, false>(x, full_groups, old);
     }
     old = block_sum(old);
     to_copy = chunk_faults<kMaster>(L, c, count, psize, old) == 0;  // same in every thread
@@ -51,7 +51,7 @@ __device__ __forceinline__ void update_chunk(const AdamWLeaf& L, const AdamWHype
   for (; gi < full_groups; gi += bd) {
     Group x;
     load_group<kBF16, kMaster, true, kEvictFirst>(L, first + 4 * gi, 4, x);
-    process_group<kBF16, kMaster, true, !kCopy>(L, h, s, first, gi, 4, key0, x, sum, to_copy);
+    process_group<kBF16, kMaster, true, !kCopy>(L, h, s, first, gi, 4, x, sum, to_copy);
   }
   // This loop never runs: the one above leaves gi >= full_groups. It stays because nvcc lays the
   // loop above out differently without it -- other registers and spills (ptxas -v, CUDA 13.0:
@@ -59,12 +59,12 @@ __device__ __forceinline__ void update_chunk(const AdamWLeaf& L, const AdamWHype
   for (; gi < full_groups; gi += bd) {
     Group x;
     load_group<kBF16, kMaster, true, kEvictFirst>(L, first + 4 * gi, 4, x);
-    process_group<kBF16, kMaster, true, !kCopy>(L, h, s, first, gi, 4, key0, x, sum, to_copy);
+    process_group<kBF16, kMaster, true, !kCopy>(L, h, s, first, gi, 4, x, sum, to_copy);
   }
   if (rem != 0) {  // block-uniform: only a tensor's last chunk can be ragged
     Group x;
     load_group<kBF16, kMaster, false>(L, first + 4 * full_groups, tail_live, x);
-    process_group<kBF16, kMaster, false, !kCopy>(L, h, s, first, full_groups, tail_live, key0, x,
+    process_group<kBF16, kMaster, false, !kCopy>(L, h, s, first, full_groups, tail_live, x,
                                                  sum, to_copy);
   }
   const Sums t = block_sum(sum);

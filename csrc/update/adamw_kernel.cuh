@@ -19,6 +19,7 @@
 
 #include "pimhbm/cuda_check.h"
 #include "pimhbm/digest.h"
+#include "pimhbm/word_muls.cuh"
 #include "update/adamw.h"
 
 namespace pimhbm::update::kernel {
@@ -40,20 +41,26 @@ __device__ __forceinline__ bool finite_param(uint32_t bits, bool bf16) {
   return bf16 ? (bits & 0x7FFFu) < 0x7F80u : (bits & 0x7FFFFFFFu) < 0x7F800000u;
 }
 
-// Digest terms of four fp32 words: two units (the second present only when `units` >= 2).
-__device__ __forceinline__ uint64_t terms_f32(const uint32_t (&w)[4], uint64_t key, int units) {
-  const uint64_t a = unit_term(static_cast<uint64_t>(w[1]) << 32 | w[0], key);
-  const uint64_t b = unit_term(static_cast<uint64_t>(w[3]) << 32 | w[2], key + kUnitStride);
-  return (units >= 1 ? a : 0) + (units >= 2 ? b : 0);
+// The digest's multipliers of group gi's words (digest.h): four fp32 words are the chunk's
+// words 4 gi .. 4 gi + 3, four 16-bit values its words 2 gi and 2 gi + 1.
+struct GroupMuls {
+  uint4 w32;
+  uint2 w16;
+};
+__device__ __forceinline__ GroupMuls group_muls(int64_t gi) {
+  const uint32_t w = static_cast<uint32_t>(2 * gi);
+  return {word_muls_of_vector(static_cast<uint32_t>(gi)), make_uint2(word_mul(w), word_mul(w + 1))};
 }
 
-// Digest term of four bf16 values: one unit.
-__device__ __forceinline__ uint64_t terms_bf16(const uint32_t (&w)[4], uint64_t key, int units) {
-  const uint64_t u = static_cast<uint64_t>(w[3] & 0xFFFFu) << 48 |
-                     static_cast<uint64_t>(w[2] & 0xFFFFu) << 32 | (w[1] & 0xFFFFu) << 16 |
-                     (w[0] & 0xFFFFu);
-  const uint64_t t = unit_term(u, key);
-  return units >= 1 ? t : 0;
+// Digest terms of four fp32 words (missing elements are zero: no terms).
+__device__ __forceinline__ uint64_t terms_f32(const uint32_t (&w)[4], const GroupMuls& m) {
+  return vector_terms(make_uint4(w[0], w[1], w[2], w[3]), m.w32);
+}
+
+// Digest terms of four 16-bit values (bits in the low halves): two words.
+__device__ __forceinline__ uint64_t terms_16(const uint32_t (&w)[4], const GroupMuls& m) {
+  return pair_terms((w[0] & 0xFFFFu) | (w[1] & 0xFFFFu) << 16,
+                    (w[2] & 0xFFFFu) | (w[3] & 0xFFFFu) << 16, m.w16.x, m.w16.y);
 }
 
 // Loads marked evict-first (__ldcs: the data is used once), or plain ones (kept in L2 like any
@@ -124,21 +131,17 @@ __device__ __forceinline__ void load_group(const AdamWLeaf& L, int64_t e, int li
 
 // Digest terms of the state of group `gi` as it was read (the old digests).
 template <bool kBF16, bool kMaster, bool kFull>
-__device__ __forceinline__ void old_terms(const Group& x, int64_t gi, int live, uint64_t key0,
-                                          Sums& sum) {
-  const uint64_t key32 = key0 + static_cast<uint64_t>(2 * gi) * kUnitStride;
-  const uint64_t key16 = key0 + static_cast<uint64_t>(gi) * kUnitStride;
-  const int units32 = kFull ? 2 : (live + 1) / 2;
-  const int units16 = kFull ? 1 : (live > 0 ? 1 : 0);
+__device__ __forceinline__ void old_terms(const Group& x, int64_t gi, Sums& sum) {
+  const GroupMuls m = group_muls(gi);
   uint32_t w[4];
-  sum.old_p += kBF16 ? terms_bf16(x.p, key16, units16) : terms_f32(x.p, key32, units32);
+  sum.old_p += kBF16 ? terms_16(x.p, m) : terms_f32(x.p, m);
 #pragma unroll
   for (int k = 0; k < 4; ++k) w[k] = __float_as_uint(x.mu[k]);
-  sum.old_mu += terms_f32(w, key32, units32);
+  sum.old_mu += terms_f32(w, m);
 #pragma unroll
   for (int k = 0; k < 4; ++k) w[k] = __float_as_uint(x.nu[k]);
-  sum.old_nu += terms_f32(w, key32, units32);
-  if constexpr (kMaster) sum.old_master += terms_bf16(x.master, key16, units16);
+  sum.old_nu += terms_f32(w, m);
+  if constexpr (kMaster) sum.old_master += terms_16(x.master, m);
 }
 
 // Stores four new values of every tensor (all of them, or the first `live`).
@@ -183,10 +186,9 @@ __device__ __forceinline__ void store_group(void* p_dst, uint16_t* master_dst, f
 template <bool kBF16, bool kMaster, bool kFull, bool kOld>
 __device__ __forceinline__ void process_group(const AdamWLeaf& L, const AdamWHyper& h,
                                               const AdamWStep& s, int64_t first, int64_t gi,
-                                              int live, uint64_t key0, Group& x, Sums& sum,
-                                              bool to_copy) {
+                                              int live, Group& x, Sums& sum, bool to_copy) {
   const int64_t e = first + 4 * gi;
-  if constexpr (kOld) old_terms<kBF16, kMaster, kFull>(x, gi, live, key0, sum);
+  if constexpr (kOld) old_terms<kBF16, kMaster, kFull>(x, gi, sum);
 
   // Update; missing elements (ragged end) become zero bits and are not stored.
   uint32_t p_new[4];
@@ -216,19 +218,16 @@ __device__ __forceinline__ void process_group(const AdamWLeaf& L, const AdamWHyp
   }
 
   // New digests.
-  const uint64_t key32 = key0 + static_cast<uint64_t>(2 * gi) * kUnitStride;
-  const uint64_t key16 = key0 + static_cast<uint64_t>(gi) * kUnitStride;
-  const int units32 = kFull ? 2 : (live + 1) / 2;
-  const int units16 = kFull ? 1 : (live > 0 ? 1 : 0);
+  const GroupMuls m = group_muls(gi);
   uint32_t w[4];
-  sum.new_p += kBF16 ? terms_bf16(p_new, key16, units16) : terms_f32(p_new, key32, units32);
+  sum.new_p += kBF16 ? terms_16(p_new, m) : terms_f32(p_new, m);
 #pragma unroll
   for (int k = 0; k < 4; ++k) w[k] = __float_as_uint(x.mu[k]);
-  sum.new_mu += terms_f32(w, key32, units32);
+  sum.new_mu += terms_f32(w, m);
 #pragma unroll
   for (int k = 0; k < 4; ++k) w[k] = __float_as_uint(x.nu[k]);
-  sum.new_nu += terms_f32(w, key32, units32);
-  if constexpr (kMaster) sum.new_master += terms_bf16(x.master, key16, units16);
+  sum.new_nu += terms_f32(w, m);
+  if constexpr (kMaster) sum.new_master += terms_16(x.master, m);
 }
 
 __device__ __forceinline__ void warp_sum(Sums& s) {
@@ -320,17 +319,15 @@ __device__ __forceinline__ void finish_chunk(const AdamWLeaf& L, int64_t c, int6
 }
 
 // Where chunk c of a leaf lies: its first element, its length (the last chunk may be short),
-// its whole groups of four, the elements past them, and its digest key.
+// its whole groups of four, and the elements past them.
 struct ChunkSpan {
   int64_t first, count, full_groups;
   int rem;
-  uint64_t key0;
 };
 __device__ __forceinline__ ChunkSpan chunk_span(const AdamWLeaf& L, int64_t c) {
   const int64_t first = c * L.chunk_elems;
   const int64_t count = min(L.chunk_elems, L.n - first);
-  return {first, count, count >> 2, static_cast<int>(count & 3),
-          chunk_key(static_cast<uint64_t>(c))};
+  return {first, count, count >> 2, static_cast<int>(count & 3)};
 }
 
 // Several leaves in one launch: block b takes global chunk b (and b + gridDim.x, ...), which
@@ -359,7 +356,7 @@ template <bool kBF16, bool kMaster, int kG>
 __device__ __forceinline__ void resident_chunk(const AdamWLeaf& L, const AdamWHyper& h,
                                                const AdamWStep& s, int64_t c) {
   constexpr int psize = kBF16 ? 2 : 4;
-  const auto [first, count, full_groups, rem, key0] = chunk_span(L, c);
+  const auto [first, count, full_groups, rem] = chunk_span(L, c);
 
   // Group gi = threadIdx.x + k * kThreads: whole (live 4), the ragged last one (live rem), or
   // past the end (live 0: nothing loaded, nothing stored, no digest term).
@@ -380,9 +377,9 @@ __device__ __forceinline__ void resident_chunk(const AdamWLeaf& L, const AdamWHy
   for (int k = 0; k < kG; ++k) {
     const int64_t gi = threadIdx.x + static_cast<int64_t>(k) * kThreads;
     if (live[k] == 4) {
-      old_terms<kBF16, kMaster, true>(x[k], gi, 4, key0, old);
+      old_terms<kBF16, kMaster, true>(x[k], gi, old);
     } else if (live[k] > 0) {
-      old_terms<kBF16, kMaster, false>(x[k], gi, live[k], key0, old);
+      old_terms<kBF16, kMaster, false>(x[k], gi, old);
     }
   }
   old = block_sum(old);
@@ -393,10 +390,9 @@ __device__ __forceinline__ void resident_chunk(const AdamWLeaf& L, const AdamWHy
   for (int k = 0; k < kG; ++k) {
     const int64_t gi = threadIdx.x + static_cast<int64_t>(k) * kThreads;
     if (live[k] == 4) {
-      process_group<kBF16, kMaster, true, false>(L, h, s, first, gi, 4, key0, x[k], sum, to_copy);
+      process_group<kBF16, kMaster, true, false>(L, h, s, first, gi, 4, x[k], sum, to_copy);
     } else if (live[k] > 0) {
-      process_group<kBF16, kMaster, false, false>(L, h, s, first, gi, live[k], key0, x[k], sum,
-                                                  to_copy);
+      process_group<kBF16, kMaster, false, false>(L, h, s, first, gi, live[k], x[k], sum, to_copy);
     }
   }
   const Sums t = block_sum(sum);

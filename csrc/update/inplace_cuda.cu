@@ -15,6 +15,7 @@
 
 #include "pimhbm/cuda_check.h"
 #include "pimhbm/digest.h"
+#include "pimhbm/word_muls.cuh"
 #include "update/adamw_kernel.cuh"
 #include "update/inplace.h"
 #include "update/inplace_math.h"
@@ -151,40 +152,35 @@ __device__ __forceinline__ void store_group(const InPlaceLeaf& L, int64_t e, int
   }
 }
 
-// The lane's digest terms of its part, one sum per tensor (missing elements are zero, as the
-// digest pads; no master weights: that sum stays zero).
+// The lane's digest terms of its part, one sum per tensor (missing elements are zero: no
+// terms, as the digest's padding; no master weights: that sum stays zero).
 struct Terms {
   uint64_t p = 0, r = 0, mu = 0, nu = 0;
 };
 
-// Digest term of four 16-bit values held as two pairs: one unit, as it is in memory.
-__device__ __forceinline__ uint64_t terms_pairs(const uint32_t (&w)[2], uint64_t key, int units) {
-  const uint64_t t = unit_term(static_cast<uint64_t>(w[1]) << 32 | w[0], key);
-  return units >= 1 ? t : 0;
-}
-
+// The digest's word multipliers of a chunk of 128 kG elements (digest.h), in shared memory:
+// muls[v] for words 4 v .. 4 v + 3. A lane's group gi is its fp32 tensors' words 4 gi .. 4 gi + 3
+// (muls[gi]) and its 16-bit tensors' words 2 gi and 2 gi + 1 (the pair at word 2 gi).
 template <bool kBF16, bool kMaster, int kG>
-__device__ __forceinline__ Terms lane_terms(const Part<kG, kBF16>& x, uint64_t key0) {
+__device__ __forceinline__ Terms lane_terms(const Part<kG, kBF16>& x, const uint4* muls) {
   Terms t;
 #pragma unroll
   for (int j = 0; j < kG; ++j) {
-    const int64_t gi = lane_id() + 32 * j;
-    const int live = x.live[j];
-    const int units32 = (live + 1) / 2, units16 = live > 0 ? 1 : 0;
-    const uint64_t key32 = key0 + static_cast<uint64_t>(2 * gi) * kUnitStride;
-    const uint64_t key16 = key0 + static_cast<uint64_t>(gi) * kUnitStride;
-    uint32_t mu[4], nu[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      mu[k] = __float_as_uint(x.mu[j][k]), nu[k] = __float_as_uint(x.nu[j][k]);
+    const int gi = lane_id() + 32 * j;
+    const uint4 m32 = muls[gi];
+    const uint2 m16 = reinterpret_cast<const uint2*>(muls)[gi];
+    const auto words = [](const float(&f)[4]) {
+      return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
+                        __float_as_uint(f[3]));
+    };
     if constexpr (kBF16) {
-      t.p += terms_pairs(x.p[j], key16, units16);
+      t.p += pair_terms(x.p[j][0], x.p[j][1], m16.x, m16.y);
     } else {
-      t.p += kernel::terms_f32(x.p[j], key32, units32);
+      t.p += vector_terms(make_uint4(x.p[j][0], x.p[j][1], x.p[j][2], x.p[j][3]), m32);
     }
-    if constexpr (kMaster) t.r += terms_pairs(x.r[j], key16, units16);
-    t.mu += kernel::terms_f32(mu, key32, units32);
-    t.nu += kernel::terms_f32(nu, key32, units32);
+    if constexpr (kMaster) t.r += pair_terms(x.r[j][0], x.r[j][1], m16.x, m16.y);
+    t.mu += vector_terms(words(x.mu[j]), m32);
+    t.nu += vector_terms(words(x.nu[j]), m32);
   }
   return t;
 }
@@ -353,11 +349,10 @@ struct ChunkVerdict {
 template <bool kBF16, bool kMaster, bool kParity, int kG, bool kWhole>
 __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* g,
                                    const AdamWHyper& h, const AdamWStep& s, Acc<kG> acc,
-                                   Part<kG, kBF16>& x) {
+                                   const uint4* muls, Part<kG, kBF16>& x) {
   const int64_t first = c * L.chunk_elems;
   const int64_t count = min(L.chunk_elems, L.n - first);
   const uint64_t key_chunk = inplace_key_chunk(L, c);
-  const uint64_t key0 = chunk_key(key_chunk);
   const LaneTensor tensor = lane_tensor<kBF16, kMaster>(L, count);
   const uint64_t expected = expected_digest(tensor, c);
 #pragma unroll
@@ -368,7 +363,7 @@ __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* 
     load_group<kBF16, kMaster, kG>(L, g, first + e, e, j, x);
   }
   const int32_t faults = faults_of(tensor, key_chunk, expected,
-                                   transposed_sum(lane_terms<kBF16, kMaster, kG>(x, key0)));
+                                   transposed_sum(lane_terms<kBF16, kMaster, kG>(x, muls)));
   if (faults != 0) return {faults, 0};
   uint32_t kept = 0;
 #pragma unroll
@@ -385,7 +380,7 @@ __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* 
       }
     }
   }
-  write_table(tensor, c, key_chunk, transposed_sum(lane_terms<kBF16, kMaster, kG>(x, key0)));
+  write_table(tensor, c, key_chunk, transposed_sum(lane_terms<kBF16, kMaster, kG>(x, muls)));
   return {0, __reduce_add_sync(0xFFFFFFFFu, kept)};
 }
 
@@ -485,6 +480,8 @@ __global__ void __launch_bounds__(32 * kWarps, 4)
     inplace_kernel(const __grid_constant__ Table T, const AdamWHyper h, const float* step,
                    const int32_t* go, Stash stash, uint64_t* totals) {
   __shared__ uint4 shared_acc[kParity ? kWarps : 1][3][32 * kG];
+  __shared__ uint4 muls[32 * kG];
+  fill_word_muls(muls);
   const bool skipped = *go == 0;  // nothing written but the reports' zeros
   const AdamWStep s = adamw_step(step);
   const int warp = threadIdx.x >> 5;
@@ -505,7 +502,8 @@ __global__ void __launch_bounds__(32 * kWarps, 4)
     for (int64_t c = grp * per; c < last; ++c) {
       Part<kG, kBF16> x;
       const void* g = static_cast<const uint8_t*>(L.g) + c * L.chunk_elems * (kBF16 ? 2 : 4);
-      const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG, kWhole>(L, c, g, h, s, acc, x);
+      const ChunkVerdict v =
+          warp_chunk<kBF16, kMaster, kParity, kG, kWhole>(L, c, g, h, s, acc, muls, x);
       record(L, c, v, totals);
       if (v.faults != 0) stash_chunk<kBF16, kG>(L, c, v.faults, x, stash, totals);
     }
@@ -520,6 +518,8 @@ __global__ void __launch_bounds__(32 * kWarps)
     redo_kernel(const __grid_constant__ Table T, const AdamWHyper h, const float* step,
                 StashIn stash, uint64_t* totals) {
   __shared__ uint4 shared_acc[kParity ? kWarps : 1][3][32 * kG];
+  __shared__ uint4 muls[32 * kG];
+  fill_word_muls(muls);
   const AdamWStep s = adamw_step(step);
   const int warp = threadIdx.x >> 5;
   const Acc<kG> acc{shared_acc[kParity ? warp : 0]};
@@ -544,7 +544,7 @@ __global__ void __launch_bounds__(32 * kWarps)
       if constexpr (kParity) zero_acc<kG>(acc);
       Part<kG, kBF16> x;
       const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG, false>(
-          L, c, stash.rows + j * L.chunk_elems, h, s, acc, x);
+          L, c, stash.rows + j * L.chunk_elems, h, s, acc, muls, x);
       record(L, c, v, totals);
       if constexpr (kParity) {
         if (v.faults == 0) fold_parity<kBF16, kMaster, kG>(L, c / per, acc);

@@ -9,6 +9,7 @@
 
 #include "pimhbm/cuda_check.h"
 #include "pimhbm/digest.h"
+#include "pimhbm/word_muls.cuh"
 #include "update/precheck.h"
 
 namespace pimhbm::update {
@@ -25,6 +26,9 @@ struct Table {
 static_assert(sizeof(Table) < 32000, "the leaf table must fit the kernel parameters");
 
 constexpr int kSegment = 8;  // lanes a chunk
+// Word multipliers in shared memory: chunks of up to 2 KiB (512 bf16 or fp32 elements: the
+// in-place update's); the words past them take word_mul itself.
+constexpr int kMulVectors = 128;
 
 // Sums over the lane's segment of kSegment lanes (every lane of the warp takes part).
 template <typename T>
@@ -64,14 +68,13 @@ __device__ __forceinline__ int32_t nonfinite_squares(const uint4 v) {
 // only take part in the sums.
 template <bool kBF16>
 __device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, int64_t chunks,
-                                            int part) {
+                                            int part, const uint4 (&muls)[kMulVectors]) {
   constexpr int64_t kSize = kBF16 ? 2 : 4;
   const int64_t first = c * L.chunk_elems;
   const int64_t len = c < chunks ? min(L.chunk_elems, L.n - first) * kSize : 0;
   const uint8_t* p = static_cast<const uint8_t*>(L.p) + first * kSize;
   const uint8_t* g = static_cast<const uint8_t*>(L.g) + first * kSize;
   const uint64_t key_chunk = static_cast<uint64_t>(precheck_base(L) + c);
-  const uint64_t key0 = chunk_key(key_chunk);
   const int64_t vectors = (len + 15) / 16;
   uint64_t acc = 0;
   int32_t bad = 0;
@@ -82,10 +85,8 @@ __device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, in
         whole ? __ldg(reinterpret_cast<const uint4*>(p) + v) : tail_vector(p, 16 * v, len);
     const uint4 gv =
         whole ? __ldg(reinterpret_cast<const uint4*>(g) + v) : tail_vector(g, 16 * v, len);
-    const uint64_t key = key0 + static_cast<uint64_t>(2 * v) * kUnitStride;
-    acc += unit_term(digest_join(pv.x, pv.y), key);
-    // A chunk of len bytes has ceil(len / 8) units: the vector's second one may lie past it.
-    if (16 * v + 8 < len) acc += unit_term(digest_join(pv.z, pv.w), key + kUnitStride);
+    const uint4 m = v < kMulVectors ? muls[v] : word_muls_of_vector(static_cast<uint32_t>(v));
+    acc += vector_terms(pv, m);  // past the end the words are zero: no terms
     bad += nonfinite_squares<kBF16>(gv);
   }
   acc = segment_sum(acc);
@@ -99,6 +100,8 @@ __device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, in
 
 // Every warp takes every warps-th run of four chunks of each leaf in turn.
 __global__ void __launch_bounds__(32 * kWarps) precheck_kernel(const __grid_constant__ Table T) {
+  __shared__ uint4 muls[kMulVectors];
+  fill_word_muls(muls);
   constexpr int kPerWarp = 32 / kSegment;
   const int lane = threadIdx.x & 31;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -109,9 +112,9 @@ __global__ void __launch_bounds__(32 * kWarps) precheck_kernel(const __grid_cons
     for (int64_t c0 = kPerWarp * warp; c0 < chunks; c0 += kPerWarp * warps) {
       const int64_t c = c0 + lane / kSegment;
       if (L.bf16) {
-        check_chunk<true>(L, c, chunks, lane % kSegment);
+        check_chunk<true>(L, c, chunks, lane % kSegment, muls);
       } else {
-        check_chunk<false>(L, c, chunks, lane % kSegment);
+        check_chunk<false>(L, c, chunks, lane % kSegment, muls);
       }
     }
   }

@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 from pimhbm.scan import (
     DEFAULT_CHUNK_BYTES,
+    MAX_CHUNK_SIZE,
     ScanResult,
     num_chunks,
     scan,
@@ -19,6 +20,7 @@ from pimhbm.scan import (
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "MAX_CHUNK_SIZE",
     "ScanResult",
     "num_chunks",
     "scan",

@@ -24,6 +24,8 @@ from pimhbm.sharding import Arg, Leaf, Role, partitioned
 
 DEFAULT_CHUNK_BYTES: int = int(_core.default_chunk_bytes)
 _CHUNK_ALIGN: int = int(_core.chunk_align)
+# The digest distinguishes the words of a chunk of up to this many bytes (digest.h).
+MAX_CHUNK_SIZE: int = int(_core.max_chunk_size)
 
 # Dtypes whose bytes we protect. Floats also get a finite check and max |x|.
 _FLOAT_DTYPES = {
@@ -53,6 +55,8 @@ def _check_chunk_bytes(chunk_bytes: Any) -> int:
     if chunk_bytes <= 0 or chunk_bytes % _CHUNK_ALIGN:
         raise ValueError(f"chunk_bytes must be a positive multiple of {_CHUNK_ALIGN}, "
                          f"got {chunk_bytes}")
+    if chunk_bytes > MAX_CHUNK_SIZE:
+        raise ValueError(f"chunk_bytes must be at most {MAX_CHUNK_SIZE}, got {chunk_bytes}")
     return chunk_bytes
 
 

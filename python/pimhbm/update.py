@@ -41,7 +41,7 @@ import numpy as np
 from pimhbm import _core
 from pimhbm._ffi import ensure_registered
 from pimhbm.gradients import check_grads, check_transform, transform_grads
-from pimhbm.scan import scan, verify
+from pimhbm.scan import MAX_CHUNK_SIZE, scan, verify
 
 DEFAULT_CHUNK_ELEMS = 16384  # 64 KiB of every fp32 tensor, 32 KiB of every bf16 tensor
 DEVICE_COPY_CHUNK_ELEMS = 4096
@@ -268,6 +268,8 @@ class AdamW:
     def __post_init__(self):
         if self.chunk_elems <= 0 or self.chunk_elems % 16:
             raise ValueError(f"chunk_elems must be a positive multiple of 16, got {self.chunk_elems}")
+        if self.chunk_elems > MAX_CHUNK_SIZE:
+            raise ValueError(f"chunk_elems must be at most {MAX_CHUNK_SIZE}, got {self.chunk_elems}")
         check_transform(self.gradient_transform)
 
     def chunk_bytes(self, dtype: Any) -> int:

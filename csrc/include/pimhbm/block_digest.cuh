@@ -31,7 +31,6 @@ __device__ __forceinline__ uint64_t block_sum_u64(uint64_t v, uint64_t* scratch)
 // compute-sanitizer memcheck for 1-3 byte tails, while plain runs matched).
 __device__ __forceinline__ uint64_t block_chunk_digest(const uint8_t* p, int64_t len,
                                                        uint64_t chunk, uint64_t* scratch) {
-  const uint64_t key0 = chunk_key(chunk);
   const int64_t whole = len / 8;
   const bool aligned = reinterpret_cast<uintptr_t>(p) % 8 == 0;
   uint64_t acc = 0;
@@ -43,13 +42,13 @@ __device__ __forceinline__ uint64_t block_chunk_digest(const uint8_t* p, int64_t
       u = 0;
       for (int b = 0; b < 8; ++b) u |= static_cast<uint64_t>(p[8 * i + b]) << (8 * b);
     }
-    acc += unit_term(u, key0 + static_cast<uint64_t>(i) * kUnitStride);
+    acc += unit_terms(u, static_cast<uint64_t>(i));
   }
   const int rest = static_cast<int>(len - 8 * whole);
   if (rest > 0 && threadIdx.x == 0) {
     uint64_t u = 0;
     for (int b = 0; b < rest; ++b) u |= static_cast<uint64_t>(p[8 * whole + b]) << (8 * b);
-    acc += unit_term(u, key0 + static_cast<uint64_t>(whole) * kUnitStride);
+    acc += unit_terms(u, static_cast<uint64_t>(whole));
   }
   return finalize(block_sum_u64(acc, scratch), static_cast<uint64_t>(len), chunk);
 }

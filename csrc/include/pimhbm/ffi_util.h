@@ -62,11 +62,16 @@ inline std::optional<Elem> elem_of(ffi::DataType t) {
   return d ? d->elem : std::nullopt;
 }
 
-// A chunk size (chunk_bytes, or the update's chunk_elems): a positive multiple of 16.
+// A chunk size (chunk_bytes, or the update's chunk_elems): a positive multiple of 16, at most
+// kMaxChunkSize (a chunk of elements up to 4 bytes then stays within the digest's words).
 inline ffi::Error check_chunk_size(std::string_view op, std::string_view name, int64_t size) {
   if (size <= 0 || size % kChunkAlign != 0) {
     return invalid(
         op, std::string(name) + " must be a positive multiple of 16, got " + std::to_string(size));
+  }
+  if (size > kMaxChunkSize) {
+    return invalid(op, std::string(name) + " must be at most " + std::to_string(kMaxChunkSize) +
+                           ", got " + std::to_string(size));
   }
   return ffi::Error::Success();
 }
