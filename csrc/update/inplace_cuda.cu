@@ -472,11 +472,20 @@ __device__ __forceinline__ int leaf_of(const Table& T, int64_t gg) {
   return i;
 }
 
+// Blocks an SM the main launch asks for. A warp holds one chunk and has no load in flight while
+// it computes it, so more warps hide more of the loads' latency: with parity, at chunks of up to
+// 256 elements, 6 blocks (80 registers, a few bytes spilled outside the chunk loop) ran 11 %
+// faster in the training step than 4 (128 registers); without parity 6 ran slower
+// (bench/NOTES.md, "The digest as word products", run 119).
+template <bool kParity, int kG, bool kWhole>
+constexpr int min_blocks() {
+  return kWhole && kParity && kG <= 2 ? 6 : 4;
+}
+
 // kWhole: the table's groups hold whole chunks only (the main launch); else each is a tensor's
 // last group, whose last chunk is short (the tail launch).
-// At least 4 blocks (16 warps) an SM: at most 128 registers (bench/NOTES.md, in-place v3).
 template <bool kBF16, bool kMaster, bool kParity, int kG, bool kWhole>
-__global__ void __launch_bounds__(32 * kWarps, 4)
+__global__ void __launch_bounds__(32 * kWarps, min_blocks<kParity, kG, kWhole>())
     inplace_kernel(const __grid_constant__ Table T, const AdamWHyper h, const float* step,
                    const int32_t* go, Stash stash, uint64_t* totals) {
   __shared__ uint4 shared_acc[kParity ? kWarps : 1][3][32 * kG];
