@@ -24,8 +24,8 @@
 
 #include "pimhbm/cuda_check.h"
 #include "pimhbm/digest.h"
-#include "pimhbm/elem.h"
 #include "pimhbm/word_muls.cuh"
+#include "pimhbm/elem.h"
 #include "scan/scan.h"
 
 namespace pimhbm::scan {
@@ -69,14 +69,9 @@ struct F32Check {
     uint32_t a = w & 0x7FFFFFFFu;
     uint32_t nf = (a + 0x00800000u) >> 31;  // a >= 0x7f800000
     n += nf;
-    mx = max(mx, a & (nf - 1u));  // non-finite values count as 0
+    mx = max(mx, a & (nf - 1u));            // non-finite values count as 0
   }
-  __device__ void add(uint4 v) {
-    word(v.x);
-    word(v.y);
-    word(v.z);
-    word(v.w);
-  }
+  __device__ void add(uint4 v) { word(v.x); word(v.y); word(v.z); word(v.w); }
   __device__ uint32_t count() const { return n; }
   __device__ uint64_t max_key() const { return mx; }
   static __device__ float to_float(uint64_t k) { return __uint_as_float(static_cast<uint32_t>(k)); }
@@ -102,10 +97,7 @@ struct F64Check {
     uint64_t a = (static_cast<uint64_t>(ahi) << 32) | lo;
     mx = max(mx, a & (static_cast<uint64_t>(nf) - 1u));
   }
-  __device__ void add(uint4 v) {
-    unit(v.x, v.y);
-    unit(v.z, v.w);
-  }
+  __device__ void add(uint4 v) { unit(v.x, v.y); unit(v.z, v.w); }
   __device__ uint32_t count() const { return n; }
   __device__ uint64_t max_key() const { return mx; }
   static __device__ float to_float(uint64_t k) {
@@ -135,12 +127,7 @@ struct Half2Check {
     uint32_t bad = t - (t >> 15);  // 0x7fff in every non-finite lane
     mx = __vmaxu2(mx, a & ~bad);
   }
-  __device__ void add(uint4 v) {
-    word(v.x);
-    word(v.y);
-    word(v.z);
-    word(v.w);
-  }
+  __device__ void add(uint4 v) { word(v.x); word(v.y); word(v.z); word(v.w); }
   __device__ uint32_t count() const { return n; }
   __device__ uint64_t max_key() const { return fast_key(mx); }
   static __device__ float to_float(uint64_t k) {
@@ -148,8 +135,8 @@ struct Half2Check {
                  : f16_abs_to_float(static_cast<uint32_t>(k));
   }
 };
-using BF16Check = Half2Check<0x7F80u, true>;  // non-finite: |x| >= 0x7f80
-using F16Check = Half2Check<0x7C00u, false>;  // non-finite: |x| >= 0x7c00
+using BF16Check = Half2Check<0x7F80u, true>;   // non-finite: |x| >= 0x7f80
+using F16Check = Half2Check<0x7C00u, false>;   // non-finite: |x| >= 0x7c00
 
 // Four 8-bit values per word, same tricks with 8-bit lanes.
 template <uint32_t kFirstNonFinite, bool kE4M3>
@@ -173,12 +160,7 @@ struct Byte4Check {
     uint32_t bad = t - (t >> 7);  // 0x7f in every non-finite lane
     mx = __vmaxu4(mx, a & ~bad);
   }
-  __device__ void add(uint4 v) {
-    word(v.x);
-    word(v.y);
-    word(v.z);
-    word(v.w);
-  }
+  __device__ void add(uint4 v) { word(v.x); word(v.y); word(v.z); word(v.w); }
   __device__ uint32_t count() const { return n; }
   __device__ uint64_t max_key() const { return fast_key(mx); }
   static __device__ float to_float(uint64_t k) {
@@ -438,20 +420,13 @@ cudaError_t run(const Args& a, Elem elem, bool verify, LaunchShape shape, cudaSt
   const int blocks = static_cast<int>(std::min<int64_t>(a.nchunks, max_blocks));
   if (verify) return launch<NoCheck, true>(a, threads, blocks, stream);
   switch (elem) {
-    case Elem::kRaw:
-      return launch<NoCheck, false>(a, threads, blocks, stream);
-    case Elem::kF64:
-      return launch<F64Check, false>(a, threads, blocks, stream);
-    case Elem::kF32:
-      return launch<F32Check, false>(a, threads, blocks, stream);
-    case Elem::kF16:
-      return launch<F16Check, false>(a, threads, blocks, stream);
-    case Elem::kBF16:
-      return launch<BF16Check, false>(a, threads, blocks, stream);
-    case Elem::kF8E4M3FN:
-      return launch<E4M3Check, false>(a, threads, blocks, stream);
-    case Elem::kF8E5M2:
-      return launch<E5M2Check, false>(a, threads, blocks, stream);
+    case Elem::kRaw: return launch<NoCheck, false>(a, threads, blocks, stream);
+    case Elem::kF64: return launch<F64Check, false>(a, threads, blocks, stream);
+    case Elem::kF32: return launch<F32Check, false>(a, threads, blocks, stream);
+    case Elem::kF16: return launch<F16Check, false>(a, threads, blocks, stream);
+    case Elem::kBF16: return launch<BF16Check, false>(a, threads, blocks, stream);
+    case Elem::kF8E4M3FN: return launch<E4M3Check, false>(a, threads, blocks, stream);
+    case Elem::kF8E5M2: return launch<E5M2Check, false>(a, threads, blocks, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -461,22 +436,15 @@ cudaError_t run(const Args& a, Elem elem, bool verify, LaunchShape shape, cudaSt
 cudaError_t scan_cuda_shaped(const void* data, int64_t nbytes, Elem elem, int64_t chunk_bytes,
                              uint32_t* digests, int32_t* nonfinite, float* max_abs,
                              cudaStream_t stream, LaunchShape shape, const int32_t* chunk_base) {
-  Args a{static_cast<const uint8_t*>(data),
-         nbytes,
-         chunk_bytes,
-         num_chunks(nbytes, chunk_bytes),
-         digests,
-         nonfinite,
-         max_abs,
-         nullptr,
-         nullptr,
+  Args a{static_cast<const uint8_t*>(data), nbytes, chunk_bytes,
+         num_chunks(nbytes, chunk_bytes), digests, nonfinite, max_abs, nullptr, nullptr,
          chunk_base};
   return run(a, elem, /*verify=*/false, shape, stream);
 }
 
 cudaError_t scan_cuda(const void* data, int64_t nbytes, Elem elem, int64_t chunk_bytes,
-                      uint32_t* digests, int32_t* nonfinite, float* max_abs, cudaStream_t stream,
-                      const int32_t* chunk_base) {
+                      uint32_t* digests, int32_t* nonfinite, float* max_abs,
+                      cudaStream_t stream, const int32_t* chunk_base) {
   return scan_cuda_shaped(data, nbytes, elem, chunk_bytes, digests, nonfinite, max_abs, stream,
                           LaunchShape{}, chunk_base);
 }
@@ -484,15 +452,8 @@ cudaError_t scan_cuda(const void* data, int64_t nbytes, Elem elem, int64_t chunk
 cudaError_t verify_cuda(const void* data, int64_t nbytes, int64_t chunk_bytes,
                         const uint32_t* expected, uint8_t* mismatch, cudaStream_t stream,
                         const int32_t* chunk_base) {
-  Args a{static_cast<const uint8_t*>(data),
-         nbytes,
-         chunk_bytes,
-         num_chunks(nbytes, chunk_bytes),
-         nullptr,
-         nullptr,
-         nullptr,
-         expected,
-         mismatch,
+  Args a{static_cast<const uint8_t*>(data), nbytes, chunk_bytes,
+         num_chunks(nbytes, chunk_bytes), nullptr, nullptr, nullptr, expected, mismatch,
          chunk_base};
   return run(a, Elem::kRaw, /*verify=*/true, LaunchShape{}, stream);
 }
