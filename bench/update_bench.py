@@ -25,7 +25,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from rich.console import Console
 from rich.table import Table
