@@ -169,12 +169,12 @@ __device__ __forceinline__ void two_pass_chunk(const AdamWLeaf& L, const AdamWHy
     for (int64_t gi = threadIdx.x; gi < full_groups; gi += bd) {
       Group x;
       load_group<kBF16, kMaster, true, !kKeepA>(L, first + 4 * gi, 4, x);
-      old_terms<kBF16, kMaster, true>(x, gi, old);
+      old_terms<kBF16, kMaster>(x, gi, old);
     }
     if (rem != 0) {  // block-uniform
       Group x;
       load_group<kBF16, kMaster, false>(L, first + 4 * full_groups, tail_live, x);
-      old_terms<kBF16, kMaster, false>(x, full_groups, old);
+      old_terms<kBF16, kMaster>(x, full_groups, old);
     }
     old = block_sum(old);
     to_copy = chunk_faults<kMaster>(L, c, count, psize, old) == 0;  // same in every thread

@@ -129,8 +129,9 @@ __device__ __forceinline__ void load_group(const AdamWLeaf& L, int64_t e, int li
   }
 }
 
-// Digest terms of the state of group `gi` as it was read (the old digests).
-template <bool kBF16, bool kMaster, bool kFull>
+// Digest terms of the state of group `gi` as it was read (the old digests); a ragged group's
+// missing elements are zero and add nothing.
+template <bool kBF16, bool kMaster>
 __device__ __forceinline__ void old_terms(const Group& x, int64_t gi, Sums& sum) {
   const GroupMuls m = group_muls(gi);
   uint32_t w[4];
@@ -188,7 +189,7 @@ __device__ __forceinline__ void process_group(const AdamWLeaf& L, const AdamWHyp
                                               const AdamWStep& s, int64_t first, int64_t gi,
                                               int live, Group& x, Sums& sum, bool to_copy) {
   const int64_t e = first + 4 * gi;
-  if constexpr (kOld) old_terms<kBF16, kMaster, kFull>(x, gi, sum);
+  if constexpr (kOld) old_terms<kBF16, kMaster>(x, gi, sum);
 
   // Update; missing elements (ragged end) become zero bits and are not stored.
   uint32_t p_new[4];
@@ -376,11 +377,7 @@ __device__ __forceinline__ void resident_chunk(const AdamWLeaf& L, const AdamWHy
 #pragma unroll
   for (int k = 0; k < kG; ++k) {
     const int64_t gi = threadIdx.x + static_cast<int64_t>(k) * kThreads;
-    if (live[k] == 4) {
-      old_terms<kBF16, kMaster, true>(x[k], gi, old);
-    } else if (live[k] > 0) {
-      old_terms<kBF16, kMaster, false>(x[k], gi, old);
-    }
+    if (live[k] > 0) old_terms<kBF16, kMaster>(x[k], gi, old);
   }
   old = block_sum(old);
   const bool to_copy = chunk_faults<kMaster>(L, c, count, psize, old) == 0;  // block-uniform
