@@ -55,6 +55,15 @@ def flip(state, tensor, leaf, index, bit):
     return state._replace(**{FIELD[tensor]: tree})
 
 
+def flip_row(state, leaf, tensor, row, bit):
+    """The state with one bit of a parity row flipped (a copy)."""
+    rows = {k: dict(v) for k, v in state.parity.items()}
+    x = np.asarray(rows[leaf][tensor]).copy()
+    x.reshape(-1)[row * x.shape[1] + bit // 32 % x.shape[1]] ^= np.uint32(1 << (bit % 32))
+    rows[leaf][tensor] = jnp.asarray(x)
+    return state._replace(parity=rows)
+
+
 def run(opt, params, grads, damage=None, at=1):
     """The state after one update per gradient tree; ``damage`` (state -> state) before update
     ``at``; left chunks repaired. Returns the state and the reports."""
@@ -107,6 +116,37 @@ def test_the_parity_and_digests_the_update_keeps_are_those_made_from_scratch(rng
             cb = opt.chunk_bytes(t, params[k].dtype)
             assert bits(parity.parity(x[k], cb, opt.group)) == bits(state.parity[k][t]), (k, t)
             assert bits(pimhbm.scan(x[k], cb).digests) == bits(state.digests[k][t]), (k, t)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_update_writes_damaged_parity_rows_anew_unless_their_group_left_a_chunk(rng, kind):
+    """Rows of a group whose chunks all commit are the XOR of the new chunks, whatever they held;
+    rows of a group with a chunk left keep their damage (they were folded with the changes),
+    until the next update that commits all of it."""
+    opt, dtype = make(kind, group=2)
+    params = random_params(rng, dtype)
+    grads = [random_grads(rng, params) for _ in range(3)]
+    clean, _ = run(opt, params, grads)
+    update, repair = steps_of(opt)
+    state, _ = update(grads[0], opt.init(params))
+    ce = opt.chunk_elems
+    # t0 (300 x 77): group 0's p and nu rows damaged; group 1's nu row too, and a chunk of it
+    state = flip_row(flip_row(flip_row(state, "t0", "p", 0, 33), "t0", "nu", 0, 7), "t0", "nu", 1, 100)
+    state = flip(state, "mu", "t0", 2 * ce + 5, 9)
+    fresh = lambda st, t: np.asarray(parity.parity(getattr(st, FIELD[t])["t0"],
+                                                   opt.chunk_bytes(t, dtype), opt.group))
+    assert not np.array_equal(fresh(state, "nu"), np.asarray(state.parity["t0"]["nu"]))
+    state, report = update(grads[1], state)
+    assert int(report.digest_faults) == 1
+    for t in ("p", "nu"):
+        rows, want = np.asarray(state.parity["t0"][t]), fresh(state, t)
+        assert np.array_equal(rows[0], want[0]), t  # written anew
+        assert np.array_equal(rows[2:], want[2:]), t
+    assert not np.array_equal(np.asarray(state.parity["t0"]["nu"])[1], fresh(state, "nu")[1])
+    state, fixed = repair(state, report)  # mu rebuilds from its row, which was not damaged
+    assert bool(fixed.complete)
+    state, _ = update(grads[2], state)
+    assert bits(state) == bits(clean)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -444,7 +484,8 @@ def test_gpu_equals_cpu_bit_for_bit_with_damage_and_repair(rng, kind):
     opt, dtype = make(kind, chunk_elems=int(rng.choice([128, 256, 512])), group=int(rng.integers(1, 9)))
     params = random_params(rng, dtype)
     grads = [random_grads(rng, params) for _ in range(4)]
-    damage = lambda s: flip(flip(s, "mu", "t0", 999, 7), "nu", "t4", 4096, 31)
+    damage = lambda s: flip_row(flip(flip(s, "mu", "t0", 999, 7), "nu", "t4", 4096, 31),
+                                "t3", "mu", 0, 77)
     assert_gpu_equals_cpu(opt, params, grads, damage)
 
 
@@ -459,7 +500,8 @@ def test_gpu_equals_cpu_bit_for_bit_at_every_chunk_size_and_group(rng, kind, chu
     opt, dtype = make(kind, chunk_elems=chunk_elems, group=group)
     params = random_params(rng, dtype)
     grads = [random_grads(rng, params) for _ in range(3)]
-    damage = None if group == 0 else (lambda s: flip(s, "mu", "t0", 300, 5))
+    damage = None if group == 0 else (
+        lambda s: flip_row(flip_row(flip(s, "mu", "t0", 300, 5), "t0", "nu", 0, 3), "t5", "p", 0, 8))
     assert_gpu_equals_cpu(opt, params, grads, damage)
 
 

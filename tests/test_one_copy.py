@@ -271,23 +271,80 @@ def test_two_damaged_chunks_of_one_group_go_to_the_host_snapshot(shm_name):
         tr.close(unlink=True)
 
 
-def test_a_scrub_finds_a_stale_parity_row_and_makes_it_anew(shm_name):
+def damage_row(tr, path, tensor, row, word, bit):
+    """One bit of a parity row flipped in the Trainer's state."""
+    i = tr.layout.leaf_index(path)
+    rows = tr.traced.treedef.flatten_up_to(tr.state.opt.parity)
+    rows[i][tensor] = rows[i][tensor].at[row, word].set(
+        rows[i][tensor][row, word] ^ jnp.uint32(1 << bit))
+    opt = tr.state.opt._replace(parity=jax.tree.unflatten(tr.traced.treedef, rows))
+    tr.state = tr.state._replace(opt=opt)
+
+
+def row_is_fresh(tr, path, tensor):
+    i = tr.layout.leaf_index(path)
+    x = tr.traced.tensors(tr.state.opt)[i][tensor][0]
+    fresh = parity.parity(x, tr.layout.chunk_bytes(tensor, i), GROUP)
+    now = tr.traced.treedef.flatten_up_to(tr.state.opt.parity)[i][tensor]
+    return np.array_equal(np.asarray(now), np.asarray(fresh))
+
+
+def test_the_next_update_writes_a_damaged_parity_row_anew(shm_name):
+    """A parity row is read by no step, but each committing update writes it anew from its
+    group: damaged between steps, it is whole again one step later, with nothing to report."""
+    reference = fault_free(shm_name, 8)
     tr = make_trainer(shm_name)
     try:
         tr.run(3)
-        i = tr.layout.leaf_index("w1")
-        rows = tr.traced.treedef.flatten_up_to(tr.state.opt.parity)
-        rows[i]["nu"] = rows[i]["nu"].at[1, 5].set(rows[i]["nu"][1, 5] ^ jnp.uint32(1 << 20))
-        opt = tr.state.opt._replace(parity=jax.tree.unflatten(tr.traced.treedef, rows))
-        tr.state = tr.state._replace(opt=opt)
-        stats = tr.run(5)  # a scrub runs after step 5
+        damage_row(tr, "w1", "nu", 1, 5, 20)
+        assert not row_is_fresh(tr, "w1", "nu")  # the control: the damage is there
+        stats = tr.run(4)  # no scrub is due: the update of step 4 alone
+        assert row_is_fresh(tr, "w1", "nu")
+        assert not stats.incidents
+        tr.run(8)
+        assert same_state(tr.current_state(), reference)
+    finally:
+        tr.close(unlink=True)
+
+
+def test_one_copy_schedules_no_scrubs_unless_asked():
+    opt = inplace.adamw(3e-3, master_weights=True, chunk_elems=CHUNK, group=GROUP)
+    tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), devices=jax.devices()[:1],
+                 telemetry=None)
+    try:
+        assert tr.scrub_every == 0
+        tr.prewarm()
+        assert tr.run(6).scrubs == 0
+    finally:
+        tr.close()
+    tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), devices=jax.devices()[:1],
+                 telemetry=None, scrub_every=3)
+    try:
+        tr.prewarm()
+        assert tr.run(6).scrubs == 2  # the control: asked for, they run
+    finally:
+        tr.close()
+
+
+def test_a_scrub_finds_a_stale_parity_row_and_makes_it_anew(shm_name):
+    """Damage to a row after the step that would have written it anew: the scrub (asked for
+    every 5 steps) finds it and makes it from the chunks."""
+
+    class AfterTheUpdate:
+        def before_step(self, trainer, step, attempt):
+            return None
+
+        def before_scrub(self, trainer, step):
+            if step == 5:
+                damage_row(trainer, "w1", "nu", 1, 5, 20)
+
+    tr = make_trainer(shm_name)
+    try:
+        stats = tr.run(5, campaign=AfterTheUpdate())
         remade = incidents(stats, IncidentKind.PARITY)
         assert [(i.step, i.action) for i in remade] == [(5, Action.PARITY_REMADE)]
         assert {l.chunk for l in remade[0].locations} == set(range(GROUP, 2 * GROUP))
-        nu = tr.traced.tensors(tr.state.opt)[i]["nu"][0]
-        fresh = parity.parity(nu, tr.layout.chunk_bytes("nu", i), GROUP)
-        now = tr.traced.treedef.flatten_up_to(tr.state.opt.parity)[i]["nu"]
-        assert np.array_equal(np.asarray(now), np.asarray(fresh))
+        assert row_is_fresh(tr, "w1", "nu")
     finally:
         tr.close(unlink=True)
 

@@ -16,10 +16,13 @@
 // * An element whose new values are not all finite (a learning rate or eps that makes the
 //   update divide by zero or overflow) keeps its old values; the chunk counts it (`kept`).
 //
-// Parity: the rows of each tensor of a leaf (parity.h: the XOR of `group` consecutive chunks),
-// updated by the XOR of each committed chunk's old and new bytes. One warp handles a whole
-// group on the GPU, so a row has one writer. group 0: no parity (data-parallel replicas are the
-// redundancy).
+// Parity: the rows of each tensor of a leaf (parity.h: the XOR of `group` consecutive chunks).
+// Where every chunk of a group commits, its rows are written anew as the XOR of the new chunks:
+// the old rows are not read, and a row damaged since the last step is whole again. Where a
+// chunk of the group is left unwritten (damaged), its correct bytes exist only in the old rows,
+// so those are updated instead by the XOR of each committed chunk's old and new bytes (as is
+// every row a redo touches). One warp handles a whole group on the GPU, so a row has one writer.
+// group 0: no parity (data-parallel replicas are the redundancy).
 //
 // go == 0: nothing is written; every report is zero.
 #pragma once

@@ -110,6 +110,21 @@ void fold_parity(const InPlaceLeaf& L, int64_t grp, const std::vector<std::vecto
   }
 }
 
+// The parity rows of group `grp` made anew: the XOR of its chunks as they now are (whatever the
+// rows held before, damage included, is gone).
+void fresh_parity(const InPlaceLeaf& L, int64_t grp) {
+  const int64_t first = grp * L.group * L.chunk_elems;
+  const int64_t end = std::min(L.n, first + L.group * L.chunk_elems);
+  for (const TensorView& t : tensors_of(L)) {
+    auto* row = reinterpret_cast<uint8_t*>(t.rows) + grp * L.chunk_elems * t.size;
+    std::fill(row, row + L.chunk_elems * t.size, uint8_t{0});
+    for (int64_t i = first; i < end; ++i) {
+      const int64_t at = (i - first) % L.chunk_elems * t.size;
+      for (int b = 0; b < t.size; ++b) row[at + b] ^= t.data[i * t.size + b];
+    }
+  }
+}
+
 std::vector<std::vector<uint8_t>> zero_rows(const InPlaceLeaf& L) {
   std::vector<std::vector<uint8_t>> acc;
   for (const TensorView& t : tensors_of(L)) acc.emplace_back(L.chunk_elems * t.size, 0);
@@ -168,14 +183,20 @@ void inplace_cpu(const InPlaceLeaf* leaves, size_t count, const AdamWHyper& hype
     const int64_t chunks = inplace_chunks(L), per = L.group > 0 ? L.group : 1;
     for (int64_t grp = 0; grp < inplace_groups(L); ++grp) {
       std::vector<std::vector<uint8_t>> acc = zero_rows(L);
+      bool left = false;  // a chunk of the group was not written
       for (int64_t c = grp * per; c < std::min(chunks, (grp + 1) * per); ++c) {
         const int size = L.param_bf16 ? 2 : 4;
         const void* g = static_cast<const uint8_t*>(L.g) + c * L.chunk_elems * size;
         const ChunkResult r = update_chunk(L, c, g, hyper, s, L.group > 0 ? &acc : nullptr);
         record(L, c, r, totals);
         if (r.faults != 0) stash_chunk(L, c, r.faults, stash, totals);
+        left |= r.faults != 0;
       }
-      if (L.group > 0) fold_parity(L, grp, acc);
+      // A chunk left unwritten is damaged in memory: its correct bytes live only in the old
+      // rows, which the changes of the written chunks carry forward. Otherwise the rows are
+      // made anew from the group, which also clears any damage they took since the last step.
+      if (L.group > 0 && left) fold_parity(L, grp, acc);
+      if (L.group > 0 && !left) fresh_parity(L, grp);
     }
   }
 }

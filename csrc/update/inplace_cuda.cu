@@ -4,10 +4,12 @@
 // elements of every tensor, 4 kG elements a lane, chunks of 128 kG elements -- so the warp sums
 // the chunk's old digest terms (shuffles, no block barrier) and knows the chunk's verdict before
 // its first write: a chunk that does not verify is never written. A verified chunk is updated
-// in registers and stored, its new digests summed the same way, and its change XORed into the
-// warp's parity change for the group, which the lane keeps for its own positions in shared
-// memory (no other lane touches them: no barrier either). At the group's end each lane XORs its
-// positions into the parity rows. The math is inplace_math.h's, bit for bit the CPU reference's.
+// in registers and stored, its new digests summed the same way, and its old and new bytes
+// XORed into two sums for the group, which the lane keeps for its own positions in shared
+// memory (no other lane touches them: no barrier either). At the group's end each lane writes
+// its positions of the parity rows: the new bytes' sum where every chunk committed (the rows are
+// not read), else the rows XORed with both sums (the committed chunks' changes). The math is
+// inplace_math.h's, bit for bit the CPU reference's.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -249,13 +251,42 @@ __device__ __forceinline__ void write_table(const LaneTensor& t, int64_t c, uint
   kernel::table_write(t.table, c, finalize(sum, t.bytes, key_chunk));
 }
 
-// The warp's parity change for a group, each lane its own groups of four: acc[1] and acc[2] the
-// moments' words; acc[0] the parameter's four words (fp32), or with bf16 its two pair
-// registers and then the master remainders' two (the words as loaded and stored).
+// The warp's parity sums for a group, each lane its own groups of four: the XOR of the committed
+// chunks' bytes before and after the update. Slot 1 and 2 the moments' words; slot 0 the
+// parameter's four words (fp32), or with bf16 its two pair registers and then the master
+// remainders' two (the words as loaded and stored).
 template <int kG>
 struct Acc {
-  uint4 (*rows)[32 * kG];  // [3][32 kG]
+  uint4 (*before)[32 * kG];  // [3][32 kG]
+  uint4 (*after)[32 * kG];
 };
+
+// Group j of the lane's part as parity slot w's words (acc's layout).
+template <int kG, bool kBF16, bool kMaster>
+__device__ __forceinline__ uint4 slot_words(const Part<kG, kBF16>& x, int j, int w) {
+  const auto bits = [](const float(&f)[4]) {
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
+                      __float_as_uint(f[3]));
+  };
+  if (w == 1) return bits(x.mu[j]);
+  if (w == 2) return bits(x.nu[j]);
+  if constexpr (kBF16) {
+    return make_uint4(x.p[j][0], x.p[j][1], kMaster ? x.r[j][0] : 0u, kMaster ? x.r[j][1] : 0u);
+  }
+  return make_uint4(x.p[j][0], x.p[j][1], x.p[j][2], x.p[j][3]);
+}
+
+// Group j of the lane's part XORed into one of acc's sums.
+template <int kG, bool kBF16, bool kMaster>
+__device__ __forceinline__ void xor_into(uint4 (*sum)[32 * kG], const Part<kG, kBF16>& x, int j) {
+  const int gi = lane_id() + 32 * j;
+#pragma unroll
+  for (int w = 0; w < 3; ++w) {
+    const uint4 v = slot_words<kG, kBF16, kMaster>(x, j, w);
+    uint4& a = sum[w][gi];
+    a.x ^= v.x, a.y ^= v.y, a.z ^= v.z, a.w ^= v.w;
+  }
+}
 
 __device__ __forceinline__ bool finite_f32(float x) {
   return (__float_as_uint(x) & 0x7FFFFFFFu) < 0x7F800000u;
@@ -294,24 +325,16 @@ __device__ __forceinline__ uint32_t update_master_pair(Part<kG, true>& x, int j,
   return kept;
 }
 
-// Group j of the lane updated in place (x), its change into d: d[0] the parameter's words as
-// acc[0] holds them, d[1] and d[2] the moments'. Returns the elements kept.
+// Group j of the lane updated in place (x). Returns the elements kept.
 template <bool kBF16, bool kMaster, int kG, bool kWhole>
 __device__ __forceinline__ uint32_t update_group(Part<kG, kBF16>& x, int j, const AdamWHyper& h,
-                                                 const AdamWStep& s, uint32_t (&d)[3][4]) {
+                                                 const AdamWStep& s) {
   constexpr int kPW = Part<kG, kBF16>::kPW;
-  uint32_t p_before[kPW], r_before[2] = {};
-  if constexpr (kMaster) r_before[0] = x.r[j][0], r_before[1] = x.r[j][1];
-  float mu_before[4], nu_before[4];
-#pragma unroll
-  for (int w = 0; w < kPW; ++w) p_before[w] = x.p[j][w];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) mu_before[k] = x.mu[j][k], nu_before[k] = x.nu[j][k];
-  uint32_t kept = 0;
   if constexpr (kBF16 && kMaster) {
-    kept = update_master_pair<kG, kWhole>(x, j, 0, h, s) +
+    return update_master_pair<kG, kWhole>(x, j, 0, h, s) +
            update_master_pair<kG, kWhole>(x, j, 1, h, s);
   } else {
+    uint32_t kept = 0;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       if (!kWhole && k >= x.live[j]) continue;
@@ -321,21 +344,8 @@ __device__ __forceinline__ uint32_t update_group(Part<kG, kBF16>& x, int j, cons
       set_word<kPW>(x.p[j], k, e.p);
       x.mu[j][k] = e.mu, x.nu[j][k] = e.nu;
     }
+    return kept;
   }
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    d[1][k] = __float_as_uint(mu_before[k]) ^ __float_as_uint(x.mu[j][k]);
-    d[2][k] = __float_as_uint(nu_before[k]) ^ __float_as_uint(x.nu[j][k]);
-  }
-  if constexpr (kBF16) {
-    d[0][0] = p_before[0] ^ x.p[j][0], d[0][1] = p_before[1] ^ x.p[j][1];
-    d[0][2] = kMaster ? r_before[0] ^ x.r[j][0] : 0u;
-    d[0][3] = kMaster ? r_before[1] ^ x.r[j][1] : 0u;
-  } else {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) d[0][k] = p_before[k] ^ x.p[j][k];
-  }
-  return kept;
 }
 
 struct ChunkVerdict {
@@ -344,7 +354,7 @@ struct ChunkVerdict {
 };
 
 // Chunk c: loaded, checked, and where it verifies updated, stored, its tables rewritten and its
-// change XORed into acc. Warp-uniform result. `x` keeps the chunk's gradient for the stash.
+// old and new bytes XORed into acc. Warp-uniform result. `x` keeps the chunk's gradient for the stash.
 // kWhole: every element of the chunk is there (the compiler drops the ragged paths).
 template <bool kBF16, bool kMaster, bool kParity, int kG, bool kWhole>
 __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* g,
@@ -368,20 +378,29 @@ __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* 
   uint32_t kept = 0;
 #pragma unroll
   for (int j = 0; j < kG; ++j) {
-    uint32_t d[3][4];
-    kept += update_group<kBF16, kMaster, kG, kWhole>(x, j, h, s, d);
+    if constexpr (kParity) xor_into<kG, kBF16, kMaster>(acc.before, x, j);
+    kept += update_group<kBF16, kMaster, kG, kWhole>(x, j, h, s);
     store_group<kBF16, kMaster, kG>(L, first + 4 * (lane_id() + 32 * j), j, x);
-    if constexpr (kParity) {
-      const int gi = lane_id() + 32 * j;
-#pragma unroll
-      for (int w = 0; w < 3; ++w) {
-        uint4& a = acc.rows[w][gi];
-        a.x ^= d[w][0], a.y ^= d[w][1], a.z ^= d[w][2], a.w ^= d[w][3];
-      }
-    }
+    if constexpr (kParity) xor_into<kG, kBF16, kMaster>(acc.after, x, j);
   }
   write_table(tensor, c, key_chunk, transposed_sum(lane_terms<kBF16, kMaster, kG>(x, muls)));
   return {0, __reduce_add_sync(0xFFFFFFFFu, kept)};
+}
+
+// The parity sums of a block's warps live in dynamic shared memory: with chunks of 512 the two
+// sums of four warps (48 KiB) and the word multipliers pass the 48 KiB a block may hold
+// statically.
+template <bool kParity, int kG>
+constexpr int acc_bytes() {
+  return kParity ? kWarps * 2 * 3 * 32 * kG * static_cast<int>(sizeof(uint4)) : 0;
+}
+
+template <bool kParity, int kG>
+__device__ __forceinline__ Acc<kG> warp_acc() {
+  extern __shared__ uint4 acc_memory[];
+  using Row = uint4[32 * kG];
+  Row* const rows = reinterpret_cast<Row*>(acc_memory) + (kParity ? 6 * (threadIdx.x >> 5) : 0);
+  return {rows, rows + 3};
 }
 
 template <int kG>
@@ -389,40 +408,49 @@ __device__ __forceinline__ void zero_acc(Acc<kG> acc) {
 #pragma unroll
   for (int w = 0; w < 3; ++w) {
 #pragma unroll
-    for (int j = 0; j < kG; ++j) acc.rows[w][lane_id() + 32 * j] = make_uint4(0, 0, 0, 0);
+    for (int j = 0; j < kG; ++j) {
+      acc.before[w][lane_id() + 32 * j] = make_uint4(0, 0, 0, 0);
+      acc.after[w][lane_id() + 32 * j] = make_uint4(0, 0, 0, 0);
+    }
   }
 }
 
-// The group's parity rows XORed with the warp's change (each lane its own positions).
+__device__ __forceinline__ uint4 xor4(uint4 a, uint4 b) {
+  return make_uint4(a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w);
+}
+
+// The group's parity rows written, each lane its own positions: with `fold`, the rows XORed with
+// the committed chunks' changes (before ^ after); else the new chunks' sum as it is (the rows are
+// not read).
 template <bool kBF16, bool kMaster, int kG>
-__device__ __forceinline__ void fold_parity(const InPlaceLeaf& L, int64_t grp, Acc<kG> acc) {
+__device__ __forceinline__ void write_parity(const InPlaceLeaf& L, int64_t grp, Acc<kG> acc,
+                                             bool fold) {
   constexpr int64_t ce = 128 * kG;
 #pragma unroll
   for (int j = 0; j < kG; ++j) {
     const int gi = lane_id() + 32 * j;
-    const uint4 a = acc.rows[0][gi];
+    uint4 v[3];
+#pragma unroll
+    for (int w = 0; w < 3; ++w) {
+      v[w] = fold ? xor4(acc.before[w][gi], acc.after[w][gi]) : acc.after[w][gi];
+    }
     if constexpr (kBF16) {
       uint2* qp = reinterpret_cast<uint2*>(L.q_p + grp * (ce / 2)) + gi;
-      const uint2 old = *qp;
-      *qp = make_uint2(old.x ^ a.x, old.y ^ a.y);
+      const uint2 o = fold ? *qp : make_uint2(0, 0);
+      *qp = make_uint2(o.x ^ v[0].x, o.y ^ v[0].y);
       if constexpr (kMaster) {
         uint2* qr = reinterpret_cast<uint2*>(L.q_master + grp * (ce / 2)) + gi;
-        const uint2 o = *qr;
-        *qr = make_uint2(o.x ^ a.z, o.y ^ a.w);
+        const uint2 r = fold ? *qr : make_uint2(0, 0);
+        *qr = make_uint2(r.x ^ v[0].z, r.y ^ v[0].w);
       }
     } else {
       uint4* qp = reinterpret_cast<uint4*>(L.q_p + grp * ce) + gi;
-      const uint4 o = *qp;
-      *qp = make_uint4(o.x ^ a.x, o.y ^ a.y, o.z ^ a.z, o.w ^ a.w);
+      *qp = xor4(fold ? *qp : make_uint4(0, 0, 0, 0), v[0]);
     }
     uint4* qs[2] = {reinterpret_cast<uint4*>(L.q_mu + grp * ce) + gi,
                     reinterpret_cast<uint4*>(L.q_nu + grp * ce) + gi};
 #pragma unroll
-    for (int w = 1; w < 3; ++w) {
-      const uint4 b = acc.rows[w][gi];
-      const uint4 o = *qs[w - 1];
-      *qs[w - 1] = make_uint4(o.x ^ b.x, o.y ^ b.y, o.z ^ b.z, o.w ^ b.w);
-    }
+    for (int w = 1; w < 3; ++w) *qs[w - 1] = xor4(fold ? *qs[w - 1] : make_uint4(0, 0, 0, 0), v[w]);
   }
 }
 
@@ -488,13 +516,12 @@ template <bool kBF16, bool kMaster, bool kParity, int kG, bool kWhole>
 __global__ void __launch_bounds__(32 * kWarps, min_blocks<kParity, kG, kWhole>())
     inplace_kernel(const __grid_constant__ Table T, const AdamWHyper h, const float* step,
                    const int32_t* go, Stash stash, uint64_t* totals) {
-  __shared__ uint4 shared_acc[kParity ? kWarps : 1][3][32 * kG];
   __shared__ uint4 muls[32 * kG];
   fill_word_muls(muls);
   const bool skipped = *go == 0;  // nothing written but the reports' zeros
   const AdamWStep s = adamw_step(step);
   const int warp = threadIdx.x >> 5;
-  const Acc<kG> acc{shared_acc[kParity ? warp : 0]};
+  const Acc<kG> acc = warp_acc<kParity, kG>();
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t gg = static_cast<int64_t>(blockIdx.x) * kWarps + warp; gg < T.first_group[T.count];
        gg += warps) {
@@ -508,6 +535,7 @@ __global__ void __launch_bounds__(32 * kWarps, min_blocks<kParity, kG, kWhole>()
       continue;
     }
     if constexpr (kParity) zero_acc<kG>(acc);
+    bool left = false;  // a chunk of the group was not written (warp-uniform)
     for (int64_t c = grp * per; c < last; ++c) {
       Part<kG, kBF16> x;
       const void* g = static_cast<const uint8_t*>(L.g) + c * L.chunk_elems * (kBF16 ? 2 : 4);
@@ -515,8 +543,10 @@ __global__ void __launch_bounds__(32 * kWarps, min_blocks<kParity, kG, kWhole>()
           warp_chunk<kBF16, kMaster, kParity, kG, kWhole>(L, c, g, h, s, acc, muls, x);
       record(L, c, v, totals);
       if (v.faults != 0) stash_chunk<kBF16, kG>(L, c, v.faults, x, stash, totals);
+      left |= v.faults != 0;
     }
-    if constexpr (kParity) fold_parity<kBF16, kMaster, kG>(L, grp, acc);
+    // A chunk left unwritten has its correct bytes only in the old rows (inplace.h).
+    if constexpr (kParity) write_parity<kBF16, kMaster, kG>(L, grp, acc, left);
   }
 }
 
@@ -526,12 +556,11 @@ template <bool kBF16, bool kMaster, bool kParity, int kG>
 __global__ void __launch_bounds__(32 * kWarps)
     redo_kernel(const __grid_constant__ Table T, const AdamWHyper h, const float* step,
                 StashIn stash, uint64_t* totals) {
-  __shared__ uint4 shared_acc[kParity ? kWarps : 1][3][32 * kG];
   __shared__ uint4 muls[32 * kG];
   fill_word_muls(muls);
   const AdamWStep s = adamw_step(step);
   const int warp = threadIdx.x >> 5;
-  const Acc<kG> acc{shared_acc[kParity ? warp : 0]};
+  const Acc<kG> acc = warp_acc<kParity, kG>();
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   const auto at = [&](int64_t k, int col) { return stash.index[kStashIndexColumns * k + col]; };
   for (int64_t k = static_cast<int64_t>(blockIdx.x) * kWarps + warp; k < stash.entries;
@@ -556,7 +585,7 @@ __global__ void __launch_bounds__(32 * kWarps)
           L, c, stash.rows + j * L.chunk_elems, h, s, acc, muls, x);
       record(L, c, v, totals);
       if constexpr (kParity) {
-        if (v.faults == 0) fold_parity<kBF16, kMaster, kG>(L, c / per, acc);
+        if (v.faults == 0) write_parity<kBF16, kMaster, kG>(L, c / per, acc, true);
       }
     }
   }
@@ -589,18 +618,26 @@ int blocks_for(int64_t warps) {
   return static_cast<int>(std::min<int64_t>((warps + kWarps - 1) / kWarps, 1 << 20));
 }
 
+template <typename Kernel>
+cudaError_t allow_acc(Kernel kernel, int bytes) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
 template <bool kBF16, bool kMaster, bool kParity, int kG>
 cudaError_t launch_kind(const Table& T, const Launch& l) {
+  constexpr int smem = acc_bytes<kParity, kG>();
   if (l.redo != nullptr) {
     if (l.redo->entries == 0) return cudaSuccess;
-    redo_kernel<kBF16, kMaster, kParity, kG>
-        <<<blocks_for(l.redo->entries), 32 * kWarps, 0, l.stream>>>(T, l.h, l.step, *l.redo,
-                                                                    l.totals);
+    auto* kernel = redo_kernel<kBF16, kMaster, kParity, kG>;
+    PIMHBM_CUDA_RETURN_IF_ERROR(allow_acc(kernel, smem));
+    kernel<<<blocks_for(l.redo->entries), 32 * kWarps, smem, l.stream>>>(T, l.h, l.step, *l.redo,
+                                                                         l.totals);
   } else {
     auto* kernel = l.whole ? inplace_kernel<kBF16, kMaster, kParity, kG, true>
                            : inplace_kernel<kBF16, kMaster, kParity, kG, false>;
-    kernel<<<blocks_for(T.first_group[T.count]), 32 * kWarps, 0, l.stream>>>(T, l.h, l.step, l.go,
-                                                                             *l.stash, l.totals);
+    PIMHBM_CUDA_RETURN_IF_ERROR(allow_acc(kernel, smem));
+    kernel<<<blocks_for(T.first_group[T.count]), 32 * kWarps, smem, l.stream>>>(
+        T, l.h, l.step, l.go, *l.stash, l.totals);
   }
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
   return cudaSuccess;

@@ -76,8 +76,10 @@ def add_arguments(p) -> None:
                         "replica (needs more devices than --shard)")
     p.add_argument("--snapshot-every", type=non_negative_int, default=100,
                    help="host snapshot every this many steps (the Trainer's default; 0: none)")
-    p.add_argument("--scrub-every", type=non_negative_int, default=10,
-                   help="full scrub every this many steps (the Trainer's default; 0: none)")
+    p.add_argument("--scrub-every", type=non_negative_int, default=None,
+                   help="a scrub between steps every this many steps (0: none; default: the "
+                        "Trainer's -- none with one copy, whose steps check everything a scrub "
+                        "would, every 10 with two slots)")
     p.add_argument("--processes", type=positive_int, default=1,
                    help="run as this many processes (jax.distributed on localhost), the devices "
                         "split evenly between them (1: one process sees them all)")

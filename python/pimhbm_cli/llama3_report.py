@@ -26,8 +26,10 @@ def timing(console, results: dict, tokens: int, devices: int, kind: str, rounds:
                       f"{exact / plain:.3f}x")
     console.print(table)
     if (on := results.get("protection")) is not None:
+        scrubs = (f"scrub every {on['scrub_every']}" if on["scrub_every"] else
+                  "no scrubs between steps")
         console.print(f"  protected with: host snapshot every "
-                      f"{on['snapshot_every']} steps, scrub every {on['scrub_every']}, sampled "
+                      f"{on['snapshot_every']} steps, {scrubs}, sampled "
                       f"re-execution every {on['recheck_every']} (0: off), redundancy: "
                       f"{on['redundancy']}; no fault hooks (the campaign's Trainer has them)")
     console.print(f"cost of protection: {results['overhead'] * 100:+.2f} % (target <= "

@@ -58,6 +58,8 @@ class Traced:
     # -- the state ----------------------------------------------------------------------------
 
     device_copy = False  # a third copy of the state on each device (TwoSlots only)
+    # Steps between scheduled scrubs when the Trainer is not told: what the steps leave unchecked.
+    default_scrub_every = 10
 
     @property
     def local_source(self) -> bool:

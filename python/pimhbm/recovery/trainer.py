@@ -115,6 +115,10 @@ class Trainer(FaultHandling, RunLoop):
     split along it (its master, moments, device copy and digest tables with it), the others
     are replicated. Digests, the update, scrubs and repairs work on each device's own shard; a
     chunk index is local to its device's shard.
+    ``scrub_every``: a scrub between steps every this many steps (0: none; a suspect device is
+    scrubbed at once either way). None: what the state needs -- none with one copy (each step
+    verifies every chunk, and each committing update writes every parity row anew from its
+    group), every 10 steps with two slots (the device copy is read by no step).
     ``telemetry``: "auto" watches the GPUs through NVML where it is there; a
     pimhbm.telemetry.Monitor of your own; None for none.
     A step skipped ``max_skips`` times in a row stops the run with PersistentFault.
@@ -132,7 +136,8 @@ class Trainer(FaultHandling, RunLoop):
                  batch_fn: Callable[[int], dict[str, np.ndarray]], *,
                  learning_rate: Callable[[int], float] | None = None,
                  shm_name: str | None = None, snapshot_every: int = 100, log_ring: int | None = None,
-                 scrub_every: int = 10, repair_capacity: int = 16, fault_capacity: int = 64,
+                 scrub_every: int | None = None, repair_capacity: int = 16,
+                 fault_capacity: int = 64,
                  inject_gradients: bool = False, devices: Any = None, resume: bool = False,
                  telemetry: Any = "auto", replica_transport: str = "collective",
                  shard: int = 1, max_skips: int = 5, run_id: str | None = None,
@@ -145,7 +150,7 @@ class Trainer(FaultHandling, RunLoop):
         devices = list(devices) if devices is not None else jax.devices()
         replica_transport = _transport(replica_transport)
         _check_options(opt, replica_transport, devices, shard, max_skips, jax.process_count() > 1)
-        self.opt, self.max_skips, self.scrub_every = opt, max_skips, scrub_every
+        self.opt, self.max_skips = opt, max_skips
         self.replica_transport = replica_transport
         self.placement = Placement(devices, shard)
         self.treedef = jax.tree.structure(params)
@@ -169,6 +174,8 @@ class Trainer(FaultHandling, RunLoop):
                            fault_capacity, inject_gradients,
                            inject_gradients and self.recheck_every > 0, replica_transport)
         self.device_copy = self.traced.device_copy
+        self.scrub_every = (scrub_every if scrub_every is not None
+                            else self.traced.default_scrub_every)
         given, params = params, self.placement.put_tree(params, self.traced.param_specs)
         # A learning rate per step: a host function of the step, or the optimizer's own (a
         # constant, or a schedule it evaluates on the device).
