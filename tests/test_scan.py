@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pimhbm
-from conftest import has_gpu, requires_gpu
+from conftest import requires_gpu
 from digest_ref import chunk_digests, chunk_health
 
 FLOAT_DTYPES = [np.float64, np.float32, np.float16, ml_dtypes.bfloat16,
