@@ -21,13 +21,11 @@ import os
 import statistics
 import sys
 import time
-import uuid
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_gpu_deterministic_ops=true").strip()
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])

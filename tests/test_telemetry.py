@@ -11,7 +11,6 @@ import subprocess
 import time
 
 import jax
-import numpy as np
 import pytest
 
 import pimhbm

@@ -457,7 +457,6 @@ def test_gpu_update_equals_cpu_update(rng, kind):
 def test_the_verdict_is_global_across_devices(rng):
     """State sharded over 4 devices (each device updates its own shard, with its own digests):
     a NaN in one device's gradient shard makes every device skip."""
-    import functools
     from jax.sharding import Mesh, PartitionSpec as P
     if len(jax.devices("cpu")) < 4:
         pytest.skip("needs 4 CPU devices")
