@@ -49,7 +49,10 @@ def add_arguments(p) -> None:
     p.add_argument("--seq", type=positive_int, default=4096, help="sequence length")
     p.add_argument("--vocab", type=positive_int, default=8192,
                    help="vocabulary (small: the layers, not the LM head, are measured)")
-    p.add_argument("--steps", type=positive_int, default=20, help="timed steps")
+    p.add_argument("--steps", type=positive_int, default=100,
+                   help="timed steps a round (5 rounds of each step in turn); 100 holds one "
+                        "host snapshot of each protected round, and a round's start and end "
+                        "(the first dispatch, the last summary's copy) weigh little")
     p.add_argument("--campaign-steps", type=positive_int, default=30, help="steps of the fault campaign")
     p.add_argument("--faults", type=non_negative_int, default=2, help="faults of each kind in the campaign")
     p.add_argument("--no-campaign", action="store_true", help="only the timings")
