@@ -82,6 +82,14 @@ def _check_options(opt: AdamW | inplace.AdamW, transport: Transport, devices: li
 RECHECK_EVERY = 200
 
 
+
+def _optimizer_learning_rate(opt) -> Callable[[int], float]:
+    """The host's learning rate of a step when the user gives none: the optimizer's constant, or
+    NaN where the optimizer evaluates a schedule on the device."""
+    if callable(opt.learning_rate):
+        return lambda step: float("nan")
+    return lambda step: float(opt.learning_rate)
+
 class Trainer(FaultHandling, RunLoop):
     """Protected training of ``loss_fn(params, batch) -> scalar`` (``loss_fn(params, batch,
     key)`` with ``rng``, a PRNG key: then each step and each device's slice of the batch gets
@@ -177,11 +185,7 @@ class Trainer(FaultHandling, RunLoop):
         self.scrub_every = (scrub_every if scrub_every is not None
                             else self.traced.default_scrub_every)
         given, params = params, self.placement.put_tree(params, self.traced.param_specs)
-        # A learning rate per step: a host function of the step, or the optimizer's own (a
-        # constant, or a schedule it evaluates on the device).
-        self.learning_rate = learning_rate or (
-            (lambda step: float("nan")) if callable(opt.learning_rate)
-            else (lambda step: float(opt.learning_rate)))
+        self.learning_rate = learning_rate or _optimizer_learning_rate(opt)
         self.run_id = run_id
         # Steps of batches logged for replays: back to a host snapshot, or without one (a replay
         # then starts within the steps in flight) a few steps.
