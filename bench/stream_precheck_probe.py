@@ -36,7 +36,7 @@ def per_leaf_on_stream(self, leaves, tables, grads):
         d, n = on_stream(leaf["p"], table["p"], g)
         damaged.append(d)
         nonfinite.append(n)
-    return damaged, nonfinite
+    return damaged, nonfinite, grads
 
 
 if __name__ == "__main__":

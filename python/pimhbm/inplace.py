@@ -224,7 +224,7 @@ class AdamW:
         flat_grads = treedef.flatten_up_to(grads)
 
         # Before any write: the parameters as the backward pass read them, the gradients.
-        p_faults, g_bad = self._prechecks(leaves, tables, flat_grads)
+        p_faults, g_bad, flat_grads = self._prechecks(leaves, tables, flat_grads)
         local = jnp.stack([_total(p_faults, axis_name), _total(g_bad, axis_name)])
         hold = (local != 0).any() | ~jnp.all(jnp.isfinite(scalars)) | (scalars[1] <= 0) | (scalars[2] <= 0)
         if gate is not None:
@@ -256,10 +256,13 @@ class AdamW:
                               unflat(g_bad), stash, saturated(totals[2]), scalars)
         return new_state, report
 
-    def _prechecks(self, leaves: list[dict], tables: list[dict],
-                   grads: list[jax.Array]) -> tuple[list[jax.Array], list[jax.Array]]:
-        return prechecks([leaf["p"] for leaf in leaves], [t["p"] for t in tables], grads,
-                         self.chunk_elems)
+    def _prechecks(self, leaves: list[dict], tables: list[dict], grads: list[jax.Array]
+                   ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+        """Per leaf, p's damaged chunks and the gradient's nonfinite counts; and the gradients
+        the update reads (the same here; a variant that orders its checks by barriers hands on
+        the barriers' outputs: bench/precheck_order.py)."""
+        params, p_tables = [leaf["p"] for leaf in leaves], [t["p"] for t in tables]
+        return (*prechecks(params, p_tables, grads, self.chunk_elems), grads)
 
     def _state_from(self, outs: list[dict], treedef, has_master: bool, has_parity: bool,
                     step_copies: jax.Array) -> AdamWState:

@@ -1,0 +1,181 @@
+"""The in-place update's checks in one pass after the backward pass (the library's), or one a
+leaf, each ordered after its parameter's last read (bench/precheck_order.py): where the compiled
+step puts them, whether any read of a parameter comes after its check, and (on a GPU) the step
+time of both in one run, as a ratio, rounds in turn.
+
+The step is a user's loop on Llama-3-8B-dimension layers: the loss's gradient and
+pimhbm.adamw's update in one jitted program, cuDNN attention on GPUs (XLA's elsewhere, and when
+compiling without the device).
+
+usage: python bench/precheck_order_bench.py [--layers 2] [--rounds 5] [--steps 10] [--json OUT]
+       python bench/precheck_order_bench.py --tiny             (any backend: a small model)
+       python bench/precheck_order_bench.py --target-config FILE
+           (no GPU needed: jax's CUDA plugin compiles for the GPU that FILE describes -- a
+           GpuTargetConfigProto in text, as jax's get_topology_for_devices(...).target_config
+           gives it on that GPU -- and the schedule is read; nothing runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import write_json  # noqa: E402
+from precheck_order import (_bodies, checks_after, ordered_prechecks,  # noqa: E402
+                            reads_after_checks)
+
+from pimhbm import inplace  # noqa: E402
+from pimhbm.models import llama3  # noqa: E402
+
+CHECK, UPDATE = "pimhbm_inplace_precheck", "pimhbm_adamw_inplace"
+
+
+def compile_only_device(target_config: str):
+    """A device of jax's CUDA plugin that compiles for the described GPU without one."""
+    from jax.experimental import topologies
+
+    from pimhbm import _core
+    import pimhbm._ffi
+
+    for name, capsule in _core.registrations()["CUDA"].items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    pimhbm._ffi.ensure_registered()  # the host's handlers too
+    with open(target_config) as f:
+        topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                            target_config=f.read())
+    return topo.devices[0]
+
+
+def order_of(cfg, attention: str, params, batch) -> list[int | None]:
+    leaves, treedef = jax.tree.flatten(params)
+    n_batch = len(jax.tree.leaves(batch))
+
+    def grads(b, *ls):
+        return jax.value_and_grad(lambda p: llama3.loss(p, b, cfg, attention))(
+            jax.tree.unflatten(treedef, ls))
+
+    return checks_after(jax.make_jaxpr(grads)(batch, *leaves), len(leaves), first=n_batch)
+
+
+def build(cfg, attention: str, opt, state, batch, prechecks):
+    """The compiled step with ``prechecks`` as the update's checks."""
+    def step(state, batch):
+        loss, grads = jax.value_and_grad(lambda p: llama3.loss(p, batch, cfg, attention))(
+            state.params)
+        new, report = opt.update(grads, state)
+        return new, report.committed, loss
+
+    kept = inplace.AdamW._prechecks
+    inplace.AdamW._prechecks = prechecks
+    try:
+        return jax.jit(step, donate_argnums=0).lower(state, batch).compile()
+    finally:
+        inplace.AdamW._prechecks = kept
+
+
+def schedule(hlo: str) -> dict:
+    """Where the entry computation runs the checks: how many come before its last product."""
+    bodies = _bodies(hlo)
+    start = hlo.index("\nENTRY ")
+    lines = hlo[start:hlo.index("\n}\n", start)].splitlines()
+
+    def calls(line: str, pattern: str) -> bool:
+        return bool(re.search(pattern, line)) or any(
+            re.search(pattern, bodies.get(c, "")) for c in re.findall(r"calls=(%[\w.\-]+)", line))
+
+    checks = [k for k, l in enumerate(lines) if calls(l, f'"{CHECK}"')]
+    products = [k for k, l in enumerate(lines) if re.search(r"= \S+ (fusion|custom-call)\(", l)
+                and calls(l, r" dot\(|__cublas|__cudnn")]
+    last = max(products, default=-1)
+    # A check's results are int32 per chunk of its leaves: their length weighs it.
+    chunks = {k: sum(int(n) for n in re.findall(r"s32\[(\d+)\]", lines[k].split(" = ")[1]
+                                                  .split(" custom-call(")[0].split(" fusion(")[0]))
+              for k in checks}
+    before = sum(chunks[k] for k in checks if k < last)
+    return {"checks": len(checks), "checks_before_the_last_product": sum(k < last for k in checks),
+            "share_of_chunks_checked_before_it": round(before / max(1, sum(chunks.values())), 3)}
+
+
+def measure(compiled: dict, state, batch, rounds: int, steps: int) -> dict:
+    """Median ms a step of each variant over ``rounds`` rounds of ``steps`` steps, in turn."""
+    times = {name: [] for name in compiled}
+    for _ in range(2):  # warm up
+        for fn in compiled.values():
+            state, committed, loss = fn(state, batch)
+    jax.block_until_ready(state)
+    for r in range(rounds):
+        for name, fn in compiled.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                state, committed, loss = fn(state, batch)
+            jax.block_until_ready((state, committed, loss))
+            times[name].append((time.perf_counter() - t0) / steps * 1e3)
+        print(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.2f} ms"
+                                                      for k, v in times.items()), flush=True)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--tiny", action="store_true", help="a small model (any backend)")
+    ap.add_argument("--target-config", help="compile for this GPU without one; run nothing")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+
+    device = compile_only_device(args.target_config) if args.target_config else jax.devices()[0]
+    on_gpu = device.platform == "gpu" and not args.target_config
+    cfg = (llama3.tiny(layers=args.layers) if args.tiny
+           else llama3.llama3_8b(layers=args.layers, vocab=8192))
+    seq = 16 if args.tiny else args.seq
+    attention = "cudnn" if on_gpu else "xla"
+    where = jax.sharding.SingleDeviceSharding(device)
+    opt = inplace.adamw(3e-4)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
+                            llama3.abstract_params(cfg))
+    batch = {"tokens": jax.ShapeDtypeStruct((args.batch, seq + 1), jnp.int32, sharding=where)}
+    after = order_of(cfg, attention, abstract, batch)
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
+                         jax.eval_shape(opt.init, abstract))
+    variants = {"one pass": inplace.AdamW._prechecks, "per leaf, ordered": ordered_prechecks(after)}
+    print(f"{cfg.num_params() / 1e6:.0f} M parameters on {device.device_kind}; "
+          f"each leaf's check after gradient: {after}", flush=True)
+    compiled, out = {}, {"device": device.device_kind, "order": after, "variants": {}}
+    for name, prechecks in variants.items():
+        compiled[name] = build(cfg, attention, opt, state, batch, prechecks)
+        hlo = compiled[name].as_text()
+        late = reads_after_checks(hlo, CHECK, (UPDATE,))
+        mem = compiled[name].memory_analysis()
+        out["variants"][name] = {**schedule(hlo), "reads_after_their_check":
+                                 None if late is None else len(late),
+                                 "temp_bytes": getattr(mem, "temp_size_in_bytes", None)}
+        print(f"{name}: {out['variants'][name]}", flush=True)
+    if on_gpu:
+        params = llama3.init(jax.random.key(0), cfg)
+        live = jax.jit(opt.init)(jax.device_put(params, where))
+        tokens = np.random.default_rng(0).integers(0, cfg.vocab, (args.batch, seq + 1), np.int32)
+        ms = measure(compiled, live, {"tokens": jax.device_put(tokens, where)},
+                     args.rounds, args.steps)
+        base = ms["one pass"]
+        for name, v in ms.items():
+            out["variants"][name]["ms_a_step"] = v
+            print(f"{name}: {v:.3f} ms a step ({v / base:.4f}x the one-pass checks)")
+    write_json(args.json, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
