@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple, Sequence
 import jax
 from jax.extend.core import ClosedJaxpr, Var
 
-from pimhbm.inplace_calls import prechecks
+from pimhbm.inplace_calls import prechecks, prechecks_done
 
 # Work XLA computes once and writes (never duplicates into the kernels of its readers): a
 # value it produces is no longer the parameter.
@@ -125,44 +125,38 @@ def reads_after_checks(hlo: str, check: str, exempt: Sequence[str] = ()) -> list
     calls = lambda i, target: f'"{target}"' in i.text or any(
         f'"{target}"' in bodies.get(c, "") for c in re.findall(r"calls=(%[\w.\-]+)", i.text))
     ancestors: dict[str, set[str]] = {}
-    users: dict[str, list[str]] = {n: [] for n in entry}
     for name, i in entry.items():
         ancestors[name] = set()
         for o in i.operands + i.after:
             if o in entry:
                 ancestors[name] |= ancestors[o] | {o}
-        for o in i.operands:
-            if o in entry:
-                users[o].append(name)
 
     @functools.cache
-    def parameters(name: str) -> frozenset[str]:
+    def parameters(name: str, index: int | None = None) -> frozenset[str]:
+        """The entry parameters whose buffer ``name`` (its element ``index``) hands on."""
         i = entry[name]
+        ins = [o for o in i.operands if o in entry]
         if i.op == "parameter":
             return frozenset({name})
-        if i.op not in _PASS:
-            return frozenset()
-        return frozenset().union(*(parameters(o) for o in i.operands if o in entry))
+        if i.op == "bitcast" or (i.op == "opt-barrier" and ins):
+            return parameters(ins[0], index)
+        if i.op == "get-tuple-element" and ins:
+            return parameters(ins[0], int(re.search(r"index=(\d+)", i.text).group(1)))
+        if i.op == "tuple":
+            picked = ins if index is None or index >= len(ins) else [ins[index]]
+            return frozenset().union(*(parameters(o) for o in picked))
+        return frozenset()
 
-    def readers(param: str) -> set[str]:
-        out, seen, todo = set(), {param}, [param]
-        while todo:
-            for u in users[todo.pop()]:
-                if entry[u].op not in _PASS:
-                    out.add(u)
-                elif u not in seen:
-                    seen.add(u)
-                    todo.append(u)
-        return out
-
+    reads = {name: frozenset().union(*(parameters(o) for o in i.operands if o in entry))
+             for name, i in entry.items() if i.op not in _PASS}
     late, checks = [], 0
     for name, i in entry.items():
         if not calls(i, check):
             continue
         checks += 1
-        for param in set().union(*(parameters(o) for o in i.operands if o in entry)):
-            late += [LateRead(name, param, r) for r in sorted(readers(param))
-                     if r != name and r not in ancestors[name]
+        for param in reads.get(name, frozenset()):
+            late += [LateRead(name, param, r) for r in sorted(reads)
+                     if param in reads[r] and r != name and r not in ancestors[name]
                      and not any(calls(entry[r], t) for t in (check, *exempt))]
     return late if checks else None
 
@@ -202,9 +196,11 @@ def _bodies(hlo: str) -> dict[str, str]:
 
 # -- the ordered checks ---------------------------------------------------------------------------
 
-def ordered_prechecks(after: Sequence[int | None]) -> Callable:
+def ordered_prechecks(after: Sequence[int | None], beside: bool = False) -> Callable:
     """A replacement of pimhbm.inplace.AdamW._prechecks: one check a leaf, leaf i's after
-    gradient ``after[i]`` (:func:`checks_after`; None: after every gradient)."""
+    gradient ``after[i]`` (:func:`checks_after`; None: after every gradient). ``beside``: each
+    check runs on a stream of its own (pimhbm_inplace_precheck_begin), and the results and the
+    gradients the update reads pass through the end of the checks."""
 
     def _prechecks(self, leaves, tables, grads):
         params, p_tables = [leaf["p"] for leaf in leaves], [t["p"] for t in tables]
@@ -223,7 +219,13 @@ def ordered_prechecks(after: Sequence[int | None]) -> Callable:
             for k, g in zip(follows, passed):
                 grads[k] = g
             (damaged[i],), (nonfinite[i],) = prechecks([p], [p_tables[i]], [grads[i]],
-                                                       self.chunk_elems)
+                                                       self.chunk_elems, beside=beside)
+        if beside:
+            # The end takes every gradient too: XLA then puts it after the backward pass, not
+            # right after the last check begins, where XLA's stream would wait for them early.
+            n = len(params)
+            done = prechecks_done([*damaged, *nonfinite, *grads])
+            damaged, nonfinite, grads = done[:n], done[n:2 * n], done[2 * n:]
         return damaged, nonfinite, grads
 
     return _prechecks

@@ -1,7 +1,8 @@
 """The in-place update's checks in one pass after the backward pass (the library's), or one a
-leaf, each ordered after its parameter's last read (bench/precheck_order.py): where the compiled
-step puts them, whether any read of a parameter comes after its check, and (on a GPU) the step
-time of both in one run, as a ratio, rounds in turn.
+leaf, each ordered after its parameter's last read (bench/precheck_order.py), on XLA's stream or
+on a stream of their own beside it: where the compiled step puts them, whether any read of a
+parameter comes after its check, and (on a GPU) the step time of each in one run, as a ratio to
+the one pass, rounds in turn.
 
 The step is a user's loop on Llama-3-8B-dimension layers: the loss's gradient and
 pimhbm.adamw's update in one jitted program, cuDNN attention on GPUs (XLA's elsewhere, and when
@@ -36,7 +37,8 @@ from precheck_order import (_bodies, checks_after, ordered_prechecks,  # noqa: E
 from pimhbm import inplace  # noqa: E402
 from pimhbm.models import llama3  # noqa: E402
 
-CHECK, UPDATE = "pimhbm_inplace_precheck", "pimhbm_adamw_inplace"
+CHECKS = ("pimhbm_inplace_precheck", "pimhbm_inplace_precheck_begin")
+END, UPDATE = "pimhbm_inplace_precheck_end", "pimhbm_adamw_inplace"
 
 
 def compile_only_device(target_config: str):
@@ -92,7 +94,8 @@ def schedule(hlo: str) -> dict:
         return bool(re.search(pattern, line)) or any(
             re.search(pattern, bodies.get(c, "")) for c in re.findall(r"calls=(%[\w.\-]+)", line))
 
-    checks = [k for k, l in enumerate(lines) if calls(l, f'"{CHECK}"')]
+    checks = [k for k, l in enumerate(lines) if any(calls(l, f'"{c}"') for c in CHECKS)]
+    ends = [k for k, l in enumerate(lines) if calls(l, f'"{END}"')]
     products = [k for k, l in enumerate(lines) if re.search(r"= \S+ (fusion|custom-call)\(", l)
                 and calls(l, r" dot\(|__cublas|__cudnn")]
     last = max(products, default=-1)
@@ -102,7 +105,8 @@ def schedule(hlo: str) -> dict:
               for k in checks}
     before = sum(chunks[k] for k in checks if k < last)
     return {"checks": len(checks), "checks_before_the_last_product": sum(k < last for k in checks),
-            "share_of_chunks_checked_before_it": round(before / max(1, sum(chunks.values())), 3)}
+            "share_of_chunks_checked_before_it": round(before / max(1, sum(chunks.values())), 3),
+            "end_after_the_last_product": all(k > last for k in ends) if ends else None}
 
 
 def measure(compiled: dict, state, batch, rounds: int, steps: int) -> dict:
@@ -150,14 +154,16 @@ def main(argv=None) -> int:
     after = order_of(cfg, attention, abstract, batch)
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
                          jax.eval_shape(opt.init, abstract))
-    variants = {"one pass": inplace.AdamW._prechecks, "per leaf, ordered": ordered_prechecks(after)}
+    variants = {"one pass": inplace.AdamW._prechecks, "per leaf, ordered": ordered_prechecks(after),
+                "per leaf, ordered, beside": ordered_prechecks(after, beside=True)}
     print(f"{cfg.num_params() / 1e6:.0f} M parameters on {device.device_kind}; "
           f"each leaf's check after gradient: {after}", flush=True)
     compiled, out = {}, {"device": device.device_kind, "order": after, "variants": {}}
     for name, prechecks in variants.items():
         compiled[name] = build(cfg, attention, opt, state, batch, prechecks)
         hlo = compiled[name].as_text()
-        late = reads_after_checks(hlo, CHECK, (UPDATE,))
+        found = [reads_after_checks(hlo, c, (UPDATE, *CHECKS)) for c in CHECKS]
+        late = None if all(f is None for f in found) else sum((f or [] for f in found), [])
         mem = compiled[name].memory_analysis()
         out["variants"][name] = {**schedule(hlo), "reads_after_their_check":
                                  None if late is None else len(late),

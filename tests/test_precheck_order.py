@@ -49,7 +49,7 @@ def test_a_parameter_whose_reads_no_gradient_follows_is_checked_after_all_of_the
     assert checks_after(closed, 2) == [None, None]
 
 
-def _step(order):
+def _step(order, beside=False):
     opt = inplace.adamw(1e-2)
 
     def step(state, x):
@@ -58,7 +58,7 @@ def _step(order):
         return new, report.committed, loss
 
     kept = inplace.AdamW._prechecks
-    inplace.AdamW._prechecks = kept if order is None else ordered_prechecks(order)
+    inplace.AdamW._prechecks = kept if order is None else ordered_prechecks(order, beside)
     try:
         return opt, jax.jit(step, donate_argnums=0).lower(
             jax.eval_shape(opt.init, order_params[0]), order_params[1]).compile()
@@ -70,14 +70,23 @@ order_params = []
 
 
 def test_the_ordered_checks_give_the_one_pass_checks_results_bit_for_bit(rng):
+    """On XLA's stream and beside it: the same state and report as the one pass."""
     params, x = params_of(rng), jnp.asarray(rng.standard_normal((8, 32)), jnp.float32)
     order_params[:] = [params, x]
     opt, one_pass = _step(None)
-    _, ordered = _step([1, 0])
-    a, b = one_pass(opt.init(params), x), ordered(opt.init(params), x)
-    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
-    assert int(a[1]) == 1
+    def damaged():  # w2 changed after its digest: the step must commit nothing
+        state = opt.init(params)
+        w2 = state.params["w2"]
+        return state._replace(params={**state.params, "w2": w2.at[3, 4].set(w2[3, 4] + 1.0)})
+
+    for fresh, commits in ((lambda: opt.init(params), 1), (damaged, 0)):
+        a = one_pass(fresh(), x)
+        assert int(a[1]) == commits
+        for beside in (False, True):
+            _, ordered = _step([1, 0], beside)
+            b = ordered(fresh(), x)
+            for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+                np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
 def test_the_module_check_finds_a_check_that_no_read_precedes(rng):
