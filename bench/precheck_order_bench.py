@@ -1,6 +1,6 @@
-"""The in-place update's checks in one pass after the backward pass (the library's), or one a
-leaf, each ordered after its parameter's last read (bench/precheck_order.py), on XLA's stream or
-on a stream of their own beside it: where the compiled step puts them, whether any read of a
+"""The in-place update's checks in one pass after the backward pass, or one a leaf, each
+ordered after its parameter's last read (pimhbm.check_order), on XLA's stream or on a stream of
+their own beside it: where the compiled step puts them, whether any read of a
 parameter comes after its check, and (on a GPU) the step time of each in one run, as a ratio to
 the one pass, rounds in turn.
 
@@ -31,14 +31,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import write_json  # noqa: E402
-from precheck_order import (_bodies, checks_after, ordered_prechecks,  # noqa: E402
-                            reads_after_checks)
 
-from pimhbm import inplace  # noqa: E402
+from pimhbm import check_order, inplace  # noqa: E402
+from pimhbm.check_order import CHECK_TARGETS as CHECKS  # noqa: E402
 from pimhbm.models import llama3  # noqa: E402
 
-CHECKS = ("pimhbm_inplace_precheck", "pimhbm_inplace_precheck_begin")
-END, UPDATE = "pimhbm_inplace_precheck_end", "pimhbm_adamw_inplace"
+END = "pimhbm_inplace_precheck_end"
 
 
 def compile_only_device(target_config: str):
@@ -57,36 +55,34 @@ def compile_only_device(target_config: str):
     return topo.devices[0]
 
 
-def order_of(cfg, attention: str, params, batch) -> list[int | None]:
+def plan_of(cfg, attention: str, params, batch, beside: bool) -> check_order.CheckPlan:
+    """check_order.plan_for the loss of ``batch``, traced from shapes (the batch an input)."""
     leaves, treedef = jax.tree.flatten(params)
-    n_batch = len(jax.tree.leaves(batch))
 
     def grads(b, *ls):
         return jax.value_and_grad(lambda p: llama3.loss(p, b, cfg, attention))(
             jax.tree.unflatten(treedef, ls))
 
-    return checks_after(jax.make_jaxpr(grads)(batch, *leaves), len(leaves), first=n_batch)
+    closed = jax.make_jaxpr(grads)(batch, *leaves)
+    first = len(jax.tree.leaves(batch))
+    return check_order.CheckPlan(tuple(check_order.checks_after(closed, len(leaves), first)),
+                                 beside)
 
 
-def build(cfg, attention: str, opt, state, batch, prechecks):
-    """The compiled step with ``prechecks`` as the update's checks."""
+def build(cfg, attention: str, opt, state, batch, plan):
+    """The compiled step with the update's checks as ``plan`` says (None: one pass)."""
     def step(state, batch):
         loss, grads = jax.value_and_grad(lambda p: llama3.loss(p, batch, cfg, attention))(
             state.params)
-        new, report = opt.update(grads, state)
+        new, report = opt.update(grads, state, check_plan=plan)
         return new, report.committed, loss
 
-    kept = inplace.AdamW._prechecks
-    inplace.AdamW._prechecks = prechecks
-    try:
-        return jax.jit(step, donate_argnums=0).lower(state, batch).compile()
-    finally:
-        inplace.AdamW._prechecks = kept
+    return jax.jit(step, donate_argnums=0).lower(state, batch).compile()
 
 
 def schedule(hlo: str) -> dict:
     """Where the entry computation runs the checks: how many come before its last product."""
-    bodies = _bodies(hlo)
+    bodies = check_order._bodies(hlo)
     start = hlo.index("\nENTRY ")
     lines = hlo[start:hlo.index("\n}\n", start)].splitlines()
 
@@ -151,19 +147,18 @@ def main(argv=None) -> int:
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
                             llama3.abstract_params(cfg))
     batch = {"tokens": jax.ShapeDtypeStruct((args.batch, seq + 1), jnp.int32, sharding=where)}
-    after = order_of(cfg, attention, abstract, batch)
+    beside = plan_of(cfg, attention, abstract, batch, beside=True)
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
                          jax.eval_shape(opt.init, abstract))
-    variants = {"one pass": inplace.AdamW._prechecks, "per leaf, ordered": ordered_prechecks(after),
-                "per leaf, ordered, beside": ordered_prechecks(after, beside=True)}
+    variants = {"one pass": None, "per leaf, ordered": beside._replace(beside=False),
+                "per leaf, ordered, beside": beside}
     print(f"{cfg.num_params() / 1e6:.0f} M parameters on {device.device_kind}; "
-          f"each leaf's check after gradient: {after}", flush=True)
-    compiled, out = {}, {"device": device.device_kind, "order": after, "variants": {}}
-    for name, prechecks in variants.items():
-        compiled[name] = build(cfg, attention, opt, state, batch, prechecks)
+          f"each leaf's check after gradient: {list(beside.after)}", flush=True)
+    compiled, out = {}, {"device": device.device_kind, "order": beside.after, "variants": {}}
+    for name, plan in variants.items():
+        compiled[name] = build(cfg, attention, opt, state, batch, plan)
         hlo = compiled[name].as_text()
-        found = [reads_after_checks(hlo, c, (UPDATE, *CHECKS)) for c in CHECKS]
-        late = None if all(f is None for f in found) else sum((f or [] for f in found), [])
+        late = check_order.late_reads(hlo)
         mem = compiled[name].memory_analysis()
         out["variants"][name] = {**schedule(hlo), "reads_after_their_check":
                                  None if late is None else len(late),

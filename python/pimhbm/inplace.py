@@ -35,8 +35,9 @@ import numpy as np
 
 from pimhbm import parity
 from pimhbm._ffi import ensure_registered
-from pimhbm.inplace_calls import (Stash, leaf_operands, prechecks, redo_call, saturated,
-                                  update_call)
+from pimhbm.check_order import CheckPlan
+from pimhbm.inplace_calls import (Stash, leaf_operands, prechecks, prechecks_done, redo_call,
+                                  saturated, update_call)
 from pimhbm.inplace_calls import layout as inplace_layout
 from pimhbm.repair import REPAIRED
 from pimhbm.scan import scan
@@ -204,11 +205,18 @@ class AdamW:
     # -- one step ------------------------------------------------------------------------------
 
     def update(self, grads: Any, state: AdamWState, learning_rate: Any = None, *,
-               axis_name: str | None = None, gate: Any = None) -> tuple[AdamWState, UpdateReport]:
+               axis_name: str | None = None, gate: Any = None, check_plan: CheckPlan | None = None,
+               before_writes: Callable[[Any], Any] | None = None
+               ) -> tuple[AdamWState, UpdateReport]:
         """One guarded step, in place: call it inside ``jax.jit`` with the state donated.
         ``learning_rate``: a device scalar (or None for the configured one). ``axis_name``: the
         data-parallel axis inside ``shard_map`` (the verdict is global). ``gate`` (a device
-        bool): false on any device, the step does not run on any."""
+        bool): false on any device, the step does not run on any. ``check_plan``
+        (pimhbm.check_order): the checks before the first write one a leaf, each after its
+        parameter's last read, instead of one pass after every gradient; the compiled program
+        must then be checked with pimhbm.check_order.late_reads. ``before_writes``: applied to
+        the gradients after the checks, before the update reads them (what must precede its
+        writes, as a snapshot's fence)."""
         ensure_registered()
         _check_learning_rate(learning_rate)
         treedef = jax.tree.structure(state.params)
@@ -224,7 +232,9 @@ class AdamW:
         flat_grads = treedef.flatten_up_to(grads)
 
         # Before any write: the parameters as the backward pass read them, the gradients.
-        p_faults, g_bad, flat_grads = self._prechecks(leaves, tables, flat_grads)
+        p_faults, g_bad, flat_grads = self._prechecks(leaves, tables, flat_grads, check_plan)
+        if before_writes is not None:
+            flat_grads = before_writes(flat_grads)
         local = jnp.stack([_total(p_faults, axis_name), _total(g_bad, axis_name)])
         hold = (local != 0).any() | ~jnp.all(jnp.isfinite(scalars)) | (scalars[1] <= 0) | (scalars[2] <= 0)
         if gate is not None:
@@ -256,13 +266,36 @@ class AdamW:
                               unflat(g_bad), stash, saturated(totals[2]), scalars)
         return new_state, report
 
-    def _prechecks(self, leaves: list[dict], tables: list[dict], grads: list[jax.Array]
-                   ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+    def _prechecks(self, leaves: list[dict], tables: list[dict], grads: list[jax.Array],
+                   plan: CheckPlan | None) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
         """Per leaf, p's damaged chunks and the gradient's nonfinite counts; and the gradients
-        the update reads (the same here; a variant that orders its checks by barriers hands on
-        the barriers' outputs: bench/precheck_order.py)."""
+        the update is to read (through the barriers and the end of the checks of a plan)."""
         params, p_tables = [leaf["p"] for leaf in leaves], [t["p"] for t in tables]
-        return (*prechecks(params, p_tables, grads, self.chunk_elems), grads)
+        if plan is None:
+            return (*prechecks(params, p_tables, grads, self.chunk_elems), grads)
+        if len(plan.after) != len(params):
+            raise ValueError(f"the check plan names {len(plan.after)} leaves; the parameters "
+                             f"have {len(params)}")
+        grads, n = list(grads), len(params)
+        damaged, nonfinite = [None] * n, [None] * n
+        # The leaves checked after every gradient come last: their barriers hold every
+        # gradient, and no other leaf's check may wait for them.
+        for i in sorted(range(n), key=lambda i: plan.after[i] is None):
+            # p reaches its check through a barrier with the gradient that follows its last
+            # read. The update reads that gradient from the barrier too: a barrier output that
+            # nothing reads is dropped, and the order with it.
+            follows = list(range(n)) if plan.after[i] is None else [plan.after[i]]
+            p, *passed = jax.lax.optimization_barrier((params[i], *(grads[k] for k in follows)))
+            for k, g in zip(follows, passed):
+                grads[k] = g
+            (damaged[i],), (nonfinite[i],) = prechecks(
+                [p], [p_tables[i]], [grads[i]], self.chunk_elems, beside=plan.beside)
+        if plan.beside:
+            # The end takes every gradient too: XLA then puts it after the backward pass, not
+            # right after the last check begins, where XLA's stream would wait for them early.
+            done = prechecks_done([*damaged, *nonfinite, *grads])
+            damaged, nonfinite, grads = done[:n], done[n:2 * n], done[2 * n:]
+        return damaged, nonfinite, grads
 
     def _state_from(self, outs: list[dict], treedef, has_master: bool, has_parity: bool,
                     step_copies: jax.Array) -> AdamWState:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from pimhbm import parity
+from pimhbm import check_order, parity
 from pimhbm.inplace import AdamWState, LeftChunks, Stash
 from pimhbm.repair import NOT_LISTED, REPAIRED, STILL_DAMAGED, snapshot_fence
 from pimhbm.scan import verify
@@ -37,6 +37,10 @@ class OneCopy(Traced):
     # row anew from its group (a damaged row is whole again one step later): a scheduled scrub
     # would find nothing a repair needs.
     default_scrub_every = 0
+    # The update's checks one a leaf, each after its parameter's last read, beside XLA's work
+    # (pimhbm.check_order); one device only. The Compiler falls back to the one pass where the
+    # compiled step does not keep that order.
+    checks_beside: bool = False
 
     def after_step(self, current: int) -> int:
         return 0
@@ -112,7 +116,8 @@ class OneCopy(Traced):
         """As Traced.step, in place; a sampled step (``digests``) also computes each device's
         slice again on the next device first (Traced._gradients_twice), and differing
         gradients close the gate. The
-        update waits for a snapshot copy still reading the state (snapshot_fence)."""
+        update waits for a snapshot copy still reading the state (snapshot_fence) before it
+        writes."""
         mismatched = None
         gate = state.halted == 0
         if digests:
@@ -123,8 +128,13 @@ class OneCopy(Traced):
             local, loss, aux = self._local_gradients(state.opt.params, batch, grad_fault)
         grads, gate, disagree = self._reduced_and_gated(local, grad_fault, state.opt, gate)
         lr = None if callable(self.opt.learning_rate) else lr
-        opt, report = self.opt.update(snapshot_fence(grads), state.opt, lr, gate=gate,
-                                      axis_name=AXES)
+        plan = (check_order.plan_for(self._gradients_of(batch), state.opt.params)
+                if self.checks_beside and not digests else None)
+        # The checks only read the state: the fence (a snapshot copy may still read it) comes
+        # before the update's writes, after them.
+        opt, report = self.opt.update(grads, state.opt, lr, gate=gate, axis_name=AXES,
+                                      check_plan=plan,
+                                      before_writes=snapshot_fence)
         summary = inplace_summary(report, self.treedef, self.fault_capacity, disagree)
         halted = state.halted | jnp.where(summary.committed != 0, 0, HALTED)
         # A step that did not run (halted behind one that left chunks) keeps that one's.

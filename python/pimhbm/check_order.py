@@ -1,32 +1,51 @@
-"""Where each parameter's last read falls in a gradient computation; the in-place update's
-checks per leaf, each ordered after its parameter's last read (a variant measured by
-bench/precheck_order_bench.py, not yet in the library).
+"""The order of the in-place update's checks: one a leaf, each after its parameter's last read.
 
 The in-place update may write only after a check that each parameter leaf was intact when the
 forward and backward passes read it, so that check must follow the leaf's last read. Checked
-after the whole backward pass, it adds its time to the step; checked per leaf as soon as the
-leaf's last read is over, it may run while the rest of the backward pass does.
+after the whole backward pass (the one pass), it adds its time to the step; checked per leaf
+as soon as the leaf's last read is over, on a stream of its own beside XLA's
+(``CheckPlan.beside``), it runs while the rest of the backward pass does.
 
 XLA orders work only by data: a check of a leaf that takes nothing from the work reading it may
-run before that work. :func:`checks_after` finds, in a traced gradient computation, for each
-parameter leaf a gradient leaf computed only after every read of that parameter; a check that
-passes that gradient through a barrier with the parameter runs after the last read by
-construction. XLA may also recompute a value from a parameter inside a later kernel (a gather
-or an elementwise chain fused into each of its readers), so every value derived from a
-parameter by work XLA may duplicate counts as the parameter. What XLA made of it is checked
-after compilation by :func:`reads_after_checks`, on the compiled module's text.
+run before that work (split naively, 15 of the 21 leaves of a Llama step were checked before
+their last read). :func:`checks_after` finds, in a traced gradient computation, for each
+parameter leaf a gradient leaf computed only after every read of that parameter; the update
+then passes that gradient through a barrier with the parameter it checks. XLA may also
+recompute a value from a parameter inside a later kernel (a gather or an elementwise chain
+fused into each of its readers), so every value derived from a parameter by work XLA may
+duplicate counts as the parameter. What XLA made of it is checked on the compiled program by
+:func:`late_reads` -- XLA's CPU pipeline, for one, drops the barrier -- and a program where a
+read follows its check is compiled again with the one pass.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 from jax.extend.core import ClosedJaxpr, Var
 
-from pimhbm.inplace_calls import prechecks, prechecks_done
+CHECK_TARGETS = ("pimhbm_inplace_precheck", "pimhbm_inplace_precheck_begin")
+# Calls that read the parameters after the checks by design: the update and the checks.
+_AFTER_THE_CHECKS = ("pimhbm_adamw_inplace", *CHECK_TARGETS)
+
+
+class CheckPlan(NamedTuple):
+    """How the in-place update checks its leaves before writing (pimhbm.inplace.AdamW.update)."""
+
+    after: tuple[int | None, ...]  # per leaf, the gradient leaf its check follows (None: all)
+    beside: bool = True  # on a stream of their own (GPUs), ended before the update writes
+
+
+def plan_for(grad_fn: Callable[[Any], Any], params: Any, beside: bool = True) -> CheckPlan:
+    """The plan for a step whose gradients are ``grad_fn(params)``'s last outputs, one per leaf
+    of ``params`` (as ``jax.value_and_grad``'s ``(value, grads)``): traced, not run."""
+    leaves, treedef = jax.tree.flatten(params)
+    closed = jax.make_jaxpr(lambda *ls: grad_fn(jax.tree.unflatten(treedef, ls)))(*leaves)
+    return CheckPlan(tuple(checks_after(closed, len(leaves))), beside)
+
 
 # Work XLA computes once and writes (never duplicates into the kernels of its readers): a
 # value it produces is no longer the parameter.
@@ -194,38 +213,10 @@ def _bodies(hlo: str) -> dict[str, str]:
     return out
 
 
-# -- the ordered checks ---------------------------------------------------------------------------
-
-def ordered_prechecks(after: Sequence[int | None], beside: bool = False) -> Callable:
-    """A replacement of pimhbm.inplace.AdamW._prechecks: one check a leaf, leaf i's after
-    gradient ``after[i]`` (:func:`checks_after`; None: after every gradient). ``beside``: each
-    check runs on a stream of its own (pimhbm_inplace_precheck_begin), and the results and the
-    gradients the update reads pass through the end of the checks."""
-
-    def _prechecks(self, leaves, tables, grads):
-        params, p_tables = [leaf["p"] for leaf in leaves], [t["p"] for t in tables]
-        if len(after) != len(params):
-            raise ValueError(f"the order names {len(after)} leaves; the parameters have "
-                             f"{len(params)}")
-        grads, damaged, nonfinite = list(grads), [None] * len(params), [None] * len(params)
-        # The leaves checked after every gradient come last: their barriers hold every
-        # gradient, and no other leaf's check may wait for them.
-        for i in sorted(range(len(params)), key=lambda i: after[i] is None):
-            # p reaches its check through a barrier with the gradient that follows its last
-            # read. The update reads that gradient from the barrier too: a barrier output that
-            # nothing reads is dropped, and the order with it.
-            follows = list(range(len(grads))) if after[i] is None else [after[i]]
-            p, *passed = jax.lax.optimization_barrier((params[i], *(grads[k] for k in follows)))
-            for k, g in zip(follows, passed):
-                grads[k] = g
-            (damaged[i],), (nonfinite[i],) = prechecks([p], [p_tables[i]], [grads[i]],
-                                                       self.chunk_elems, beside=beside)
-        if beside:
-            # The end takes every gradient too: XLA then puts it after the backward pass, not
-            # right after the last check begins, where XLA's stream would wait for them early.
-            n = len(params)
-            done = prechecks_done([*damaged, *nonfinite, *grads])
-            damaged, nonfinite, grads = done[:n], done[n:2 * n], done[2 * n:]
-        return damaged, nonfinite, grads
-
-    return _prechecks
+def late_reads(hlo: str) -> list[LateRead] | None:
+    """Every read of a parameter in the compiled program ``hlo`` (its text) that its check does
+    not precede by data; None where the program has no check in its entry computation."""
+    found = [reads_after_checks(hlo, t, _AFTER_THE_CHECKS) for t in CHECK_TARGETS]
+    if all(f is None for f in found):
+        return None
+    return [r for f in found if f for r in f]
