@@ -120,8 +120,9 @@ ffi::Error end_handler(Platform on, ffi::RemainingArgs args, ffi::RemainingRets 
   for (size_t i = 0; i < args.size(); ++i) {
     auto in = args.get<ffi::AnyBuffer>(i);
     auto out = rets.get<ffi::AnyBuffer>(i);
-    if (!in || !out)
+    if (!in || !out) {
       return invalid(kEnd, "argument or result " + std::to_string(i) + " is not a buffer");
+    }
     if ((*in).size_bytes() != (*out)->size_bytes()) {
       return invalid(kEnd, "result " + std::to_string(i) + " is not the size of argument " +
                                std::to_string(i));
