@@ -97,12 +97,14 @@ def test_the_module_check_finds_a_check_that_no_read_precedes(rng):
                       "constant(0)\n}\n") is None
 
 
-def test_a_plan_names_every_leaf():
+def test_a_plan_names_every_leaf_and_only_gradients_there_are():
     opt = inplace.adamw(1e-2)
     params = {"w": jnp.ones((4, 4))}
-    with pytest.raises(ValueError, match="names 2 leaves; the parameters have 1"):
-        jax.jit(lambda s, g: opt.update(g, s, check_plan=CheckPlan((0, 0))))(opt.init(params),
-                                                                             params)
+    for after in ((0, 0), (1,)):
+        with pytest.raises(ValueError, match="each None or a gradient's index; the parameters "
+                                             "have 1"):
+            jax.jit(lambda s, g: opt.update(g, s, check_plan=CheckPlan(after)))(
+                opt.init(params), params)
 
 
 def test_plan_for_a_llama_step_orders_every_product_weight_inside_the_backward_pass():

@@ -273,23 +273,33 @@ class AdamW:
         params, p_tables = [leaf["p"] for leaf in leaves], [t["p"] for t in tables]
         if plan is None:
             return (*prechecks(params, p_tables, grads, self.chunk_elems), grads)
-        if len(plan.after) != len(params):
-            raise ValueError(f"the check plan names {len(plan.after)} leaves; the parameters "
-                             f"have {len(params)}")
+        if len(plan.after) != len(params) or any(
+                j is not None and not 0 <= j < len(params) for j in plan.after):
+            raise ValueError(f"the check plan names {len(plan.after)} leaves, each None or a "
+                             f"gradient's index; the parameters have {len(params)}: "
+                             f"{plan.after}")
         grads, n = list(grads), len(params)
         damaged, nonfinite = [None] * n, [None] * n
-        # The leaves checked after every gradient come last: their barriers hold every
-        # gradient, and no other leaf's check may wait for them.
-        for i in sorted(range(n), key=lambda i: plan.after[i] is None):
-            # p reaches its check through a barrier with the gradient that follows its last
-            # read. The update reads that gradient from the barrier too: a barrier output that
-            # nothing reads is dropped, and the order with it.
-            follows = list(range(n)) if plan.after[i] is None else [plan.after[i]]
-            p, *passed = jax.lax.optimization_barrier((params[i], *(grads[k] for k in follows)))
-            for k, g in zip(follows, passed):
+        # One call for the leaves that follow the same gradient (they may all run at once);
+        # those checked after every gradient last: their barrier holds every gradient, and no
+        # other check may wait for it.
+        groups: dict[int | None, list[int]] = {}
+        for i, j in enumerate(plan.after):
+            groups.setdefault(j, []).append(i)
+        for j in sorted(groups, key=lambda j: j is None):
+            members = groups[j]
+            # The parameters reach their check through a barrier with the gradient that follows
+            # their last read. The update reads that gradient from the barrier too: a barrier
+            # output that nothing reads is dropped, and the order with it.
+            follows = list(range(n)) if j is None else [j]
+            ps = list(jax.lax.optimization_barrier(
+                (*(params[i] for i in members), *(grads[k] for k in follows))))
+            for k, g in zip(follows, ps[len(members):]):
                 grads[k] = g
-            (damaged[i],), (nonfinite[i],) = prechecks(
-                [p], [p_tables[i]], [grads[i]], self.chunk_elems, beside=plan.beside)
+            d, b = prechecks(ps[:len(members)], [p_tables[i] for i in members],
+                             [grads[i] for i in members], self.chunk_elems, beside=plan.beside)
+            for i, di, bi in zip(members, d, b):
+                damaged[i], nonfinite[i] = di, bi
         if plan.beside:
             # The end takes every gradient too: XLA then puts it after the backward pass, not
             # right after the last check begins, where XLA's stream would wait for them early.
