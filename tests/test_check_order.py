@@ -47,7 +47,8 @@ def test_a_parameter_whose_reads_no_gradient_follows_is_checked_after_all_of_the
     assert checks_after(closed, 2) == [None, None]
 
 
-def _step(order, beside=False):
+def compiled_step(params, x, order=None, beside=False):
+    """mlp_loss's step with pimhbm.adamw, its checks as ``order`` says (None: the one pass)."""
     opt = inplace.adamw(1e-2)
     plan = None if order is None else CheckPlan(tuple(order), beside)
 
@@ -56,18 +57,15 @@ def _step(order, beside=False):
         new, report = opt.update(grads, state, check_plan=plan)
         return new, report.committed, loss
 
-    return opt, jax.jit(step, donate_argnums=0).lower(
-        jax.eval_shape(opt.init, order_params[0]), order_params[1]).compile()
-
-
-order_params = []
+    return opt, jax.jit(step, donate_argnums=0).lower(jax.eval_shape(opt.init, params),
+                                                      x).compile()
 
 
 def test_the_ordered_checks_give_the_one_pass_checks_results_bit_for_bit(rng):
     """On XLA's stream and beside it: the same state and report as the one pass."""
     params, x = params_of(rng), jnp.asarray(rng.standard_normal((8, 32)), jnp.float32)
-    order_params[:] = [params, x]
-    opt, one_pass = _step(None)
+    opt, one_pass = compiled_step(params, x)
+
     def damaged():  # w2 changed after its digest: the step must commit nothing
         state = opt.init(params)
         w2 = state.params["w2"]
@@ -77,20 +75,20 @@ def test_the_ordered_checks_give_the_one_pass_checks_results_bit_for_bit(rng):
         a = one_pass(fresh(), x)
         assert int(a[1]) == commits
         for beside in (False, True):
-            _, ordered = _step([1, 0], beside)
+            _, ordered = compiled_step(params, x, [1, 0], beside)
             b = ordered(fresh(), x)
             for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
                 np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
 def test_the_module_check_finds_a_check_that_no_read_precedes(rng):
-    order_params[:] = [params_of(rng), jnp.ones((8, 32), jnp.float32)]
-    _, one_pass = _step(None)
+    params, x = params_of(rng), jnp.ones((8, 32), jnp.float32)
+    _, one_pass = compiled_step(params, x)
     assert late_reads(one_pass.as_text()) == []
     # Positive control: one check a leaf, each after its own gradient only -- w2's check
     # takes nothing from the backward pass's read of w2, which the module then runs after it
     # or beside it.
-    _, unordered = _step([0, 1])
+    _, unordered = compiled_step(params, x, [0, 1])
     late = late_reads(unordered.as_text())
     assert {r.parameter for r in late} == {"%state_params__w2__.1"}
     assert late_reads("HloModule m\n\nENTRY %e () -> f32[] {\n  ROOT %c = f32[] "
