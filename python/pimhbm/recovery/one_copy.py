@@ -130,8 +130,8 @@ class OneCopy(Traced):
         lr = None if callable(self.opt.learning_rate) else lr
         plan = (check_order.plan_for(self._gradients_of(batch), state.opt.params)
                 if self.checks_beside and not digests else None)
-        # The checks only read the state: the fence (a snapshot copy may still read it) comes
-        # before the update's writes, after them.
+        # The checks only read the state: the fence (a snapshot copy may still be reading it)
+        # comes after them, right before the update's writes.
         opt, report = self.opt.update(grads, state.opt, lr, gate=gate, axis_name=AXES,
                                       check_plan=plan,
                                       before_writes=snapshot_fence)
