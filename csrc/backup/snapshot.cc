@@ -5,8 +5,6 @@
 #include "backup/snapshot.h"
 
 #include <cstring>
-#include <map>
-#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -15,6 +13,7 @@
 #include "pimhbm/ffi_alias.h"
 #include "pimhbm/ffi_platform.h"
 #include "pimhbm/ffi_util.h"
+#include "pimhbm/side_stream.h"
 
 #if defined(PIMHBM_WITH_CUDA)
 #include "pimhbm/cuda_check.h"
@@ -70,41 +69,21 @@ ffi::Error copy_to_region(ffi_util::OnCpu, const std::vector<Copy>& copies, int3
 }
 
 #if defined(PIMHBM_WITH_CUDA)
-// One side stream and two events per device: `ready` marks XLA's stream, `done` the copies.
-struct DeviceCopier {
-  cudaStream_t stream = nullptr;
-  cudaEvent_t ready = nullptr, done = nullptr;
-};
-std::mutex copiers_mutex;
-std::map<int, DeviceCopier>& copiers() {
-  static auto* m = new std::map<int, DeviceCopier>();  // never destroyed: used at exit
-  return *m;
-}
-
-cudaError_t copier_for_current_device(DeviceCopier** out) {
-  int dev;
-  PIMHBM_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> lock(copiers_mutex);
-  DeviceCopier& c = copiers()[dev];
-  if (c.stream == nullptr) {
-    PIMHBM_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&c.stream, cudaStreamNonBlocking));
-    PIMHBM_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&c.ready, cudaEventDisableTiming));
-    PIMHBM_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&c.done, cudaEventDisableTiming));
-  }
-  *out = &c;
-  return cudaSuccess;
+// The copies run on a side stream of each device (pimhbm/side_stream.h).
+ffi_util::SideStreams& copiers() {
+  static auto* streams = new ffi_util::SideStreams();  // never destroyed: used at exit
+  return *streams;
 }
 
 cudaError_t issue(cudaStream_t xla_stream, const std::vector<Copy>& copies, int32_t* ticket) {
-  DeviceCopier* c;
-  PIMHBM_CUDA_RETURN_IF_ERROR(copier_for_current_device(&c));
-  PIMHBM_CUDA_RETURN_IF_ERROR(cudaEventRecord(c->ready, xla_stream));
-  PIMHBM_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(c->stream, c->ready, 0));
-  for (const Copy& cp : copies) {
-    PIMHBM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cp.dst, cp.src, static_cast<size_t>(cp.bytes),
-                                                cudaMemcpyDeviceToHost, c->stream));
-  }
-  PIMHBM_CUDA_RETURN_IF_ERROR(cudaEventRecord(c->done, c->stream));
+  PIMHBM_CUDA_RETURN_IF_ERROR(copiers().on_current_device([&](const ffi_util::SideStream& side) {
+    PIMHBM_CUDA_RETURN_IF_ERROR(side.follow(xla_stream));
+    for (const Copy& cp : copies) {
+      PIMHBM_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(cp.dst, cp.src, static_cast<size_t>(cp.bytes),
+                                                  cudaMemcpyDeviceToHost, side.stream));
+    }
+    return side.mark_done();
+  }));
   // The ticket is only a result for XLA to keep the call; it holds 0.
   PIMHBM_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(ticket, 0, sizeof(int32_t), xla_stream));
   return cudaSuccess;
@@ -138,12 +117,8 @@ ffi::Error snapshot_handler(Platform on, ffi::RemainingArgs args,
 #if defined(PIMHBM_WITH_CUDA)
 // XLA's stream waits for this device's last snapshot copies (none issued: nothing to wait for).
 cudaError_t fence(cudaStream_t xla_stream) {
-  int dev;
-  PIMHBM_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> lock(copiers_mutex);
-  const auto it = copiers().find(dev);
-  if (it == copiers().end()) return cudaSuccess;
-  return cudaStreamWaitEvent(xla_stream, it->second.done, 0);
+  return copiers().if_on_current_device(
+      [&](const ffi_util::SideStream& side) { return side.join(xla_stream); });
 }
 
 ffi::Error fence_on(const ffi_util::OnCuda& on) {
@@ -159,55 +134,32 @@ ffi::Error fence_on(ffi_util::OnCpu) { return ffi::Error::Success(); }
 // write, so that a copy never reads a half-written state.
 template <typename Platform>
 ffi::Error fence_handler(Platform on, ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  if (args.size() != rets.size()) {
-    return ffi_util::invalid(
-        "pimhbm.snapshot_fence",
-        std::to_string(args.size()) + " buffers but " + std::to_string(rets.size()) + " results");
-  }
   // A result XLA gave a buffer of its own (it does, on the GPU, for a gradient no other op
   // wrote in place) gets the operand's bytes: the op then passes its buffers through either way.
-  std::vector<ffi_util::Unaliased> copies;
-  for (size_t i = 0; i < args.size(); ++i) {
-    auto in = args.get<ffi::AnyBuffer>(i);
-    auto out = rets.get<ffi::AnyBuffer>(i);
-    if (!in || !out) {
-      return ffi_util::invalid("pimhbm.snapshot_fence",
-                               "argument or result " + std::to_string(i) + " is not a buffer");
-    }
-    if ((*in).size_bytes() != (*out)->size_bytes()) {
-      return ffi_util::invalid(
-          "pimhbm.snapshot_fence",
-          "result " + std::to_string(i) + " is not the size of argument " + std::to_string(i));
-    }
-    ffi_util::note_unaliased("pimhbm.snapshot_fence", &copies, *in, **out);
-  }
-  PIMHBM_FFI_RETURN_IF_ERROR(fence_on(on));
-  return ffi_util::copy_unaliased(on, copies);
+  return ffi_util::pass_through("pimhbm.snapshot_fence", on, args, rets,
+                                [](const Platform& p) { return fence_on(p); });
 }
 
 }  // namespace
 
 void snapshot_wait() {
 #if defined(PIMHBM_WITH_CUDA)
-  std::lock_guard<std::mutex> lock(copiers_mutex);
-  for (auto& [dev, c] : copiers()) {
-    const cudaError_t err = cudaEventSynchronize(c.done);
-    if (err != cudaSuccess) {
-      throw std::runtime_error(std::string("snapshot copy failed: ") + cudaGetErrorString(err));
-    }
+  const cudaError_t err = copiers().each(
+      [](const ffi_util::SideStream& side) { return cudaEventSynchronize(side.done); });
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("snapshot copy failed: ") + cudaGetErrorString(err));
   }
 #endif
 }
 
 bool snapshot_pending() {
 #if defined(PIMHBM_WITH_CUDA)
-  std::lock_guard<std::mutex> lock(copiers_mutex);
-  for (auto& [dev, c] : copiers()) {
-    const cudaError_t err = cudaEventQuery(c.done);
-    if (err == cudaErrorNotReady) return true;
-    if (err != cudaSuccess) {
-      throw std::runtime_error(std::string("snapshot copy failed: ") + cudaGetErrorString(err));
-    }
+  // Stops at the first device whose copies are still running (cudaErrorNotReady).
+  const cudaError_t err =
+      copiers().each([](const ffi_util::SideStream& side) { return cudaEventQuery(side.done); });
+  if (err == cudaErrorNotReady) return true;
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("snapshot copy failed: ") + cudaGetErrorString(err));
   }
 #endif
   return false;

@@ -111,27 +111,8 @@ ffi::Error begin_handler(Platform on, ffi::RemainingArgs args, ffi::RemainingRet
 // (buffers...) -> the same buffers, once the checks begun before are done (precheck_ffi.h).
 template <typename Platform>
 ffi::Error end_handler(Platform on, ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  constexpr const char* kEnd = "pimhbm.inplace_precheck_end";
-  if (args.size() != rets.size()) {
-    return invalid(kEnd, std::to_string(args.size()) + " buffers but " +
-                             std::to_string(rets.size()) + " results");
-  }
-  std::vector<ffi_util::Unaliased> copies;
-  for (size_t i = 0; i < args.size(); ++i) {
-    auto in = args.get<ffi::AnyBuffer>(i);
-    auto out = rets.get<ffi::AnyBuffer>(i);
-    if (!in || !out) {
-      return invalid(kEnd, "argument or result " + std::to_string(i) + " is not a buffer");
-    }
-    if ((*in).size_bytes() != (*out)->size_bytes()) {
-      return invalid(kEnd, "result " + std::to_string(i) + " is not the size of argument " +
-                               std::to_string(i));
-    }
-    ffi_util::note_unaliased(kEnd, &copies, *in, **out);
-  }
-  // The wait first: a result XLA did not alias gets its operand's bytes after the checks.
-  PIMHBM_FFI_RETURN_IF_ERROR(launch(on, EndOfChecks{}));
-  return ffi_util::copy_unaliased(on, copies);
+  return ffi_util::pass_through("pimhbm.inplace_precheck_end", on, args, rets,
+                                [](const Platform& p) { return launch(p, EndOfChecks{}); });
 }
 
 }  // namespace

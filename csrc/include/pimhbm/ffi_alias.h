@@ -105,4 +105,31 @@ inline ffi::Error copy_unaliased(const OnCuda& on, const std::vector<Unaliased>&
 }
 #endif
 
+// (buffers...) -> the same buffers, aliased, for an op that only orders work: `wait(on)` first
+// (XLA's stream waits for work of another stream), then a result XLA gave a buffer of its own
+// gets its operand's bytes -- so what reads a result runs after the wait either way.
+template <typename Platform, typename Wait>
+ffi::Error pass_through(const char* op, Platform on, const ffi::RemainingArgs& args,
+                        const ffi::RemainingRets& rets, Wait wait) {
+  if (args.size() != rets.size()) {
+    return invalid(op, std::to_string(args.size()) + " buffers but " + std::to_string(rets.size()) +
+                           " results");
+  }
+  std::vector<Unaliased> copies;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto in = args.get<ffi::AnyBuffer>(i);
+    auto out = rets.get<ffi::AnyBuffer>(i);
+    if (!in || !out) {
+      return invalid(op, "argument or result " + std::to_string(i) + " is not a buffer");
+    }
+    if ((*in).size_bytes() != (*out)->size_bytes()) {
+      return invalid(
+          op, "result " + std::to_string(i) + " is not the size of argument " + std::to_string(i));
+    }
+    note_unaliased(op, &copies, *in, **out);
+  }
+  PIMHBM_FFI_RETURN_IF_ERROR(wait(on));
+  return copy_unaliased(on, copies);
+}
+
 }  // namespace pimhbm::ffi_util
