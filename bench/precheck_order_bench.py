@@ -92,7 +92,7 @@ def schedule(hlo: str) -> dict:
 
     checks = [k for k, l in enumerate(lines) if any(calls(l, f'"{c}"') for c in CHECKS)]
     ends = [k for k, l in enumerate(lines) if calls(l, f'"{END}"')]
-    products = [k for k, l in enumerate(lines) if re.search(r"= \S+ (fusion|custom-call)\(", l)
+    products = [k for k, l in enumerate(lines) if re.search(r" (fusion|custom-call)\(", l)
                 and calls(l, r" dot\(|__cublas|__cudnn")]
     last = max(products, default=-1)
     # A check's results are int32 per chunk of its leaves: their length weighs it.
@@ -105,8 +105,9 @@ def schedule(hlo: str) -> dict:
             "end_after_the_last_product": all(k > last for k in ends) if ends else None}
 
 
-def measure(compiled: dict, state, batch, rounds: int, steps: int) -> dict:
-    """Median ms a step of each variant over ``rounds`` rounds of ``steps`` steps, in turn."""
+def measure(compiled: dict, state, batch, rounds: int, steps: int) -> tuple[dict, object]:
+    """Median ms a step of each variant over ``rounds`` rounds of ``steps`` steps, in turn,
+    and the state they leave (the steps donate theirs)."""
     times = {name: [] for name in compiled}
     for _ in range(2):  # warm up
         for fn in compiled.values():
@@ -121,7 +122,23 @@ def measure(compiled: dict, state, batch, rounds: int, steps: int) -> dict:
             times[name].append((time.perf_counter() - t0) / steps * 1e3)
         print(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1]:.2f} ms"
                                                       for k, v in times.items()), flush=True)
-    return {name: statistics.median(v) for name, v in times.items()}
+    return {name: statistics.median(v) for name, v in times.items()}, state
+
+
+def trace_rounds(compiled: dict, state, batch, steps: int, where: str) -> None:
+    """One traced round of ``steps`` steps of each variant, its kernels written as a timeline
+    (pimhbm_cli.device_profile.write_timeline: rows of device, stream, kernel, op, start, us)."""
+    from pimhbm_cli import device_profile as dp
+    for name, fn in compiled.items():
+        def run():
+            nonlocal state
+            for _ in range(steps):
+                state, committed, loss = fn(state, batch)
+            jax.block_until_ready((state, committed, loss))
+        slug = re.sub(r"\W+", "_", name).strip("_")
+        path = dp.trace(os.path.join(where, slug), run)
+        rows = dp.write_timeline(path, os.path.join(where, f"{slug}_timeline.json.gz"))
+        print(f"{name}: traced {steps} steps, {rows} kernels", flush=True)
 
 
 def main(argv=None) -> int:
@@ -134,6 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--json")
+    ap.add_argument("--trace", metavar="DIR", help="also trace a round of each variant (GPU): "
+                    "DIR/<variant>_timeline.json.gz, every kernel's stream, start and length")
     args = ap.parse_args(argv)
 
     device = compile_only_device(args.target_config) if args.target_config else jax.devices()[0]
@@ -168,12 +187,14 @@ def main(argv=None) -> int:
         params = llama3.init(jax.random.key(0), cfg)
         live = jax.jit(opt.init)(jax.device_put(params, where))
         tokens = np.random.default_rng(0).integers(0, cfg.vocab, (args.batch, seq + 1), np.int32)
-        ms = measure(compiled, live, {"tokens": jax.device_put(tokens, where)},
-                     args.rounds, args.steps)
+        batch = {"tokens": jax.device_put(tokens, where)}
+        ms, live = measure(compiled, live, batch, args.rounds, args.steps)
         base = ms["one pass"]
         for name, v in ms.items():
             out["variants"][name]["ms_a_step"] = v
             print(f"{name}: {v:.3f} ms a step ({v / base:.4f}x the one-pass checks)")
+        if args.trace:
+            trace_rounds(compiled, live, batch, args.steps, args.trace)
     write_json(args.json, out)
     return 0
 

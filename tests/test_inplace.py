@@ -317,10 +317,10 @@ def test_the_end_of_the_checks_refuses_results_that_are_not_its_buffers():
     call = jax.ffi.ffi_call("pimhbm_inplace_precheck_end",
                             [jax.ShapeDtypeStruct((3,), jnp.int32)] * 2)
     with pytest.raises(Exception, match="2 buffers but 1 results|1 buffers but 2 results"):
-        jax.jit(call)(jnp.zeros((3,), jnp.int32)).block_until_ready()
+        jax.block_until_ready(jax.jit(call)(jnp.zeros((3,), jnp.int32)))
     wrong = jax.ffi.ffi_call("pimhbm_inplace_precheck_end", jax.ShapeDtypeStruct((4,), jnp.int32))
     with pytest.raises(Exception, match="result 0 is not the size of argument 0"):
-        jax.jit(wrong)(jnp.zeros((3,), jnp.int32)).block_until_ready()
+        jax.block_until_ready(jax.jit(wrong)(jnp.zeros((3,), jnp.int32)))
     assert prechecks_done([]) == []
 
 
