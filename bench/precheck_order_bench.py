@@ -1,8 +1,9 @@
 """The in-place update's checks in one pass after the backward pass, or one a leaf, each
-ordered after its parameter's last read (pimhbm.check_order), on XLA's stream or on a stream of
-their own beside it: where the compiled step puts them, whether any read of a
-parameter comes after its check, and (on a GPU) the step time of each in one run, as a ratio to
-the one pass, rounds in turn.
+ordered after its parameter's last read (check_order.py): where the compiled step puts them,
+whether any read of a parameter comes after its check, and (on a GPU) the step time of each in
+one run, as a ratio to the one pass, rounds in turn. (A third variant, the checks on a stream of
+their own beside XLA's, lost too and left with its ops: bench/NOTES.md, "The checks per leaf
+timed".)
 
 The step is a user's loop on Llama-3-8B-dimension layers: the loss's gradient and
 pimhbm.adamw's update in one jitted program, cuDNN attention on GPUs (XLA's elsewhere, and when
@@ -32,11 +33,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from common import write_json  # noqa: E402
 
-from pimhbm import check_order, inplace  # noqa: E402
-from pimhbm.check_order import CHECK_TARGETS as CHECKS  # noqa: E402
+import check_order  # noqa: E402
+from pimhbm import inplace  # noqa: E402
 from pimhbm.models import llama3  # noqa: E402
-
-END = "pimhbm_inplace_precheck_end"
 
 
 def compile_only_device(target_config: str):
@@ -55,7 +54,7 @@ def compile_only_device(target_config: str):
     return topo.devices[0]
 
 
-def plan_of(cfg, attention: str, params, batch, beside: bool) -> check_order.CheckPlan:
+def plan_of(cfg, attention: str, params, batch) -> tuple[int | None, ...]:
     """check_order.plan_for the loss of ``batch``, traced from shapes (the batch an input)."""
     leaves, treedef = jax.tree.flatten(params)
 
@@ -65,16 +64,15 @@ def plan_of(cfg, attention: str, params, batch, beside: bool) -> check_order.Che
 
     closed = jax.make_jaxpr(grads)(batch, *leaves)
     first = len(jax.tree.leaves(batch))
-    return check_order.CheckPlan(tuple(check_order.checks_after(closed, len(leaves), first)),
-                                 beside)
+    return tuple(check_order.checks_after(closed, len(leaves), first))
 
 
-def build(cfg, attention: str, opt, state, batch, plan):
-    """The compiled step with the update's checks as ``plan`` says (None: one pass)."""
+def build(cfg, attention: str, opt, state, batch):
+    """The compiled step of ``opt`` (pimhbm.adamw, or check_order.Ordered)."""
     def step(state, batch):
         loss, grads = jax.value_and_grad(lambda p: llama3.loss(p, batch, cfg, attention))(
             state.params)
-        new, report = opt.update(grads, state, check_plan=plan)
+        new, report = opt.update(grads, state)
         return new, report.committed, loss
 
     return jax.jit(step, donate_argnums=0).lower(state, batch).compile()
@@ -90,8 +88,7 @@ def schedule(hlo: str) -> dict:
         return bool(re.search(pattern, line)) or any(
             re.search(pattern, bodies.get(c, "")) for c in re.findall(r"calls=(%[\w.\-]+)", line))
 
-    checks = [k for k, l in enumerate(lines) if any(calls(l, f'"{c}"') for c in CHECKS)]
-    ends = [k for k, l in enumerate(lines) if calls(l, f'"{END}"')]
+    checks = [k for k, l in enumerate(lines) if calls(l, f'"{check_order.CHECK}"')]
     products = [k for k, l in enumerate(lines) if re.search(r" (fusion|custom-call)\(", l)
                 and calls(l, r" dot\(|__cublas|__cudnn")]
     last = max(products, default=-1)
@@ -101,8 +98,7 @@ def schedule(hlo: str) -> dict:
               for k in checks}
     before = sum(chunks[k] for k in checks if k < last)
     return {"checks": len(checks), "checks_before_the_last_product": sum(k < last for k in checks),
-            "share_of_chunks_checked_before_it": round(before / max(1, sum(chunks.values())), 3),
-            "end_after_the_last_product": all(k > last for k in ends) if ends else None}
+            "share_of_chunks_checked_before_it": round(before / max(1, sum(chunks.values())), 3)}
 
 
 def measure(compiled: dict, state, batch, rounds: int, steps: int) -> tuple[dict, object]:
@@ -166,16 +162,15 @@ def main(argv=None) -> int:
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
                             llama3.abstract_params(cfg))
     batch = {"tokens": jax.ShapeDtypeStruct((args.batch, seq + 1), jnp.int32, sharding=where)}
-    beside = plan_of(cfg, attention, abstract, batch, beside=True)
+    after = plan_of(cfg, attention, abstract, batch)
     state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=where),
                          jax.eval_shape(opt.init, abstract))
-    variants = {"one pass": None, "per leaf, ordered": beside._replace(beside=False),
-                "per leaf, ordered, beside": beside}
+    variants = {"one pass": opt, "per leaf, ordered": check_order.Ordered.of(opt, after)}
     print(f"{cfg.num_params() / 1e6:.0f} M parameters on {device.device_kind}; "
-          f"each leaf's check after gradient: {list(beside.after)}", flush=True)
-    compiled, out = {}, {"device": device.device_kind, "order": beside.after, "variants": {}}
-    for name, plan in variants.items():
-        compiled[name] = build(cfg, attention, opt, state, batch, plan)
+          f"each leaf's check after gradient: {list(after)}", flush=True)
+    compiled, out = {}, {"device": device.device_kind, "order": after, "variants": {}}
+    for name, variant in variants.items():
+        compiled[name] = build(cfg, attention, variant, state, batch)
         hlo = compiled[name].as_text()
         late = check_order.late_reads(hlo)
         mem = compiled[name].memory_analysis()

@@ -25,7 +25,7 @@ from pimhbm import inplace, inplace_calls
 from pimhbm_cli import main
 
 
-def per_leaf_on_stream(self, leaves, tables, grads, plan=None):
+def per_leaf_on_stream(self, leaves, tables, grads):
     damaged, nonfinite = [], []
     for leaf, table, g in zip(leaves, tables, grads, strict=True):
         def check(p, t, g):

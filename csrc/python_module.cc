@@ -66,8 +66,6 @@ constexpr Target kTargets[] = {
     PIMHBM_TARGET("pimhbm_adamw_inplace", PimhbmAdamWInPlace),
     PIMHBM_TARGET("pimhbm_adamw_redo", PimhbmAdamWRedo),
     PIMHBM_TARGET("pimhbm_inplace_precheck", PimhbmInPlacePrecheck),
-    PIMHBM_TARGET("pimhbm_inplace_precheck_begin", PimhbmInPlacePrecheckBegin),
-    PIMHBM_TARGET("pimhbm_inplace_precheck_end", PimhbmInPlacePrecheckEnd),
     PIMHBM_TARGET("pimhbm_parity_rebuild", PimhbmParityRebuild),
     PIMHBM_TARGET("pimhbm_attention_fwd", PimhbmAttentionFwd),
     PIMHBM_TARGET("pimhbm_attention_bwd", PimhbmAttentionBwd),

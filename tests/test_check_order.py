@@ -1,19 +1,20 @@
-"""pimhbm.check_order: the order of the in-place update's checks one a leaf, the check of a
-compiled program's reads, and the update with a plan against the one pass."""
+"""bench/check_order.py (a variant measured and kept out of the library): the order of the
+in-place update's checks one a leaf, the check of a compiled program's reads, and the update
+with that order against the library's one pass."""
 
-import logging
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pimhbm import check_order, inplace
-from pimhbm.campaign import KINDS, Campaign
-from pimhbm.check_order import CheckPlan, checks_after, late_reads, plan_for
-from pimhbm.models import llama3, mlp
-from pimhbm.recovery import Trainer
-from pimhbm.recovery import trainer as trainer_module
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "bench"))
+from check_order import Ordered, checks_after, late_reads, plan_for  # noqa: E402
+
+from pimhbm import inplace  # noqa: E402
+from pimhbm.models import llama3  # noqa: E402
 
 
 def mlp_loss(params, x):
@@ -47,14 +48,14 @@ def test_a_parameter_whose_reads_no_gradient_follows_is_checked_after_all_of_the
     assert checks_after(closed, 2) == [None, None]
 
 
-def compiled_step(params, x, order=None, beside=False):
+def compiled_step(params, x, order=None):
     """mlp_loss's step with pimhbm.adamw, its checks as ``order`` says (None: the one pass)."""
     opt = inplace.adamw(1e-2)
-    plan = None if order is None else CheckPlan(tuple(order), beside)
+    variant = opt if order is None else Ordered.of(opt, order)
 
     def step(state, x):
         loss, grads = jax.value_and_grad(mlp_loss)(state.params, x)
-        new, report = opt.update(grads, state, check_plan=plan)
+        new, report = variant.update(grads, state)
         return new, report.committed, loss
 
     return opt, jax.jit(step, donate_argnums=0).lower(jax.eval_shape(opt.init, params),
@@ -62,7 +63,7 @@ def compiled_step(params, x, order=None, beside=False):
 
 
 def test_the_ordered_checks_give_the_one_pass_checks_results_bit_for_bit(rng):
-    """On XLA's stream and beside it: the same state and report as the one pass."""
+    """The same state and report as the one pass, with and without a damaged parameter."""
     params, x = params_of(rng), jnp.asarray(rng.standard_normal((8, 32)), jnp.float32)
     opt, one_pass = compiled_step(params, x)
 
@@ -74,11 +75,10 @@ def test_the_ordered_checks_give_the_one_pass_checks_results_bit_for_bit(rng):
     for fresh, commits in ((lambda: opt.init(params), 1), (damaged, 0)):
         a = one_pass(fresh(), x)
         assert int(a[1]) == commits
-        for beside in (False, True):
-            _, ordered = compiled_step(params, x, [1, 0], beside)
-            b = ordered(fresh(), x)
-            for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-                np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+        _, ordered = compiled_step(params, x, [1, 0])
+        b = ordered(fresh(), x)
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
 def test_the_module_check_finds_a_check_that_no_read_precedes(rng):
@@ -86,8 +86,7 @@ def test_the_module_check_finds_a_check_that_no_read_precedes(rng):
     _, one_pass = compiled_step(params, x)
     assert late_reads(one_pass.as_text()) == []
     # Positive control: one check a leaf, each after its own gradient only -- w2's check
-    # takes nothing from the backward pass's read of w2, which the module then runs after it
-    # or beside it.
+    # takes nothing from the backward pass's read of w2, which the module then runs after it.
     _, unordered = compiled_step(params, x, [0, 1])
     late = late_reads(unordered.as_text())
     assert {r.parameter for r in late} == {"%state_params__w2__.1"}
@@ -101,8 +100,7 @@ def test_a_plan_names_every_leaf_and_only_gradients_there_are():
     for after in ((0, 0), (1,)):
         with pytest.raises(ValueError, match="each None or a gradient's index; the parameters "
                                              "have 1"):
-            jax.jit(lambda s, g: opt.update(g, s, check_plan=CheckPlan(after)))(
-                opt.init(params), params)
+            jax.jit(lambda s, g: Ordered.of(opt, after).update(g, s))(opt.init(params), params)
 
 
 def test_plan_for_a_llama_step_orders_every_product_weight_inside_the_backward_pass():
@@ -111,58 +109,11 @@ def test_plan_for_a_llama_step_orders_every_product_weight_inside_the_backward_p
     batch = {"tokens": jnp.zeros((2, 17), jnp.int32)}
     plan = plan_for(jax.value_and_grad(lambda p: llama3.loss(p, batch, cfg)), params)
     names = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
-    after = dict(zip(names, plan.after))
-    assert plan.beside and len(plan.after) == len(names)
+    after = dict(zip(names, plan))
+    assert len(plan) == len(names)
     # A product's weight is read again for the backward pass's dx: its check follows a gradient
     # of the layer below it (down_proj's dx feeds up_proj's gradient); a norm's weight enters
     # the residual stream's elementwise chain, which XLA may recompute up to the backward
     # pass's end: checked after every gradient.
     assert names[after["['layers'][1]['down_proj']"]] == "['layers'][1]['up_proj']"
     assert after["['norm']"] is None
-
-
-READ = object()  # the check of the compiled step's order as it is
-
-
-def trainer_run(name, monkeypatch, *, beside, late=READ, steps=14):
-    """A one-copy Trainer on the CPU under a campaign of every kind: ``beside`` asks for the
-    checks beside the backward pass (allowed on the CPU here); ``late``: what the check of the
-    compiled step's order finds instead of what it reads there."""
-    monkeypatch.setattr(trainer_module, "_beside_possible", lambda devices: True)
-    if late is not READ:
-        monkeypatch.setattr(check_order, "late_reads", lambda hlo: late)
-    opt = inplace.adamw(3e-3, master_weights=True, chunk_elems=128, group=4)
-    tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=name, snapshot_every=10,
-                 inject_gradients=True, devices=jax.devices()[:1], checks_beside=beside)
-    try:
-        tr.prewarm()
-        campaign = Campaign(tr, {k: 1 for k in KINDS}, last_step=steps - 2, seed=5)
-        stats = tr.run(steps, campaign=campaign)
-        return tr.checks_beside, tr.current_state(), campaign.check(stats), stats
-    finally:
-        tr.close(unlink=True)
-
-
-def test_a_trainer_with_the_checks_beside_ends_bit_identical_to_the_one_pass(shm_name,
-                                                                           monkeypatch):
-    """The compiled step keeps the plan's order here (checked on its text): the step runs with
-    one check a leaf, under a campaign of every kind, and ends as the one pass does."""
-    on, state, found, stats = trainer_run(shm_name, monkeypatch, beside=True)
-    assert on
-    assert all(r["missed"] == 0 for r in found.values()), found
-    assert stats.compiles_after_prewarm == 0
-    off, reference, _, _ = trainer_run(shm_name + "_ref", monkeypatch, beside=False)
-    assert not off
-    assert state.keys() == reference.keys()
-    assert all(state[k].tobytes() == reference[k].tobytes() for k in state)
-
-
-@pytest.mark.parametrize("late", [[check_order.LateRead("%c", "%state_params_w0", "%dot")], None],
-                         ids=["a_late_read", "no_check_found"])
-def test_a_step_that_does_not_keep_the_order_falls_back_to_the_one_pass(shm_name, monkeypatch,
-                                                                        caplog, late):
-    with caplog.at_level(logging.WARNING, logger="pimhbm.recovery.programs"):
-        on, _, found, _ = trainer_run(shm_name, monkeypatch, beside=True, steps=4, late=late)
-    assert not on
-    assert ("reads %state_params_w0 after its check" if late else "has none") in caplog.text
-    assert all(r["missed"] == 0 for r in found.values()), found

@@ -13,8 +13,6 @@ import pytest
 import pimhbm
 from conftest import requires_gpu
 from pimhbm import inplace, parity
-from pimhbm._ffi import ensure_registered
-from pimhbm.inplace_calls import prechecks_done
 from test_update import numpy_adamw
 
 LR = 1e-3
@@ -267,23 +265,11 @@ def per_chunk(flags, chunk_elems):
     return padded.reshape(-1, chunk_elems).sum(axis=1, dtype=np.int32)
 
 
-def checked(ps, tables, gs, chunk, beside):
-    """The prechecks' results, in one pass on XLA's stream or begun beside it and read after
-    their end."""
-    if not beside:
-        return inplace.prechecks(ps, tables, gs, chunk)
-    damaged, nonfinite = inplace.prechecks(ps, tables, gs, chunk, beside=True)
-    done = prechecks_done([*damaged, *nonfinite])
-    return done[:len(damaged)], done[len(damaged):]
-
-
-@pytest.mark.parametrize("beside", [False, True], ids=["one_pass", "beside"])
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["fp32", "bf16"])
-def test_the_prechecks_are_verify_and_the_squares_of_the_gradients(rng, dtype, beside):
+def test_the_prechecks_are_verify_and_the_squares_of_the_gradients(rng, dtype):
     """One pass over p and g against its definition: pimhbm.verify of p's chunks, and NumPy's
     float32 g * g counted per chunk where not finite -- on ragged sizes, with bits of p flipped
-    and NaN, infinite and huge gradient values (|g| of 2e19: its square overflows; 1e19: not).
-    The same begun beside XLA's work and read after the end of the checks."""
+    and NaN, infinite and huge gradient values (|g| of 2e19: its square overflows; 1e19: not)."""
     chunk = int(rng.choice([128, 256, 512]))
     params = random_params(rng, dtype, shapes=((300, 77), (77,), (5, 3, 7), (4097,), (1,), (513,), (0,)))
     state = inplace.adamw(LR, chunk_elems=chunk).init(params)
@@ -299,7 +285,7 @@ def test_the_prechecks_are_verify_and_the_squares_of_the_gradients(rng, dtype, b
         flat[rng.choice(flat.size, len(values), replace=False)] = values
     keys = sorted(ps)
     tables = [state.digests[k]["p"] for k in keys]
-    damaged, nonfinite = jax.jit(lambda p, t, g: checked(p, t, g, chunk, beside))(
+    damaged, nonfinite = jax.jit(lambda p, t, g: inplace.prechecks(p, t, g, chunk))(
         [jnp.asarray(ps[k]) for k in keys], tables, [jnp.asarray(gs[k]) for k in keys])
     for k, table, d, b in zip(keys, tables, damaged, nonfinite):
         want = pimhbm.verify(jnp.asarray(ps[k]), table, chunk * ps[k].itemsize)
@@ -310,18 +296,6 @@ def test_the_prechecks_are_verify_and_the_squares_of_the_gradients(rng, dtype, b
         assert np.asarray(b).tolist() == per_chunk(bad, chunk).tolist(), k
     assert sum(int(np.sum(b)) for b in nonfinite) == sum(min(5, ps[k].size) for k in keys)
     assert sum(int(np.sum(d)) for d in damaged) > 0  # the flips were found
-
-
-def test_the_end_of_the_checks_refuses_results_that_are_not_its_buffers():
-    ensure_registered()
-    call = jax.ffi.ffi_call("pimhbm_inplace_precheck_end",
-                            [jax.ShapeDtypeStruct((3,), jnp.int32)] * 2)
-    with pytest.raises(Exception, match="2 buffers but 1 results|1 buffers but 2 results"):
-        jax.block_until_ready(jax.jit(call)(jnp.zeros((3,), jnp.int32)))
-    wrong = jax.ffi.ffi_call("pimhbm_inplace_precheck_end", jax.ShapeDtypeStruct((4,), jnp.int32))
-    with pytest.raises(Exception, match="result 0 is not the size of argument 0"):
-        jax.block_until_ready(jax.jit(wrong)(jnp.zeros((3,), jnp.int32)))
-    assert prechecks_done([]) == []
 
 
 def test_the_prechecks_refuse_a_table_of_another_chunk_size():

@@ -178,6 +178,23 @@ def test_batch_log_ring(shm_name):
         backup.log_batch(10, [np.zeros(4, np.int32)])
 
 
+def test_the_snapshot_fence_passes_its_tree_through_and_refuses_results_not_its_buffers(rng):
+    from pimhbm._ffi import ensure_registered
+    from pimhbm.repair import snapshot_fence
+    tree = {"a": rng.standard_normal((5, 7)).astype(np.float32),
+            "b": rng.integers(0, 2**16, 9).astype(np.uint16).view(ml_dtypes.bfloat16)}
+    out = jax.jit(snapshot_fence)(jax.tree.map(jnp.asarray, tree))
+    for k in tree:
+        assert np.asarray(out[k]).tobytes() == tree[k].tobytes(), k
+    ensure_registered()
+    two = jax.ffi.ffi_call("pimhbm_snapshot_fence", [jax.ShapeDtypeStruct((3,), jnp.int32)] * 2)
+    with pytest.raises(Exception, match="1 buffers but 2 results"):
+        jax.block_until_ready(jax.jit(two)(jnp.zeros((3,), jnp.int32)))
+    wrong = jax.ffi.ffi_call("pimhbm_snapshot_fence", jax.ShapeDtypeStruct((4,), jnp.int32))
+    with pytest.raises(Exception, match="result 0 is not the size of argument 0"):
+        jax.block_until_ready(jax.jit(wrong)(jnp.zeros((3,), jnp.int32)))
+
+
 def test_the_snapshot_kept_is_checked_again_before_the_other_slot_is_overwritten(shm_name, rng):
     """Two sealed snapshots: the next one goes over the older. If the newer one's digest table
     changed in host memory since this process sealed it, the next goes over the newer instead

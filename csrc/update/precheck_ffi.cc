@@ -3,7 +3,6 @@
 
 #include <string>
 
-#include "pimhbm/ffi_alias.h"
 #include "pimhbm/ffi_util.h"
 
 namespace pimhbm::update {
@@ -15,10 +14,6 @@ ffi::Error launch(ffi_util::OnCpu, const PrecheckCall& c) {
   precheck_cpu(c.leaves.data(), c.leaves.size());
   return ffi::Error::Success();
 }
-
-// On the host nothing runs beside: begin checks at once, end has nothing to wait for.
-ffi::Error launch(ffi_util::OnCpu on, const BesideCall& c) { return launch(on, c.checks); }
-ffi::Error launch(ffi_util::OnCpu, const EndOfChecks&) { return ffi::Error::Success(); }
 
 namespace {
 
@@ -69,50 +64,27 @@ ffi::ErrorOr<PrecheckLeaf> leaf_at(const ffi::RemainingArgs& args, const ffi::Re
   return L;
 }
 
-// The checked call of leaves (p, d_p, g, chunk_base)... -> leaves (damaged, nonfinite)...
-ffi::Error precheck_call(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
-                         int64_t chunk_elems, PrecheckCall* call) {
+// leaves (p, d_p, g, chunk_base)... -> leaves (damaged, nonfinite)...
+template <typename Platform>
+ffi::Error precheck_handler(Platform on, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                            int64_t chunk_elems) {
   PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_chunk_size(kOp, "chunk_elems", chunk_elems));
   const size_t n = args.size() / kPrecheckLeafOperands;
   if (args.size() % kPrecheckLeafOperands != 0 || rets.size() != n * kPrecheckLeafResults) {
-    return invalid(kOp,
-                   "expected 4 operands (p, its digests, the gradient, chunk_base) and 2 "
-                   "results a leaf; got " +
-                       std::to_string(args.size()) + " and " + std::to_string(rets.size()));
+    return invalid(kOp, "expected 4 operands (p, its digests, the gradient, chunk_base) and 2 "
+                        "results a leaf; got " + std::to_string(args.size()) + " and " +
+                        std::to_string(rets.size()));
   }
+  PrecheckCall call;
   for (size_t i = 0; i < n; ++i) {
     ffi::ErrorOr<PrecheckLeaf> leaf = leaf_at(args, rets, i, chunk_elems);
     if (leaf.has_error()) {
       return n == 1 ? leaf.error()
                     : ffi_util::in_context(kOp, "leaf " + std::to_string(i) + ": ", leaf.error());
     }
-    call->leaves.push_back(*leaf);
+    call.leaves.push_back(*leaf);
   }
-  return ffi::Error::Success();
-}
-
-template <typename Platform>
-ffi::Error precheck_handler(Platform on, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                            int64_t chunk_elems) {
-  PrecheckCall call;
-  PIMHBM_FFI_RETURN_IF_ERROR(precheck_call(args, rets, chunk_elems, &call));
   return launch(on, call);
-}
-
-// As precheck_handler, beside XLA's work (precheck_ffi.h).
-template <typename Platform>
-ffi::Error begin_handler(Platform on, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                         int64_t chunk_elems) {
-  BesideCall call;
-  PIMHBM_FFI_RETURN_IF_ERROR(precheck_call(args, rets, chunk_elems, &call.checks));
-  return launch(on, call);
-}
-
-// (buffers...) -> the same buffers, once the checks begun before are done (precheck_ffi.h).
-template <typename Platform>
-ffi::Error end_handler(Platform on, ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  return ffi_util::pass_through("pimhbm.inplace_precheck_end", on, args, rets,
-                                [](const Platform& p) { return launch(p, EndOfChecks{}); });
 }
 
 }  // namespace
@@ -122,9 +94,3 @@ ffi::Error end_handler(Platform on, ffi::RemainingArgs args, ffi::RemainingRets 
   bind.RemainingArgs().RemainingRets().Attr<int64_t>("chunk_elems")
 PIMHBM_FFI_HANDLERS(PimhbmInPlacePrecheck, pimhbm::update::precheck_handler,
                     PIMHBM_PRECHECK_BINDING, PIMHBM_FFI_CAPTURABLE);
-// Not capturable: begin and end meet through events of a side stream.
-PIMHBM_FFI_HANDLERS(PimhbmInPlacePrecheckBegin, pimhbm::update::begin_handler,
-                    PIMHBM_PRECHECK_BINDING, PIMHBM_FFI_NOT_CAPTURABLE);
-#define PIMHBM_PRECHECK_END_BINDING(bind) bind.RemainingArgs().RemainingRets()
-PIMHBM_FFI_HANDLERS(PimhbmInPlacePrecheckEnd, pimhbm::update::end_handler,
-                    PIMHBM_PRECHECK_END_BINDING, PIMHBM_FFI_NOT_CAPTURABLE);

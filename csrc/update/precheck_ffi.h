@@ -1,17 +1,9 @@
-// XLA FFI handlers of the checks before the in-place update, one handler each for both
-// platforms (precheck_ffi.cc).
+// XLA FFI handler of the checks before the in-place update ("pimhbm_inplace_precheck"), one
+// handler for both platforms (precheck_ffi.cc).
 //
-// "pimhbm_inplace_precheck": operands, for each leaf, p (float32 or bfloat16), p's digest table
-// (uint32 (chunks, 2)), the gradient (p's dtype and size) and chunk_base (int32 (1,),
-// precheck.h). Results: for each leaf, damaged and nonfinite, int32 (chunks,) each (precheck.h).
-// Attribute: chunk_elems. On XLA's stream, capturable into a command buffer.
-//
-// "pimhbm_inplace_precheck_begin": the same checks, run beside XLA's work: on the GPU on a side
-// stream of the device (the lowest priority: it fills what XLA's kernels leave free) once
-// XLA's stream reaches the op. Its results may be read only after
-// "pimhbm_inplace_precheck_end": (buffers...) -> the same buffers (aliased), once every check
-// begun before it on the device is done. On the host, begin checks at once and end passes
-// its buffers through.
+// Operands: for each leaf, p (float32 or bfloat16), p's digest table (uint32 (chunks, 2)), the
+// gradient (p's dtype and size) and chunk_base (int32 (1,), precheck.h). Results: for each leaf,
+// damaged and nonfinite, int32 (chunks,) each (precheck.h). Attribute: chunk_elems.
 #pragma once
 
 #include <cstdint>
@@ -34,16 +26,6 @@ struct PrecheckCall {
 
 PIMHBM_FFI_DECLARE_LAUNCHES(PrecheckCall);
 
-// The side stream's launch (begin) and XLA's stream's wait for it (end).
-struct BesideCall {
-  PrecheckCall checks;
-};
-struct EndOfChecks {};
-PIMHBM_FFI_DECLARE_LAUNCHES(BesideCall);
-PIMHBM_FFI_DECLARE_LAUNCHES(EndOfChecks);
-
 }  // namespace pimhbm::update
 
 PIMHBM_FFI_DECLARE_HANDLERS(PimhbmInPlacePrecheck);
-PIMHBM_FFI_DECLARE_HANDLERS(PimhbmInPlacePrecheckBegin);
-PIMHBM_FFI_DECLARE_HANDLERS(PimhbmInPlacePrecheckEnd);

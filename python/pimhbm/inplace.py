@@ -35,9 +35,8 @@ import numpy as np
 
 from pimhbm import parity
 from pimhbm._ffi import ensure_registered
-from pimhbm.check_order import CheckPlan
-from pimhbm.inplace_calls import (Stash, leaf_operands, prechecks, prechecks_done, redo_call,
-                                  saturated, update_call)
+from pimhbm.inplace_calls import (Stash, leaf_operands, prechecks, redo_call, saturated,
+                                  update_call)
 from pimhbm.inplace_calls import layout as inplace_layout
 from pimhbm.repair import REPAIRED
 from pimhbm.scan import scan
@@ -205,16 +204,13 @@ class AdamW:
     # -- one step ------------------------------------------------------------------------------
 
     def update(self, grads: Any, state: AdamWState, learning_rate: Any = None, *,
-               axis_name: str | None = None, gate: Any = None, check_plan: CheckPlan | None = None,
+               axis_name: str | None = None, gate: Any = None,
                before_writes: Callable[[Any], Any] | None = None
                ) -> tuple[AdamWState, UpdateReport]:
         """One guarded step, in place: call it inside ``jax.jit`` with the state donated.
         ``learning_rate``: a device scalar (or None for the configured one). ``axis_name``: the
         data-parallel axis inside ``shard_map`` (the verdict is global). ``gate`` (a device
-        bool): false on any device, the step does not run on any. ``check_plan``
-        (pimhbm.check_order): the checks before the first write one a leaf, each after its
-        parameter's last read, instead of one pass after every gradient; the compiled program
-        must then be checked with pimhbm.check_order.late_reads. ``before_writes``: applied to
+        bool): false on any device, the step does not run on any. ``before_writes``: applied to
         the gradients after the checks, before the update reads them (what must precede its
         writes, as a snapshot's fence)."""
         ensure_registered()
@@ -232,7 +228,7 @@ class AdamW:
         flat_grads = treedef.flatten_up_to(grads)
 
         # Before any write: the parameters as the backward pass read them, the gradients.
-        p_faults, g_bad, flat_grads = self._prechecks(leaves, tables, flat_grads, check_plan)
+        p_faults, g_bad, flat_grads = self._prechecks(leaves, tables, flat_grads)
         if before_writes is not None:
             flat_grads = before_writes(flat_grads)
         local = jnp.stack([_total(p_faults, axis_name), _total(g_bad, axis_name)])
@@ -266,46 +262,13 @@ class AdamW:
                               unflat(g_bad), stash, saturated(totals[2]), scalars)
         return new_state, report
 
-    def _prechecks(self, leaves: list[dict], tables: list[dict], grads: list[jax.Array],
-                   plan: CheckPlan | None) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
+    def _prechecks(self, leaves: list[dict], tables: list[dict], grads: list[jax.Array]
+                   ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
         """Per leaf, p's damaged chunks and the gradient's nonfinite counts; and the gradients
-        the update is to read (through the barriers and the end of the checks of a plan)."""
+        the update reads (the same here; a variant that orders its checks by barriers hands on
+        the barriers' outputs: bench/check_order.py)."""
         params, p_tables = [leaf["p"] for leaf in leaves], [t["p"] for t in tables]
-        if plan is None:
-            return (*prechecks(params, p_tables, grads, self.chunk_elems), grads)
-        if len(plan.after) != len(params) or any(
-                j is not None and not 0 <= j < len(params) for j in plan.after):
-            raise ValueError(f"the check plan names {len(plan.after)} leaves, each None or a "
-                             f"gradient's index; the parameters have {len(params)}: "
-                             f"{plan.after}")
-        grads, n = list(grads), len(params)
-        damaged, nonfinite = [None] * n, [None] * n
-        # One call for the leaves that follow the same gradient (they may all run at once);
-        # those checked after every gradient last: their barrier holds every gradient, and no
-        # other check may wait for it.
-        groups: dict[int | None, list[int]] = {}
-        for i, j in enumerate(plan.after):
-            groups.setdefault(j, []).append(i)
-        for j in sorted(groups, key=lambda j: j is None):
-            members = groups[j]
-            # The parameters reach their check through a barrier with the gradient that follows
-            # their last read. The update reads that gradient from the barrier too: a barrier
-            # output that nothing reads is dropped, and the order with it.
-            follows = list(range(n)) if j is None else [j]
-            ps = list(jax.lax.optimization_barrier(
-                (*(params[i] for i in members), *(grads[k] for k in follows))))
-            for k, g in zip(follows, ps[len(members):]):
-                grads[k] = g
-            d, b = prechecks(ps[:len(members)], [p_tables[i] for i in members],
-                             [grads[i] for i in members], self.chunk_elems, beside=plan.beside)
-            for i, di, bi in zip(members, d, b):
-                damaged[i], nonfinite[i] = di, bi
-        if plan.beside:
-            # The end takes every gradient too: XLA then puts it after the backward pass, not
-            # right after the last check begins, where XLA's stream would wait for them early.
-            done = prechecks_done([*damaged, *nonfinite, *grads])
-            damaged, nonfinite, grads = done[:n], done[n:2 * n], done[2 * n:]
-        return damaged, nonfinite, grads
+        return (*prechecks(params, p_tables, grads, self.chunk_elems), grads)
 
     def _state_from(self, outs: list[dict], treedef, has_master: bool, has_parity: bool,
                     step_copies: jax.Array) -> AdamWState:

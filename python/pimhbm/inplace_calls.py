@@ -65,25 +65,22 @@ def _whole_base() -> jax.Array:
 
 # -- the checks before the update ---------------------------------------------------------------
 
-def _precheck_ffi(params, tables, grads, bases, chunk_elems, target="pimhbm_inplace_precheck"):
+def _precheck_ffi(params, tables, grads, bases, chunk_elems):
     args, out_types = [], []
     for p, table, g, base in zip(params, tables, grads, bases):
         args += [p, table, g, base]
         out_types += [jax.ShapeDtypeStruct((table.shape[0],), jnp.int32)] * 2
-    return tuple(unbatched_call(target, out_types, NO_VMAP)(
+    return tuple(unbatched_call("pimhbm_inplace_precheck", out_types, NO_VMAP)(
         *args, chunk_elems=np.int64(chunk_elems)))
 
 
 def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.Array],
-              chunk_elems: int, *, beside: bool = False
-              ) -> tuple[list[jax.Array], list[jax.Array]]:
+              chunk_elems: int) -> tuple[list[jax.Array], list[jax.Array]]:
     """What the update checks before its first write, in one pass over p and g (one
     pimhbm_inplace_precheck call for every leaf). Per leaf, int32 per chunk of ``chunk_elems``
     elements: 1 where p no longer matches its digest table (as :func:`pimhbm.verify`), and the
     number of gradient values whose float32 square is not finite (NaN, infinite, or so large
-    that the second moment would overflow). ``beside``: on a GPU the pass runs on a stream of
-    its own beside XLA's work; read its results only through :func:`prechecks_done`."""
-    target = "pimhbm_inplace_precheck_begin" if beside else "pimhbm_inplace_precheck"
+    that the second moment would overflow)."""
     ensure_registered()
     for i, (p, table, g) in enumerate(zip(params, tables, grads, strict=True)):
         chunks = -(-p.size // chunk_elems)
@@ -101,12 +98,11 @@ def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.
     leaves = [Leaf(tuple(p.shape), chunk_elems) for p in params]
 
     def whole(*flat):
-        return _precheck_ffi(flat[0::3], flat[1::3], flat[2::3], [_whole_base()] * n, chunk_elems,
-                             target)
+        return _precheck_ffi(flat[0::3], flat[1::3], flat[2::3], [_whole_base()] * n, chunk_elems)
 
     def lower(plan: Plan, *flat):
         bases = [plan.chunk_base(leaves, i) for i in range(n)]
-        return _precheck_ffi(flat[0::3], flat[1::3], flat[2::3], bases, chunk_elems, target)
+        return _precheck_ffi(flat[0::3], flat[1::3], flat[2::3], bases, chunk_elems)
 
     operands = [Arg(role, i) for i in range(n) for role in (Role.ELEMS, Role.CHUNKS, Role.ELEMS)]
     results = [Arg(Role.CHUNKS, i) for i in range(n) for _ in range(2)]
@@ -114,19 +110,6 @@ def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.
                      no_vmap=f"pimhbm_inplace_precheck cannot be vmapped: {NO_VMAP}")
     outs = op(*[x for triple in zip(params, tables, grads) for x in triple])
     return list(outs[0::2]), list(outs[1::2])
-
-
-def prechecks_done(buffers: list[jax.Array]) -> list[jax.Array]:
-    """``buffers`` again (the same memory), once every check begun beside XLA's work on the
-    device (``prechecks(..., beside=True)``) is done: the checks' results, and whatever must
-    not be read before they are, pass through it."""
-    ensure_registered()
-    if not buffers:
-        return []
-    out_types = [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers]
-    aliases = {i: i for i in range(len(buffers))}
-    return list(unbatched_call("pimhbm_inplace_precheck_end", out_types, NO_VMAP,
-                               input_output_aliases=aliases)(*buffers))
 
 
 # -- the update and the redo ----------------------------------------------------------------------

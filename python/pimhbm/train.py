@@ -65,7 +65,7 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                   device_copy: bool = True, recheck_every: int | None = None,
                   state: StateKind | str = StateKind.ONE_COPY, in_flight: int = 2,
                   telemetry: Any = "auto", gradient_transform: Any = None,
-                  ordered_embedding: bool = False, checks_beside: bool = False) -> Trainer:
+                  ordered_embedding: bool = False) -> Trainer:
     """A protected trainer of the Llama-3 ``cfg`` on byte-level ``data``: bf16 parameters with
     fp32 master weights and moments, and (with ``shm_name``) host snapshots in shared memory.
     ``state``: one copy updated in place (pimhbm.inplace; parity over groups of chunks repairs
@@ -74,7 +74,7 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
     the other replicas only). ``gradient_transform``: a stateless optax transformation of the
     gradients run first (see pimhbm.adamw). ``ordered_embedding``: the embedding's
     gradient summed in a fixed order (``llama3.embed``; for exact replays). ``in_flight``,
-    ``telemetry``, ``checks_beside``: the Trainer's. ``chunk_elems``:
+    ``telemetry``: the Trainer's. ``chunk_elems``:
     None for the kind's default (256 in place, 1024
     with two slots). ``recheck_every``: the Trainer's sampled re-execution (None: its
     default)."""
@@ -96,4 +96,4 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                    snapshot_every=snapshot_every, scrub_every=scrub_every,
                    inject_gradients=inject_gradients, devices=devices,
                    replica_transport=replica_transport, shard=shard, recheck_every=recheck_every,
-                   in_flight=in_flight, telemetry=telemetry, checks_beside=checks_beside)
+                   in_flight=in_flight, telemetry=telemetry)

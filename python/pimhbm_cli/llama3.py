@@ -90,10 +90,6 @@ def add_arguments(p) -> None:
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also trace 6 steps of each kind with jax.profiler into DIR and print "
                         "where the device time goes (kernels by kind, the largest ones)")
-    p.add_argument("--checks-beside", action="store_true",
-                   help="the update's checks one a leaf, each after its parameter's last read, "
-                        "on a stream of their own beside the backward pass (the Trainer's "
-                        "checks_beside; one GPU)")
     p.add_argument("--in-flight", type=positive_int, default=2,
                    help="the protected loop's steps in flight (the Trainer's in_flight)")
     p.add_argument("--no-telemetry", action="store_true",
@@ -344,8 +340,7 @@ def _protected(job: Job, shm_name: str, *, hooks: bool) -> Any:
                          params=_fresh_params(job), replica_transport=args.replica_transport,
                          shard=args.shard, device_copy=not args.no_device_copy, state=args.state,
                          in_flight=args.in_flight, recheck_every=recheck,
-                         telemetry=None if args.no_telemetry else "auto",
-                         checks_beside=args.checks_beside)
+                         telemetry=None if args.no_telemetry else "auto")
 
 
 def _prewarm(job: Job, trainer: Any) -> None:
@@ -383,9 +378,7 @@ def _what_was_on(trainer: Any) -> dict:
                   "device copy" if trainer.local_source else "replicas only")
     return {"snapshot_every": trainer.snapshots.every if trainer.backup is not None else 0,
             "scrub_every": trainer.scrub_every, "recheck_every": trainer.recheck_every,
-            "redundancy": redundancy, "fault_hooks": False,
-            "checks": "per leaf, beside the backward pass" if trainer.checks_beside else
-                      "one pass after the backward pass"}
+            "redundancy": redundancy, "fault_hooks": False}
 
 
 def _time_both(job: Job, plain: PlainStep, trainer: Any) -> None:

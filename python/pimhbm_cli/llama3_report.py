@@ -31,8 +31,7 @@ def timing(console, results: dict, tokens: int, devices: int, kind: str, rounds:
         console.print(f"  protected with: host snapshot every "
                       f"{on['snapshot_every']} steps, {scrubs}, sampled "
                       f"re-execution every {on['recheck_every']} (0: off), redundancy: "
-                      f"{on['redundancy']}, the update's checks {on['checks']}; no fault "
-                      f"hooks (the campaign's Trainer has them)")
+                      f"{on['redundancy']}; no fault hooks (the campaign's Trainer has them)")
     console.print(f"cost of protection: {results['overhead'] * 100:+.2f} % (target <= "
                   f"{TARGET:.0%}): " +
                   ("[green]met[/]" if results["overhead"] <= TARGET else "[red]not met[/]") +

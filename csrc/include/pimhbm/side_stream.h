@@ -1,9 +1,9 @@
 // Streams of our own beside XLA's, one a device, each ordered by two events: `ready` marks XLA's
 // stream where the side work begins, `done` the side stream after the last work handed to it.
 // The work of one side stream runs in the order it was handed over, so waiting for `done` is
-// waiting for all of it. The snapshot copies have one set (backup/snapshot.cc), the checks
-// before the in-place update another (update/precheck_ffi_cuda.cc). A side stream has the
-// default priority, which is the lowest: its kernels take what XLA's leave free.
+// waiting for all of it. The snapshot copies use one set (backup/snapshot.cc). A side stream
+// has the default priority, the lowest, as XLA's own stream has: a kernel on it is not held back
+// for XLA's (bench/NOTES.md, "The checks per leaf timed").
 #pragma once
 
 #if defined(PIMHBM_WITH_CUDA)

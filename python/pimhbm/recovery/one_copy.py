@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from pimhbm import check_order, parity
+from pimhbm import parity
 from pimhbm.inplace import AdamWState, LeftChunks, Stash
 from pimhbm.repair import NOT_LISTED, REPAIRED, STILL_DAMAGED, snapshot_fence
 from pimhbm.scan import verify
@@ -37,10 +37,6 @@ class OneCopy(Traced):
     # row anew from its group (a damaged row is whole again one step later): a scheduled scrub
     # would find nothing a repair needs.
     default_scrub_every = 0
-    # The update's checks one a leaf, each after its parameter's last read, beside XLA's work
-    # (pimhbm.check_order); one device only. The Compiler falls back to the one pass where the
-    # compiled step does not keep that order.
-    checks_beside: bool = False
 
     def after_step(self, current: int) -> int:
         return 0
@@ -128,12 +124,9 @@ class OneCopy(Traced):
             local, loss, aux = self._local_gradients(state.opt.params, batch, grad_fault)
         grads, gate, disagree = self._reduced_and_gated(local, grad_fault, state.opt, gate)
         lr = None if callable(self.opt.learning_rate) else lr
-        plan = (check_order.plan_for(self._gradients_of(batch), state.opt.params)
-                if self.checks_beside and not digests else None)
         # The checks only read the state: the fence (a snapshot copy may still be reading it)
         # comes after them, right before the update's writes.
         opt, report = self.opt.update(grads, state.opt, lr, gate=gate, axis_name=AXES,
-                                      check_plan=plan,
                                       before_writes=snapshot_fence)
         summary = inplace_summary(report, self.treedef, self.fault_capacity, disagree)
         halted = state.halted | jnp.where(summary.committed != 0, 0, HALTED)

@@ -4,7 +4,6 @@ touched), and the count of compilations after that (there should be none)."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import time
 from typing import Any, Callable
@@ -14,13 +13,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import pimhbm
-from pimhbm import check_order
 from pimhbm.recovery.placement import AXES, Transport
 from pimhbm.recovery.one_copy import OneCopy
 from pimhbm.recovery.traced import Traced, TrainState
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-log = logging.getLogger(__name__)
 
 
 class CompileCounter:
@@ -185,8 +182,7 @@ class Compiler:
         outs = (self.t.state_specs(self.t.after_step(current)), P(), each)
         args = (self.abstract_state(current), self._batch(), self._sds((), jnp.float32),
                 self._sds((10,), jnp.int32))
-        self.programs.step[current] = self._ordered_or_one_pass(
-            lambda: self._compile(self.t.step, ins, outs, *args, what="the step"))
+        self.programs.step[current] = self._compile(self.t.step, ins, outs, *args, what="the step")
         if not self.with_recheck:
             return
         sampled = lambda *a: self.t.step(*a, digests=True)
@@ -204,22 +200,6 @@ class Compiler:
             self.t.recheck, (ss, p.by_device.spec, each, P(AXES)), (ss, each), st, self._batch(),
             self._sds((n,), jnp.int32, p.sharding(each)),
             self._sds((n, leaves + 1, 2), jnp.uint32, p.by_device), what="the re-execution")
-
-    def _ordered_or_one_pass(self, compile_step: Callable[[], Any]) -> Any:
-        """The step compiled; where its checks are to run one a leaf after each parameter's last
-        read (OneCopy.checks_beside) and the compiled program does not keep that order, compiled
-        again with the one pass (and so for the rest of the run)."""
-        step = compile_step()
-        if self._listing or not getattr(self.t, "checks_beside", False):
-            return step
-        late = check_order.late_reads(step.as_text())
-        if late == []:
-            return step
-        log.warning("the step's checks run in one pass after the backward pass: the compiled "
-                    "step %s", "has none where a plan was given" if late is None else
-                    f"reads {late[0].parameter} after its check ({len(late)} such reads)")
-        self.t = dataclasses.replace(self.t, checks_beside=False)
-        return compile_step()
 
     def _repairs(self, current: int) -> None:
         ss, st = self.t.state_specs(current), self.abstract_state(current)

@@ -228,25 +228,20 @@ class Traced:
         # scales the backward pass's seed, and the summed gradients need no pass of their own
         # (a division after the psum is an elementwise pass over every gradient that XLA cannot
         # fuse into the update's custom call: 0.7 ms a step for 0.5 B bf16 gradients).
+        n = len(self.placement.devices)
         if self.layout.shard > 1:
             local = self.treedef.flatten_up_to(params)
             params = jax.tree.unflatten(self.treedef, [
                 jax.lax.all_gather(p, "shard", axis=0, tiled=True) if sh else p
                 for p, sh in zip(local, self.layout.sharded)])
-        (loss, aux), grads = self._gradients_of(batch)(params)
-        if self.inject_local and grad_fault is not None:
-            grads = self._hook(grads, grad_fault, grad_fault[1] == jax.lax.axis_index(AXES))
-        return grads, loss, aux
-
-    def _gradients_of(self, batch: dict) -> Callable[[Any], Any]:
-        """params -> ((this device's part of the mean loss, aux), gradients) of ``batch``."""
-        n = len(self.placement.devices)
-
         def scaled(p):
             loss, aux = self.loss_fn(p, batch)
             return loss / n, aux
 
-        return jax.value_and_grad(scaled, has_aux=True)
+        (loss, aux), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+        if self.inject_local and grad_fault is not None:
+            grads = self._hook(grads, grad_fault, grad_fault[1] == jax.lax.axis_index(AXES))
+        return grads, loss, aux
 
     def _reported(self, loss: jax.Array, aux: Any) -> tuple[jax.Array, Any]:
         """What a step hands back besides its state: the whole batch's mean loss and the loss's

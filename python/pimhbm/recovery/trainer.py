@@ -10,7 +10,6 @@ replayed from the batch log. See ARCHITECTURE.md for the path of a step, a fault
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 from typing import Any, Callable
 
@@ -22,7 +21,7 @@ from pimhbm import inplace
 from pimhbm._ffi import ensure_registered
 from pimhbm.faults import NO_GRADIENT_FAULT, GradientFault
 from pimhbm.backup import HostBackup
-from pimhbm.recovery.events import Action, DeviceFailure, RunStats, log
+from pimhbm.recovery.events import Action, DeviceFailure, RunStats
 from pimhbm.recovery.feed import BatchFeed
 from pimhbm.recovery.handling import FaultHandling, InFlight
 from pimhbm.recovery.health import HealthWatch
@@ -84,12 +83,6 @@ RECHECK_EVERY = 200
 
 
 
-def _beside_possible(devices: list) -> bool:
-    """The checks beside the backward pass: one device, a GPU (XLA's CPU pipeline drops the
-    barriers that order them)."""
-    return len(devices) == 1 and devices[0].platform == "gpu"
-
-
 def _optimizer_learning_rate(opt) -> Callable[[int], float]:
     """The host's learning rate of a step when the user gives none: the optimizer's constant, or
     NaN where the optimizer evaluates a schedule on the device."""
@@ -145,11 +138,7 @@ class Trainer(FaultHandling, RunLoop):
     undone and replayed, and a device whose gradients differ twice ends the run. It needs a
     repeatable step: by default every 200 steps where every step is (CPUs; GPUs with XLA's
     deterministic ops), else never (a step repeatable without the flag -- on pimhbm.attention
-    and llama3's ordered embedding -- asks for it with recheck_every=200).
-    ``checks_beside`` (pimhbm.adamw on one GPU): the update's checks before its first write
-    run one a leaf, each right after its parameter's last read, on a stream of their own beside
-    the backward pass (pimhbm.check_order), instead of in one pass after it; the compiled step
-    is checked for that order, and falls back to the one pass where it does not keep it."""
+    and llama3's ordered embedding -- asks for it with recheck_every=200)."""
 
     def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], opt: AdamW, params: Any,
                  batch_fn: Callable[[int], dict[str, np.ndarray]], *,
@@ -161,7 +150,7 @@ class Trainer(FaultHandling, RunLoop):
                  telemetry: Any = "auto", replica_transport: str = "collective",
                  shard: int = 1, max_skips: int = 5, run_id: str | None = None,
                  recheck_every: int | None = None, in_flight: int = 2,
-                 rng: jax.Array | None = None, has_aux: bool = False, checks_beside: bool = False):
+                 rng: jax.Array | None = None, has_aux: bool = False):
         ensure_registered()
         if not isinstance(in_flight, int) or in_flight < 1:
             raise ValueError(f"in_flight={in_flight!r}: at least one step must be in flight")
@@ -188,7 +177,10 @@ class Trainer(FaultHandling, RunLoop):
                               has_aux)
         sample = self.feed.flatten(batch_fn, 1) if pushing else self.feed(1)
         self.batch_keys, batch_specs, self._first_batch = sample_batch(sample, len(devices))
-        self.traced = self._engine(loss_fn, fault_capacity, inject_gradients, checks_beside)
+        kind = OneCopy if isinstance(opt, inplace.AdamW) else TwoSlots
+        self.traced = kind(self.feed.loss(loss_fn), opt, self.treedef, self.layout, self.placement,
+                           fault_capacity, inject_gradients,
+                           inject_gradients and self.recheck_every > 0, replica_transport)
         self.device_copy = self.traced.device_copy
         self.scrub_every = (scrub_every if scrub_every is not None
                             else self.traced.default_scrub_every)
@@ -227,28 +219,6 @@ class Trainer(FaultHandling, RunLoop):
             self.resume()
         else:
             self.state = self.traced.fresh(self._init(params))
-
-    def _engine(self, loss_fn, fault_capacity: int, inject_gradients: bool,
-                checks_beside: bool) -> OneCopy | TwoSlots:
-        """The traced functions for the optimizer's state: one copy (pimhbm.inplace) or two
-        slots; with one copy on one GPU, the update's checks beside the backward pass where
-        asked for (the compiled step is checked for their order)."""
-        kind = OneCopy if isinstance(self.opt, inplace.AdamW) else TwoSlots
-        traced = kind(self.feed.loss(loss_fn), self.opt, self.treedef, self.layout, self.placement,
-                      fault_capacity, inject_gradients,
-                      inject_gradients and self.recheck_every > 0, self.replica_transport)
-        if checks_beside and kind is OneCopy and _beside_possible(self.placement.devices):
-            traced = dataclasses.replace(traced, checks_beside=True)
-        elif checks_beside:
-            log.info("checks_beside needs pimhbm.adamw (one copy of the state) on one GPU: "
-                     "the update's checks run in one pass after the backward pass")
-        return traced
-
-    @property
-    def checks_beside(self) -> bool:
-        """Whether the step's checks run one a leaf beside the backward pass (asked for, and
-        kept in order by the compiled step)."""
-        return bool(getattr(self.compiler.t, "checks_beside", False))
 
     def _open_backup(self, shm_name, params, batch_specs, ring, resume) -> HostBackup | None:
         if shm_name is None:

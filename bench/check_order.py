@@ -1,25 +1,26 @@
-"""The order of the in-place update's checks: one a leaf, each after its parameter's last read.
+"""The in-place update's checks one a leaf, each after its parameter's last read: a variant
+measured against the library's one pass and lost (bench/NOTES.md, "The checks per leaf timed:
+neither way wins"). Kept here with its bench (precheck_order_bench.py).
 
 The in-place update may write only after a check that each parameter leaf was intact when the
 forward and backward passes read it, so that check must follow the leaf's last read. Checked
-after the whole backward pass (the one pass), it adds its time to the step; checked per leaf
-as soon as the leaf's last read is over, on a stream of its own beside XLA's
-(``CheckPlan.beside``), it runs while the rest of the backward pass does.
+after the whole backward pass (the one pass), it adds its time to the step; checked per leaf as
+soon as the leaf's last read is over, it might run while the rest of the backward pass does.
 
 XLA orders work only by data: a check of a leaf that takes nothing from the work reading it may
 run before that work (split naively, 15 of the 21 leaves of a Llama step were checked before
 their last read). :func:`checks_after` finds, in a traced gradient computation, for each
 parameter leaf a gradient leaf computed only after every read of that parameter; the update
-then passes that gradient through a barrier with the parameter it checks. XLA may also
-recompute a value from a parameter inside a later kernel (a gather or an elementwise chain
-fused into each of its readers), so every value derived from a parameter by work XLA may
-duplicate counts as the parameter. What XLA made of it is checked on the compiled program by
-:func:`late_reads` -- XLA's CPU pipeline, for one, drops the barrier -- and a program where a
-read follows its check is compiled again with the one pass.
+then passes that gradient through a barrier with the parameter it checks (:class:`Ordered`).
+XLA may also recompute a value from a parameter inside a later kernel (a gather or an
+elementwise chain fused into each of its readers), so every value derived from a parameter by
+work XLA may duplicate counts as the parameter. What XLA made of it is checked on the compiled
+program by :func:`late_reads` -- XLA's CPU pipeline, for one, drops the barrier.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from typing import Any, Callable, NamedTuple, Sequence
@@ -27,24 +28,61 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 from jax.extend.core import ClosedJaxpr, Var
 
-CHECK_TARGETS = ("pimhbm_inplace_precheck", "pimhbm_inplace_precheck_begin")
+from pimhbm import inplace
+from pimhbm.inplace_calls import prechecks
+
+CHECK = "pimhbm_inplace_precheck"
 # Calls that read the parameters after the checks by design: the update and the checks.
-_AFTER_THE_CHECKS = ("pimhbm_adamw_inplace", *CHECK_TARGETS)
+_AFTER_THE_CHECKS = ("pimhbm_adamw_inplace", CHECK)
 
 
-class CheckPlan(NamedTuple):
-    """How the in-place update checks its leaves before writing (pimhbm.inplace.AdamW.update)."""
-
-    after: tuple[int | None, ...]  # per leaf, the gradient leaf its check follows (None: all)
-    beside: bool = True  # on a stream of their own (GPUs), ended before the update writes
-
-
-def plan_for(grad_fn: Callable[[Any], Any], params: Any, beside: bool = True) -> CheckPlan:
-    """The plan for a step whose gradients are ``grad_fn(params)``'s last outputs, one per leaf
-    of ``params`` (as ``jax.value_and_grad``'s ``(value, grads)``): traced, not run."""
+def plan_for(grad_fn: Callable[[Any], Any], params: Any) -> tuple[int | None, ...]:
+    """Per leaf of ``params``, the gradient its check follows (None: all of them), for a step
+    whose gradients are ``grad_fn(params)``'s last outputs (as ``jax.value_and_grad``'s
+    ``(value, grads)``): traced, not run."""
     leaves, treedef = jax.tree.flatten(params)
     closed = jax.make_jaxpr(lambda *ls: grad_fn(jax.tree.unflatten(treedef, ls)))(*leaves)
-    return CheckPlan(tuple(checks_after(closed, len(leaves))), beside)
+    return tuple(checks_after(closed, len(leaves)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ordered(inplace.AdamW):
+    """pimhbm.adamw whose checks before the first write run one call per set of leaves that
+    follow the same gradient (``after``, from :func:`plan_for`), each after that gradient."""
+
+    after: tuple[int | None, ...] = ()
+
+    @classmethod
+    def of(cls, opt: inplace.AdamW, after: Sequence[int | None]) -> "Ordered":
+        return cls(**{f.name: getattr(opt, f.name) for f in dataclasses.fields(opt) if f.init},
+                   after=tuple(after))
+
+    def _prechecks(self, leaves, tables, grads):
+        params, p_tables = [leaf["p"] for leaf in leaves], [t["p"] for t in tables]
+        n = len(params)
+        if len(self.after) != n or any(j is not None and not 0 <= j < n for j in self.after):
+            raise ValueError(f"the plan names {len(self.after)} leaves, each None or a "
+                             f"gradient's index; the parameters have {n}: {self.after}")
+        grads, damaged, nonfinite = list(grads), [None] * n, [None] * n
+        groups: dict[int | None, list[int]] = {}
+        for i, j in enumerate(self.after):
+            groups.setdefault(j, []).append(i)
+        # Those checked after every gradient last: their barrier holds every gradient, and no
+        # other check may wait for it.
+        for j in sorted(groups, key=lambda j: j is None):
+            members = groups[j]
+            # The update reads the gradient from the barrier too: a barrier output that nothing
+            # reads is dropped, and the order with it.
+            follows = list(range(n)) if j is None else [j]
+            ps = list(jax.lax.optimization_barrier(
+                (*(params[i] for i in members), *(grads[k] for k in follows))))
+            for k, g in zip(follows, ps[len(members):]):
+                grads[k] = g
+            d, b = prechecks(ps[:len(members)], [p_tables[i] for i in members],
+                             [grads[i] for i in members], self.chunk_elems)
+            for i, di, bi in zip(members, d, b):
+                damaged[i], nonfinite[i] = di, bi
+        return damaged, nonfinite, grads
 
 
 # Work XLA computes once and writes (never duplicates into the kernels of its readers): a
@@ -216,7 +254,4 @@ def _bodies(hlo: str) -> dict[str, str]:
 def late_reads(hlo: str) -> list[LateRead] | None:
     """Every read of a parameter in the compiled program ``hlo`` (its text) that its check does
     not precede by data; None where the program has no check in its entry computation."""
-    found = [reads_after_checks(hlo, t, _AFTER_THE_CHECKS) for t in CHECK_TARGETS]
-    if all(f is None for f in found):
-        return None
-    return [r for f in found if f for r in f]
+    return reads_after_checks(hlo, CHECK, _AFTER_THE_CHECKS)
