@@ -6,10 +6,12 @@ between steps. This bench runs `pimhbm llama3`'s two steps in one process, round
 per protected round records how long the host was blocked reading summaries (the device ahead)
 and how long it spent in each of the loop's parts (the device possibly idle). Variants of the
 protected loop run in the same rounds: more steps in flight, Python's collector frozen, the
-NVML watch off, plain's batches put from the host each step (as the Trainer's are). Last, a
-cProfile of one protected round: the host functions that take the time.
+NVML watch off, no host snapshots (in rounds of as many steps as the interval, each of the
+other protected rounds holds exactly one: the difference is what one costs), plain's batches put from
+the host each step (as the Trainer's are). Last, a cProfile of one protected round: the host
+functions that take the time.
 
-usage: python bench/host_loop_bench.py [--tiny] [--steps 20] [--rounds 3] [--json out.json]
+usage: python bench/host_loop_bench.py [--tiny] [--steps 100] [--rounds 3] [--json out.json]
        (the model options are `pimhbm llama3`'s)
 """
 
@@ -101,10 +103,16 @@ def variants(trainer: Any) -> dict[str, tuple[Callable[[], None], Callable[[], N
 
     def flight(n: int) -> None:
         trainer.in_flight = n
+
+    every = trainer.snapshot_every
+
+    def snapshots(on: bool) -> None:
+        trainer.snapshot_every = every if on else 0
     return {"protected": (lambda: None, lambda: None),
             "protected, 3 in flight": (lambda: flight(3), lambda: flight(2)),
             "protected, gc frozen": (lambda: frozen(True), lambda: frozen(False)),
-            "protected, no telemetry poll": (lambda: telemetry(False), lambda: telemetry(True))}
+            "protected, no telemetry poll": (lambda: telemetry(False), lambda: telemetry(True)),
+            "protected, no host snapshots": (lambda: snapshots(False), lambda: snapshots(True))}
 
 
 def run_rounds(job: Any, plain: Any, trainer: Any, steps: int, rounds: int,
