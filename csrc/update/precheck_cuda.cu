@@ -26,6 +26,7 @@ struct Table {
 static_assert(sizeof(Table) < 32000, "the leaf table must fit the kernel parameters");
 
 constexpr int kSegment = 8;  // lanes a chunk
+constexpr int kBatch = 4;    // vectors of p and of g a lane asks for at once (a 1 KB bf16 chunk)
 // Word multipliers in shared memory: chunks of up to 2 KiB (512 bf16 or fp32 elements: the
 // in-place update's); the words past them take word_mul itself.
 constexpr int kMulVectors = 128;
@@ -78,16 +79,39 @@ __device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, in
   const int64_t vectors = (len + 15) / 16;
   uint64_t acc = 0;
   int32_t bad = 0;
-#pragma unroll 4
-  for (int64_t v = part; v < vectors; v += kSegment) {
-    const bool whole = 16 * (v + 1) <= len;
-    const uint4 pv =
-        whole ? __ldg(reinterpret_cast<const uint4*>(p) + v) : tail_vector(p, 16 * v, len);
-    const uint4 gv =
-        whole ? __ldg(reinterpret_cast<const uint4*>(g) + v) : tail_vector(g, 16 * v, len);
-    const uint4 m = v < kMulVectors ? muls[v] : word_muls_of_vector(static_cast<uint32_t>(v));
-    acc += vector_terms(pv, m);  // past the end the words are zero: no terms
-    bad += nonfinite_squares<kBF16>(gv);
+  if (16 * vectors == len) {
+    // Whole vectors (every chunk but a ragged last one not a multiple of 16 bytes): kBatch of
+    // p's and of g's asked for at once, before any is used (a lane's whole bf16 chunk of 256).
+    const uint4* p4 = reinterpret_cast<const uint4*>(p);
+    const uint4* g4 = reinterpret_cast<const uint4*>(g);
+    for (int64_t v0 = part; v0 < vectors; v0 += kBatch * kSegment) {
+      uint4 pv[kBatch], gv[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int64_t v = v0 + k * kSegment;
+        pv[k] = v < vectors ? __ldg(p4 + v) : make_uint4(0, 0, 0, 0);
+        gv[k] = v < vectors ? __ldg(g4 + v) : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int64_t v = v0 + k * kSegment;
+        if (v >= vectors) break;
+        acc += vector_terms(
+            pv[k], v < kMulVectors ? muls[v] : word_muls_of_vector(static_cast<uint32_t>(v)));
+        bad += nonfinite_squares<kBF16>(gv[k]);
+      }
+    }
+  } else {
+    for (int64_t v = part; v < vectors; v += kSegment) {
+      const bool whole = 16 * (v + 1) <= len;
+      const uint4 pv =
+          whole ? __ldg(reinterpret_cast<const uint4*>(p) + v) : tail_vector(p, 16 * v, len);
+      const uint4 gv =
+          whole ? __ldg(reinterpret_cast<const uint4*>(g) + v) : tail_vector(g, 16 * v, len);
+      const uint4 m = v < kMulVectors ? muls[v] : word_muls_of_vector(static_cast<uint32_t>(v));
+      acc += vector_terms(pv, m);  // past the end the words are zero: no terms
+      bad += nonfinite_squares<kBF16>(gv);
+    }
   }
   acc = segment_sum(acc);
   bad = segment_sum(bad);

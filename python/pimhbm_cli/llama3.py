@@ -49,10 +49,11 @@ def add_arguments(p) -> None:
     p.add_argument("--seq", type=positive_int, default=4096, help="sequence length")
     p.add_argument("--vocab", type=positive_int, default=8192,
                    help="vocabulary (small: the layers, not the LM head, are measured)")
-    p.add_argument("--steps", type=positive_int, default=100,
-                   help="timed steps a round (5 rounds of each step in turn); 100 holds one "
-                        "host snapshot of each protected round, and a round's start and end "
-                        "(the first dispatch, the last summary's copy) weigh little")
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="timed steps a round (5 rounds of each step in turn; default: the "
+                        "snapshot interval, so that each protected round holds one host "
+                        "snapshot, or 100 without snapshots: a round's start and end, the first "
+                        "dispatch and the last summary's copy, then weigh little)")
     p.add_argument("--campaign-steps", type=positive_int, default=30, help="steps of the fault campaign")
     p.add_argument("--faults", type=non_negative_int, default=2, help="faults of each kind in the campaign")
     p.add_argument("--no-campaign", action="store_true", help="only the timings")
@@ -77,7 +78,7 @@ def add_arguments(p) -> None:
                    help="keep no redundancy of each device's own (no parity; with --state "
                         "two-slots no device copy): every damaged chunk is pulled from another "
                         "replica (needs more devices than --shard)")
-    p.add_argument("--snapshot-every", type=non_negative_int, default=100,
+    p.add_argument("--snapshot-every", type=non_negative_int, default=250,
                    help="host snapshot every this many steps (the Trainer's default; 0: none)")
     p.add_argument("--scrub-every", type=non_negative_int, default=None,
                    help="a scrub between steps every this many steps (0: none; default: the "
@@ -214,6 +215,8 @@ def _setup(args: Any) -> Job | str:
     from pimhbm.models import llama3
     from pimhbm.recovery.placement import xla_deterministic_flag
 
+    if args.steps is None:  # a round of the snapshot interval holds exactly one snapshot
+        args.steps = args.snapshot_every or 100
     if args.devices < 1 or args.devices > len(jax.devices()):
         return f"--devices {args.devices}: this machine has {len(jax.devices())}"
     if args.shard < 1 or args.devices % args.shard:

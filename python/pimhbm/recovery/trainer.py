@@ -100,9 +100,10 @@ class Trainer(FaultHandling, RunLoop):
     and, with
     ``shm_name``, host snapshots in POSIX shared memory that survive the process, every
     ``snapshot_every`` steps. The snapshot is the last resort (parity, replicas and the stash
-    repair single chunks on the device), and with one copy the update waits for its copy to the
-    host (~27 ms at Llama-3-8B-layer scale: bench/NOTES.md, run 82): so 100 by default, not
-    more often.
+    repair single chunks on the device), and with one copy the next update waits for its copy to
+    the host wherever the copy outlasts the backward pass (~27 ms at Llama-3-8B-layer scale,
+    where it takes ~111 ms: bench/NOTES.md, runs 82 and 138): so 250 by default, ~0.1 ms a step
+    there, and a restore replays at most 250 steps.
 
     ``batch_fn(step)`` gives the batch of a step (1-based; any pytree of arrays whose first
     dimension splits over the devices), once a step:
@@ -143,7 +144,7 @@ class Trainer(FaultHandling, RunLoop):
     def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], opt: AdamW, params: Any,
                  batch_fn: Callable[[int], dict[str, np.ndarray]], *,
                  learning_rate: Callable[[int], float] | None = None,
-                 shm_name: str | None = None, snapshot_every: int = 100, log_ring: int | None = None,
+                 shm_name: str | None = None, snapshot_every: int = 250, log_ring: int | None = None,
                  scrub_every: int | None = None, repair_capacity: int = 16,
                  fault_capacity: int = 64,
                  inject_gradients: bool = False, devices: Any = None, resume: bool = False,
