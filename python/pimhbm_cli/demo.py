@@ -38,6 +38,10 @@ from pimhbm_cli import options
 from pimhbm_cli.data import corpus_bytes
 from pimhbm_cli.options import add_device, non_negative_int, positive_int
 
+# The demo's faults come every few steps, so its host restores (each a replay from the last
+# snapshot) are many: snapshots more often than the Trainer's default of 250.
+DEMO_SNAPSHOT_EVERY = 100
+
 
 def add_arguments(p) -> None:
     p.add_argument("--steps", type=positive_int, default=300, help="training steps")
@@ -192,7 +196,7 @@ def _both_runs(console, cfg, data, args, device, kinds) -> Runs:
     # The step repeats bit for bit on every platform (see _attention), which the Trainer cannot
     # tell without XLA's flag: sampled re-execution is asked for.
     common = dict(steps=args.steps, batch=args.batch, seq=args.seq, seed=args.seed,
-                  inject_gradients=True, devices=[device],
+                  snapshot_every=DEMO_SNAPSHOT_EVERY, inject_gradients=True, devices=[device],
                   attention_impl=_attention(device, exact=True), recheck_every=RECHECK_EVERY)
     try:
         clean = llama_trainer(cfg, data, **common, shm_name=names[0])
