@@ -70,6 +70,7 @@ def timed_rounds(rounds: dict, steps: int) -> dict[str, float]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     llama3.add_arguments(p)
+    p.set_defaults(steps=100)  # its rounds as before (llama3's default follows the snapshots)
     args = p.parse_args()
     job = llama3._setup(args)
     if isinstance(job, str):

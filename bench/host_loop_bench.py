@@ -11,7 +11,8 @@ other protected rounds holds exactly one: the difference is what one costs), pla
 the host each step (as the Trainer's are). Last, a cProfile of one protected round: the host
 functions that take the time.
 
-usage: python bench/host_loop_bench.py [--tiny] [--steps 100] [--rounds 3] [--json out.json]
+usage: python bench/host_loop_bench.py [--tiny] [--steps N] [--rounds 3] [--json out.json]
+       (--steps: by default the snapshot interval, as `pimhbm llama3`'s)
        (the model options are `pimhbm llama3`'s)
 """
 

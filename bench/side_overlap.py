@@ -23,11 +23,15 @@ def union(spans: list[tuple[float, float]]) -> float:
     return total
 
 
-def summary(path: str, kernel: str, steps: int) -> dict[str, float]:
+def rows_of(path: str) -> list[list]:
+    """The timeline's rows (device, stream, kernel, op, start us, us), by start."""
+    with gzip.open(path, "rt") as f:
+        return sorted(json.load(f), key=lambda r: r[4])
+
+
+def summary(rows: list[list], kernel: str, steps: int) -> dict[str, float]:
     """us a step: the kernel's time, what other kernels overlapped of it, and its time minus
     that (the others idle while it ran)."""
-    with gzip.open(path, "rt") as f:
-        rows = json.load(f)  # device, stream, kernel, op, start us, us
     mine = [(r[4], r[4] + r[5]) for r in rows if kernel in str(r[2])]
     others = [(r[4], r[4] + r[5]) for r in rows if kernel not in str(r[2])]
     overlapped = 0.0
@@ -39,12 +43,10 @@ def summary(path: str, kernel: str, steps: int) -> dict[str, float]:
             "streams": len({r[1] for r in rows})}
 
 
-def one_step(path: str, kernel: str, steps: int) -> list[tuple[float, float, str]]:
+def one_step(rows: list[list], kernel: str, steps: int) -> list[tuple[float, float, str]]:
     """For each launch of the kernel in the middle step of the round: its length, and when the
     next kernel of another stream began, in us after its start (the other stream waited for it
     where that is about its length). Memsets, which need no SM, are passed over."""
-    with gzip.open(path, "rt") as f:
-        rows = sorted(json.load(f), key=lambda r: r[4])
     mine = [r for r in rows if kernel in str(r[2])]
     per = len(mine) // steps
     out = []
@@ -65,12 +67,13 @@ def main(argv=None) -> int:
                          "kernel began")
     args = ap.parse_args(argv)
     for path in args.timelines:
-        s = summary(path, args.kernel, args.steps)
+        rows = rows_of(path)
+        s = summary(rows, args.kernel, args.steps)
         print(f"{path}: {s['launches']:.0f} launches, {s['us']:.1f} us a step, "
               f"{s['overlapped_us']:.1f} of it beside other kernels, {s['alone_us']:.1f} alone "
               f"({s['streams']} streams)")
         if args.each and s["streams"] > 1:
-            for us, after, name in one_step(path, args.kernel, args.steps):
+            for us, after, name in one_step(rows, args.kernel, args.steps):
                 print(f"    ran {us:6.1f} us; the other stream's next kernel began {after:6.1f} us "
                       f"after its start ({name})")
     return 0

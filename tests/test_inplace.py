@@ -271,7 +271,9 @@ def test_the_prechecks_are_verify_and_the_squares_of_the_gradients(rng, dtype):
     float32 g * g counted per chunk where not finite -- on ragged sizes, with bits of p flipped
     and NaN, infinite and huge gradient values (|g| of 2e19: its square overflows; 1e19: not)."""
     chunk = int(rng.choice([128, 256, 512]))
-    params = random_params(rng, dtype, shapes=((300, 77), (77,), (5, 3, 7), (4097,), (1,), (513,), (0,)))
+    # (4104,): a short last chunk of whole 16-byte vectors (the kernel's batched path).
+    params = random_params(rng, dtype, shapes=((300, 77), (77,), (5, 3, 7), (4097,), (1,), (513,),
+                                               (0,), (4104,)))
     state = inplace.adamw(LR, chunk_elems=chunk).init(params)
     grads = random_grads(rng, params)
     ps = {k: np.asarray(v).copy() for k, v in params.items()}

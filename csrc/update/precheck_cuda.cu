@@ -26,7 +26,7 @@ struct Table {
 static_assert(sizeof(Table) < 32000, "the leaf table must fit the kernel parameters");
 
 constexpr int kSegment = 8;  // lanes a chunk
-constexpr int kBatch = 4;    // vectors of p and of g a lane asks for at once (a 1 KB bf16 chunk)
+constexpr int kBatch = 4;    // vectors of p and of g a lane asks for at once (a bf16 chunk of 256)
 // Word multipliers in shared memory: chunks of up to 2 KiB (512 bf16 or fp32 elements: the
 // in-place update's); the words past them take word_mul itself.
 constexpr int kMulVectors = 128;
@@ -81,7 +81,8 @@ __device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, in
   int32_t bad = 0;
   if (16 * vectors == len) {
     // Whole vectors (every chunk but a ragged last one not a multiple of 16 bytes): kBatch of
-    // p's and of g's asked for at once, before any is used (a lane's whole bf16 chunk of 256).
+    // p's and of g's asked for at once, before any is used (for a bf16 chunk of 256, all of the
+    // lane's share).
     const uint4* p4 = reinterpret_cast<const uint4*>(p);
     const uint4* g4 = reinterpret_cast<const uint4*>(g);
     for (int64_t v0 = part; v0 < vectors; v0 += kBatch * kSegment) {
