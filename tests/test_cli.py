@@ -128,3 +128,12 @@ def test_report_plot_writes_a_picture_of_a_run(tmp_path):
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no losses"):
         pimhbm.report.plot(RunStats(), str(tmp_path / "empty.png"))
+
+
+def test_llama3_snapshots_as_often_as_the_trainer_by_default():
+    from pimhbm.recovery.trainer import SNAPSHOT_EVERY
+    from pimhbm_cli import llama3
+    p = argparse.ArgumentParser()
+    llama3.add_arguments(p)
+    assert p.parse_args([]).snapshot_every == SNAPSHOT_EVERY
+    assert p.parse_args(["--snapshot-every", "7"]).snapshot_every == 7  # the option is read

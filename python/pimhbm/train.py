@@ -22,6 +22,7 @@ import pimhbm
 from pimhbm import inplace
 from pimhbm.models import llama3
 from pimhbm.recovery import Trainer
+from pimhbm.recovery.trainer import SNAPSHOT_EVERY
 
 
 class StateKind(enum.StrEnum):
@@ -58,7 +59,7 @@ def warmup_cosine(peak: float, warmup: int, steps: int, floor: float = 0.1) -> C
 def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 16, seq: int = 64,
                   peak_lr: float = 3e-3, warmup: int = 20, seed: int = 0,
                   chunk_elems: int | None = None, shm_name: str | None = None,
-                  snapshot_every: int = 250, scrub_every: int | None = None,
+                  snapshot_every: int = SNAPSHOT_EVERY, scrub_every: int | None = None,
                   inject_gradients: bool = False, devices: Any = None,
                   attention_impl: str | None = None, params: Any = None,
                   replica_transport: str = "collective", shard: int = 1,

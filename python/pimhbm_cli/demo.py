@@ -39,7 +39,7 @@ from pimhbm_cli.data import corpus_bytes
 from pimhbm_cli.options import add_device, non_negative_int, positive_int
 
 # The demo's faults come every few steps, so its host restores (each a replay from the last
-# snapshot) are many: snapshots more often than the Trainer's default of 250.
+# snapshot) are many: snapshots more often than the Trainer's default (SNAPSHOT_EVERY).
 DEMO_SNAPSHOT_EVERY = 100
 
 

@@ -78,6 +78,7 @@ def add_arguments(p) -> None:
                    help="keep no redundancy of each device's own (no parity; with --state "
                         "two-slots no device copy): every damaged chunk is pulled from another "
                         "replica (needs more devices than --shard)")
+    # The Trainer's SNAPSHOT_EVERY, written out: parsing loads no jax (tests/test_cli.py).
     p.add_argument("--snapshot-every", type=non_negative_int, default=250,
                    help="host snapshot every this many steps (the Trainer's default; 0: none)")
     p.add_argument("--scrub-every", type=non_negative_int, default=None,

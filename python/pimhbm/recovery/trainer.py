@@ -80,6 +80,9 @@ def _check_options(opt: AdamW | inplace.AdamW, transport: Transport, devices: li
 # A re-executed step costs 1.5 steps at 8B-layer scale on the H200 (bench/checks_bench.py):
 # every 200 steps that is 0.76 % of a step, within the 1 % the check may cost.
 RECHECK_EVERY = 200
+# A host snapshot costs ~27 ms at 8B-layer scale on the H200 (its copy outlasts the backward
+# pass; bench/NOTES.md, run 138): every 250 steps that is ~0.13 % of a step.
+SNAPSHOT_EVERY = 250
 
 
 
@@ -144,7 +147,7 @@ class Trainer(FaultHandling, RunLoop):
     def __init__(self, loss_fn: Callable[[Any, Any], jax.Array], opt: AdamW, params: Any,
                  batch_fn: Callable[[int], dict[str, np.ndarray]], *,
                  learning_rate: Callable[[int], float] | None = None,
-                 shm_name: str | None = None, snapshot_every: int = 250, log_ring: int | None = None,
+                 shm_name: str | None = None, snapshot_every: int = SNAPSHOT_EVERY, log_ring: int | None = None,
                  scrub_every: int | None = None, repair_capacity: int = 16,
                  fault_capacity: int = 64,
                  inject_gradients: bool = False, devices: Any = None, resume: bool = False,
