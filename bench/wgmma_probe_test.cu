@@ -24,89 +24,29 @@
 #include <vector>
 
 #include "cuda_test_util.h"
+#include "wgmma.cuh"
 
 namespace {
 
+namespace wgmma = pimhbm::wgmma;
 using pimhbm::testing::DeviceBuffer;
 
 constexpr int kN = 64;  // M = N = K = 64: four k-steps of 16
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define PIMHBM_WGMMA 1
-#endif
+using Acc = float[kN / 8][4];  // the m64n64 accumulator (wgmma.cuh)
 
-__device__ __forceinline__ uint64_t descriptor(const void* smem, int lbo, int sbo) {
-  const uint64_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  return ((addr >> 4) & 0x3FFF) | (static_cast<uint64_t>((lbo >> 4) & 0x3FFF) << 16) |
-         (static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32);  // swizzle 0 (bits 62-63)
-}
-
-// The m64n64k16 accumulator: d[4 n + e] is row 16 warp + lane / 4 + 8 (e / 2), column
-// 8 n + 2 (lane % 4) + e % 2.
-struct Acc {
-  float d[32];
-};
-
-#define PIMHBM_D32                                                                         \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
-  "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define PIMHBM_D32_OUT(x)                                                                         \
-  "+f"(x[0]), "+f"(x[1]), "+f"(x[2]), "+f"(x[3]), "+f"(x[4]), "+f"(x[5]), "+f"(x[6]), "+f"(x[7]), \
-      "+f"(x[8]), "+f"(x[9]), "+f"(x[10]), "+f"(x[11]), "+f"(x[12]), "+f"(x[13]), "+f"(x[14]),    \
-      "+f"(x[15]), "+f"(x[16]), "+f"(x[17]), "+f"(x[18]), "+f"(x[19]), "+f"(x[20]), "+f"(x[21]),  \
-      "+f"(x[22]), "+f"(x[23]), "+f"(x[24]), "+f"(x[25]), "+f"(x[26]), "+f"(x[27]), "+f"(x[28]),  \
-      "+f"(x[29]), "+f"(x[30]), "+f"(x[31])
-
-// d (+)= A B, A and B from shared memory, both K-major.
-__device__ __forceinline__ void wgmma_ss(Acc& acc, uint64_t a, uint64_t b, int accumulate) {
-#if defined(PIMHBM_WGMMA)
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PIMHBM_D32
-      ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : PIMHBM_D32_OUT(acc.d)
-      : "l"(a), "l"(b), "r"(accumulate));
-#endif
-}
-
-// d (+)= A B, A from registers (a warp's mma.sync A fragment), B from shared memory,
-// MN-major (transposed on the way in).
-__device__ __forceinline__ void wgmma_rs(Acc& acc, const uint32_t (&a)[4], uint64_t b,
-                                         int accumulate) {
-#if defined(PIMHBM_WGMMA)
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PIMHBM_D32
-      ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-      : PIMHBM_D32_OUT(acc.d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
-#endif
-}
-
-__device__ __forceinline__ void wgmma_begin() {
-#if defined(PIMHBM_WGMMA)
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wgmma_end() {
-#if defined(PIMHBM_WGMMA)
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-#endif
-}
-
-// Shared-memory writes become visible to the tensor cores' (async proxy) reads.
+// Shared-memory writes become visible to the tensor cores' reads, for every thread.
 __device__ __forceinline__ void publish_smem() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  wgmma::fence_shared_for_async();
   __syncthreads();
 }
 
 __device__ void store(const Acc& acc, float* d) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int i = 0; i < 32; ++i) {
-    const int n = i / 4, e = i % 4;
-    d[(16 * warp + lane / 4 + 8 * (e / 2)) * kN + 8 * n + 2 * (lane % 4) + e % 2] = acc.d[i];
+  for (int n = 0; n < kN / 8; ++n) {
+    for (int e = 0; e < 4; ++e) {
+      d[(16 * warp + lane / 4 + 8 * (e / 2)) * kN + 8 * n + 2 * (lane % 4) + e % 2] = acc[n][e];
+    }
   }
 }
 
@@ -121,13 +61,15 @@ __global__ void k_major_kernel(const uint16_t* a, const uint16_t* b, float* d, i
     sb[core_major(i / kN, i % kN)] = b[i];
   }
   publish_smem();
-  Acc acc{};
-  wgmma_begin();
+  Acc acc = {};
+  wgmma::begin();
   for (int ks = 0; ks < kN / 16; ++ks) {  // 16 k = two chunks of 8: 2 x 64 rows x 16 bytes
-    wgmma_ss(acc, descriptor(sa + ks * 2 * kN * 8, lbo, sbo),
-             descriptor(sb + ks * 2 * kN * 8, lbo, sbo), ks > 0);
+    wgmma::mma_ss<kN>(acc, wgmma::descriptor(sa + ks * 2 * kN * 8, lbo, sbo),
+                      wgmma::descriptor(sb + ks * 2 * kN * 8, lbo, sbo), ks > 0);
   }
-  wgmma_end();
+  wgmma::commit();
+  wgmma::wait<0>();
+  wgmma::fence_operand<kN>(acc);
   store(acc, d);
 }
 
@@ -143,15 +85,17 @@ __global__ void mn_major_kernel(const uint16_t* a, const uint16_t* v, float* d, 
   auto pair = [&](int r, int c) {
     return static_cast<uint32_t>(a[r * kN + c]) | static_cast<uint32_t>(a[r * kN + c + 1]) << 16;
   };
-  Acc acc{};
-  wgmma_begin();
+  Acc acc = {};
+  wgmma::begin();
   for (int ks = 0; ks < kN / 16; ++ks) {  // 16 keys: two core matrices along K, 128 bytes apart
     const int k = 16 * ks + col;
     const uint32_t frag[4] = {pair(row, k), pair(row + 8, k), pair(row, k + 8),
                               pair(row + 8, k + 8)};
-    wgmma_rs(acc, frag, descriptor(sv + ks * 16 * 8, lbo, sbo), ks > 0);
+    wgmma::mma_rs<kN>(acc, frag, wgmma::descriptor(sv + ks * 16 * 8, lbo, sbo), ks > 0);
   }
-  wgmma_end();
+  wgmma::commit();
+  wgmma::wait<0>();
+  wgmma::fence_operand<kN>(acc);
   store(acc, d);
 }
 

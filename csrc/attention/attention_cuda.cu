@@ -16,15 +16,16 @@
 #include <type_traits>
 
 #include "attention/attention.h"
+#include "attention/attention_device.cuh"
 #include "pimhbm/cuda_check.h"
 
 namespace pimhbm::attention {
 namespace {
 
+using namespace device;  // NOLINT(google-build-using-namespace): the kernels' own helpers
+
 constexpr int kWarps = 4;  // a block's warps; each owns 16 M rows of the block's row tile
 constexpr int kThreads = 32 * kWarps;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 // The tilings (rows a warp owns = 16 M; tiles of kv rows they loop over). The forward pass and
 // dQ own 32 query rows a warp (M = 2: each loaded fragment of K or V serves two row tiles);
@@ -44,36 +45,7 @@ __host__ __device__ constexpr int stride_of() {
   return D + 8;
 }
 
-__host__ __device__ constexpr int tiles(int n, int rows) { return (n + rows - 1) / rows; }
-
-struct Dims {
-  int seq, heads, kv_heads, group;
-  bool causal;
-  float scale, scale_log2;  // 1 / sqrt(head_dim), and times log2(e)
-};
-
-Dims dims_of(const Shape& s) {
-  return Dims{static_cast<int>(s.seq),
-              static_cast<int>(s.heads),
-              static_cast<int>(s.kv_heads),
-              static_cast<int>(s.group()),
-              s.causal,
-              s.scale(),
-              s.scale() * kLog2e};
-}
-
 // ---- PTX ------------------------------------------------------------------------------------
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool inside) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int bytes = inside ? 16 : 0;  // 0: the 16 bytes are zero-filled, nothing is read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* p) {
   const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -98,26 +70,7 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// 2^x from the special-function unit alone (ex2.approx.ftz: within 2 ulp, -inf gives 0);
-// exp2f wraps the same instruction in range fix-ups this kernel's arguments never need.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// ---- warp-level products --------------------------------------------------------------------
-// A warp's accumulator of a 16 x N product is float[N / 8][4]: tile n, element e holds row
-// lane / 4 + 8 (e / 2), column 8 n + 2 (lane % 4) + e % 2.
-
-__device__ __forceinline__ int lane_id() { return threadIdx.x % 32; }
-__device__ __forceinline__ int acc_row(int e) { return lane_id() / 4 + 8 * (e / 2); }
-__device__ __forceinline__ int acc_col(int n, int e) { return 8 * n + 2 * (lane_id() % 4) + e % 2; }
+// ---- warp-level products (accumulators in the layout of attention_device.cuh) -------------
 
 // One step (columns 16 kk .. 16 kk + 15 of K) of acc += A B^T for M row tiles: A's tile m is
 // the 16 rows at `a` + 16 m rows, B is N rows at `b`, row-major in shared memory with row
@@ -187,23 +140,6 @@ __device__ __forceinline__ void mma_ab(float (&acc)[M][N / 8][4], const uint32_t
   }
 }
 
-// 16 x N accumulators as the bf16 left operands of the next product: the layouts line up, so
-// each lane converts its own values.
-template <int M, int N>
-__device__ __forceinline__ void to_operand(uint32_t (&a)[M][N / 16][4],
-                                           const float (&c)[M][N / 8][4]) {
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-#pragma unroll
-    for (int kk = 0; kk < N / 16; ++kk) {
-      a[m][kk][0] = pack_bf16(c[m][2 * kk][0], c[m][2 * kk][1]);
-      a[m][kk][1] = pack_bf16(c[m][2 * kk][2], c[m][2 * kk][3]);
-      a[m][kk][2] = pack_bf16(c[m][2 * kk + 1][0], c[m][2 * kk + 1][1]);
-      a[m][kk][3] = pack_bf16(c[m][2 * kk + 1][2], c[m][2 * kk + 1][3]);
-    }
-  }
-}
-
 // ---- tiles ----------------------------------------------------------------------------------
 
 // Rows [row0, row0 + ROWS) of the matrix at `base` (row stride `row_stride` elements, D wide)
@@ -217,19 +153,6 @@ __device__ __forceinline__ void load_tile(uint16_t* tile, const uint16_t* base, 
     const bool inside = row0 + r < seq;
     const uint16_t* src = inside ? base + (row0 + r) * row_stride + c * 8 : base;
     cp_async16(tile + r * stride_of<D>() + c * 8, src, inside);
-  }
-}
-
-// Stores the row of row tile m, half `half` (rows acc_row(0) or acc_row(2)) scaled by `factor`
-// as bf16.
-template <int D, int M>
-__device__ __forceinline__ void store_row(uint16_t* out, const float (&acc)[M][D / 8][4], int m,
-                                          int half, float factor) {
-  const int t = lane_id() % 4;
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) {
-    *reinterpret_cast<uint32_t*>(out + 8 * n + 2 * t) =
-        pack_bf16(factor * acc[m][n][2 * half], factor * acc[m][n][2 * half + 1]);
   }
 }
 
@@ -247,67 +170,7 @@ __device__ __forceinline__ void next_tiles(Issue& issue, int step, int steps) {
   __syncthreads();
 }
 
-struct Args {
-  const uint16_t *q, *k, *v, *o, *d_o;
-  const float* lse;
-  uint16_t *out, *dq, *dk, *dv;
-  float *lse_out, *delta;
-  Dims dims;
-};
-// Past 128 bytes the compiler reads the parameter through its address and branches around the
-// masks instead of selecting: the forward kernel ran ~25 % slower (bench/NOTES.md).
-static_assert(sizeof(Args) <= 128, "the kernels' parameter must stay within 128 bytes");
-
-// Where (batch b, head h)'s rows start in a [batch, seq, heads, D] tensor.
-template <int D>
-__device__ __forceinline__ int64_t head_base(int b, int h, int seq, int heads) {
-  return (static_cast<int64_t>(b) * seq * heads + h) * D;
-}
-
-// Whether a tile of keys [k0, k0 + keys) needs the mask for rows from q0 on: it crosses the
-// diagonal, or the sequence's end.
-__device__ __forceinline__ bool needs_mask(const Dims& d, int k0, int keys, int q0) {
-  return k0 + keys > d.seq || (d.causal && k0 + keys - 1 > q0);
-}
-
-__device__ __forceinline__ bool masked(const Dims& d, int key, int row) {
-  return key >= d.seq || (d.causal && key > row);
-}
-
 // ---- forward --------------------------------------------------------------------------------
-
-// One key tile of the online softmax of a row tile's two rows a lane (halves 0 and 1: rows
-// acc_row(0) and acc_row(2)): s holds the tile's scores in log2 units (masked ones -inf) and
-// becomes P; the running maxima m, the lane's partial sums l and the output rows acc are
-// rescaled.
-template <int D, int N>
-__device__ __forceinline__ void softmax_tile(float (&s)[N / 8][4], float (&m)[2], float (&l)[2],
-                                             float (&acc)[D / 8][4]) {
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int n = 0; n < N / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));  // the row's four lanes
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m[half], mx);
-    const float base = m_new == -INFINITY ? 0.0f : m_new;  // a row with no key yet stays 0
-    const float alpha = fast_exp2(m[half] - base);
-    m[half] = m_new;
-    l[half] *= alpha;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      acc[n][2 * half] *= alpha;
-      acc[n][2 * half + 1] *= alpha;
-    }
-#pragma unroll
-    for (int n = 0; n < N / 8; ++n) {
-      s[n][2 * half] = fast_exp2(s[n][2 * half] - base);
-      s[n][2 * half + 1] = fast_exp2(s[n][2 * half + 1] - base);
-      l[half] += s[n][2 * half] + s[n][2 * half + 1];
-    }
-  }
-}
 
 template <int D>
 constexpr int forward_smem() {

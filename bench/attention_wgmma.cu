@@ -1,0 +1,315 @@
+// The forward pass on wgmma (attention_wgmma.h): a block of two warpgroups per (128 query rows,
+// head, batch), each warpgroup 64 rows; key tiles of 128 in order. S = Q K^T reads Q and K from
+// shared memory (both K-major), O += P V takes P from registers (each warp's converted scores,
+// as in the mma.sync kernel) and V from shared memory (MN-major). Q, K and V sit in shared
+// memory as core matrices [D / 8][rows][8] (wgmma.cuh, no swizzle), filled by cp.async; rows
+// past the sequence's end are zero-filled, never read from global memory, and never written.
+// The online softmax and the epilogue are the mma.sync kernel's (attention_device.cuh): each
+// warp's 16 rows of a wgmma tile have the layout of its m16n8 tiles.
+//
+// Shared memory: Q (128 rows), two stages of K and two or three of V (128 keys each): 160 or
+// 192 KiB at head dim 128, one block an SM.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include "attention/attention_device.cuh"
+#include "attention_wgmma.h"
+#include "pimhbm/cuda_check.h"
+#include "wgmma.cuh"
+
+namespace pimhbm::attention {
+namespace {
+
+using namespace device;  // NOLINT(google-build-using-namespace): the kernels' own helpers
+
+constexpr int kGroups = 2;  // warpgroups a block
+constexpr int kThreads = 128 * kGroups;
+constexpr int kQRows = 64 * kGroups;  // a block's query rows
+constexpr int kKeys = 128;            // a key tile
+
+// Rows [row0, row0 + ROWS) of the matrix at `base` (row stride `row_stride` elements, D wide)
+// into `tile` as core matrices [D / 8][ROWS][8]; rows at or past `seq` are zero-filled. Eight
+// threads in a row fill one core matrix (128 contiguous bytes: no bank conflict); a warp reads
+// 64 contiguous bytes of each of 8 rows.
+template <int D, int ROWS>
+__device__ __forceinline__ void load_core_tile(uint16_t* tile, const uint16_t* base, int row0,
+                                               int seq, int64_t row_stride) {
+  constexpr int kPieces = D / 8;  // 16 bytes each
+  static_assert(ROWS % 8 == 0 && (ROWS * kPieces) % kThreads == 0, "whole core matrices");
+#pragma unroll
+  for (int it = 0; it < ROWS * kPieces / kThreads; ++it) {
+    const int i = threadIdx.x + it * kThreads;
+    const int r = (i / (8 * kPieces)) * 8 + i % 8, c = (i / 8) % kPieces;
+    const bool inside = row0 + r < seq;
+    const uint16_t* src = inside ? base + (row0 + r) * row_stride + c * 8 : base;
+    cp_async16(tile + (c * ROWS + r) * 8, src, inside);
+  }
+}
+
+// Where a block's tiles live in shared memory: Q, then K's two stages, then V's stages.
+template <int D, int kVStages>
+struct Smem {
+  uint16_t* base;
+  __device__ uint16_t* q() const { return base; }
+  __device__ uint16_t* k(int tile) const { return base + (kQRows + (tile % 2) * kKeys) * D; }
+  __device__ uint16_t* v(int tile) const {
+    return base + (kQRows + (2 + tile % kVStages) * kKeys) * D;
+  }
+  static constexpr int bytes() { return (kQRows + (2 + kVStages) * kKeys) * D * 2; }
+};
+
+// What a warpgroup's key loop needs: its rows, the tensors' bases, the tiles to go over.
+struct Rows {
+  int row0;   // this warp's first row
+  int group;  // this warpgroup
+  int kblocks;
+  int64_t kv_base, kv_stride;
+};
+
+// S = Q K^T for this warpgroup's 64 rows and key tile `tile` (issued and committed, not waited).
+template <int D, typename Sm>
+__device__ __forceinline__ void issue_scores(float (&s)[kKeys / 8][4], const Sm& sm, const Rows& r,
+                                             int tile) {
+  const uint16_t* q = sm.q() + 64 * r.group * 8;  // the group's rows of each core column
+  const uint16_t* k = sm.k(tile);
+  wgmma::begin();
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {  // 16 columns: two core columns
+    wgmma::mma_ss<kKeys>(s, wgmma::descriptor(q + ks * 2 * kQRows * 8, kQRows * 16, 128),
+                         wgmma::descriptor(k + ks * 2 * kKeys * 8, kKeys * 16, 128), ks > 0);
+  }
+  wgmma::commit();
+}
+
+// O += P V for key tile `tile` (issued and committed, not waited); p must stay untouched until
+// the product is waited for.
+template <int D, typename Sm>
+__device__ __forceinline__ void issue_values(float (&o)[D / 8][4],
+                                             const uint32_t (&p)[kKeys / 16][4], const Sm& sm,
+                                             int tile) {
+  const uint16_t* v = sm.v(tile);
+  wgmma::begin();
+#pragma unroll
+  for (int ks = 0; ks < kKeys / 16; ++ks) {  // 16 keys: two core matrices along K, 128 B apart
+    wgmma::mma_rs<D>(o, p[ks], wgmma::descriptor(v + ks * 16 * 8, 128, kKeys * 16), 1);
+  }
+  wgmma::commit();
+}
+
+// The scores of key tile `tile` in log2 units, masked ones -inf. Where the tile needs a mask
+// (warp-uniform), each row's first masked key is worked out once, so that each score costs a
+// compare and a select.
+__device__ __forceinline__ void scale_and_mask(float (&s)[kKeys / 8][4], const Dims& d,
+                                               const Rows& r, int tile) {
+  const int k0 = tile * kKeys;
+  if (!needs_mask(d, k0, kKeys, r.row0)) {
+#pragma unroll
+    for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] *= d.scale_log2;
+    }
+    return;
+  }
+  int end[2];  // keys from end[half] on are masked for the lane's row of that half
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = r.row0 + acc_row(2 * half);
+    end[half] = (d.causal ? min(d.seq, row + 1) : d.seq) - k0;
+  }
+#pragma unroll
+  for (int n = 0; n < kKeys / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[n][e] = acc_col(n, e) < end[e / 2] ? s[n][e] * d.scale_log2 : -INFINITY;
+    }
+  }
+}
+
+// K or V of tile `tile` into its stage.
+template <int D, typename Sm>
+__device__ __forceinline__ void load_k(const Args& a, const Sm& sm, const Rows& r, int tile) {
+  load_core_tile<D, kKeys>(sm.k(tile), a.k + r.kv_base, tile * kKeys, a.dims.seq, r.kv_stride);
+}
+template <int D, typename Sm>
+__device__ __forceinline__ void load_v(const Args& a, const Sm& sm, const Rows& r, int tile) {
+  load_core_tile<D, kKeys>(sm.v(tile), a.v + r.kv_base, tile * kKeys, a.dims.seq, r.kv_stride);
+}
+
+// Every thread's copies so far, seen by every thread and by the tensor cores.
+__device__ __forceinline__ void publish_copies() {
+  cp_async_wait<0>();
+  wgmma::fence_shared_for_async();
+  __syncthreads();
+}
+
+// kSerial: each tile's two products waited for in turn; K and V of the next tile arrive
+// meanwhile (two stages of each).
+template <int D>
+using SerialSmem = Smem<D, 2>;
+
+template <int D>
+__device__ __forceinline__ void key_loop_serial(const Args& a, const SerialSmem<D>& sm,
+                                                const Rows& r, float (&o)[D / 8][4], float (&m)[2],
+                                                float (&l)[2]) {
+  load_k<D>(a, sm, r, 0);
+  load_v<D>(a, sm, r, 0);
+  cp_async_commit();
+  for (int j = 0; j < r.kblocks; ++j) {
+    publish_copies();  // tile j is in; every group is done with tile j - 1's stage
+    if (j + 1 < r.kblocks) {
+      load_k<D>(a, sm, r, j + 1);
+      load_v<D>(a, sm, r, j + 1);
+    }
+    cp_async_commit();
+    float s[1][kKeys / 8][4];  // one row tile: the shape to_operand takes
+    issue_scores<D>(s[0], sm, r, j);
+    wgmma::wait<0>();
+    wgmma::fence_operand<kKeys>(s[0]);
+    scale_and_mask(s[0], a.dims, r, j);
+    softmax_tile<D, kKeys>(s[0], m, l, o);
+    uint32_t p[1][kKeys / 16][4];
+    to_operand<1, kKeys>(p, s);
+    issue_values<D>(o, p[0], sm, j);
+    wgmma::wait<0>();
+    wgmma::fence_operand<D>(o);
+  }
+}
+
+// kScoresAhead: S of tile j + 1 runs on the tensor cores while P V of tile j does, and P V of
+// tile j while the softmax of tile j + 1 does (FlashAttention-3's overlap within a warpgroup).
+// V has three stages: when a group passes the barrier of turn j, every group is past S of
+// tile j and P V of tile j - 2, so K of tile j + 2 and V of tile j + 1 may come in while P V
+// of tile j - 1 still reads its stage.
+template <int D>
+using AheadSmem = Smem<D, 3>;
+
+// Turn j, whose scores are in s: the softmax while P V of tile j - 1 may still run, the next
+// copies (their branches also keep the compiler from moving the wait below above the softmax:
+// it schedules a wait first in its block), then the output rows rescaled once that product is
+// done and P packed.
+template <int D>
+__device__ __forceinline__ void softmax_ahead(const Args& a, const AheadSmem<D>& sm, const Rows& r,
+                                              int j, float (&s)[1][kKeys / 8][4],
+                                              uint32_t (&p)[1][kKeys / 16][4], float (&o)[D / 8][4],
+                                              float (&m)[2], float (&l)[2]) {
+  publish_copies();  // K of tile j + 1 and V of tile j are in
+  scale_and_mask(s[0], a.dims, r, j);
+  float alpha[2];
+  softmax_scores<kKeys>(s[0], m, l, alpha);
+  if (j + 2 < r.kblocks) load_k<D>(a, sm, r, j + 2);
+  if (j + 1 < r.kblocks) load_v<D>(a, sm, r, j + 1);
+  cp_async_commit();
+  wgmma::wait<0>();
+  wgmma::fence_operand<D>(o);
+  rescale_rows<D>(o, alpha);
+  to_operand<1, kKeys>(p, s);
+}
+
+template <int D>
+__device__ __forceinline__ void key_loop_scores_ahead(const Args& a, const AheadSmem<D>& sm,
+                                                      const Rows& r, float (&o)[D / 8][4],
+                                                      float (&m)[2], float (&l)[2]) {
+  load_k<D>(a, sm, r, 0);
+  load_v<D>(a, sm, r, 0);
+  if (r.kblocks > 1) load_k<D>(a, sm, r, 1);
+  cp_async_commit();
+  publish_copies();
+  float s[1][kKeys / 8][4];  // one row tile: the shape to_operand takes
+  issue_scores<D>(s[0], sm, r, 0);
+  wgmma::wait<0>();
+  wgmma::fence_operand<kKeys>(s[0]);
+  uint32_t p[1][kKeys / 16][4];
+  const int last = r.kblocks - 1;  // its own turn: no product is issued under a condition
+  for (int j = 0; j < last; ++j) {
+    softmax_ahead<D>(a, sm, r, j, s, p, o, m, l);
+    issue_scores<D>(s[0], sm, r, j + 1);
+    issue_values<D>(o, p[0], sm, j);
+    wgmma::wait<1>();  // S of tile j + 1; P V of tile j runs on
+    wgmma::fence_operand<kKeys>(s[0]);
+  }
+  softmax_ahead<D>(a, sm, r, last, s, p, o, m, l);
+  issue_values<D>(o, p[0], sm, last);
+  wgmma::wait<0>();
+  wgmma::fence_operand<D>(o);
+}
+
+template <WgmmaSchedule kSchedule, int D>
+using SmemOf = std::conditional_t<kSchedule == WgmmaSchedule::kSerial, SerialSmem<D>, AheadSmem<D>>;
+
+template <int D, WgmmaSchedule kSchedule>
+__global__ void __launch_bounds__(kThreads, 1) forward_kernel(Args a) {
+  extern __shared__ __align__(128) uint16_t smem[];
+  const SmemOf<kSchedule, D> sm{smem};
+  const Dims& d = a.dims;
+  const int group = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
+  const int q0 = (tiles(d.seq, kQRows) - 1 - blockIdx.x) * kQRows;  // the longest rows first
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int64_t q_stride = static_cast<int64_t>(d.heads) * D;
+  const int64_t q_base = head_base<D>(b, h, d.seq, d.heads);
+  const Rows r{
+      q0 + 64 * group + 16 * warp, group, tiles(d.causal ? min(d.seq, q0 + kQRows) : d.seq, kKeys),
+      head_base<D>(b, h / d.group, d.seq, d.kv_heads), static_cast<int64_t>(d.kv_heads) * D};
+  load_core_tile<D, kQRows>(sm.q(), a.q + q_base, q0, d.seq, q_stride);  // joins K's first group
+
+  float o[1][D / 8][4] = {};  // one row tile: the shape store_row takes
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  if constexpr (kSchedule == WgmmaSchedule::kSerial) {
+    key_loop_serial<D>(a, sm, r, o[0], m, l);
+  } else {
+    key_loop_scores_ahead<D>(a, sm, r, o[0], m, l);
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float sum = l[half];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int row = r.row0 + acc_row(2 * half);
+    if (row >= d.seq) continue;
+    store_row<D, 1>(a.out + q_base + row * q_stride, o, 0, half, 1.0f / sum);
+    if (lane_id() % 4 == 0) {
+      a.lse_out[(static_cast<int64_t>(b) * d.heads + h) * d.seq + row] = m[half] * kLn2 + logf(sum);
+    }
+  }
+}
+
+template <int D, WgmmaSchedule kSchedule>
+cudaError_t launch(const Forward& c, cudaStream_t stream) {
+  Args a{};
+  a.q = c.q, a.k = c.k, a.v = c.v, a.out = c.o, a.lse_out = c.lse, a.dims = dims_of(c.shape);
+  auto* kernel = forward_kernel<D, kSchedule>;
+  constexpr int kSmem = SmemOf<kSchedule, D>::bytes();
+  PIMHBM_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  const dim3 grid(tiles(a.dims.seq, kQRows), a.dims.heads, static_cast<unsigned>(c.shape.batch));
+  kernel<<<grid, kThreads, kSmem, stream>>>(a);
+  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
+  return cudaSuccess;
+}
+
+template <int D>
+cudaError_t by_schedule(const Forward& c, WgmmaSchedule schedule, cudaStream_t stream) {
+  return schedule == WgmmaSchedule::kSerial ? launch<D, WgmmaSchedule::kSerial>(c, stream)
+                                            : launch<D, WgmmaSchedule::kScoresAhead>(c, stream);
+}
+
+cudaError_t check_device() {
+  int device = 0, major = 0;
+  PIMHBM_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  PIMHBM_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major == 9 ? cudaSuccess : cudaErrorNotSupported;
+}
+
+}  // namespace
+
+cudaError_t forward_wgmma(const Forward& call, WgmmaSchedule schedule, cudaStream_t stream) {
+  if (!wgmma_head_dim(call.shape.head_dim)) return cudaErrorInvalidValue;
+  PIMHBM_CUDA_RETURN_IF_ERROR(check_device());
+  if (call.shape.q_elems() == 0) return cudaSuccess;
+  return call.shape.head_dim == 64 ? by_schedule<64>(call, schedule, stream)
+                                   : by_schedule<128>(call, schedule, stream);
+}
+
+}  // namespace pimhbm::attention

@@ -1,0 +1,30 @@
+// The forward pass of pimhbm.attention on Hopper's warpgroup products: a candidate beside the
+// library's mma.sync kernel (csrc/attention), checked against the CPU reference by
+// attention_wgmma_test and timed against the library's kernel by attention_wgmma_bench. It
+// keeps forward_cuda's contract (attention.h): the same layouts and outputs, every sum in a
+// fixed order, two calls bitwise equal. It moves into the library once it wins there.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "attention/attention.h"
+
+namespace pimhbm::attention {
+
+// The head dims the candidate is built for.
+inline bool wgmma_head_dim(int64_t d) { return d == 64 || d == 128; }
+
+// Variants of the key loop, measured side by side.
+enum class WgmmaSchedule {
+  // Each warpgroup in turn: S = Q K^T, its softmax, O += P V, waiting for each product.
+  kSerial,
+  // The next tile's S = Q K^T is issued before this tile's O += P V and runs while the softmax
+  // waits for nothing (FlashAttention-3's overlap within a warpgroup).
+  kScoresAhead,
+};
+
+// cudaErrorInvalidValue for a head dim the candidate is not built for, cudaErrorNotSupported on
+// a device that is not sm_90.
+cudaError_t forward_wgmma(const Forward& call, WgmmaSchedule schedule, cudaStream_t stream);
+
+}  // namespace pimhbm::attention

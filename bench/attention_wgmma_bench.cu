@@ -1,0 +1,208 @@
+// The forward pass on wgmma (attention_wgmma.h, both schedules) against the library's mma.sync
+// kernel (forward_cuda), side by side in one run: causal, bf16, Llama-3-8B's grouped heads (32
+// query heads, 8 kv heads, head dim 128; or 64 / 16 heads of 64), a fixed number of tokens a
+// call split into sequences of 1k to 16k. Rounds take the kernels in turn; each figure is the
+// median of the rounds. TFLOP/s count the causal products only (4 b t^2 h d / 2, as
+// bench/attention_bench.py counts them). Each row also gives the largest difference of the
+// candidate's output from the library's, relative to the largest output.
+//
+// usage: attention_wgmma_bench [--tokens 16384] [--seqs 1024,4096,16384] [--head-dim 128]
+//                              [--rounds 7] [--calls 10]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "attention/attention.h"
+#include "attention_wgmma.h"
+#include "pimhbm/adamw_math.h"
+
+namespace {
+
+using pimhbm::attention::Forward;
+using pimhbm::attention::Shape;
+using pimhbm::attention::WgmmaSchedule;
+
+#define BENCH_CHECK(expr)                                                \
+  do {                                                                   \
+    cudaError_t err_ = (expr);                                           \
+    if (err_ != cudaSuccess) {                                           \
+      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
+                   cudaGetErrorString(err_));                            \
+      std::exit(1);                                                      \
+    }                                                                    \
+  } while (0)
+
+struct Options {
+  int64_t tokens = 16384;
+  std::vector<int64_t> seqs = {1024, 4096, 16384};
+  int64_t head_dim = 128;
+  int rounds = 7, calls = 10;
+};
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const char* value = i + 1 < argc ? argv[i + 1] : nullptr;
+    if (value == nullptr) {
+      std::fprintf(stderr, "attention_wgmma_bench: %s needs a value\n", arg.c_str());
+      std::exit(2);
+    }
+    ++i;
+    if (arg == "--tokens") {
+      o.tokens = std::atoll(value);
+    } else if (arg == "--head-dim") {
+      o.head_dim = std::atoll(value);
+    } else if (arg == "--rounds") {
+      o.rounds = std::atoi(value);
+    } else if (arg == "--calls") {
+      o.calls = std::atoi(value);
+    } else if (arg == "--seqs") {
+      o.seqs.clear();
+      std::stringstream list(value);
+      for (std::string item; std::getline(list, item, ',');)
+        o.seqs.push_back(std::atoll(item.c_str()));
+    } else {
+      std::fprintf(stderr, "attention_wgmma_bench: unknown option %s\n", arg.c_str());
+      std::exit(2);
+    }
+  }
+  if (!pimhbm::attention::wgmma_head_dim(o.head_dim) || o.tokens <= 0 || o.rounds <= 0 ||
+      o.calls <= 0 || o.seqs.empty()) {
+    std::fprintf(stderr, "attention_wgmma_bench: head dim 64 or 128, positive counts\n");
+    std::exit(2);
+  }
+  return o;
+}
+
+// bf16 values from a fixed LCG, roughly uniform in [-2, 2): the same inputs in every run.
+std::vector<uint16_t> inputs(size_t n, uint64_t seed) {
+  std::vector<uint16_t> out(n);
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (auto& e : out) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    e = pimhbm::float_to_bf16(static_cast<float>(static_cast<int64_t>(x >> 40) - (1 << 23)) /
+                              (1 << 22));
+  }
+  return out;
+}
+
+struct Device {
+  uint16_t* ptr = nullptr;
+  explicit Device(const std::vector<uint16_t>& host) {
+    BENCH_CHECK(cudaMalloc(&ptr, host.size() * 2));
+    BENCH_CHECK(cudaMemcpy(ptr, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
+  }
+  explicit Device(size_t bytes) { BENCH_CHECK(cudaMalloc(&ptr, bytes)); }
+  ~Device() { cudaFree(ptr); }
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+};
+
+struct Variant {
+  const char* name;
+  std::function<cudaError_t(const Forward&)> call;
+};
+
+// Milliseconds a call, `calls` calls back to back.
+float time_calls(const Variant& v, const Forward& f, int calls) {
+  cudaEvent_t start, stop;
+  BENCH_CHECK(cudaEventCreate(&start));
+  BENCH_CHECK(cudaEventCreate(&stop));
+  BENCH_CHECK(cudaEventRecord(start));
+  for (int i = 0; i < calls; ++i) BENCH_CHECK(v.call(f));
+  BENCH_CHECK(cudaEventRecord(stop));
+  BENCH_CHECK(cudaEventSynchronize(stop));
+  float ms = 0;
+  BENCH_CHECK(cudaEventElapsedTime(&ms, start, stop));
+  BENCH_CHECK(cudaEventDestroy(start));
+  BENCH_CHECK(cudaEventDestroy(stop));
+  return ms / calls;
+}
+
+std::vector<uint16_t> output_of(const Variant& v, const Forward& f, size_t n) {
+  BENCH_CHECK(cudaMemset(f.o, 0xFF, n * 2));
+  BENCH_CHECK(v.call(f));
+  std::vector<uint16_t> out(n);
+  BENCH_CHECK(cudaMemcpy(out.data(), f.o, n * 2, cudaMemcpyDeviceToHost));
+  return out;
+}
+
+double relative_difference(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  double diff = 0, scale = 1e-2;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double x = pimhbm::bf16_to_float(a[i]), y = pimhbm::bf16_to_float(b[i]);
+    if (!std::isfinite(x)) return INFINITY;
+    diff = std::max(diff, std::abs(x - y));
+    scale = std::max(scale, std::abs(y));
+  }
+  return diff / scale;
+}
+
+void row(const Options& opt, int64_t seq, const std::vector<Variant>& variants) {
+  const int64_t heads = opt.head_dim == 128 ? 32 : 64, kv_heads = heads / 4;
+  const Shape s{std::max<int64_t>(1, opt.tokens / seq), seq, heads, kv_heads, opt.head_dim, true};
+  Device q(inputs(s.q_elems(), 1)), k(inputs(s.kv_elems(), 2)), v(inputs(s.kv_elems(), 3));
+  Device o(s.q_elems() * 2), lse(s.rows() * 4);
+  const Forward f{s, q.ptr, k.ptr, v.ptr, o.ptr, reinterpret_cast<float*>(lse.ptr)};
+  std::vector<std::vector<float>> ms(variants.size());
+  for (const auto& variant : variants) time_calls(variant, f, 2);  // warm-up
+  for (int round = 0; round < opt.rounds; ++round) {
+    for (size_t i = 0; i < variants.size(); ++i)
+      ms[i].push_back(time_calls(variants[i], f, opt.calls));
+  }
+  const auto reference = output_of(variants[0], f, s.q_elems());
+  const double flops = 4.0 * s.batch * seq * seq * heads * opt.head_dim / 2;
+  std::printf("%6lld %5lld", static_cast<long long>(seq), static_cast<long long>(s.batch));
+  double base = 0;
+  for (size_t i = 0; i < variants.size(); ++i) {
+    std::sort(ms[i].begin(), ms[i].end());
+    const double median = ms[i][ms[i].size() / 2];
+    if (i == 0) base = median;
+    std::printf(" | %-14s %7.3f ms %6.1f TFLOP/s %5.2fx", variants[i].name, median,
+                flops / (median * 1e-3) / 1e12, median / base);
+    if (i > 0) {
+      std::printf(" diff %.1e",
+                  relative_difference(output_of(variants[i], f, s.q_elems()), reference));
+    }
+  }
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options opt = parse(argc, argv);
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess ||
+      major != 9) {
+    std::printf("attention_wgmma_bench: needs an sm_90 GPU\n");
+    return 1;
+  }
+  cudaDeviceProp prop{};
+  BENCH_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("%s; head dim %lld, causal, %lld tokens a call, medians of %d rounds of %d calls\n",
+              prop.name, static_cast<long long>(opt.head_dim), static_cast<long long>(opt.tokens),
+              opt.rounds, opt.calls);
+  using pimhbm::attention::forward_cuda;
+  using pimhbm::attention::forward_wgmma;
+  const std::vector<Variant> variants = {
+      {"mma.sync", [](const Forward& f) { return forward_cuda(f, 0); }},
+      {"wgmma serial",
+       [](const Forward& f) { return forward_wgmma(f, WgmmaSchedule::kSerial, 0); }},
+      {"wgmma ahead",
+       [](const Forward& f) { return forward_wgmma(f, WgmmaSchedule::kScoresAhead, 0); }},
+  };
+  for (int64_t seq : opt.seqs) row(opt, seq, variants);
+  return 0;
+}

@@ -1,0 +1,152 @@
+// The wgmma forward candidate (attention_wgmma.h) against the CPU reference, to bf16 tolerance,
+// and against the library's mma.sync kernel, on ragged sequence lengths (no multiple of the
+// 128-row tiles, and one row), head dims 64 and 128, grouped heads, causal and full, batch 1
+// and 3; outputs poisoned first, so a value never written fails; two runs bitwise equal; both
+// schedules. Skipped without an sm_90 GPU; run under compute-sanitizer with PIMHBM_TEST_SMALL=1.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "attention/attention.h"
+#include "attention_wgmma.h"
+#include "cuda_test_util.h"
+#include "pimhbm/adamw_math.h"
+
+namespace pimhbm::attention {
+namespace {
+
+using testing::DeviceBuffer;
+
+bool has_sm90() {
+  int count = 0, major = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();  // no device: not an error of a later call
+    return false;
+  }
+  return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess &&
+         major == 9;
+}
+
+std::vector<uint16_t> random_bf16(size_t n, std::mt19937& gen) {
+  std::normal_distribution<float> dist;
+  std::vector<uint16_t> out(n);
+  for (auto& x : out) x = float_to_bf16(dist(gen));
+  return out;
+}
+
+double value(uint16_t x) { return bf16_to_float(x); }
+double value(float x) { return x; }
+
+// max |got - want| / max(|want|, 1e-2), or infinity where got is not finite.
+template <typename T>
+double relative_error(const std::vector<T>& got, const std::vector<T>& want) {
+  double err = 0, scale = 1e-2;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!std::isfinite(value(got[i]))) return INFINITY;
+    err = std::max(err, std::abs(value(got[i]) - value(want[i])));
+    scale = std::max(scale, std::abs(value(want[i])));
+  }
+  return err / scale;
+}
+
+struct Out {
+  std::vector<uint16_t> o;
+  std::vector<float> lse;
+};
+
+// One forward call on the GPU: the candidate with `schedule`, or the library's kernel.
+enum class Kernel { kLibrary, kWgmmaSerial, kWgmmaScoresAhead };
+
+void run(Kernel kernel, const Shape& s, const std::vector<uint16_t>& q,
+         const std::vector<uint16_t>& k, const std::vector<uint16_t>& v, Out* out) {
+  DeviceBuffer<uint16_t> q_(s.q_elems()), k_(s.kv_elems()), v_(s.kv_elems()), o_(s.q_elems());
+  DeviceBuffer<float> lse_(s.rows());
+  PIMHBM_ASSERT_CUDA(q_.upload(q));
+  PIMHBM_ASSERT_CUDA(k_.upload(k));
+  PIMHBM_ASSERT_CUDA(v_.upload(v));
+  PIMHBM_ASSERT_CUDA(o_.poison());
+  PIMHBM_ASSERT_CUDA(lse_.poison());
+  const Forward call{s, q_.get(), k_.get(), v_.get(), o_.get(), lse_.get()};
+  switch (kernel) {
+    case Kernel::kLibrary:
+      PIMHBM_ASSERT_CUDA(forward_cuda(call, 0));
+      break;
+    case Kernel::kWgmmaSerial:
+      PIMHBM_ASSERT_CUDA(forward_wgmma(call, WgmmaSchedule::kSerial, 0));
+      break;
+    case Kernel::kWgmmaScoresAhead:
+      PIMHBM_ASSERT_CUDA(forward_wgmma(call, WgmmaSchedule::kScoresAhead, 0));
+      break;
+  }
+  PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
+  cudaError_t err = cudaSuccess;
+  out->o = o_.download(&err);
+  out->lse = lse_.download(&err);
+  PIMHBM_ASSERT_CUDA(err);
+}
+
+using Case = std::tuple<Shape, Kernel>;
+
+class WgmmaForward : public ::testing::TestWithParam<Case> {};
+
+TEST_P(WgmmaForward, MatchesCpuAndLibraryAndRepeats) {
+  if (!has_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+  const auto& [s, kernel] = GetParam();
+  std::mt19937 gen(std::random_device{}());
+  const auto q = random_bf16(s.q_elems(), gen), k = random_bf16(s.kv_elems(), gen),
+             v = random_bf16(s.kv_elems(), gen);
+  Out want{std::vector<uint16_t>(s.q_elems()), std::vector<float>(s.rows())};
+  forward_cpu(Forward{s, q.data(), k.data(), v.data(), want.o.data(), want.lse.data()});
+  Out got, again, library;
+  ASSERT_NO_FATAL_FAILURE(run(kernel, s, q, k, v, &got));
+  EXPECT_LE(relative_error(got.o, want.o), 2e-2);
+  EXPECT_LE(relative_error(got.lse, want.lse), 1e-3);
+  ASSERT_NO_FATAL_FAILURE(run(Kernel::kLibrary, s, q, k, v, &library));
+  EXPECT_LE(relative_error(got.o, library.o), 2e-2);
+  ASSERT_NO_FATAL_FAILURE(run(kernel, s, q, k, v, &again));
+  EXPECT_EQ(got.o, again.o);
+  EXPECT_EQ(got.lse, again.lse);
+}
+
+std::vector<Shape> shapes() {
+  const bool small = testing::small_sizes();
+  // batch, seq, heads, kv_heads, head_dim, causal
+  return {{1, 1, 2, 1, 64, true},    {2, 63, 4, 2, 64, true},
+          {1, 129, 4, 1, 128, true}, {3, small ? 200 : 333, 8, 2, 128, true},
+          {1, 100, 2, 2, 64, false}, {1, small ? 129 : 257, 4, 2, 128, false},
+          {1, 128, 2, 1, 128, true}, {2, small ? 300 : 1000, 4, 1, 128, true},
+          {3, 385, 4, 4, 64, true}};
+}
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  const auto& [s, kernel] = info.param;
+  return std::string(kernel == Kernel::kWgmmaSerial ? "serial" : "ahead") + "_b" +
+         std::to_string(s.batch) + "_t" + std::to_string(s.seq) + "_h" + std::to_string(s.heads) +
+         "_" + std::to_string(s.kv_heads) + "_d" + std::to_string(s.head_dim) +
+         (s.causal ? "_causal" : "_full");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, WgmmaForward,
+                         ::testing::Combine(::testing::ValuesIn(shapes()),
+                                            ::testing::Values(Kernel::kWgmmaSerial,
+                                                              Kernel::kWgmmaScoresAhead)),
+                         case_name);
+
+TEST(WgmmaForwardErrors, RefusesHeadDimsItIsNotBuiltFor) {
+  // Checked before any device is touched: holds with or without a GPU.
+  for (int64_t d : {16, 32, 96, 256}) {
+    const Shape s{1, 8, 2, 1, d, true};
+    EXPECT_EQ(forward_wgmma(Forward{s, nullptr, nullptr, nullptr, nullptr, nullptr},
+                            WgmmaSchedule::kSerial, 0),
+              cudaErrorInvalidValue)
+        << "head dim " << d;
+  }
+}
+
+}  // namespace
+}  // namespace pimhbm::attention
