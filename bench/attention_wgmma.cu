@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "attention/attention_device.cuh"
+#include "attention_wgmma.cuh"
 #include "attention_wgmma.h"
 #include "pimhbm/cuda_check.h"
 #include "wgmma.cuh"
@@ -22,31 +23,10 @@
 namespace pimhbm::attention {
 namespace {
 
-using namespace device;  // NOLINT(google-build-using-namespace): the kernels' own helpers
+using namespace device;     // NOLINT(google-build-using-namespace): the kernels' own helpers
+using namespace candidate;  // NOLINT(google-build-using-namespace)
 
-constexpr int kGroups = 2;  // warpgroups a block
-constexpr int kThreads = 128 * kGroups;
-constexpr int kQRows = 64 * kGroups;  // a block's query rows
-constexpr int kKeys = 128;            // a key tile
-
-// Rows [row0, row0 + ROWS) of the matrix at `base` (row stride `row_stride` elements, D wide)
-// into `tile` as core matrices [D / 8][ROWS][8]; rows at or past `seq` are zero-filled. Eight
-// threads in a row fill one core matrix (128 contiguous bytes: no bank conflict); a warp reads
-// 64 contiguous bytes of each of 8 rows.
-template <int D, int ROWS>
-__device__ __forceinline__ void load_core_tile(uint16_t* tile, const uint16_t* base, int row0,
-                                               int seq, int64_t row_stride) {
-  constexpr int kPieces = D / 8;  // 16 bytes each
-  static_assert(ROWS % 8 == 0 && (ROWS * kPieces) % kThreads == 0, "whole core matrices");
-#pragma unroll
-  for (int it = 0; it < ROWS * kPieces / kThreads; ++it) {
-    const int i = threadIdx.x + it * kThreads;
-    const int r = (i / (8 * kPieces)) * 8 + i % 8, c = (i / 8) % kPieces;
-    const bool inside = row0 + r < seq;
-    const uint16_t* src = inside ? base + (row0 + r) * row_stride + c * 8 : base;
-    cp_async16(tile + (c * ROWS + r) * 8, src, inside);
-  }
-}
+constexpr int kKeys = 128;  // a key tile
 
 // Where a block's tiles live in shared memory: Q, then K's two stages, then V's stages.
 template <int D, int kVStages>
@@ -135,13 +115,6 @@ __device__ __forceinline__ void load_k(const Args& a, const Sm& sm, const Rows& 
 template <int D, typename Sm>
 __device__ __forceinline__ void load_v(const Args& a, const Sm& sm, const Rows& r, int tile) {
   load_core_tile<D, kKeys>(sm.v(tile), a.v + r.kv_base, tile * kKeys, a.dims.seq, r.kv_stride);
-}
-
-// Every thread's copies so far, seen by every thread and by the tensor cores.
-__device__ __forceinline__ void publish_copies() {
-  cp_async_wait<0>();
-  wgmma::fence_shared_for_async();
-  __syncthreads();
 }
 
 // kSerial: each tile's two products waited for in turn; K and V of the next tile arrive
@@ -294,19 +267,11 @@ cudaError_t by_schedule(const Forward& c, WgmmaSchedule schedule, cudaStream_t s
                                             : launch<D, WgmmaSchedule::kScoresAhead>(c, stream);
 }
 
-cudaError_t check_device() {
-  int device = 0, major = 0;
-  PIMHBM_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  PIMHBM_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  return major == 9 ? cudaSuccess : cudaErrorNotSupported;
-}
-
 }  // namespace
 
 cudaError_t forward_wgmma(const Forward& call, WgmmaSchedule schedule, cudaStream_t stream) {
   if (!wgmma_head_dim(call.shape.head_dim)) return cudaErrorInvalidValue;
-  PIMHBM_CUDA_RETURN_IF_ERROR(check_device());
+  PIMHBM_CUDA_RETURN_IF_ERROR(check_sm90());
   if (call.shape.q_elems() == 0) return cudaSuccess;
   return call.shape.head_dim == 64 ? by_schedule<64>(call, schedule, stream)
                                    : by_schedule<128>(call, schedule, stream);

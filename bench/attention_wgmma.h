@@ -1,8 +1,8 @@
-// The forward pass of pimhbm.attention on Hopper's warpgroup products: a candidate beside the
-// library's mma.sync kernel (csrc/attention), checked against the CPU reference by
-// attention_wgmma_test and timed against the library's kernel by attention_wgmma_bench. It
-// keeps forward_cuda's contract (attention.h): the same layouts and outputs, every sum in a
-// fixed order, two calls bitwise equal. It moves into the library once it wins there.
+// pimhbm.attention on Hopper's warpgroup products: candidates beside the library's mma.sync
+// kernels (csrc/attention), checked against the CPU reference by attention_wgmma_test and timed
+// against the library's kernels by attention_wgmma_bench. They keep forward_cuda's and
+// backward_cuda's contracts (attention.h): the same layouts and outputs, every sum in a fixed
+// order, two calls bitwise equal. They move into the library once they win there.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -26,5 +26,9 @@ enum class WgmmaSchedule {
 // cudaErrorInvalidValue for a head dim the candidate is not built for, cudaErrorNotSupported on
 // a device that is not sm_90.
 cudaError_t forward_wgmma(const Forward& call, WgmmaSchedule schedule, cudaStream_t stream);
+
+// The backward pass (delta by the library's kernel, then dK/dV and dQ on wgmma): backward_cuda's
+// contract. The same errors as forward_wgmma.
+cudaError_t backward_wgmma(const Backward& call, cudaStream_t stream);
 
 }  // namespace pimhbm::attention

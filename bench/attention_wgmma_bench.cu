@@ -1,10 +1,11 @@
-// The forward pass on wgmma (attention_wgmma.h, both schedules) against the library's mma.sync
-// kernel (forward_cuda), side by side in one run: causal, bf16, Llama-3-8B's grouped heads (32
-// query heads, 8 kv heads, head dim 128; or 64 / 16 heads of 64), a fixed number of tokens a
-// call split into sequences of 1k to 16k. Rounds take the kernels in turn; each figure is the
-// median of the rounds. TFLOP/s count the causal products only (4 b t^2 h d / 2, as
-// bench/attention_bench.py counts them). Each row also gives the largest difference of the
-// candidate's output from the library's, relative to the largest output.
+// The wgmma candidates (attention_wgmma.h: the forward pass in both schedules, the backward
+// pass) against the library's mma.sync kernels (forward_cuda, backward_cuda), side by side in
+// one run: causal, bf16, Llama-3-8B's grouped heads (32 query heads, 8 kv heads, head dim 128;
+// or 64 / 16 heads of 64), a fixed number of tokens a call split into sequences of 1k to 16k.
+// Rounds take the kernels in turn; each figure is the median of the rounds. TFLOP/s count the
+// causal products only (forward 4 b t^2 h d / 2, backward 2.5x that, as
+// bench/attention_bench.py counts them). Each line also gives the largest difference of the
+// candidate's output (O; dQ, dK, dV) from the library's, relative to the largest value.
 //
 // usage: attention_wgmma_bench [--tokens 16384] [--seqs 1024,4096,16384] [--head-dim 128]
 //                              [--rounds 7] [--calls 10]
@@ -108,18 +109,19 @@ struct Device {
   Device& operator=(const Device&) = delete;
 };
 
+// A kernel call on fixed buffers, and where its output (bf16) lies.
 struct Variant {
   const char* name;
-  std::function<cudaError_t(const Forward&)> call;
+  std::function<cudaError_t()> call;
 };
 
 // Milliseconds a call, `calls` calls back to back.
-float time_calls(const Variant& v, const Forward& f, int calls) {
+float time_calls(const Variant& v, int calls) {
   cudaEvent_t start, stop;
   BENCH_CHECK(cudaEventCreate(&start));
   BENCH_CHECK(cudaEventCreate(&stop));
   BENCH_CHECK(cudaEventRecord(start));
-  for (int i = 0; i < calls; ++i) BENCH_CHECK(v.call(f));
+  for (int i = 0; i < calls; ++i) BENCH_CHECK(v.call());
   BENCH_CHECK(cudaEventRecord(stop));
   BENCH_CHECK(cudaEventSynchronize(stop));
   float ms = 0;
@@ -129,12 +131,13 @@ float time_calls(const Variant& v, const Forward& f, int calls) {
   return ms / calls;
 }
 
-std::vector<uint16_t> output_of(const Variant& v, const Forward& f, size_t n) {
-  BENCH_CHECK(cudaMemset(f.o, 0xFF, n * 2));
-  BENCH_CHECK(v.call(f));
-  std::vector<uint16_t> out(n);
-  BENCH_CHECK(cudaMemcpy(out.data(), f.o, n * 2, cudaMemcpyDeviceToHost));
-  return out;
+// The bf16 values of `n` elements at `out` after one call (poisoned first).
+std::vector<uint16_t> output_of(const Variant& v, uint16_t* out, size_t n) {
+  BENCH_CHECK(cudaMemset(out, 0xFF, n * 2));
+  BENCH_CHECK(v.call());
+  std::vector<uint16_t> host(n);
+  BENCH_CHECK(cudaMemcpy(host.data(), out, n * 2, cudaMemcpyDeviceToHost));
+  return host;
 }
 
 double relative_difference(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
@@ -148,21 +151,18 @@ double relative_difference(const std::vector<uint16_t>& a, const std::vector<uin
   return diff / scale;
 }
 
-void row(const Options& opt, int64_t seq, const std::vector<Variant>& variants) {
-  const int64_t heads = opt.head_dim == 128 ? 32 : 64, kv_heads = heads / 4;
-  const Shape s{std::max<int64_t>(1, opt.tokens / seq), seq, heads, kv_heads, opt.head_dim, true};
-  Device q(inputs(s.q_elems(), 1)), k(inputs(s.kv_elems(), 2)), v(inputs(s.kv_elems(), 3));
-  Device o(s.q_elems() * 2), lse(s.rows() * 4);
-  const Forward f{s, q.ptr, k.ptr, v.ptr, o.ptr, reinterpret_cast<float*>(lse.ptr)};
+// One line: the variants' median times (the first is the baseline of the ratios) and each
+// later one's largest difference from the first's output at `out` (n elements).
+void line(const char* pass, const std::vector<Variant>& variants, const Options& opt, double flops,
+          uint16_t* out, size_t n) {
   std::vector<std::vector<float>> ms(variants.size());
-  for (const auto& variant : variants) time_calls(variant, f, 2);  // warm-up
+  for (const auto& variant : variants) time_calls(variant, 2);  // warm-up
   for (int round = 0; round < opt.rounds; ++round) {
     for (size_t i = 0; i < variants.size(); ++i)
-      ms[i].push_back(time_calls(variants[i], f, opt.calls));
+      ms[i].push_back(time_calls(variants[i], opt.calls));
   }
-  const auto reference = output_of(variants[0], f, s.q_elems());
-  const double flops = 4.0 * s.batch * seq * seq * heads * opt.head_dim / 2;
-  std::printf("%6lld %5lld", static_cast<long long>(seq), static_cast<long long>(s.batch));
+  const auto reference = output_of(variants[0], out, n);
+  std::printf("  %-8s", pass);
   double base = 0;
   for (size_t i = 0; i < variants.size(); ++i) {
     std::sort(ms[i].begin(), ms[i].end());
@@ -170,13 +170,54 @@ void row(const Options& opt, int64_t seq, const std::vector<Variant>& variants) 
     if (i == 0) base = median;
     std::printf(" | %-14s %7.3f ms %6.1f TFLOP/s %5.2fx", variants[i].name, median,
                 flops / (median * 1e-3) / 1e12, median / base);
-    if (i > 0) {
-      std::printf(" diff %.1e",
-                  relative_difference(output_of(variants[i], f, s.q_elems()), reference));
-    }
+    if (i > 0)
+      std::printf(" diff %.1e", relative_difference(output_of(variants[i], out, n), reference));
   }
   std::printf("\n");
   std::fflush(stdout);
+}
+
+void row(const Options& opt, int64_t seq) {
+  using pimhbm::attention::Backward;
+  using pimhbm::attention::backward_cuda;
+  using pimhbm::attention::backward_wgmma;
+  using pimhbm::attention::forward_cuda;
+  using pimhbm::attention::forward_wgmma;
+  const int64_t heads = opt.head_dim == 128 ? 32 : 64, kv_heads = heads / 4;
+  const Shape s{std::max<int64_t>(1, opt.tokens / seq), seq, heads, kv_heads, opt.head_dim, true};
+  Device q(inputs(s.q_elems(), 1)), k(inputs(s.kv_elems(), 2)), v(inputs(s.kv_elems(), 3));
+  Device d_o(inputs(s.q_elems(), 4)), o(s.q_elems() * 2), lse(s.rows() * 4), delta(s.rows() * 4);
+  Device dq(s.q_elems() * 2), dk(s.kv_elems() * 2), dv(s.kv_elems() * 2);
+  auto* lse_f = reinterpret_cast<float*>(lse.ptr);
+  const Forward f{s, q.ptr, k.ptr, v.ptr, o.ptr, lse_f};
+  const Backward g{s,      q.ptr,   k.ptr, v.ptr,
+                   o.ptr,  d_o.ptr, lse_f, reinterpret_cast<float*>(delta.ptr),
+                   dq.ptr, dk.ptr,  dv.ptr};
+  const double flops = 4.0 * s.batch * seq * seq * heads * opt.head_dim / 2;
+  std::printf("seq %lld, batch %lld\n", static_cast<long long>(seq),
+              static_cast<long long>(s.batch));
+  line("forward",
+       {{"mma.sync", [&] { return forward_cuda(f, 0); }},
+        {"wgmma serial", [&] { return forward_wgmma(f, WgmmaSchedule::kSerial, 0); }},
+        {"wgmma ahead", [&] { return forward_wgmma(f, WgmmaSchedule::kScoresAhead, 0); }}},
+       opt, flops, o.ptr, s.q_elems());
+  BENCH_CHECK(forward_cuda(f, 0));  // the backward passes start from the library's o and lse
+  const std::vector<Variant> backward = {{"mma.sync", [&] { return backward_cuda(g, 0); }},
+                                         {"wgmma", [&] { return backward_wgmma(g, 0); }}};
+  line("backward", backward, opt, 2.5 * flops, dq.ptr, s.q_elems());
+  std::vector<uint16_t> want_dk, want_dv;
+  for (size_t i = 0; i < backward.size(); ++i) {  // dK and dV compared too
+    const auto got_dk = output_of(backward[i], dk.ptr, s.kv_elems());
+    std::vector<uint16_t> got_dv(s.kv_elems());
+    BENCH_CHECK(cudaMemcpy(got_dv.data(), dv.ptr, got_dv.size() * 2, cudaMemcpyDeviceToHost));
+    if (i == 0) {
+      want_dk = got_dk, want_dv = got_dv;
+      continue;
+    }
+    std::printf("  %-8s | %s against %s: dK diff %.1e, dV diff %.1e\n", "", backward[i].name,
+                backward[0].name, relative_difference(got_dk, want_dk),
+                relative_difference(got_dv, want_dv));
+  }
 }
 
 }  // namespace
@@ -194,15 +235,6 @@ int main(int argc, char** argv) {
   std::printf("%s; head dim %lld, causal, %lld tokens a call, medians of %d rounds of %d calls\n",
               prop.name, static_cast<long long>(opt.head_dim), static_cast<long long>(opt.tokens),
               opt.rounds, opt.calls);
-  using pimhbm::attention::forward_cuda;
-  using pimhbm::attention::forward_wgmma;
-  const std::vector<Variant> variants = {
-      {"mma.sync", [](const Forward& f) { return forward_cuda(f, 0); }},
-      {"wgmma serial",
-       [](const Forward& f) { return forward_wgmma(f, WgmmaSchedule::kSerial, 0); }},
-      {"wgmma ahead",
-       [](const Forward& f) { return forward_wgmma(f, WgmmaSchedule::kScoresAhead, 0); }},
-  };
-  for (int64_t seq : opt.seqs) row(opt, seq, variants);
+  for (int64_t seq : opt.seqs) row(opt, seq);
   return 0;
 }

@@ -1,8 +1,9 @@
-// The wgmma forward candidate (attention_wgmma.h) against the CPU reference, to bf16 tolerance,
-// and against the library's mma.sync kernel, on ragged sequence lengths (no multiple of the
-// 128-row tiles, and one row), head dims 64 and 128, grouped heads, causal and full, batch 1
-// and 3; outputs poisoned first, so a value never written fails; two runs bitwise equal; both
-// schedules. Skipped without an sm_90 GPU; run under compute-sanitizer with PIMHBM_TEST_SMALL=1.
+// The wgmma candidates (attention_wgmma.h) against the CPU reference, to bf16 tolerance, and
+// against the library's mma.sync kernels, on ragged sequence lengths (no multiple of the 64- or
+// 128-row tiles, and one row), head dims 64 and 128, grouped heads, causal and full, batch 1 to
+// 3; outputs poisoned first, so a value never written fails; two runs bitwise equal; the
+// forward pass in both schedules. Skipped without an sm_90 GPU; run under compute-sanitizer
+// with PIMHBM_TEST_SMALL=1.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -123,12 +124,15 @@ std::vector<Shape> shapes() {
           {3, 385, 4, 4, 64, true}};
 }
 
+std::string name_of(const Shape& s) {
+  return "b" + std::to_string(s.batch) + "_t" + std::to_string(s.seq) + "_h" +
+         std::to_string(s.heads) + "_" + std::to_string(s.kv_heads) + "_d" +
+         std::to_string(s.head_dim) + (s.causal ? "_causal" : "_full");
+}
+
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
   const auto& [s, kernel] = info.param;
-  return std::string(kernel == Kernel::kWgmmaSerial ? "serial" : "ahead") + "_b" +
-         std::to_string(s.batch) + "_t" + std::to_string(s.seq) + "_h" + std::to_string(s.heads) +
-         "_" + std::to_string(s.kv_heads) + "_d" + std::to_string(s.head_dim) +
-         (s.causal ? "_causal" : "_full");
+  return std::string(kernel == Kernel::kWgmmaSerial ? "serial_" : "ahead_") + name_of(s);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, WgmmaForward,
@@ -137,12 +141,82 @@ INSTANTIATE_TEST_SUITE_P(Shapes, WgmmaForward,
                                                               Kernel::kWgmmaScoresAhead)),
                          case_name);
 
-TEST(WgmmaForwardErrors, RefusesHeadDimsItIsNotBuiltFor) {
+struct Grads {
+  std::vector<uint16_t> dq, dk, dv;
+};
+
+// One backward call on the GPU from the reference's forward outputs: the candidate's or the
+// library's.
+void run_backward(bool wgmma, const Shape& s, const std::vector<uint16_t>& q,
+                  const std::vector<uint16_t>& k, const std::vector<uint16_t>& v, const Out& fwd,
+                  const std::vector<uint16_t>& d_o, Grads* out) {
+  DeviceBuffer<uint16_t> q_(s.q_elems()), k_(s.kv_elems()), v_(s.kv_elems()), o_(s.q_elems()),
+      do_(s.q_elems()), dq_(s.q_elems()), dk_(s.kv_elems()), dv_(s.kv_elems());
+  DeviceBuffer<float> lse_(s.rows()), delta_(s.rows());
+  PIMHBM_ASSERT_CUDA(q_.upload(q));
+  PIMHBM_ASSERT_CUDA(k_.upload(k));
+  PIMHBM_ASSERT_CUDA(v_.upload(v));
+  PIMHBM_ASSERT_CUDA(o_.upload(fwd.o));
+  PIMHBM_ASSERT_CUDA(lse_.upload(fwd.lse));
+  PIMHBM_ASSERT_CUDA(do_.upload(d_o));
+  for (auto* b : {&dq_, &dk_, &dv_}) PIMHBM_ASSERT_CUDA(b->poison());
+  PIMHBM_ASSERT_CUDA(delta_.poison());
+  const Backward call{s,          q_.get(),     k_.get(),  v_.get(),  o_.get(), do_.get(),
+                      lse_.get(), delta_.get(), dq_.get(), dk_.get(), dv_.get()};
+  PIMHBM_ASSERT_CUDA(wgmma ? backward_wgmma(call, 0) : backward_cuda(call, 0));
+  PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
+  cudaError_t err = cudaSuccess;
+  out->dq = dq_.download(&err);
+  out->dk = dk_.download(&err);
+  out->dv = dv_.download(&err);
+  PIMHBM_ASSERT_CUDA(err);
+}
+
+class WgmmaBackward : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(WgmmaBackward, MatchesCpuAndLibraryAndRepeats) {
+  if (!has_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+  const Shape s = GetParam();
+  std::mt19937 gen(std::random_device{}());
+  const auto q = random_bf16(s.q_elems(), gen), k = random_bf16(s.kv_elems(), gen),
+             v = random_bf16(s.kv_elems(), gen), d_o = random_bf16(s.q_elems(), gen);
+  Out fwd{std::vector<uint16_t>(s.q_elems()), std::vector<float>(s.rows())};
+  forward_cpu(Forward{s, q.data(), k.data(), v.data(), fwd.o.data(), fwd.lse.data()});
+  Grads want{std::vector<uint16_t>(s.q_elems()), std::vector<uint16_t>(s.kv_elems()),
+             std::vector<uint16_t>(s.kv_elems())};
+  std::vector<float> delta(s.rows());
+  backward_cpu(Backward{s, q.data(), k.data(), v.data(), fwd.o.data(), d_o.data(), fwd.lse.data(),
+                        delta.data(), want.dq.data(), want.dk.data(), want.dv.data()});
+  Grads got, again, library;
+  ASSERT_NO_FATAL_FAILURE(run_backward(true, s, q, k, v, fwd, d_o, &got));
+  ASSERT_NO_FATAL_FAILURE(run_backward(false, s, q, k, v, fwd, d_o, &library));
+  for (const auto& [name, g, w, lib] : {std::tuple{"dq", &got.dq, &want.dq, &library.dq},
+                                        std::tuple{"dk", &got.dk, &want.dk, &library.dk},
+                                        std::tuple{"dv", &got.dv, &want.dv, &library.dv}}) {
+    EXPECT_LE(relative_error(*g, *w), 2e-2) << name << " against the CPU reference";
+    EXPECT_LE(relative_error(*g, *lib), 2e-2) << name << " against the library's kernels";
+  }
+  ASSERT_NO_FATAL_FAILURE(run_backward(true, s, q, k, v, fwd, d_o, &again));
+  EXPECT_EQ(got.dq, again.dq);
+  EXPECT_EQ(got.dk, again.dk);
+  EXPECT_EQ(got.dv, again.dv);
+}
+
+std::string shape_name(const ::testing::TestParamInfo<Shape>& info) { return name_of(info.param); }
+
+INSTANTIATE_TEST_SUITE_P(Shapes, WgmmaBackward, ::testing::ValuesIn(shapes()), shape_name);
+
+TEST(WgmmaErrors, RefuseHeadDimsTheyAreNotBuiltFor) {
   // Checked before any device is touched: holds with or without a GPU.
   for (int64_t d : {16, 32, 96, 256}) {
     const Shape s{1, 8, 2, 1, d, true};
     EXPECT_EQ(forward_wgmma(Forward{s, nullptr, nullptr, nullptr, nullptr, nullptr},
                             WgmmaSchedule::kSerial, 0),
+              cudaErrorInvalidValue)
+        << "head dim " << d;
+    EXPECT_EQ(backward_wgmma(Backward{s, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                      nullptr, nullptr, nullptr, nullptr},
+                             0),
               cudaErrorInvalidValue)
         << "head dim " << d;
   }

@@ -58,6 +58,9 @@ void backward_cpu(const Backward& call);
 #if defined(PIMHBM_WITH_CUDA)
 cudaError_t forward_cuda(const Forward& call, cudaStream_t stream);
 cudaError_t backward_cuda(const Backward& call, cudaStream_t stream);
+// The backward pass's first step alone: call.delta = rowsum(dO * O) (for other kernels of the
+// backward pass that start from it).
+cudaError_t delta_cuda(const Backward& call, cudaStream_t stream);
 #endif
 
 }  // namespace pimhbm::attention

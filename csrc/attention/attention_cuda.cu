@@ -456,16 +456,27 @@ cudaError_t forward_d(const Forward& c, cudaStream_t stream) {
   return launch(forward_kernel<D>, grid, forward_smem<D>(), stream, a);
 }
 
-template <int D>
-cudaError_t backward_d(const Backward& c, cudaStream_t stream) {
+Args backward_args(const Backward& c) {
   Args a{};
   a.q = c.q, a.k = c.k, a.v = c.v, a.o = c.o, a.d_o = c.d_o, a.lse = c.lse;
   a.delta = c.delta, a.dq = c.dq, a.dk = c.dk, a.dv = c.dv, a.dims = dims_of(c.shape);
+  return a;
+}
+
+template <int D>
+cudaError_t delta_d(const Backward& c, cudaStream_t stream) {
   const int64_t rows = c.shape.rows();
   constexpr int kRowsPerBlock = 8;
   delta_kernel<D><<<static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock),
-                    32 * kRowsPerBlock, 0, stream>>>(a, rows);
+                    32 * kRowsPerBlock, 0, stream>>>(backward_args(c), rows);
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
+  return cudaSuccess;
+}
+
+template <int D>
+cudaError_t backward_d(const Backward& c, cudaStream_t stream) {
+  PIMHBM_CUDA_RETURN_IF_ERROR(delta_d<D>(c, stream));
+  const Args a = backward_args(c);
   const unsigned batch = static_cast<unsigned>(c.shape.batch);
   PIMHBM_CUDA_RETURN_IF_ERROR(launch(dkdv_kernel<D>,
                                      dim3(tiles(a.dims.seq, kDkvKeys), a.dims.kv_heads, batch),
@@ -504,6 +515,12 @@ cudaError_t backward_cuda(const Backward& call, cudaStream_t stream) {
   if (call.shape.q_elems() == 0) return cudaSuccess;
   return by_head_dim(call.shape.head_dim,
                      [&](auto d) { return backward_d<decltype(d)::value>(call, stream); });
+}
+
+cudaError_t delta_cuda(const Backward& call, cudaStream_t stream) {
+  if (call.shape.q_elems() == 0) return cudaSuccess;
+  return by_head_dim(call.shape.head_dim,
+                     [&](auto d) { return delta_d<decltype(d)::value>(call, stream); });
 }
 
 }  // namespace pimhbm::attention
