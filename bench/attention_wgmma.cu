@@ -248,23 +248,18 @@ __global__ void __launch_bounds__(kThreads, 1) forward_kernel(Args a) {
 }
 
 template <int D, WgmmaSchedule kSchedule>
-cudaError_t launch(const Forward& c, cudaStream_t stream) {
+cudaError_t forward_d(const Forward& c, cudaStream_t stream) {
   Args a{};
   a.q = c.q, a.k = c.k, a.v = c.v, a.out = c.o, a.lse_out = c.lse, a.dims = dims_of(c.shape);
-  auto* kernel = forward_kernel<D, kSchedule>;
-  constexpr int kSmem = SmemOf<kSchedule, D>::bytes();
-  PIMHBM_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   const dim3 grid(tiles(a.dims.seq, kQRows), a.dims.heads, static_cast<unsigned>(c.shape.batch));
-  kernel<<<grid, kThreads, kSmem, stream>>>(a);
-  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
-  return cudaSuccess;
+  return launch(forward_kernel<D, kSchedule>, grid, kThreads, SmemOf<kSchedule, D>::bytes(), stream,
+                a);
 }
 
 template <int D>
 cudaError_t by_schedule(const Forward& c, WgmmaSchedule schedule, cudaStream_t stream) {
-  return schedule == WgmmaSchedule::kSerial ? launch<D, WgmmaSchedule::kSerial>(c, stream)
-                                            : launch<D, WgmmaSchedule::kScoresAhead>(c, stream);
+  return schedule == WgmmaSchedule::kSerial ? forward_d<D, WgmmaSchedule::kSerial>(c, stream)
+                                            : forward_d<D, WgmmaSchedule::kScoresAhead>(c, stream);
 }
 
 }  // namespace

@@ -264,15 +264,6 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(Args a) {
 
 // ---- launches -------------------------------------------------------------------------------
 
-template <typename Kernel>
-cudaError_t launch(Kernel kernel, dim3 grid, int smem, cudaStream_t stream, const Args& a) {
-  PIMHBM_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<grid, kThreads, smem, stream>>>(a);
-  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
-  return cudaSuccess;
-}
-
 template <int D>
 cudaError_t backward_d(const Backward& c, cudaStream_t stream) {
   Args a{};
@@ -281,8 +272,8 @@ cudaError_t backward_d(const Backward& c, cudaStream_t stream) {
   const unsigned batch = static_cast<unsigned>(c.shape.batch);
   PIMHBM_CUDA_RETURN_IF_ERROR(launch(dkdv_kernel<D>,
                                      dim3(tiles(a.dims.seq, kDkvKeys), a.dims.kv_heads, batch),
-                                     DkvSmem<D>::bytes(), stream, a));
-  return launch(dq_kernel<D>, dim3(tiles(a.dims.seq, kQRows), a.dims.heads, batch),
+                                     kThreads, DkvSmem<D>::bytes(), stream, a));
+  return launch(dq_kernel<D>, dim3(tiles(a.dims.seq, kQRows), a.dims.heads, batch), kThreads,
                 DqSmem<D>::bytes(), stream, a);
 }
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "attention/attention.h"
+#include "attention_test_util.h"
 #include "attention_wgmma.h"
 #include "cuda_test_util.h"
 #include "pimhbm/adamw_math.h"
@@ -22,38 +23,8 @@ namespace pimhbm::attention {
 namespace {
 
 using testing::DeviceBuffer;
-
-bool has_sm90() {
-  int count = 0, major = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    cudaGetLastError();  // no device: not an error of a later call
-    return false;
-  }
-  return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess &&
-         major == 9;
-}
-
-std::vector<uint16_t> random_bf16(size_t n, std::mt19937& gen) {
-  std::normal_distribution<float> dist;
-  std::vector<uint16_t> out(n);
-  for (auto& x : out) x = float_to_bf16(dist(gen));
-  return out;
-}
-
-double value(uint16_t x) { return bf16_to_float(x); }
-double value(float x) { return x; }
-
-// max |got - want| / max(|want|, 1e-2), or infinity where got is not finite.
-template <typename T>
-double relative_error(const std::vector<T>& got, const std::vector<T>& want) {
-  double err = 0, scale = 1e-2;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (!std::isfinite(value(got[i]))) return INFINITY;
-    err = std::max(err, std::abs(value(got[i]) - value(want[i])));
-    scale = std::max(scale, std::abs(value(want[i])));
-  }
-  return err / scale;
-}
+using testing::random_bf16;
+using testing::relative_error;
 
 struct Out {
   std::vector<uint16_t> o;
@@ -96,7 +67,7 @@ using Case = std::tuple<Shape, Kernel>;
 class WgmmaForward : public ::testing::TestWithParam<Case> {};
 
 TEST_P(WgmmaForward, MatchesCpuAndLibraryAndRepeats) {
-  if (!has_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+  if (!testing::has_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
   const auto& [s, kernel] = GetParam();
   std::mt19937 gen(std::random_device{}());
   const auto q = random_bf16(s.q_elems(), gen), k = random_bf16(s.kv_elems(), gen),
@@ -175,7 +146,7 @@ void run_backward(bool wgmma, const Shape& s, const std::vector<uint16_t>& q,
 class WgmmaBackward : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(WgmmaBackward, MatchesCpuAndLibraryAndRepeats) {
-  if (!has_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+  if (!testing::has_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
   const Shape s = GetParam();
   std::mt19937 gen(std::random_device{}());
   const auto q = random_bf16(s.q_elems(), gen), k = random_bf16(s.kv_elems(), gen),

@@ -161,18 +161,8 @@ void expect_exact(Kernel kernel, const Inputs& in, const std::vector<float>& wan
                 << "; with the two swapped: " << swapped;
 }
 
-bool has_sm90() {
-  int count = 0, major = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    cudaGetLastError();  // no device: not an error of a later call
-    return false;
-  }
-  return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess &&
-         major == 9;
-}
-
 TEST(Wgmma, KMajorOperandsFromSharedMemory) {
-  if (!has_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+  if (!pimhbm::testing::has_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
   const Inputs in = random_inputs();
   std::vector<float> want(kN * kN, 0.0f);  // a b^T
   for (int m = 0; m < kN; ++m)
@@ -183,7 +173,7 @@ TEST(Wgmma, KMajorOperandsFromSharedMemory) {
 }
 
 TEST(Wgmma, RegisterAAndTransposedBFromSharedMemory) {
-  if (!has_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+  if (!pimhbm::testing::has_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
   const Inputs in = random_inputs();
   std::vector<float> want(kN * kN, 0.0f);  // a v
   for (int m = 0; m < kN; ++m)

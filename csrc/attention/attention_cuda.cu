@@ -438,22 +438,13 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Args a) {
 
 // ---- launches -------------------------------------------------------------------------------
 
-template <typename Kernel>
-cudaError_t launch(Kernel kernel, dim3 grid, int smem, cudaStream_t stream, const Args& a) {
-  PIMHBM_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<grid, kThreads, smem, stream>>>(a);
-  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
-  return cudaSuccess;
-}
-
 template <int D>
 cudaError_t forward_d(const Forward& c, cudaStream_t stream) {
   Args a{};
   a.q = c.q, a.k = c.k, a.v = c.v, a.out = c.o, a.lse_out = c.lse, a.dims = dims_of(c.shape);
   const dim3 grid(tiles(a.dims.seq, 16 * kFwdM * kWarps), a.dims.heads,
                   static_cast<unsigned>(c.shape.batch));
-  return launch(forward_kernel<D>, grid, forward_smem<D>(), stream, a);
+  return launch(forward_kernel<D>, grid, kThreads, forward_smem<D>(), stream, a);
 }
 
 Args backward_args(const Backward& c) {
@@ -480,9 +471,9 @@ cudaError_t backward_d(const Backward& c, cudaStream_t stream) {
   const unsigned batch = static_cast<unsigned>(c.shape.batch);
   PIMHBM_CUDA_RETURN_IF_ERROR(launch(dkdv_kernel<D>,
                                      dim3(tiles(a.dims.seq, kDkvKeys), a.dims.kv_heads, batch),
-                                     dkdv_smem<D>(), stream, a));
+                                     kThreads, dkdv_smem<D>(), stream, a));
   return launch(dq_kernel<D>, dim3(tiles(a.dims.seq, 16 * kDqM * kWarps), a.dims.heads, batch),
-                dq_smem<D>(), stream, a);
+                kThreads, dq_smem<D>(), stream, a);
 }
 
 // `run` instantiated for the call's head dim (a std::integral_constant); supported_head_dim()

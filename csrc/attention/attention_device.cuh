@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "attention/attention.h"
+#include "pimhbm/cuda_check.h"
 
 namespace pimhbm::attention::device {
 
@@ -168,6 +169,17 @@ __device__ __forceinline__ void softmax_tile(float (&s)[N / 8][4], float (&m)[2]
   float alpha[2];
   softmax_scores<N>(s, m, l, alpha);
   rescale_rows<D>(acc, alpha);
+}
+
+// One launch of `kernel` with `smem` bytes of dynamic shared memory (the limit raised first).
+template <typename Kernel>
+cudaError_t launch(Kernel kernel, dim3 grid, int threads, int smem, cudaStream_t stream,
+                   const Args& a) {
+  PIMHBM_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<grid, threads, smem, stream>>>(a);
+  PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
+  return cudaSuccess;
 }
 
 }  // namespace pimhbm::attention::device

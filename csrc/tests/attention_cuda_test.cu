@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "attention/attention.h"
+#include "attention_test_util.h"
 #include "cuda_test_util.h"
 #include "pimhbm/adamw_math.h"
 
@@ -17,32 +18,8 @@ namespace pimhbm::attention {
 namespace {
 
 using testing::DeviceBuffer;
-
-std::vector<uint16_t> random_bf16(size_t n, std::mt19937& gen) {
-  std::normal_distribution<float> dist;
-  std::vector<uint16_t> out(n);
-  for (auto& x : out) x = float_to_bf16(dist(gen));
-  return out;
-}
-
-// max |got - want| / max |want| (at least 1e-2: a gradient that is zero in exact arithmetic is
-// rounding noise in both), or infinity where got has a non-finite value.
-template <typename T>
-double relative_error(const std::vector<T>& got, const std::vector<T>& want) {
-  auto value = [](T x) -> double {
-    if constexpr (std::is_same_v<T, float>)
-      return x;
-    else
-      return bf16_to_float(x);
-  };
-  double err = 0, scale = 1e-2;
-  for (size_t i = 0; i < got.size(); ++i) {
-    if (!std::isfinite(value(got[i]))) return INFINITY;
-    err = std::max(err, std::abs(value(got[i]) - value(want[i])));
-    scale = std::max(scale, std::abs(value(want[i])));
-  }
-  return err / scale;
-}
+using testing::random_bf16;
+using testing::relative_error;
 
 struct Outputs {
   std::vector<uint16_t> o, dq, dk, dv;

@@ -10,20 +10,31 @@
 
 namespace pimhbm::testing {
 
-#define PIMHBM_ASSERT_CUDA(expr)                                                   \
-  do {                                                                             \
-    cudaError_t err_ = (expr);                                                     \
-    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_);     \
+#define PIMHBM_ASSERT_CUDA(expr)                                               \
+  do {                                                                         \
+    cudaError_t err_ = (expr);                                                 \
+    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_); \
   } while (0)
 
-#define PIMHBM_SKIP_WITHOUT_GPU()                                                  \
-  do {                                                                             \
-    int count_ = 0;                                                                \
-    if (cudaGetDeviceCount(&count_) != cudaSuccess || count_ == 0) {               \
-      cudaGetLastError();                                                          \
-      GTEST_SKIP() << "no CUDA device";                                            \
-    }                                                                              \
+#define PIMHBM_SKIP_WITHOUT_GPU()                                    \
+  do {                                                               \
+    int count_ = 0;                                                  \
+    if (cudaGetDeviceCount(&count_) != cudaSuccess || count_ == 0) { \
+      cudaGetLastError();                                            \
+      GTEST_SKIP() << "no CUDA device";                              \
+    }                                                                \
   } while (0)
+
+// Whether device 0 is sm_90 (Hopper): the wgmma code's tests skip elsewhere.
+inline bool has_sm90() {
+  int count = 0, major = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();  // no device: not an error of a later call
+    return false;
+  }
+  return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess &&
+         major == 9;
+}
 
 // Sizes shrink under compute-sanitizer (PIMHBM_TEST_SMALL=1), which runs kernels ~100x slower.
 inline bool small_sizes() { return std::getenv("PIMHBM_TEST_SMALL") != nullptr; }
