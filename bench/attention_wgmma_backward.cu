@@ -206,28 +206,51 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(Args a) {
   const int64_t kv_base = head_base<D>(b, hk, d.seq, d.kv_heads);
   const int qb_first = d.causal ? k0 / kTile : 0, qblocks = tiles(d.seq, kTile) - qb_first;
   const int steps = d.group * qblocks;
-  auto load_step = [&](int step) {  // query tile and head of `step`, with their rows
-    const int h = hk * d.group + step / qblocks, q0 = (qb_first + step % qblocks) * kTile;
-    const int64_t q_base = head_base<D>(b, h, d.seq, d.heads);
-    load_core_tile<D, kTile>(sm.q(step), a.q + q_base, q0, d.seq, q_stride);
-    load_core_tile<D, kTile>(sm.d_o(step), a.d_o + q_base, q0, d.seq, q_stride);
+  auto head_of = [&](int step) { return hk * d.group + step / qblocks; };
+  auto q0_of = [&](int step) { return (qb_first + step % qblocks) * kTile; };
+  auto load_tiles = [&](int step) {  // Q and dO of `step`'s query tile and head
+    const int64_t q_base = head_base<D>(b, head_of(step), d.seq, d.heads);
+    load_core_tile<D, kTile>(sm.q(step), a.q + q_base, q0_of(step), d.seq, q_stride);
+    load_core_tile<D, kTile>(sm.d_o(step), a.d_o + q_base, q0_of(step), d.seq, q_stride);
+  };
+  // A query row's lse (times log2 e; +inf past the end) and delta, for threads below kTile:
+  // read from global memory a step before they are stored to shared memory, so that no step's
+  // first product waits for them.
+  struct RowValues {
+    float lse2 = INFINITY, delta = 0.0f;
+  };
+  auto read_rows = [&](int step) {
+    RowValues r;
+    const int row = q0_of(step) + threadIdx.x;
+    if (threadIdx.x < kTile && step < steps && row < d.seq) {
+      const int64_t at = (static_cast<int64_t>(b) * d.heads + head_of(step)) * d.seq + row;
+      r.lse2 = a.lse[at] * kLog2e;
+      r.delta = a.delta[at];
+    }
+    return r;
+  };
+  auto store_rows = [&](int step, const RowValues& r) {
     if (threadIdx.x < kTile) {
-      const int row = q0 + threadIdx.x;
-      const int64_t at = (static_cast<int64_t>(b) * d.heads + h) * d.seq + row;
-      sm.rows(step)[threadIdx.x] = row < d.seq ? a.lse[at] * kLog2e : INFINITY;
-      sm.rows(step)[kTile + threadIdx.x] = row < d.seq ? a.delta[at] : 0.0f;
+      sm.rows(step)[threadIdx.x] = r.lse2;
+      sm.rows(step)[kTile + threadIdx.x] = r.delta;
     }
   };
   load_core_tile<D, kDkvKeys>(sm.k(), a.k + kv_base, k0, d.seq, kv_stride);
   load_core_tile<D, kDkvKeys>(sm.v(), a.v + kv_base, k0, d.seq, kv_stride);
-  load_step(0);
+  load_tiles(0);
   cp_async_commit();
+  store_rows(0, read_rows(0));
+  RowValues ahead = read_rows(1);
   float dk[1][D / 8][4] = {}, dv[1][D / 8][4] = {};  // one row tile: the shape store_row takes
   for (int it = 0; it < steps; ++it) {
     publish_copies();  // step it is in; every group is done with step it - 1's stage
-    if (it + 1 < steps) load_step(it + 1);
+    if (it + 1 < steps) {
+      load_tiles(it + 1);
+      store_rows(it + 1, ahead);
+      ahead = read_rows(it + 2);
+    }
     cp_async_commit();
-    const int q0 = (qb_first + it % qblocks) * kTile;
+    const int q0 = q0_of(it);
     const float* lse2 = sm.rows(it);
     const float* delta = lse2 + kTile;
     Scores st, dpt;  // S^T and dP^T: the warp's 16 keys x the tile's queries

@@ -9,8 +9,9 @@
 // LBO is the step along K and SBO the step along M or N; for an MN-major (transposed) operand,
 // LBO is the step along K and SBO the step along N.
 //
-// The instructions exist only in sm_90a code; elsewhere these functions compile to nothing and
-// their callers must not run (the candidates are built for sm_90a alone).
+// The instructions exist only in sm_90a code. Compiled for another target (nvcc also parses
+// device code once without the sm_90a features), each function traps instead: a kernel built
+// for sm_90 by mistake stops with an error rather than run to garbage.
 #pragma once
 
 #include <cstdint>
@@ -66,6 +67,8 @@ __device__ __forceinline__ void mma_ss(float (&acc)[N / 8][4], uint64_t a, uint6
         : PIMHBM_WGMMA_ACC64(acc)
         : "l"(a), "l"(b), "r"(accumulate));
   }
+#else
+  __trap();
 #endif
 }
 
@@ -91,6 +94,8 @@ __device__ __forceinline__ void mma_rs(float (&acc)[N / 8][4], const uint32_t (&
         : PIMHBM_WGMMA_ACC64(acc)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
   }
+#else
+  __trap();
 #endif
 }
 
@@ -99,6 +104,8 @@ __device__ __forceinline__ void mma_rs(float (&acc)[N / 8][4], const uint32_t (&
 __device__ __forceinline__ void begin() {
 #if defined(PIMHBM_WGMMA)
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#else
+  __trap();
 #endif
 }
 
@@ -106,6 +113,8 @@ __device__ __forceinline__ void begin() {
 __device__ __forceinline__ void commit() {
 #if defined(PIMHBM_WGMMA)
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#else
+  __trap();
 #endif
 }
 
@@ -114,6 +123,8 @@ template <int Pending>
 __device__ __forceinline__ void wait() {
 #if defined(PIMHBM_WGMMA)
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
+#else
+  __trap();
 #endif
 }
 
@@ -132,7 +143,11 @@ __device__ __forceinline__ void fence_operand(float (&acc)[N / 8][4]) {
 // Shared-memory writes by ordinary stores or cp.async (the generic proxy) become visible to the
 // tensor cores' reads (the async proxy); a barrier must follow before another thread's product.
 __device__ __forceinline__ void fence_shared_for_async() {
+#if defined(PIMHBM_WGMMA)
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#else
+  __trap();
+#endif
 }
 
 }  // namespace pimhbm::wgmma
