@@ -20,11 +20,10 @@
 #include "pimhbm/cuda_check.h"
 #include "wgmma.cuh"
 
-namespace pimhbm::attention {
+namespace pimhbm::attention::hopper {
 namespace {
 
-using namespace device;     // NOLINT(google-build-using-namespace): the kernels' own helpers
-using namespace candidate;  // NOLINT(google-build-using-namespace)
+using namespace device;  // NOLINT(google-build-using-namespace): the kernels' own helpers
 
 constexpr int kKeys = 128;  // a key tile
 
@@ -96,7 +95,7 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[kKeys / 8][4], const D
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = r.row0 + acc_row(2 * half);
-    end[half] = (d.causal ? min(d.seq, row + 1) : d.seq) - k0;
+    end[half] = keys_seen(d, row) - k0;
   }
 #pragma unroll
   for (int n = 0; n < kKeys / 8; ++n) {
@@ -235,22 +234,14 @@ __global__ void __launch_bounds__(kThreads, 1) forward_kernel(Args a) {
   }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    float sum = l[half];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int row = r.row0 + acc_row(2 * half);
-    if (row >= d.seq) continue;
-    store_row<D, 1>(a.out + q_base + row * q_stride, o, 0, half, 1.0f / sum);
-    if (lane_id() % 4 == 0) {
-      a.lse_out[(static_cast<int64_t>(b) * d.heads + h) * d.seq + row] = m[half] * kLn2 + logf(sum);
-    }
+    finish_row<D, 1>(a, o, 0, half, m[half], l[half], r.row0 + acc_row(2 * half), b, h, q_base,
+                     q_stride);
   }
 }
 
 template <int D, WgmmaSchedule kSchedule>
 cudaError_t forward_d(const Forward& c, cudaStream_t stream) {
-  Args a{};
-  a.q = c.q, a.k = c.k, a.v = c.v, a.out = c.o, a.lse_out = c.lse, a.dims = dims_of(c.shape);
+  const Args a = forward_args(c);
   const dim3 grid(tiles(a.dims.seq, kQRows), a.dims.heads, static_cast<unsigned>(c.shape.batch));
   return launch(forward_kernel<D, kSchedule>, grid, kThreads, SmemOf<kSchedule, D>::bytes(), stream,
                 a);
@@ -263,13 +254,26 @@ cudaError_t by_schedule(const Forward& c, WgmmaSchedule schedule, cudaStream_t s
 }
 
 }  // namespace
+}  // namespace pimhbm::attention::hopper
+
+namespace pimhbm::attention {
+
+cudaError_t wgmma_takes(int64_t d, bool* takes) {
+  *takes = false;
+  if (!wgmma_head_dim(d)) return cudaSuccess;
+  const cudaError_t err = hopper::check_sm90();
+  if (err == cudaErrorNotSupported) return cudaSuccess;
+  PIMHBM_CUDA_RETURN_IF_ERROR(err);
+  *takes = true;
+  return cudaSuccess;
+}
 
 cudaError_t forward_wgmma(const Forward& call, WgmmaSchedule schedule, cudaStream_t stream) {
   if (!wgmma_head_dim(call.shape.head_dim)) return cudaErrorInvalidValue;
-  PIMHBM_CUDA_RETURN_IF_ERROR(check_sm90());
+  PIMHBM_CUDA_RETURN_IF_ERROR(hopper::check_sm90());
   if (call.shape.q_elems() == 0) return cudaSuccess;
-  return call.shape.head_dim == 64 ? by_schedule<64>(call, schedule, stream)
-                                   : by_schedule<128>(call, schedule, stream);
+  return call.shape.head_dim == 64 ? hopper::by_schedule<64>(call, schedule, stream)
+                                   : hopper::by_schedule<128>(call, schedule, stream);
 }
 
 }  // namespace pimhbm::attention

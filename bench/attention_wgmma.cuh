@@ -1,5 +1,5 @@
-// What the wgmma attention candidates share (bench/attention_wgmma*.cu): blocks of two
-// warpgroups, tiles in shared memory as wgmma's core matrices (bench/wgmma.cuh), filled by
+// What the wgmma attention kernels share (attention_wgmma.cu, attention_wgmma_backward.cu): blocks
+// of two warpgroups, tiles in shared memory as wgmma's core matrices (wgmma.cuh), filled by
 // cp.async.
 #pragma once
 
@@ -10,7 +10,7 @@
 #include "attention/attention_device.cuh"
 #include "wgmma.cuh"
 
-namespace pimhbm::attention::candidate {
+namespace pimhbm::attention::hopper {
 
 constexpr int kGroups = 2;  // warpgroups a block
 constexpr int kThreads = 128 * kGroups;
@@ -42,7 +42,7 @@ __device__ __forceinline__ void publish_copies() {
   __syncthreads();
 }
 
-// cudaErrorNotSupported unless the current device is sm_90 (the candidates are sm_90a code).
+// cudaErrorNotSupported unless the current device is sm_90 (the wgmma kernels are sm_90a code).
 inline cudaError_t check_sm90() {
   int device = 0, major = 0;
   cudaError_t err = cudaGetDevice(&device);
@@ -53,4 +53,4 @@ inline cudaError_t check_sm90() {
   return major == 9 ? cudaSuccess : cudaErrorNotSupported;
 }
 
-}  // namespace pimhbm::attention::candidate
+}  // namespace pimhbm::attention::hopper

@@ -14,6 +14,10 @@ namespace pimhbm::attention {
 // The head dims the candidate is built for.
 inline bool wgmma_head_dim(int64_t d) { return d == 64 || d == 128; }
 
+// Whether the wgmma kernels take a call of head dim `d` on the current device (an sm_90 device
+// and a head dim they are built for), in *takes; the error of asking the device, if any.
+cudaError_t wgmma_takes(int64_t d, bool* takes);
+
 // Variants of the key loop, measured side by side.
 enum class WgmmaSchedule {
   // Each warpgroup in turn: S = Q K^T, its softmax, O += P V, waiting for each product.

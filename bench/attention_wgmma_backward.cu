@@ -21,11 +21,10 @@
 #include "pimhbm/cuda_check.h"
 #include "wgmma.cuh"
 
-namespace pimhbm::attention {
+namespace pimhbm::attention::hopper {
 namespace {
 
-using namespace device;     // NOLINT(google-build-using-namespace): the kernels' own helpers
-using namespace candidate;  // NOLINT(google-build-using-namespace)
+using namespace device;  // NOLINT(google-build-using-namespace): the kernels' own helpers
 
 constexpr int kTile = 64;               // dQ's key tiles, dK/dV's query tiles
 constexpr int kDkvKeys = kQRows;        // a dK/dV block's keys: 64 a warpgroup
@@ -88,7 +87,7 @@ __device__ __forceinline__ void dq_scores(Scores& s, const Scores& dp, const Dim
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = row0 + acc_row(2 * half);
-    end[half] = edge ? (d.causal ? min(d.seq, row + 1) : d.seq) - k0 : kTile;
+    end[half] = edge ? keys_seen(d, row) - k0 : kTile;
   }
 #pragma unroll
   for (int n = 0; n < kTile / 8; ++n) {
@@ -117,7 +116,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(Args a) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = row0 + acc_row(2 * half);
-    const int64_t at = (static_cast<int64_t>(b) * d.heads + h) * d.seq + row;
+    const int64_t at = row_index(d, b, h, row);
     lse2[half] = row < d.seq ? a.lse[at] * kLog2e : 0.0f;
     delta[half] = row < d.seq ? a.delta[at] : 0.0f;
   }
@@ -223,7 +222,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(Args a) {
     RowValues r;
     const int row = q0_of(step) + threadIdx.x;
     if (threadIdx.x < kTile && step < steps && row < d.seq) {
-      const int64_t at = (static_cast<int64_t>(b) * d.heads + head_of(step)) * d.seq + row;
+      const int64_t at = row_index(d, b, head_of(step), row);
       r.lse2 = a.lse[at] * kLog2e;
       r.delta = a.delta[at];
     }
@@ -289,9 +288,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(Args a) {
 
 template <int D>
 cudaError_t backward_d(const Backward& c, cudaStream_t stream) {
-  Args a{};
-  a.q = c.q, a.k = c.k, a.v = c.v, a.o = c.o, a.d_o = c.d_o, a.lse = c.lse;
-  a.delta = c.delta, a.dq = c.dq, a.dk = c.dk, a.dv = c.dv, a.dims = dims_of(c.shape);
+  const Args a = backward_args(c);
   const unsigned batch = static_cast<unsigned>(c.shape.batch);
   PIMHBM_CUDA_RETURN_IF_ERROR(launch(dkdv_kernel<D>,
                                      dim3(tiles(a.dims.seq, kDkvKeys), a.dims.kv_heads, batch),
@@ -301,13 +298,17 @@ cudaError_t backward_d(const Backward& c, cudaStream_t stream) {
 }
 
 }  // namespace
+}  // namespace pimhbm::attention::hopper
+
+namespace pimhbm::attention {
 
 cudaError_t backward_wgmma(const Backward& call, cudaStream_t stream) {
   if (!wgmma_head_dim(call.shape.head_dim)) return cudaErrorInvalidValue;
-  PIMHBM_CUDA_RETURN_IF_ERROR(candidate::check_sm90());
+  PIMHBM_CUDA_RETURN_IF_ERROR(hopper::check_sm90());
   if (call.shape.q_elems() == 0) return cudaSuccess;
   PIMHBM_CUDA_RETURN_IF_ERROR(delta_cuda(call, stream));
-  return call.shape.head_dim == 64 ? backward_d<64>(call, stream) : backward_d<128>(call, stream);
+  return call.shape.head_dim == 64 ? hopper::backward_d<64>(call, stream)
+                                   : hopper::backward_d<128>(call, stream);
 }
 
 }  // namespace pimhbm::attention

@@ -12,17 +12,19 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <functional>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "attention/attention.h"
+#include "attention_test_util.h"
 #include "attention_wgmma.h"
 #include "pimhbm/adamw_math.h"
 
@@ -49,39 +51,55 @@ struct Options {
   int rounds = 7, calls = 10;
 };
 
+[[noreturn]] void usage(const char* why) {
+  std::fprintf(stderr,
+               "attention_wgmma_bench: %s\nusage: attention_wgmma_bench [--tokens N] "
+               "[--seqs N,N,...] [--head-dim 64|128] [--rounds N] [--calls N]\n",
+               why);
+  std::exit(2);
+}
+
+// A whole decimal number in [1, limit], or the usage and exit 2.
+int64_t positive(const std::string& text, int64_t limit, const char* what) {
+  char* end = nullptr;
+  errno = 0;
+  const long long value = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || errno != 0 || value < 1 || value > limit) {
+    usage((std::string(what) + " must be a whole number from 1 to " + std::to_string(limit) +
+           ", not '" + text + "'")
+              .c_str());
+  }
+  return value;
+}
+
 Options parse(int argc, char** argv) {
+  constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
   Options o;
-  for (int i = 1; i < argc; ++i) {
+  for (int i = 1; i < argc; i += 2) {
     const std::string arg = argv[i];
-    const char* value = i + 1 < argc ? argv[i + 1] : nullptr;
-    if (value == nullptr) {
-      std::fprintf(stderr, "attention_wgmma_bench: %s needs a value\n", arg.c_str());
-      std::exit(2);
-    }
-    ++i;
+    if (arg == "--help" || arg == "-h") usage("the forward and backward passes on wgmma, timed");
+    if (i + 1 >= argc) usage((arg + " needs a value").c_str());
+    const std::string value = argv[i + 1];
     if (arg == "--tokens") {
-      o.tokens = std::atoll(value);
+      o.tokens = positive(value, kMaxInt, "--tokens");
     } else if (arg == "--head-dim") {
-      o.head_dim = std::atoll(value);
+      o.head_dim = positive(value, 128, "--head-dim");
     } else if (arg == "--rounds") {
-      o.rounds = std::atoi(value);
+      o.rounds = static_cast<int>(positive(value, 1000, "--rounds"));
     } else if (arg == "--calls") {
-      o.calls = std::atoi(value);
+      o.calls = static_cast<int>(positive(value, 1000, "--calls"));
     } else if (arg == "--seqs") {
       o.seqs.clear();
       std::stringstream list(value);
-      for (std::string item; std::getline(list, item, ',');)
-        o.seqs.push_back(std::atoll(item.c_str()));
+      for (std::string item; std::getline(list, item, ',');) {
+        o.seqs.push_back(positive(item, kMaxInt, "each of --seqs"));
+      }
+      if (o.seqs.empty()) usage("--seqs needs at least one length");
     } else {
-      std::fprintf(stderr, "attention_wgmma_bench: unknown option %s\n", arg.c_str());
-      std::exit(2);
+      usage(("unknown option " + arg).c_str());
     }
   }
-  if (!pimhbm::attention::wgmma_head_dim(o.head_dim) || o.tokens <= 0 || o.rounds <= 0 ||
-      o.calls <= 0 || o.seqs.empty()) {
-    std::fprintf(stderr, "attention_wgmma_bench: head dim 64 or 128, positive counts\n");
-    std::exit(2);
-  }
+  if (!pimhbm::attention::wgmma_head_dim(o.head_dim)) usage("--head-dim must be 64 or 128");
   return o;
 }
 
@@ -109,7 +127,7 @@ struct Device {
   Device& operator=(const Device&) = delete;
 };
 
-// A kernel call on fixed buffers, and where its output (bf16) lies.
+// A kernel call on fixed buffers.
 struct Variant {
   const char* name;
   std::function<cudaError_t()> call;
@@ -131,47 +149,50 @@ float time_calls(const Variant& v, int calls) {
   return ms / calls;
 }
 
-// The bf16 values of `n` elements at `out` after one call (poisoned first).
-std::vector<uint16_t> output_of(const Variant& v, uint16_t* out, size_t n) {
-  BENCH_CHECK(cudaMemset(out, 0xFF, n * 2));
+// A bf16 output of a call: where it lies and how many elements it has.
+struct Output {
+  uint16_t* ptr;
+  size_t n;
+};
+
+// The values of `outs` after one call, every one of them poisoned first (a value the call does
+// not write compares as a difference).
+std::vector<std::vector<uint16_t>> outputs_of(const Variant& v, const std::vector<Output>& outs) {
+  for (const auto& out : outs) BENCH_CHECK(cudaMemset(out.ptr, 0xFF, out.n * 2));
   BENCH_CHECK(v.call());
-  std::vector<uint16_t> host(n);
-  BENCH_CHECK(cudaMemcpy(host.data(), out, n * 2, cudaMemcpyDeviceToHost));
+  std::vector<std::vector<uint16_t>> host;
+  for (const auto& out : outs) {
+    host.emplace_back(out.n);
+    BENCH_CHECK(cudaMemcpy(host.back().data(), out.ptr, out.n * 2, cudaMemcpyDeviceToHost));
+  }
   return host;
 }
 
-double relative_difference(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
-  double diff = 0, scale = 1e-2;
-  for (size_t i = 0; i < a.size(); ++i) {
-    const double x = pimhbm::bf16_to_float(a[i]), y = pimhbm::bf16_to_float(b[i]);
-    if (!std::isfinite(x)) return INFINITY;
-    diff = std::max(diff, std::abs(x - y));
-    scale = std::max(scale, std::abs(y));
-  }
-  return diff / scale;
-}
-
 // One line: the variants' median times (the first is the baseline of the ratios) and each
-// later one's largest difference from the first's output at `out` (n elements).
+// later one's largest difference from the first's values of `outs`, named by `names`.
 void line(const char* pass, const std::vector<Variant>& variants, const Options& opt, double flops,
-          uint16_t* out, size_t n) {
+          const std::vector<Output>& outs, const std::vector<const char*>& names) {
   std::vector<std::vector<float>> ms(variants.size());
   for (const auto& variant : variants) time_calls(variant, 2);  // warm-up
   for (int round = 0; round < opt.rounds; ++round) {
-    for (size_t i = 0; i < variants.size(); ++i)
+    for (size_t i = 0; i < variants.size(); ++i) {
       ms[i].push_back(time_calls(variants[i], opt.calls));
+    }
   }
-  const auto reference = output_of(variants[0], out, n);
+  const auto reference = outputs_of(variants[0], outs);
   std::printf("  %-8s", pass);
   double base = 0;
   for (size_t i = 0; i < variants.size(); ++i) {
     std::sort(ms[i].begin(), ms[i].end());
     const double median = ms[i][ms[i].size() / 2];
     if (i == 0) base = median;
-    std::printf(" | %-14s %7.3f ms %6.1f TFLOP/s %5.2fx", variants[i].name, median,
+    std::printf(" | %-12s %7.3f ms %6.1f TFLOP/s %5.2fx", variants[i].name, median,
                 flops / (median * 1e-3) / 1e12, median / base);
-    if (i > 0)
-      std::printf(" diff %.1e", relative_difference(output_of(variants[i], out, n), reference));
+    if (i == 0) continue;
+    const auto got = outputs_of(variants[i], outs);
+    for (size_t k = 0; k < outs.size(); ++k) {
+      std::printf(" %s diff %.1e", names[k], pimhbm::testing::relative_error(got[k], reference[k]));
+    }
   }
   std::printf("\n");
   std::fflush(stdout);
@@ -193,6 +214,7 @@ void row(const Options& opt, int64_t seq) {
   const Backward g{s,      q.ptr,   k.ptr, v.ptr,
                    o.ptr,  d_o.ptr, lse_f, reinterpret_cast<float*>(delta.ptr),
                    dq.ptr, dk.ptr,  dv.ptr};
+  const size_t q_elems = s.q_elems(), kv_elems = s.kv_elems();
   const double flops = 4.0 * s.batch * seq * seq * heads * opt.head_dim / 2;
   std::printf("seq %lld, batch %lld\n", static_cast<long long>(seq),
               static_cast<long long>(s.batch));
@@ -200,34 +222,23 @@ void row(const Options& opt, int64_t seq) {
        {{"mma.sync", [&] { return forward_cuda(f, 0); }},
         {"wgmma serial", [&] { return forward_wgmma(f, WgmmaSchedule::kSerial, 0); }},
         {"wgmma ahead", [&] { return forward_wgmma(f, WgmmaSchedule::kScoresAhead, 0); }}},
-       opt, flops, o.ptr, s.q_elems());
+       opt, flops, {{o.ptr, q_elems}}, {"O"});
   BENCH_CHECK(forward_cuda(f, 0));  // the backward passes start from the library's o and lse
-  const std::vector<Variant> backward = {{"mma.sync", [&] { return backward_cuda(g, 0); }},
-                                         {"wgmma", [&] { return backward_wgmma(g, 0); }}};
-  line("backward", backward, opt, 2.5 * flops, dq.ptr, s.q_elems());
-  std::vector<uint16_t> want_dk, want_dv;
-  for (size_t i = 0; i < backward.size(); ++i) {  // dK and dV compared too
-    const auto got_dk = output_of(backward[i], dk.ptr, s.kv_elems());
-    std::vector<uint16_t> got_dv(s.kv_elems());
-    BENCH_CHECK(cudaMemcpy(got_dv.data(), dv.ptr, got_dv.size() * 2, cudaMemcpyDeviceToHost));
-    if (i == 0) {
-      want_dk = got_dk, want_dv = got_dv;
-      continue;
-    }
-    std::printf("  %-8s | %s against %s: dK diff %.1e, dV diff %.1e\n", "", backward[i].name,
-                backward[0].name, relative_difference(got_dk, want_dk),
-                relative_difference(got_dv, want_dv));
-  }
+  line("backward",
+       {{"mma.sync", [&] { return backward_cuda(g, 0); }},
+        {"wgmma", [&] { return backward_wgmma(g, 0); }}},
+       opt, 2.5 * flops, {{dq.ptr, q_elems}, {dk.ptr, kv_elems}, {dv.ptr, kv_elems}},
+       {"dQ", "dK", "dV"});
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const Options opt = parse(argc, argv);
-  int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) != cudaSuccess ||
-      major != 9) {
-    std::printf("attention_wgmma_bench: needs an sm_90 GPU\n");
+  bool takes = false;
+  const cudaError_t err = pimhbm::attention::wgmma_takes(opt.head_dim, &takes);
+  if (err != cudaSuccess || !takes) {
+    std::printf("attention_wgmma_bench: needs an sm_90 GPU (%s)\n", cudaGetErrorString(err));
     return 1;
   }
   cudaDeviceProp prop{};

@@ -56,10 +56,8 @@ void run(Kernel kernel, const Shape& s, const std::vector<uint16_t>& q,
       break;
   }
   PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
-  cudaError_t err = cudaSuccess;
-  out->o = o_.download(&err);
-  out->lse = lse_.download(&err);
-  PIMHBM_ASSERT_CUDA(err);
+  PIMHBM_ASSERT_DOWNLOAD(out->o, o_);
+  PIMHBM_ASSERT_DOWNLOAD(out->lse, lse_);
 }
 
 using Case = std::tuple<Shape, Kernel>;
@@ -67,7 +65,7 @@ using Case = std::tuple<Shape, Kernel>;
 class WgmmaForward : public ::testing::TestWithParam<Case> {};
 
 TEST_P(WgmmaForward, MatchesCpuAndLibraryAndRepeats) {
-  if (!testing::has_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+  PIMHBM_SKIP_WITHOUT_SM90();
   const auto& [s, kernel] = GetParam();
   std::mt19937 gen(std::random_device{}());
   const auto q = random_bf16(s.q_elems(), gen), k = random_bf16(s.kv_elems(), gen),
@@ -136,17 +134,15 @@ void run_backward(bool wgmma, const Shape& s, const std::vector<uint16_t>& q,
                       lse_.get(), delta_.get(), dq_.get(), dk_.get(), dv_.get()};
   PIMHBM_ASSERT_CUDA(wgmma ? backward_wgmma(call, 0) : backward_cuda(call, 0));
   PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
-  cudaError_t err = cudaSuccess;
-  out->dq = dq_.download(&err);
-  out->dk = dk_.download(&err);
-  out->dv = dv_.download(&err);
-  PIMHBM_ASSERT_CUDA(err);
+  PIMHBM_ASSERT_DOWNLOAD(out->dq, dq_);
+  PIMHBM_ASSERT_DOWNLOAD(out->dk, dk_);
+  PIMHBM_ASSERT_DOWNLOAD(out->dv, dv_);
 }
 
 class WgmmaBackward : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(WgmmaBackward, MatchesCpuAndLibraryAndRepeats) {
-  if (!testing::has_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+  PIMHBM_SKIP_WITHOUT_SM90();
   const Shape s = GetParam();
   std::mt19937 gen(std::random_device{}());
   const auto q = random_bf16(s.q_elems(), gen), k = random_bf16(s.kv_elems(), gen),

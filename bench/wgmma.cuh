@@ -1,4 +1,4 @@
-// Hopper's warpgroup products (wgmma) as the attention candidates use them: one warpgroup (four
+// Hopper's warpgroup products (wgmma) as the attention kernels use them: one warpgroup (four
 // warps, 128 threads) computes a 64 x N fp32 tile, N = 64 or 128, from bf16 operands, k = 16 a
 // step. Accumulators are float[N / 8][4] a thread, in the layout of attention_device.cuh for
 // each warp's 16 rows (warp w of the group holds rows 16 w .. 16 w + 15).
@@ -9,15 +9,16 @@
 // LBO is the step along K and SBO the step along M or N; for an MN-major (transposed) operand,
 // LBO is the step along K and SBO the step along N.
 //
-// The instructions exist only in sm_90a code. Compiled for another target (nvcc also parses
-// device code once without the sm_90a features), each function traps instead: a kernel built
-// for sm_90 by mistake stops with an error rather than run to garbage.
+// The instructions exist only in sm_90a code: device code for any other target is refused here
+// (built for sm_90, the products would compile to nothing and the kernels run to garbage). Build
+// with CUDA_ARCHITECTURES 90a (--generate-code=arch=compute_90a,code=...); nvcc's -arch=sm_90a
+// shorthand also runs a compute_90 pass, which this refuses.
 #pragma once
 
 #include <cstdint>
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define PIMHBM_WGMMA 1
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "wgmma.cuh: sm_90a device code only (CUDA_ARCHITECTURES 90a)"
 #endif
 
 namespace pimhbm::wgmma {
@@ -51,7 +52,6 @@ template <int N>
 __device__ __forceinline__ void mma_ss(float (&acc)[N / 8][4], uint64_t a, uint64_t b,
                                        int accumulate) {
   static_assert(N == 64 || N == 128, "wgmma tiles of 64 or 128 columns");
-#if defined(PIMHBM_WGMMA)
   if constexpr (N == 64) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
@@ -67,9 +67,6 @@ __device__ __forceinline__ void mma_ss(float (&acc)[N / 8][4], uint64_t a, uint6
         : PIMHBM_WGMMA_ACC64(acc)
         : "l"(a), "l"(b), "r"(accumulate));
   }
-#else
-  __trap();
-#endif
 }
 
 // acc (+)= A B: A (64 x 16) from registers (each warp's mma.sync A fragment of its 16 rows), B
@@ -78,7 +75,6 @@ template <int N>
 __device__ __forceinline__ void mma_rs(float (&acc)[N / 8][4], const uint32_t (&a)[4], uint64_t b,
                                        int accumulate) {
   static_assert(N == 64 || N == 128, "wgmma tiles of 64 or 128 columns");
-#if defined(PIMHBM_WGMMA)
   if constexpr (N == 64) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
@@ -94,38 +90,23 @@ __device__ __forceinline__ void mma_rs(float (&acc)[N / 8][4], const uint32_t (&
         : PIMHBM_WGMMA_ACC64(acc)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
   }
-#else
-  __trap();
-#endif
 }
 
 // Before a group's first product: registers written by ordinary instructions (accumulators
 // rescaled, A fragments packed) become visible to the tensor cores.
 __device__ __forceinline__ void begin() {
-#if defined(PIMHBM_WGMMA)
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-#else
-  __trap();
-#endif
 }
 
 // Closes the products issued since the last commit into one group.
 __device__ __forceinline__ void commit() {
-#if defined(PIMHBM_WGMMA)
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-#else
-  __trap();
-#endif
 }
 
 // Waits until at most `Pending` committed groups are still running.
 template <int Pending>
 __device__ __forceinline__ void wait() {
-#if defined(PIMHBM_WGMMA)
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(Pending) : "memory");
-#else
-  __trap();
-#endif
 }
 
 // The accumulators are registers, which no "memory" clobber covers: after wait(), this keeps
@@ -143,11 +124,13 @@ __device__ __forceinline__ void fence_operand(float (&acc)[N / 8][4]) {
 // Shared-memory writes by ordinary stores or cp.async (the generic proxy) become visible to the
 // tensor cores' reads (the async proxy); a barrier must follow before another thread's product.
 __device__ __forceinline__ void fence_shared_for_async() {
-#if defined(PIMHBM_WGMMA)
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#else
-  __trap();
-#endif
 }
 
 }  // namespace pimhbm::wgmma
+
+#undef PIMHBM_WGMMA_D32
+#undef PIMHBM_WGMMA_D64
+#undef PIMHBM_WGMMA_TILE
+#undef PIMHBM_WGMMA_ACC32
+#undef PIMHBM_WGMMA_ACC64

@@ -1,6 +1,6 @@
-// Hopper's warpgroup products (wgmma) on the layouts the attention kernels would give them,
-// checked exactly against a CPU product: the groundwork for attention on wgmma (bench/NOTES.md,
-// "What is left to 1.10x"). Not used by the library yet.
+// Hopper's warpgroup products (wgmma.cuh's wrappers) on the layouts the attention kernels use,
+// checked exactly against a CPU product: the layouts the wgmma attention candidates rely on
+// (bench/attention_wgmma*.cu; bench/NOTES.md, "wgmma groundwork").
 //
 // One warpgroup (128 threads) computes D (64 x 64, fp32) = A (64 x 64) * B (64 x 64) in four
 // k-steps of m64n64k16, bf16 operands holding small integers so that every sum is exact:
@@ -162,7 +162,7 @@ void expect_exact(Kernel kernel, const Inputs& in, const std::vector<float>& wan
 }
 
 TEST(Wgmma, KMajorOperandsFromSharedMemory) {
-  if (!pimhbm::testing::has_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+  PIMHBM_SKIP_WITHOUT_SM90();
   const Inputs in = random_inputs();
   std::vector<float> want(kN * kN, 0.0f);  // a b^T
   for (int m = 0; m < kN; ++m)
@@ -173,7 +173,7 @@ TEST(Wgmma, KMajorOperandsFromSharedMemory) {
 }
 
 TEST(Wgmma, RegisterAAndTransposedBFromSharedMemory) {
-  if (!pimhbm::testing::has_sm90()) GTEST_SKIP() << "needs an sm_90 GPU";
+  PIMHBM_SKIP_WITHOUT_SM90();
   const Inputs in = random_inputs();
   std::vector<float> want(kN * kN, 0.0f);  // a v
   for (int m = 0; m < kN; ++m)

@@ -236,16 +236,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Args a) {
   for (int mi = 0; mi < M; ++mi) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float sum = l[mi][half];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const int row = row0 + 16 * mi + acc_row(2 * half);
-      if (row >= d.seq) continue;
-      store_row<D, M>(a.out + q_base + row * q_stride, acc, mi, half, 1.0f / sum);
-      if (lane_id() % 4 == 0) {
-        a.lse_out[(static_cast<int64_t>(b) * d.heads + h) * d.seq + row] =
-            m[mi][half] * kLn2 + logf(sum);
-      }
+      finish_row<D, M>(a, acc, mi, half, m[mi][half], l[mi][half],
+                       row0 + 16 * mi + acc_row(2 * half), b, h, q_base, q_stride);
     }
   }
 }
@@ -302,7 +294,7 @@ __global__ void __launch_bounds__(kThreads) dkdv_kernel(Args a) {
     load_tile<D, N>(sdo + buf * E, a.d_o + q_base, q0, d.seq, q_stride);
     if (threadIdx.x < N) {
       const int row = q0 + threadIdx.x;
-      const int64_t at = (static_cast<int64_t>(b) * d.heads + h) * d.seq + row;
+      const int64_t at = row_index(d, b, h, row);
       srows[buf * 2 * N + threadIdx.x] = row < d.seq ? a.lse[at] * kLog2e : INFINITY;
       srows[buf * 2 * N + N + threadIdx.x] = row < d.seq ? a.delta[at] : 0.0f;
     }
@@ -380,7 +372,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Args a) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = row0 + 16 * mi + acc_row(2 * half);
-      const int64_t at = (static_cast<int64_t>(b) * d.heads + h) * d.seq + row;
+      const int64_t at = row_index(d, b, h, row);
       lse2[mi][half] = row < d.seq ? a.lse[at] * kLog2e : 0.0f;
       delta[mi][half] = row < d.seq ? a.delta[at] : 0.0f;
     }
@@ -440,18 +432,10 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(Args a) {
 
 template <int D>
 cudaError_t forward_d(const Forward& c, cudaStream_t stream) {
-  Args a{};
-  a.q = c.q, a.k = c.k, a.v = c.v, a.out = c.o, a.lse_out = c.lse, a.dims = dims_of(c.shape);
+  const Args a = forward_args(c);
   const dim3 grid(tiles(a.dims.seq, 16 * kFwdM * kWarps), a.dims.heads,
                   static_cast<unsigned>(c.shape.batch));
   return launch(forward_kernel<D>, grid, kThreads, forward_smem<D>(), stream, a);
-}
-
-Args backward_args(const Backward& c) {
-  Args a{};
-  a.q = c.q, a.k = c.k, a.v = c.v, a.o = c.o, a.d_o = c.d_o, a.lse = c.lse;
-  a.delta = c.delta, a.dq = c.dq, a.dk = c.dk, a.dv = c.dv, a.dims = dims_of(c.shape);
-  return a;
 }
 
 template <int D>

@@ -107,6 +107,19 @@ struct Args {
 // masks instead of selecting: the forward kernel ran ~25 % slower (bench/NOTES.md).
 static_assert(sizeof(Args) <= 128, "the kernels' parameter must stay within 128 bytes");
 
+inline Args forward_args(const Forward& c) {
+  Args a{};
+  a.q = c.q, a.k = c.k, a.v = c.v, a.out = c.o, a.lse_out = c.lse, a.dims = dims_of(c.shape);
+  return a;
+}
+
+inline Args backward_args(const Backward& c) {
+  Args a{};
+  a.q = c.q, a.k = c.k, a.v = c.v, a.o = c.o, a.d_o = c.d_o, a.lse = c.lse;
+  a.delta = c.delta, a.dq = c.dq, a.dk = c.dk, a.dv = c.dv, a.dims = dims_of(c.shape);
+  return a;
+}
+
 // Where (batch b, head h)'s rows start in a [batch, seq, heads, D] tensor.
 template <int D>
 __device__ __forceinline__ int64_t head_base(int b, int h, int seq, int heads) {
@@ -121,6 +134,16 @@ __device__ __forceinline__ bool needs_mask(const Dims& d, int k0, int keys, int 
 
 __device__ __forceinline__ bool masked(const Dims& d, int key, int row) {
   return key >= d.seq || (d.causal && key > row);
+}
+
+// How many keys query row `row` sees: keys from here on are masked for it.
+__device__ __forceinline__ int keys_seen(const Dims& d, int row) {
+  return d.causal ? min(d.seq, row + 1) : d.seq;
+}
+
+// Where (batch b, head h, position row)'s entry of lse or delta is ([batch, heads, seq]).
+__device__ __forceinline__ int64_t row_index(const Dims& d, int b, int h, int row) {
+  return (static_cast<int64_t>(b) * d.heads + h) * d.seq + row;
 }
 
 // The online softmax of one key tile, for a row tile's two rows a lane (halves 0 and 1: rows
@@ -169,6 +192,21 @@ __device__ __forceinline__ void softmax_tile(float (&s)[N / 8][4], float (&m)[2]
   float alpha[2];
   softmax_scores<N>(s, m, l, alpha);
   rescale_rows<D>(acc, alpha);
+}
+
+// The forward pass's end for a lane's row of half `half` of row tile `mi` (row `row`): the
+// softmax's sum over the row's four lanes, the output row divided by it, and the row's lse
+// (natural log). Every lane must call it (the sum's shuffles); rows past the end are not written.
+template <int D, int M>
+__device__ __forceinline__ void finish_row(const Args& a, const float (&acc)[M][D / 8][4], int mi,
+                                           int half, float m, float l, int row, int b, int h,
+                                           int64_t out_row0, int64_t row_stride) {
+  float sum = l;
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  if (row >= a.dims.seq) return;
+  store_row<D, M>(a.out + out_row0 + row * row_stride, acc, mi, half, 1.0f / sum);
+  if (lane_id() % 4 == 0) a.lse_out[row_index(a.dims, b, h, row)] = m * kLn2 + logf(sum);
 }
 
 // One launch of `kernel` with `smem` bytes of dynamic shared memory (the limit raised first).

@@ -44,13 +44,11 @@ void run_gpu(const Shape& s, const std::vector<uint16_t>& q, const std::vector<u
                              delta_.get(), dq_.get(), dk_.get(), dv_.get()},
                     0));
   PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
-  cudaError_t err = cudaSuccess;
-  out->o = o_.download(&err);
-  out->dq = dq_.download(&err);
-  out->dk = dk_.download(&err);
-  out->dv = dv_.download(&err);
-  out->lse = lse_.download(&err);
-  PIMHBM_ASSERT_CUDA(err);
+  PIMHBM_ASSERT_DOWNLOAD(out->o, o_);
+  PIMHBM_ASSERT_DOWNLOAD(out->dq, dq_);
+  PIMHBM_ASSERT_DOWNLOAD(out->dk, dk_);
+  PIMHBM_ASSERT_DOWNLOAD(out->dv, dv_);
+  PIMHBM_ASSERT_DOWNLOAD(out->lse, lse_);
 }
 
 class AttentionCuda : public ::testing::TestWithParam<Shape> {};

@@ -16,13 +16,19 @@ namespace pimhbm::testing {
     ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_); \
   } while (0)
 
-#define PIMHBM_SKIP_WITHOUT_GPU()                                    \
-  do {                                                               \
-    int count_ = 0;                                                  \
-    if (cudaGetDeviceCount(&count_) != cudaSuccess || count_ == 0) { \
-      cudaGetLastError();                                            \
-      GTEST_SKIP() << "no CUDA device";                              \
-    }                                                                \
+// Where a GPU must be there (scripts/gpu-check sets PIMHBM_REQUIRE_GPU=1 on the GPU machine), a
+// missing one fails a GPU test instead of skipping it: a GPU stage cannot pass with every test
+// skipped.
+inline bool gpu_required() { return std::getenv("PIMHBM_REQUIRE_GPU") != nullptr; }
+
+#define PIMHBM_SKIP_WITHOUT_GPU()                                      \
+  do {                                                                 \
+    int count_ = 0;                                                    \
+    if (cudaGetDeviceCount(&count_) != cudaSuccess || count_ == 0) {   \
+      cudaGetLastError();                                              \
+      if (pimhbm::testing::gpu_required()) FAIL() << "no CUDA device"; \
+      GTEST_SKIP() << "no CUDA device";                                \
+    }                                                                  \
   } while (0)
 
 // Whether device 0 is sm_90 (Hopper): the wgmma code's tests skip elsewhere.
@@ -35,6 +41,22 @@ inline bool has_sm90() {
   return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess &&
          major == 9;
 }
+
+#define PIMHBM_SKIP_WITHOUT_SM90()                                                   \
+  do {                                                                               \
+    if (!pimhbm::testing::has_sm90()) {                                              \
+      if (pimhbm::testing::gpu_required()) FAIL() << "device 0 is not an sm_90 GPU"; \
+      GTEST_SKIP() << "needs an sm_90 GPU";                                          \
+    }                                                                                \
+  } while (0)
+
+// dst = the device buffer's values; a failed copy fails the test.
+#define PIMHBM_ASSERT_DOWNLOAD(dst, buffer)  \
+  do {                                       \
+    cudaError_t download_err_ = cudaSuccess; \
+    dst = (buffer).download(&download_err_); \
+    PIMHBM_ASSERT_CUDA(download_err_);       \
+  } while (0)
 
 // Sizes shrink under compute-sanitizer (PIMHBM_TEST_SMALL=1), which runs kernels ~100x slower.
 inline bool small_sizes() { return std::getenv("PIMHBM_TEST_SMALL") != nullptr; }
