@@ -6,8 +6,6 @@
 // with PIMHBM_TEST_SMALL=1.
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <cmath>
 #include <random>
 #include <string>
 #include <tuple>
@@ -17,7 +15,6 @@
 #include "attention_test_util.h"
 #include "attention_wgmma.h"
 #include "cuda_test_util.h"
-#include "pimhbm/adamw_math.h"
 
 namespace pimhbm::attention {
 namespace {

@@ -4,15 +4,12 @@
 // compute-sanitizer with PIMHBM_TEST_SMALL=1.
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <cmath>
 #include <random>
 #include <vector>
 
 #include "attention/attention.h"
 #include "attention_test_util.h"
 #include "cuda_test_util.h"
-#include "pimhbm/adamw_math.h"
 
 namespace pimhbm::attention {
 namespace {
