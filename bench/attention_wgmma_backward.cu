@@ -192,6 +192,83 @@ __device__ __forceinline__ void probabilities_t(Scores& st, const Dims& d, int k
   }
 }
 
+// A query row's lse (times log2 e; +inf past the end) and delta.
+struct RowValues {
+  float lse2 = INFINITY, delta = 0.0f;
+};
+
+// The steps of a dK/dV block: the group's query heads in order, each over its query tiles from
+// the first that the block's keys see.
+template <int D>
+struct DkvSteps {
+  const Args& a;
+  const DkvSmem<D>& sm;
+  int b, hk, qb_first, qblocks, count;
+
+  __device__ int head(int step) const { return hk * a.dims.group + step / qblocks; }
+  __device__ int q0(int step) const { return (qb_first + step % qblocks) * kTile; }
+
+  // Q and dO of the step's query tile into its stage (cp.async, not committed).
+  __device__ void load_tiles(int step) const {
+    const Dims& d = a.dims;
+    const int64_t q_base = head_base<D>(b, head(step), d.seq, d.heads);
+    const int64_t q_stride = static_cast<int64_t>(d.heads) * D;
+    load_core_tile<D, kTile>(sm.q(step), a.q + q_base, q0(step), d.seq, q_stride);
+    load_core_tile<D, kTile>(sm.d_o(step), a.d_o + q_base, q0(step), d.seq, q_stride);
+  }
+
+  // The step's row values for threads below kTile, read from global memory a step before they
+  // are stored to shared memory, so that no step's first product waits for them.
+  __device__ RowValues read_rows(int step) const {
+    RowValues r;
+    const int row = q0(step) + threadIdx.x;
+    if (threadIdx.x < kTile && step < count && row < a.dims.seq) {
+      const int64_t at = row_index(a.dims, b, head(step), row);
+      r.lse2 = a.lse[at] * kLog2e;
+      r.delta = a.delta[at];
+    }
+    return r;
+  }
+  __device__ void store_rows(int step, const RowValues& r) const {
+    if (threadIdx.x < kTile) {
+      sm.rows(step)[threadIdx.x] = r.lse2;
+      sm.rows(step)[kTile + threadIdx.x] = r.delta;
+    }
+  }
+};
+
+// One step's products for the warpgroup's 64 keys (the warp's from key0) and query tile q0:
+// S^T and dP^T, then dV += P^T dO (running while dS^T is worked out) and dK += dS^T Q.
+template <int D>
+__device__ __forceinline__ void dkdv_turn(const DkvSmem<D>& sm, const Dims& d, int group, int key0,
+                                          int q0, int step, float (&dk)[D / 8][4],
+                                          float (&dv)[D / 8][4]) {
+  const float* lse2 = sm.rows(step);
+  const float* delta = lse2 + kTile;
+  Scores st, dpt;  // S^T and dP^T: the warp's 16 keys x the tile's queries
+  wgmma::begin();
+  scores<D, kDkvKeys>(st[0], sm.k(), 64 * group, sm.q(step));
+  scores<D, kDkvKeys>(dpt[0], sm.v(), 64 * group, sm.d_o(step));
+  wgmma::commit();
+  wait_all<kTile, kTile>(st[0], dpt[0]);
+  probabilities_t(st, d, key0, q0, lse2);
+  Operand pt, dst;
+  to_operand<1, kTile>(pt, st);
+  wgmma::begin();
+  times_rows<D>(dv, pt, sm.d_o(step));
+  wgmma::commit();
+#pragma unroll
+  for (int n = 0; n < kTile / 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st[0][n][e] *= dpt[0][n][e] - delta[acc_col(n, e)];
+  }
+  to_operand<1, kTile>(dst, st);
+  wgmma::begin();
+  times_rows<D>(dk, dst, sm.q(step));
+  wgmma::commit();
+  wait_all<D, D>(dv, dk);
+}
+
 template <int D>
 __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(Args a) {
   extern __shared__ __align__(128) uint16_t smem[];
@@ -200,80 +277,26 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(Args a) {
   const int group = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
   const int k0 = blockIdx.x * kDkvKeys, hk = blockIdx.y, b = blockIdx.z;
   const int key0 = k0 + 64 * group + 16 * warp;  // this warp's first key
-  const int64_t q_stride = static_cast<int64_t>(d.heads) * D;
   const int64_t kv_stride = static_cast<int64_t>(d.kv_heads) * D;
   const int64_t kv_base = head_base<D>(b, hk, d.seq, d.kv_heads);
   const int qb_first = d.causal ? k0 / kTile : 0, qblocks = tiles(d.seq, kTile) - qb_first;
-  const int steps = d.group * qblocks;
-  auto head_of = [&](int step) { return hk * d.group + step / qblocks; };
-  auto q0_of = [&](int step) { return (qb_first + step % qblocks) * kTile; };
-  auto load_tiles = [&](int step) {  // Q and dO of `step`'s query tile and head
-    const int64_t q_base = head_base<D>(b, head_of(step), d.seq, d.heads);
-    load_core_tile<D, kTile>(sm.q(step), a.q + q_base, q0_of(step), d.seq, q_stride);
-    load_core_tile<D, kTile>(sm.d_o(step), a.d_o + q_base, q0_of(step), d.seq, q_stride);
-  };
-  // A query row's lse (times log2 e; +inf past the end) and delta, for threads below kTile:
-  // read from global memory a step before they are stored to shared memory, so that no step's
-  // first product waits for them.
-  struct RowValues {
-    float lse2 = INFINITY, delta = 0.0f;
-  };
-  auto read_rows = [&](int step) {
-    RowValues r;
-    const int row = q0_of(step) + threadIdx.x;
-    if (threadIdx.x < kTile && step < steps && row < d.seq) {
-      const int64_t at = row_index(d, b, head_of(step), row);
-      r.lse2 = a.lse[at] * kLog2e;
-      r.delta = a.delta[at];
-    }
-    return r;
-  };
-  auto store_rows = [&](int step, const RowValues& r) {
-    if (threadIdx.x < kTile) {
-      sm.rows(step)[threadIdx.x] = r.lse2;
-      sm.rows(step)[kTile + threadIdx.x] = r.delta;
-    }
-  };
+  const DkvSteps<D> steps{a, sm, b, hk, qb_first, qblocks, d.group * qblocks};
   load_core_tile<D, kDkvKeys>(sm.k(), a.k + kv_base, k0, d.seq, kv_stride);
   load_core_tile<D, kDkvKeys>(sm.v(), a.v + kv_base, k0, d.seq, kv_stride);
-  load_tiles(0);
+  steps.load_tiles(0);
   cp_async_commit();
-  store_rows(0, read_rows(0));
-  RowValues ahead = read_rows(1);
+  steps.store_rows(0, steps.read_rows(0));
+  RowValues ahead = steps.read_rows(1);
   float dk[1][D / 8][4] = {}, dv[1][D / 8][4] = {};  // one row tile: the shape store_row takes
-  for (int it = 0; it < steps; ++it) {
+  for (int it = 0; it < steps.count; ++it) {
     publish_copies();  // step it is in; every group is done with step it - 1's stage
-    if (it + 1 < steps) {
-      load_tiles(it + 1);
-      store_rows(it + 1, ahead);
-      ahead = read_rows(it + 2);
+    if (it + 1 < steps.count) {
+      steps.load_tiles(it + 1);
+      steps.store_rows(it + 1, ahead);
+      ahead = steps.read_rows(it + 2);
     }
     cp_async_commit();
-    const int q0 = q0_of(it);
-    const float* lse2 = sm.rows(it);
-    const float* delta = lse2 + kTile;
-    Scores st, dpt;  // S^T and dP^T: the warp's 16 keys x the tile's queries
-    wgmma::begin();
-    scores<D, kDkvKeys>(st[0], sm.k(), 64 * group, sm.q(it));
-    scores<D, kDkvKeys>(dpt[0], sm.v(), 64 * group, sm.d_o(it));
-    wgmma::commit();
-    wait_all<kTile, kTile>(st[0], dpt[0]);
-    probabilities_t(st, d, key0, q0, lse2);
-    Operand pt, dst;
-    to_operand<1, kTile>(pt, st);
-    wgmma::begin();
-    times_rows<D>(dv[0], pt, sm.d_o(it));  // dV += P^T dO, while dS^T is worked out
-    wgmma::commit();
-#pragma unroll
-    for (int n = 0; n < kTile / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) st[0][n][e] *= dpt[0][n][e] - delta[acc_col(n, e)];
-    }
-    to_operand<1, kTile>(dst, st);
-    wgmma::begin();
-    times_rows<D>(dk[0], dst, sm.q(it));  // dK += dS^T Q
-    wgmma::commit();
-    wait_all<D, D>(dv[0], dk[0]);
+    dkdv_turn<D>(sm, d, group, key0, steps.q0(it), it, dk[0], dv[0]);
   }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
