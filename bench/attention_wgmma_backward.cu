@@ -192,9 +192,10 @@ __device__ __forceinline__ void probabilities_t(Scores& st, const Dims& d, int k
   }
 }
 
-// A query row's lse (times log2 e; +inf past the end) and delta.
+// A query row's lse (+inf past the end) and delta, as read: nothing is computed from them until
+// they are stored, so that reading them waits for nothing.
 struct RowValues {
-  float lse2 = INFINITY, delta = 0.0f;
+  float lse = INFINITY, delta = 0.0f;
 };
 
 // The steps of a dK/dV block: the group's query heads in order, each over its query tiles from
@@ -224,14 +225,14 @@ struct DkvSteps {
     const int row = q0(step) + threadIdx.x;
     if (threadIdx.x < kTile && step < count && row < a.dims.seq) {
       const int64_t at = row_index(a.dims, b, head(step), row);
-      r.lse2 = a.lse[at] * kLog2e;
+      r.lse = a.lse[at];
       r.delta = a.delta[at];
     }
     return r;
   }
   __device__ void store_rows(int step, const RowValues& r) const {
     if (threadIdx.x < kTile) {
-      sm.rows(step)[threadIdx.x] = r.lse2;
+      sm.rows(step)[threadIdx.x] = r.lse * kLog2e;
       sm.rows(step)[kTile + threadIdx.x] = r.delta;
     }
   }
