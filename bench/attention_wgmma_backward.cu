@@ -112,14 +112,6 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(Args a) {
   const int64_t q_base = head_base<D>(b, h, d.seq, d.heads);
   const int64_t kv_base = head_base<D>(b, h / d.group, d.seq, d.kv_heads);
   const int kblocks = tiles(d.causal ? min(d.seq, q0 + kQRows) : d.seq, kTile);
-  float lse2[2], delta[2];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = row0 + acc_row(2 * half);
-    const int64_t at = row_index(d, b, h, row);
-    lse2[half] = row < d.seq ? a.lse[at] * kLog2e : 0.0f;
-    delta[half] = row < d.seq ? a.delta[at] : 0.0f;
-  }
   auto load_kv = [&](int j) {
     load_core_tile<D, kTile>(sm.k(j), a.k + kv_base, j * kTile, d.seq, kv_stride);
     load_core_tile<D, kTile>(sm.v(j), a.v + kv_base, j * kTile, d.seq, kv_stride);
@@ -128,6 +120,15 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(Args a) {
   load_core_tile<D, kQRows>(sm.d_o(), a.d_o + q_base, q0, d.seq, q_stride);
   load_kv(0);
   cp_async_commit();
+  // The rows' lse and delta are read while the tiles arrive.
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + acc_row(2 * half);
+    const int64_t at = row_index(d, b, h, row);
+    lse2[half] = row < d.seq ? a.lse[at] * kLog2e : 0.0f;
+    delta[half] = row < d.seq ? a.delta[at] : 0.0f;
+  }
   float dq[1][D / 8][4] = {};  // one row tile: the shape store_row takes
   for (int j = 0; j < kblocks; ++j) {
     publish_copies();  // tile j is in; every group is done with tile j - 1's stage
