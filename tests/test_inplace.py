@@ -118,6 +118,22 @@ def test_the_parity_and_digests_the_update_keeps_are_those_made_from_scratch(rng
             assert bits(pimhbm.scan(x[k], cb).digests) == bits(state.digests[k][t]), (k, t)
 
 
+@pytest.mark.parametrize("chunks,group", [(1, 4), (37, 4), (16 * 3 + 5, 4), (40, 3), (9, 1)])
+def test_chunk_groups_is_the_deal_of_the_parity_kernel(chunks, group):
+    """A tensor with one chunk set has parity only in that chunk's group row: the row of each
+    chunk, as the kernel deals them, is what chunk_groups says; neighbours of a block apart."""
+    chunk_bytes = 16
+    one_hot = np.zeros((chunks, chunks * chunk_bytes), np.uint8)
+    for c in range(chunks):
+        one_hot[c, c * chunk_bytes] = 1
+    rows = np.asarray(jax.vmap(lambda x: parity.parity(x, chunk_bytes, group))(jnp.asarray(one_hot)))
+    kernel = [int(np.flatnonzero(rows[c].any(axis=1))[0]) for c in range(chunks)]
+    assert all(np.count_nonzero(rows[c].any(axis=1)) == 1 for c in range(chunks))
+    assert kernel == parity.chunk_groups(chunks, group).tolist()
+    if chunks > group > 1:
+        assert kernel[0] != kernel[1]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_update_writes_damaged_parity_rows_anew_unless_their_group_left_a_chunk(rng, kind):
     """Rows of a group whose chunks all commit are the XOR of the new chunks, whatever they held;
@@ -132,7 +148,8 @@ def test_an_update_writes_damaged_parity_rows_anew_unless_their_group_left_a_chu
     ce = opt.chunk_elems
     # t0 (300 x 77): group 0's p and nu rows damaged; group 1's nu row too, and a chunk of it
     state = flip_row(flip_row(flip_row(state, "t0", "p", 0, 33), "t0", "nu", 0, 7), "t0", "nu", 1, 100)
-    state = flip(state, "mu", "t0", 2 * ce + 5, 9)
+    in_group_1 = int(np.flatnonzero(parity.chunk_groups(-(-300 * 77 // ce), opt.group) == 1)[0])
+    state = flip(state, "mu", "t0", in_group_1 * ce + 5, 9)
     fresh = lambda st, t: np.asarray(parity.parity(getattr(st, FIELD[t])["t0"],
                                                    opt.chunk_bytes(t, dtype), opt.group))
     assert not np.array_equal(fresh(state, "nu"), np.asarray(state.parity["t0"]["nu"]))
@@ -222,15 +239,20 @@ def test_a_parameter_damaged_before_the_update_cancels_the_step_and_is_rebuilt(r
 
 def test_two_damaged_chunks_of_one_group_go_to_the_next_source(rng):
     """Two chunks of a group damaged in the same tensor cannot be rebuilt from its parity (the
-    repair says so: the next source); in different tensors, or in different groups, they are."""
+    repair says so: the next source); in different tensors, or in different groups -- a chunk
+    and its neighbour among them -- they are."""
     opt, dtype = make("fp32", group=4)
     ce = opt.chunk_elems
     params = {"w": jnp.asarray(rng.standard_normal(ce * 8).astype(np.float32))}
     grads = [random_grads(rng, params) for _ in range(2)]
     clean, _ = run(opt, params, grads)
     update, repair = steps_of(opt)
-    for (t1, t2), second, complete in ((("mu", "mu"), ce + 7, False), (("mu", "nu"), ce + 7, True),
-                                       (("nu", "nu"), 4 * ce + 7, True)):
+    groups = parity.chunk_groups(8, opt.group)
+    partner = int(np.flatnonzero(groups == groups[0])[1])  # chunk 0's group's next chunk
+    assert groups[1] != groups[0]
+    for (t1, t2), second, complete in ((("mu", "mu"), partner * ce + 7, False),
+                                       (("mu", "nu"), partner * ce + 7, True),
+                                       (("nu", "nu"), ce + 7, True)):
         state = opt.init(params)
         state, _ = update(grads[0], state)
         state = flip(flip(state, t1, "w", 5, 3), t2, "w", second, 30)
@@ -241,7 +263,7 @@ def test_two_damaged_chunks_of_one_group_go_to_the_next_source(rng):
         if complete:
             assert bits(state) == bits(clean)
         else:
-            mu = np.asarray(fixed.rebuilt["w"])[:2, 2]
+            mu = np.asarray(fixed.rebuilt["w"])[:2, 2]  # the two stash rows
             assert set(mu.tolist()) == {parity.GROUP_CONFLICT}
 
 
@@ -352,7 +374,8 @@ def test_eps_zero_with_zero_gradients_commits_nothing(rng):
 
 @pytest.mark.parametrize("bad", [dict(b1=np.nan), dict(b2=1.0), dict(eps=-1.0), dict(eps=np.inf),
                                  dict(learning_rate=np.nan), dict(weight_decay=np.nan),
-                                 dict(chunk_elems=1024), dict(group=-1), dict(chunk_elems=100)])
+                                 dict(chunk_elems=1024), dict(group=-1), dict(group=(1 << 15) + 1),
+                                 dict(chunk_elems=100)])
 def test_bad_hyperparameters_are_refused_when_the_optimizer_is_made(bad):
     kw = dict(learning_rate=LR) | bad
     with pytest.raises(ValueError):

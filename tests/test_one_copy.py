@@ -252,20 +252,55 @@ def test_the_host_waits_for_no_snapshot_between_steps(shm_name, monkeypatch):
         tr.close(unlink=True)
 
 
+def w1_groups(tr):
+    """The parity group of each chunk of the mlp's w1."""
+    n = next(n for p, t, n, _ in tr.tensor_info() if p == "w1" and t == "mu")
+    return parity.chunk_groups(-(-n // CHUNK), GROUP)
+
+
 def test_two_damaged_chunks_of_one_group_go_to_the_host_snapshot(shm_name):
     reference = fault_free(shm_name, 14)
     tr = make_trainer(shm_name)
+    groups = w1_groups(tr)
+    members = np.flatnonzero(groups == groups[GROUP])
+    partner = int(members[members > GROUP][0])  # the next chunk of chunk GROUP's group
+    assert partner > GROUP + 1
 
     def two(t):
-        flip(t, "w1", "mu", GROUP * CHUNK + 3)  # chunks GROUP and GROUP + 1: one parity group
-        flip(t, "w1", "mu", (GROUP + 1) * CHUNK + 70)
+        flip(t, "w1", "mu", GROUP * CHUNK + 3)
+        flip(t, "w1", "mu", partner * CHUNK + 70)
     try:
         stats = tr.run(14, campaign=Once(12, two))
         found = incidents(stats, IncidentKind.STATE)
         assert [(i.step, i.action) for i in found] == [(12, Action.RESTORED_FROM_SNAPSHOT)]
         assert {(l.tensor, l.chunk) for l in found[0].locations} >= {("mu", GROUP),
-                                                                      ("mu", GROUP + 1)}
+                                                                      ("mu", partner)}
         assert stats.host_restores == 1
+        assert same_state(tr.current_state(), reference)
+    finally:
+        tr.close(unlink=True)
+
+
+@pytest.mark.parametrize("tensor", ["mu", "p"])
+def test_a_burst_over_neighbouring_chunks_is_rebuilt_in_place(shm_name, tensor):
+    """Two chunks' bytes overwritten across three neighbouring chunks (a failed row): each sits
+    in a group of its own, so each is rebuilt from its parity -- no host snapshot,
+    bit-identical."""
+    reference = fault_free(shm_name, 14)
+    tr = make_trainer(shm_name)
+    size = next(s for p, t, _, s in tr.tensor_info() if p == "w1" and t == tensor)
+    first, length = GROUP * CHUNK * size + 100, 2 * CHUNK * size
+    chunks = set(range(first // (CHUNK * size), (first + length - 1) // (CHUNK * size) + 1))
+    assert len(chunks) == 3 and len({int(w1_groups(tr)[c]) for c in chunks}) == 3
+    burst = lambda t: t.inject("w1", tensor, faults.spec(faults.OVERWRITE, offset=first,
+                                                         length=length, seed=11))
+    try:
+        stats = tr.run(14, campaign=Once(12, burst))
+        found = incidents(stats, IncidentKind.STATE)
+        assert found and {i.action for i in found} <= {Action.REDONE_FROM_PARITY,
+                                                        Action.REPAIRED_FROM_PARITY}, found
+        assert {l.chunk for i in found for l in i.locations if l.tensor == tensor} == chunks
+        assert stats.host_restores == 0
         assert same_state(tr.current_state(), reference)
     finally:
         tr.close(unlink=True)
@@ -343,7 +378,7 @@ def test_a_scrub_finds_a_stale_parity_row_and_makes_it_anew(shm_name):
         stats = tr.run(5, campaign=AfterTheUpdate())
         remade = incidents(stats, IncidentKind.PARITY)
         assert [(i.step, i.action) for i in remade] == [(5, Action.PARITY_REMADE)]
-        assert {l.chunk for l in remade[0].locations} == set(range(GROUP, 2 * GROUP))
+        assert {l.chunk for l in remade[0].locations} == set(np.flatnonzero(w1_groups(tr) == 1))
         assert row_is_fresh(tr, "w1", "nu")
     finally:
         tr.close(unlink=True)

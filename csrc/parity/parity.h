@@ -1,11 +1,12 @@
 // Parity over groups of chunks: the redundancy that lets a damaged chunk be rebuilt in place.
 //
 // A tensor's bytes are cut into chunks of `chunk_bytes` (as its digests are: digest.h) and the
-// chunks into groups of `group` consecutive chunks. The parity of a group is the bytewise XOR
-// of its chunks, each zero-padded to chunk_bytes (a short last chunk, a short last group), so
-// one parity row costs chunk_bytes and a tensor's parity 1/group of its bytes. A chunk is the
-// XOR of its group's parity and the group's other chunks: one damaged chunk of a group can be
-// rebuilt, two cannot (the rebuild then fails its digest check and says so).
+// chunks into groups of at most `group` chunks, neighbours in different groups (groups.h). The
+// parity of a group is the bytewise XOR of its chunks, each zero-padded to chunk_bytes (a short
+// last chunk, a short group), so one parity row costs chunk_bytes and a tensor's parity about
+// 1/group of its bytes. A chunk is the XOR of its group's parity and the group's other chunks:
+// one damaged chunk of a group can be rebuilt, two cannot (the rebuild then fails its digest
+// check and says so).
 //
 // parity: the rows of a tensor from scratch (uint32 words, (groups, chunk_bytes / 4)).
 // rebuild: listed chunks rebuilt in place from the parity and checked against the tensor's
@@ -18,6 +19,7 @@
 
 #include <cstdint>
 
+#include "parity/groups.h"
 #include "pimhbm/digest.h"
 
 #if defined(PIMHBM_WITH_CUDA)
@@ -30,8 +32,7 @@ inline constexpr int32_t kGroupConflict = -4;  // beside repair::Status's values
 
 // Groups of a tensor of `nbytes`.
 inline int64_t num_groups(int64_t nbytes, int64_t chunk_bytes, int64_t group) {
-  const int64_t chunks = nbytes == 0 ? 0 : (nbytes + chunk_bytes - 1) / chunk_bytes;
-  return (chunks + group - 1) / group;
+  return groups_of_chunks(nbytes == 0 ? 0 : (nbytes + chunk_bytes - 1) / chunk_bytes, group);
 }
 
 struct Grouped {  // a tensor's bytes in chunks and groups, its digests and its parity rows

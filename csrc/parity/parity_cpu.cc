@@ -3,6 +3,7 @@
 #include <cstring>
 #include <vector>
 
+#include "parity/groups.h"
 #include "parity/parity.h"
 #include "pimhbm/digest.h"
 #include "repair/repair.h"
@@ -22,10 +23,13 @@ void xor_chunk(const uint8_t* data, int64_t nbytes, int64_t chunk_bytes, int64_t
   for (int64_t b = 0; b < len; ++b) row[b] ^= data[first + b];
 }
 
-// The group of every listed entry is named by no other entry.
-bool conflicts(const int32_t* list, int64_t count, int64_t k, int64_t group) {
+// Another entry names a chunk of the group of entry k (all entries below `chunks`).
+bool conflicts(const int32_t* list, int64_t count, int64_t k, int64_t chunks, int64_t group) {
+  const int64_t g = group_of(chunks, group, list[k]);
   for (int64_t j = 0; j < count; ++j) {
-    if (j != k && list[j] >= 0 && list[j] / group == list[k] / group) return true;
+    if (j != k && list[j] >= 0 && list[j] < chunks && group_of(chunks, group, list[j]) == g) {
+      return true;
+    }
   }
   return false;
 }
@@ -38,7 +42,7 @@ void parity_cpu(const uint8_t* data, int64_t nbytes, int64_t chunk_bytes, int64_
   auto* out = reinterpret_cast<uint8_t*>(rows);
   std::memset(out, 0, static_cast<size_t>(num_groups(nbytes, chunk_bytes, group) * chunk_bytes));
   for (int64_t c = 0; c < chunks; ++c) {
-    xor_chunk(data, nbytes, chunk_bytes, c, out + (c / group) * chunk_bytes);
+    xor_chunk(data, nbytes, chunk_bytes, c, out + group_of(chunks, group, c) * chunk_bytes);
   }
 }
 
@@ -56,14 +60,16 @@ void rebuild_cpu(const Grouped& t, const uint32_t* rows, const int32_t* list, in
       status[k] = repair::kOutOfRange;
       continue;
     }
-    if (conflicts(list, count, k, t.group)) {
+    if (conflicts(list, count, k, chunks, t.group)) {
       status[k] = kGroupConflict;
       continue;
     }
-    const int64_t g = c / t.group;
+    const int64_t g = group_of(chunks, t.group, c);
     std::memcpy(row.data(), reinterpret_cast<const uint8_t*>(rows) + g * t.chunk_bytes,
                 row.size());
-    for (int64_t j = g * t.group; j < std::min(chunks, (g + 1) * t.group); ++j) {
+    const GroupSpan span = group_span(chunks, t.group, g);
+    for (uint32_t m = 0; m < span.count; ++m) {
+      const int64_t j = span.chunk(m);
       if (j != c) xor_chunk(t.data, t.nbytes, t.chunk_bytes, j, row.data());
     }
     const int64_t first = c * t.chunk_bytes;

@@ -46,10 +46,11 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t chunks = (nbytes + chunk_bytes - 1) / chunk_bytes;
   const int64_t words = chunk_bytes / 4;
   for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
-    const int64_t last = min(chunks, (g + 1) * group);
+    const GroupSpan span = group_span(chunks, group, g);
     for (int64_t w = threadIdx.x; w < words; w += blockDim.x) {
       uint32_t acc = 0;
-      for (int64_t c = g * group; c < last; ++c) {
+      for (uint32_t m = 0; m < span.count; ++m) {
+        const int64_t c = span.chunk(m);
         acc ^= word_at(data + c * chunk_bytes, chunk_len(nbytes, chunk_bytes, c), w);
       }
       rows[g * words + w] = acc;
@@ -75,14 +76,18 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < groups * cols;
        i += stride) {
     const int64_t g = i / cols, col = i % cols;
-    const int64_t last = min(chunks, (g + 1) * group);
+    const GroupSpan span = group_span(chunks, group, g);
+    const int64_t last = span.chunk(span.count - 1);  // its highest chunk
     uint4 acc = make_uint4(0, 0, 0, 0);
-    if (last <= whole) {
+    if (last < whole) {
 #pragma unroll 8
-      for (int64_t c = g * group; c < last; ++c) acc = xor4(acc, __ldg(columns + c * cols + col));
+      for (uint32_t m = 0; m < span.count; ++m) {
+        acc = xor4(acc, __ldg(columns + span.chunk(m) * cols + col));
+      }
     } else {
       uint32_t w[4] = {0, 0, 0, 0};
-      for (int64_t c = g * group; c < last; ++c) {
+      for (uint32_t m = 0; m < span.count; ++m) {
+        const int64_t c = span.chunk(m);
         const int64_t len = chunk_len(nbytes, chunk_bytes, c);
         for (int k = 0; k < 4; ++k) w[k] ^= word_at(data + c * chunk_bytes, len, 4 * col + k);
       }
@@ -100,9 +105,11 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t words = t.chunk_bytes / 4;
   for (int64_t k = blockIdx.x; k < count; k += gridDim.x) {
     const int64_t c = list[k];  // block-uniform
+    const int64_t g = c >= 0 && c < chunks ? group_of(chunks, t.group, c) : -1;
     bool conflict = false;
-    for (int64_t j = 0; j < count && c >= 0; ++j) {
-      conflict |= j != k && list[j] >= 0 && list[j] / t.group == c / t.group;
+    for (int64_t j = 0; j < count && g >= 0; ++j) {
+      conflict |=
+          j != k && list[j] >= 0 && list[j] < chunks && group_of(chunks, t.group, list[j]) == g;
     }
     int32_t result;
     if (c < 0) {
@@ -112,12 +119,13 @@ __global__ void __launch_bounds__(kThreads)
     } else if (conflict) {
       result = kGroupConflict;
     } else {
-      const int64_t g = c / t.group, last = min(chunks, (g + 1) * t.group);
+      const GroupSpan span = group_span(chunks, t.group, g);
       const int64_t len = chunk_len(t.nbytes, t.chunk_bytes, c);
       uint8_t* to = t.data + c * t.chunk_bytes;
       for (int64_t w = threadIdx.x; w < words; w += blockDim.x) {
         uint32_t acc = rows[g * words + w];
-        for (int64_t j = g * t.group; j < last; ++j) {
+        for (uint32_t m = 0; m < span.count; ++m) {
+          const int64_t j = span.chunk(m);
           if (j != c)
             acc ^= word_at(t.data + j * t.chunk_bytes, chunk_len(t.nbytes, t.chunk_bytes, j), w);
         }

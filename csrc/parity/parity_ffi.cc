@@ -33,8 +33,17 @@ ffi::Error check_rows(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuf
                       int64_t chunk_bytes, int64_t group) {
   PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_chunk_bytes(op, chunk_bytes));
   if (auto elem = ffi_util::protected_elem(op, x); elem.has_error()) return elem.error();
-  if (group < 1) return invalid(op, "group must be at least 1, got " + std::to_string(group));
-  const int64_t groups = num_groups(static_cast<int64_t>(x.size_bytes()), chunk_bytes, group);
+  if (group < 1 || group > kMaxGroup) {
+    return invalid(op, "group must be 1 to " + std::to_string(kMaxGroup) + ", got " +
+                           std::to_string(group));
+  }
+  const int64_t nbytes = static_cast<int64_t>(x.size_bytes());
+  if ((nbytes + chunk_bytes - 1) / chunk_bytes > kMaxChunks) {
+    return invalid(op, "a tensor of " + std::to_string(nbytes) + " bytes has more than " +
+                           std::to_string(kMaxChunks) + " chunks of " +
+                           std::to_string(chunk_bytes) + " bytes: use larger chunks");
+  }
+  const int64_t groups = num_groups(nbytes, chunk_bytes, group);
   auto dims = rows.dimensions();
   if (rows.element_type() != ffi::DataType::U32 || dims.size() != 2 || dims[0] != groups ||
       dims[1] != chunk_bytes / 4) {

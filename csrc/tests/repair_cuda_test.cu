@@ -101,6 +101,56 @@ TEST(ParityCuda, RowsMatchCpu) {
   }
 }
 
+// Rebuilds from parity on the GPU against the CPU: a burst over neighbouring chunks (each in a
+// group of its own), two chunks of one group (a conflict), a chunk whose group holds a second
+// damaged chunk that is not listed, the short last chunk, entries not listed and out of range.
+TEST(ParityCuda, RebuildMatchesCpu) {
+  PIMHBM_SKIP_WITHOUT_GPU();
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  for (int64_t group : {int64_t{1}, int64_t{3}, int64_t{16}}) {
+    for (int64_t len : {int64_t{100003}, int64_t{4096 * 64 + 7}}) {
+      const int64_t chunk = 64, n = num_chunks(len, chunk);
+      auto bytes = random_bytes(rng, len);
+      const auto table = testing::digest_table(bytes, chunk);
+      std::vector<uint32_t> rows(parity::num_groups(len, chunk, group) * chunk / 4);
+      parity::parity_cpu(bytes.data(), len, chunk, group, rows.data());
+      const int64_t burst = static_cast<int64_t>(rng() % (len - 200));
+      for (int64_t b = burst; b < burst + 150; ++b) bytes[b] ^= 1 + rng() % 255;
+      std::vector<int32_t> list;
+      for (int64_t c = burst / chunk; c <= (burst + 149) / chunk; ++c) list.push_back(int32_t(c));
+      const int64_t a = static_cast<int64_t>(rng() % n);  // a and another chunk of its group
+      const parity::GroupSpan s = parity::group_span(n, group, parity::group_of(n, group, a));
+      const int64_t other = s.chunk(0) != a ? s.chunk(0) : s.chunk(s.count - 1);
+      bytes[a * chunk] ^= 0x11;
+      bytes[other * chunk + 1] ^= 0x22;
+      list.push_back(int32_t(a));
+      if (other != a && rng() % 2 == 0) list.push_back(int32_t(other));  // else not listed
+      bytes[len - 1] ^= 0x80;
+      list.insert(list.end(), {int32_t(n - 1), -1, int32_t(n + 3)});
+      const int64_t k = static_cast<int64_t>(list.size());
+      auto cpu = bytes;
+      std::vector<int32_t> cpu_status(k);
+      parity::rebuild_cpu({cpu.data(), len, chunk, group, table.data()}, rows.data(), list.data(),
+                          k, cpu_status.data());
+      DeviceBuffer<uint8_t> d_bytes(len);
+      DeviceBuffer<uint32_t> d_table(table.size()), d_rows(rows.size());
+      DeviceBuffer<int32_t> d_list(k), d_status(k);
+      PIMHBM_ASSERT_CUDA(d_bytes.upload(bytes));
+      PIMHBM_ASSERT_CUDA(d_table.upload(table));
+      PIMHBM_ASSERT_CUDA(d_rows.upload(rows));
+      PIMHBM_ASSERT_CUDA(d_list.upload(list));
+      PIMHBM_ASSERT_CUDA(d_status.poison(0x5A));
+      PIMHBM_ASSERT_CUDA(parity::rebuild_cuda({d_bytes.get(), len, chunk, group, d_table.get()},
+                                              d_rows.get(), d_list.get(), k, d_status.get(),
+                                              nullptr));
+      PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
+      EXPECT_EQ(down(d_status), cpu_status) << len << " " << group;
+      EXPECT_EQ(down(d_bytes), cpu) << len << " " << group;
+    }
+  }
+}
+
 // Packed rows (chunks received from a replica, entry k at row k, a ragged last chunk, some rows
 // damaged in transit): the kernel against the CPU reference.
 TEST(RepairCuda, PackedMatchesCpu) {

@@ -16,7 +16,8 @@
 // * An element whose new values are not all finite (a learning rate or eps that makes the
 //   update divide by zero or overflow) keeps its old values; the chunk counts it (`kept`).
 //
-// Parity: the rows of each tensor of a leaf (parity.h: the XOR of `group` consecutive chunks).
+// Parity: the rows of each tensor of a leaf (parity.h: the XOR of up to `group` chunks, which
+// parity/groups.h deals so that neighbouring chunks sit in different groups).
 // Where every chunk of a group commits, its rows are written anew as the XOR of the new chunks:
 // the old rows are not read, and a row damaged since the last step is whole again. Where a
 // chunk of the group is left unwritten (damaged), its correct bytes exist only in the old rows,

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <vector>
 
+#include "parity/groups.h"
 #include "scan/scan.h"
 #include "update/inplace.h"
 #include "update/inplace_math.h"
@@ -110,17 +111,23 @@ void fold_parity(const InPlaceLeaf& L, int64_t grp, const std::vector<std::vecto
   }
 }
 
+// The chunks of group `grp` (each chunk its own group without parity).
+parity::GroupSpan members(const InPlaceLeaf& L, int64_t grp) {
+  if (L.group == 0) return {static_cast<uint32_t>(grp), 1, 1};
+  return parity::group_span(inplace_chunks(L), L.group, grp);
+}
+
 // The parity rows of group `grp` made anew: the XOR of its chunks as they now are (whatever the
 // rows held before, damage included, is gone).
 void fresh_parity(const InPlaceLeaf& L, int64_t grp) {
-  const int64_t first = grp * L.group * L.chunk_elems;
-  const int64_t end = std::min(L.n, first + L.group * L.chunk_elems);
+  const parity::GroupSpan span = members(L, grp);
   for (const TensorView& t : tensors_of(L)) {
     auto* row = reinterpret_cast<uint8_t*>(t.rows) + grp * L.chunk_elems * t.size;
     std::fill(row, row + L.chunk_elems * t.size, uint8_t{0});
-    for (int64_t i = first; i < end; ++i) {
-      const int64_t at = (i - first) % L.chunk_elems * t.size;
-      for (int b = 0; b < t.size; ++b) row[at + b] ^= t.data[i * t.size + b];
+    for (uint32_t m = 0; m < span.count; ++m) {
+      const int64_t first = span.chunk(m) * L.chunk_elems;
+      const int64_t end = std::min(L.n, first + L.chunk_elems);
+      for (int64_t b = 0; b < (end - first) * t.size; ++b) row[b] ^= t.data[first * t.size + b];
     }
   }
 }
@@ -180,11 +187,12 @@ void inplace_cpu(const InPlaceLeaf* leaves, size_t count, const AdamWHyper& hype
     const InPlaceLeaf& L = leaves[i];
     clear_reports(L);
     if (*go == 0) continue;
-    const int64_t chunks = inplace_chunks(L), per = L.group > 0 ? L.group : 1;
     for (int64_t grp = 0; grp < inplace_groups(L); ++grp) {
       std::vector<std::vector<uint8_t>> acc = zero_rows(L);
       bool left = false;  // a chunk of the group was not written
-      for (int64_t c = grp * per; c < std::min(chunks, (grp + 1) * per); ++c) {
+      const parity::GroupSpan span = members(L, grp);
+      for (uint32_t m = 0; m < span.count; ++m) {
+        const int64_t c = span.chunk(m);
         const int size = L.param_bf16 ? 2 : 4;
         const void* g = static_cast<const uint8_t*>(L.g) + c * L.chunk_elems * size;
         const ChunkResult r = update_chunk(L, c, g, hyper, s, L.group > 0 ? &acc : nullptr);
@@ -212,12 +220,13 @@ void redo_cpu(const InPlaceLeaf* leaves, size_t count, const AdamWHyper& hyper, 
     const InPlaceLeaf* L = nullptr;
     for (size_t i = 0; i < count; ++i) L = leaves[i].index == leaf ? &leaves[i] : L;
     if (L == nullptr || c < 0 || c >= inplace_chunks(*L)) continue;  // unused or foreign rows
-    const int64_t per = L->group > 0 ? L->group : 1;
     std::vector<std::vector<uint8_t>> acc = zero_rows(*L);
     const ChunkResult r = update_chunk(*L, c, stash.rows + k * L->chunk_elems, hyper, s,
                                        L->group > 0 ? &acc : nullptr);
     record(*L, c, r, totals);
-    if (r.faults == 0 && L->group > 0) fold_parity(*L, c / per, acc);
+    if (r.faults == 0 && L->group > 0) {
+      fold_parity(*L, parity::group_of(inplace_chunks(*L), L->group, c), acc);
+    }
   }
 }
 

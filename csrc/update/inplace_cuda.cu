@@ -1,4 +1,5 @@
-// The in-place update on the GPU (inplace.h): one warp per parity group, its chunks in order.
+// The in-place update on the GPU (inplace.h): one warp per parity group, its chunks in order
+// (parity/groups.h says which they are).
 //
 // A lane holds its part of a chunk in registers -- groups gi = lane + 32 j (j < kG) of four
 // elements of every tensor, 4 kG elements a lane, chunks of 128 kG elements -- so the warp sums
@@ -15,6 +16,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "parity/groups.h"
 #include "pimhbm/cuda_check.h"
 #include "pimhbm/digest.h"
 #include "pimhbm/word_muls.cuh"
@@ -494,6 +496,13 @@ __device__ void stash_chunk(const InPlaceLeaf& L, int64_t c, int32_t faults,
   }
 }
 
+// The chunks of group `grp` (each chunk its own group without parity).
+template <bool kParity>
+__device__ __forceinline__ parity::GroupSpan members(const InPlaceLeaf& L, int64_t grp) {
+  if constexpr (kParity) return parity::group_span(inplace_chunks(L), L.group, grp);
+  return {static_cast<uint32_t>(grp), 1, 1};
+}
+
 __device__ __forceinline__ int leaf_of(const Table& T, int64_t gg) {
   int i = 0;
   while (i + 1 < T.count && gg >= T.first_group[i + 1]) ++i;
@@ -528,15 +537,18 @@ __global__ void __launch_bounds__(32 * kWarps, min_blocks<kParity, kG, kWhole>()
     const int i = leaf_of(T, gg);
     const InPlaceLeaf& L = T.leaf[i];
     const int64_t grp = T.group0[i] + gg - T.first_group[i];
-    const int64_t per = kParity ? L.group : 1;
-    const int64_t last = min(inplace_chunks(L), (grp + 1) * per);
+    const parity::GroupSpan span = members<kParity>(L, grp);
     if (skipped) {
-      for (int64_t c = grp * per + lane_id(); c < last; c += 32) L.faults[c] = L.kept[c] = 0;
+      for (uint32_t m = lane_id(); m < span.count; m += 32) {
+        const int64_t c = span.chunk(m);
+        L.faults[c] = L.kept[c] = 0;
+      }
       continue;
     }
     if constexpr (kParity) zero_acc<kG>(acc);
     bool left = false;  // a chunk of the group was not written (warp-uniform)
-    for (int64_t c = grp * per; c < last; ++c) {
+    for (uint32_t m = 0; m < span.count; ++m) {
+      const int64_t c = span.chunk(m);
       Part<kG, kBF16> x;
       const void* g = static_cast<const uint8_t*>(L.g) + c * L.chunk_elems * (kBF16 ? 2 : 4);
       const ChunkVerdict v =
@@ -569,9 +581,13 @@ __global__ void __launch_bounds__(32 * kWarps)
     for (int j = 0; j < T.count; ++j) i = T.leaf[j].index == at(k, 0) ? j : i;
     if (i < 0 || at(k, 1) < 0 || at(k, 1) >= inplace_chunks(T.leaf[i])) continue;
     const InPlaceLeaf& L = T.leaf[i];
-    const int64_t per = kParity ? L.group : 1;
+    const int64_t chunks = inplace_chunks(L);
+    const auto group_of = [&](int64_t c) {
+      return kParity ? parity::group_of(chunks, L.group, c) : c;
+    };
     const auto same_group = [&](int64_t j) {
-      return at(j, 0) == at(k, 0) && at(j, 1) >= 0 && at(j, 1) / per == at(k, 1) / per;
+      return at(j, 0) == at(k, 0) && at(j, 1) >= 0 && at(j, 1) < chunks &&
+             group_of(at(j, 1)) == group_of(at(k, 1));
     };
     bool first = true;
     for (int64_t j = 0; j < k; ++j) first &= !same_group(j);
@@ -585,7 +601,7 @@ __global__ void __launch_bounds__(32 * kWarps)
           L, c, stash.rows + j * L.chunk_elems, h, s, acc, muls, x);
       record(L, c, v, totals);
       if constexpr (kParity) {
-        if (v.faults == 0) write_parity<kBF16, kMaster, kG>(L, c / per, acc, true);
+        if (v.faults == 0) write_parity<kBF16, kMaster, kG>(L, group_of(c), acc, true);
       }
     }
   }

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "parity/groups.h"
 #include "pimhbm/ffi_util.h"
 
 namespace pimhbm::update {
@@ -39,7 +40,11 @@ struct Options {
 ffi::Error check_rows(const Options& o, const char* name, const ffi::AnyBuffer& rows, int64_t n,
                       int size, bool present) {
   const int64_t chunks = n == 0 ? 0 : (n + o.chunk_elems - 1) / o.chunk_elems;
-  const int64_t groups = present && o.group > 0 ? (chunks + o.group - 1) / o.group : 0;
+  if (chunks > parity::kMaxChunks) {
+    return invalid(o.op, std::string(name) + " has " + std::to_string(chunks) +
+                             " chunks, more than " + std::to_string(parity::kMaxChunks));
+  }
+  const int64_t groups = present && o.group > 0 ? parity::groups_of_chunks(chunks, o.group) : 0;
   const int64_t words = o.chunk_elems * size / 4;
   auto dims = rows.dimensions();
   const bool ok = rows.element_type() == ffi::DataType::U32 &&
@@ -151,8 +156,10 @@ ffi::ErrorOr<int64_t> check_stash(const Options& o, const ffi::AnyBuffer& rows,
 
 ffi::Error check_options(const Options& o) {
   PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_chunk_size(o.op, "chunk_elems", o.chunk_elems));
-  if (o.group < 0)
-    return invalid(o.op, "group must be 0 (no parity) or more, got " + std::to_string(o.group));
+  if (o.group < 0 || o.group > parity::kMaxGroup) {
+    return invalid(o.op, "group must be 0 (no parity) to " + std::to_string(parity::kMaxGroup) +
+                             ", got " + std::to_string(o.group));
+  }
   if (!inplace_chunk_ok(o.chunk_elems)) {
     return invalid(o.op, "chunk_elems must be 128, 256 or 512 (a warp holds a chunk), got " +
                              std::to_string(o.chunk_elems));

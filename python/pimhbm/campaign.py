@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from pimhbm import faults
+from pimhbm import faults, parity
 from pimhbm.recovery.events import Action, IncidentKind
 
 # Repairs that rewrite a damaged chunk whole (from a copy, its parity group or a replica).
@@ -128,9 +128,12 @@ class Campaign:
     def _partner(self, chunk: int, n: int) -> int:
         """Another chunk of ``chunk``'s parity group (the next one, else the one before); the
         chunk itself where its group holds no other."""
-        first, count = chunk - chunk % self.group, -(-n // self.chunk_elems)
-        after = chunk + 1 if chunk + 1 < min(first + self.group, count) else chunk - 1
-        return after if after >= first else chunk
+        groups = parity.chunk_groups(-(-n // self.chunk_elems), self.group)
+        members = np.flatnonzero(groups == groups[chunk])
+        at = int(np.searchsorted(members, chunk))
+        if at + 1 < len(members):
+            return int(members[at + 1])
+        return int(members[at - 1]) if at > 0 else chunk
 
     def _one_device(self) -> int:
         """A device of the faulty replica (its position in the mesh, row-major)."""

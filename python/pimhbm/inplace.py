@@ -4,7 +4,8 @@
 that is held once -- parameters (bf16 or fp32), optional fp32 master weights (stored split: the
 bf16 parameter is their upper half, a uint16 tensor the rest, see ``pimhbm.update``), fp32
 moments, a digest table per tensor -- plus, unless the redundancy comes from data-parallel
-replicas, the parity of every group of ``group`` chunks of every tensor (1/group of the state).
+replicas, the parity of every group of up to ``group`` chunks of every tensor (about 1/group of
+the state; neighbouring chunks in different groups: pimhbm.parity).
 
 A step may be cancelled only by what is known before the first write. So ``update`` first checks,
 in passes that read only the gradients and the parameters (4 bytes a bf16 parameter): every
@@ -394,8 +395,9 @@ def _check_hyper(o: AdamW) -> None:
     if o.chunk_elems not in sizes:
         raise ValueError(f"chunk_elems must be one of {sizes} (a warp holds a chunk), got "
                          f"{o.chunk_elems}")
-    if o.group < 0:
-        raise ValueError(f"group must be 0 (no parity: replicas are the redundancy) or more, got {o.group}")
+    if not 0 <= o.group <= parity.MAX_GROUP:
+        raise ValueError(f"group must be 0 (no parity: replicas are the redundancy) to "
+                         f"{parity.MAX_GROUP}, got {o.group}")
     if o.stash_capacity < 0:
         raise ValueError(f"stash_capacity must be 0 or more, got {o.stash_capacity}")
 

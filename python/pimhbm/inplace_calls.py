@@ -1,7 +1,7 @@
 """The in-place update's FFI calls, laid out by the handlers' own tables, and how each runs per
 shard under plain ``jax.jit`` (``pimhbm.sharding``).
 
-Per shard: a leaf sharded on its first dimension, in whole parity groups, is updated by each
+Per shard: a leaf sharded on its first dimension, in whole parity blocks, is updated by each
 device on its own shards, its digests keyed by the chunks' indices in the whole tensor; other
 leaves are updated whole on every device. The verdict's counts and the stash are the whole
 call's: each device's counts are summed over the leaf's mesh axes, and the stashes of the

@@ -1,9 +1,16 @@
 """Parity over groups of chunks: one damaged chunk of a group rebuilt in place from the others.
 
 A tensor's bytes are cut into chunks of ``chunk_bytes`` (as its digests are) and the chunks into
-groups of ``group`` consecutive chunks; a group's parity row is the XOR of its chunks (each
-zero-padded to ``chunk_bytes``), stored as uint32 words: (groups, chunk_bytes // 4). A tensor's
-parity costs 1/group of its bytes. See csrc/parity/parity.h.
+groups of at most ``group`` chunks; a group's parity row is the XOR of its chunks (each
+zero-padded to ``chunk_bytes``), stored as uint32 words: (groups, chunk_bytes // 4), with
+ceil(chunks / group) groups. A tensor's parity costs about 1/group of its bytes.
+
+Neighbouring chunks sit in different groups, so that a burst of damage over a few consecutive
+chunks (a failed DRAM row) is rebuilt in place, one chunk from each group: chunks are taken in
+blocks of group x group, and a block's chunks are dealt round-robin to its groups (``group`` of
+them; ceil(n / group) in a short last block of n chunks), counted from the block's end so that
+the tensor's last chunk is last in the last group. :func:`chunk_groups` gives the deal; see
+csrc/parity/groups.h and parity.h.
 """
 
 from __future__ import annotations
@@ -26,10 +33,26 @@ def num_groups(x: jax.Array, chunk_bytes: int, group: int) -> int:
     return -(-num_chunks(x, chunk_bytes) // group)
 
 
+MAX_GROUP = 1 << 15  # csrc/parity/groups.h's kMaxGroup
+
+
 def _check_group(group: int) -> int:
-    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 1:
-        raise ValueError(f"group must be a positive int, got {group!r}")
+    if (isinstance(group, bool) or not isinstance(group, (int, np.integer))
+            or not 1 <= group <= MAX_GROUP):
+        raise ValueError(f"group must be an int from 1 to {MAX_GROUP}, got {group!r}")
     return int(group)
+
+
+def chunk_groups(chunks: int, group: int) -> np.ndarray:
+    """The parity group of each of a tensor's ``chunks`` chunks (int32), as the kernels deal
+    them (module docstring)."""
+    group = _check_group(group)
+    c = np.arange(chunks, dtype=np.int64)
+    block = group * group
+    first = c // block * block
+    n = np.minimum(block, chunks - first)  # chunks in c's block
+    groups = -(-n // group)  # groups in c's block
+    return (c // block * group + groups - 1 - (n - 1 - (c - first)) % groups).astype(np.int32)
 
 
 def parity(x: jax.Array, chunk_bytes: int, group: int) -> jax.Array:
@@ -45,7 +68,7 @@ def parity(x: jax.Array, chunk_bytes: int, group: int) -> jax.Array:
                                  vmap_method="sequential")(
             x, chunk_bytes=np.int64(chunk_bytes), group=np.int64(group)),)
 
-    # A shard of whole groups has the whole tensor's rows of them: the XOR needs no index.
+    # A shard of whole blocks has the whole tensor's rows of its groups: the XOR needs no index.
     leaves = [Leaf(tuple(x.shape), chunk_bytes // x.dtype.itemsize, group)]
     op = partitioned(call, lambda plan, x: call(x), leaves, [Arg(Role.ELEMS, 0)],
                      [Arg(Role.GROUPS, 0)])

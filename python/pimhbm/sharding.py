@@ -3,7 +3,8 @@ first dimension (``NamedSharding(mesh, P(axes, None, ...))``), each device runs 
 own shards -- no all-gather of the state -- and the outputs keep the inputs' sharding.
 
 A leaf's chunks are cut from its whole tensor (row-major), so a shard whose rows hold a whole
-number of chunks (and of parity groups, where the op keeps parity) is a contiguous run of them:
+number of chunks (and of parity blocks, group x group chunks, where the op keeps parity: a run
+of whole blocks holds a run of whole groups, pimhbm.parity) is a contiguous run of them:
 its device computes their digests with the chunks' indices in the whole tensor (the
 ``chunk_base`` operand of the ops), and every result equals the unsharded op's bit for bit.
 A leaf whose shards do not fall on those boundaries, or that is sharded on another dimension,
@@ -45,12 +46,17 @@ WHOLE = Arg(Role.WHOLE)
 
 
 class Leaf(NamedTuple):
-    """What the rules need of a leaf: its shape, its chunk, and the chunks a shard must hold a
-    multiple of (the parity group where the op keeps parity, else 1)."""
+    """What the rules need of a leaf: its shape, its chunk, and its parity group (chunks a
+    group holds; 1 where the op keeps no parity)."""
 
     shape: tuple[int, ...]
     chunk_elems: int
-    unit_chunks: int = 1
+    group: int = 1
+
+    @property
+    def unit_chunks(self) -> int:
+        """Chunks a shard must hold a multiple of: a parity block (pimhbm.parity)."""
+        return self.group * self.group
 
     @property
     def rows_per_unit(self) -> int:
@@ -153,7 +159,7 @@ class _Rule:
         elems = leaf.rows_per_unit * math.prod(leaf.shape[1:])  # of one run of units
         per_unit = {Role.ELEMS: leaf.rows_per_unit,
                     Role.CHUNKS: elems // leaf.chunk_elems,
-                    Role.GROUPS: elems // (leaf.chunk_elems * leaf.unit_chunks)}[arg.role]
+                    Role.GROUPS: elems // (leaf.chunk_elems * leaf.group)}[arg.role]
         factor = f"l{arg.leaf}"
         self.sizes[factor] = leaf.units
         first = factor

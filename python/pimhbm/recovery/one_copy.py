@@ -158,9 +158,10 @@ class OneCopy(Traced):
         if into_copy:
             opt, remade = self._remade_parity(state.opt)
             status = [jnp.zeros(c.shape, jnp.int32) if r.shape[0] == 0 else
-                      jnp.where((c >= 0) & jnp.take(r, c // self.opt.group, mode="clip"),
+                      jnp.where((c >= 0) & jnp.take(r, jnp.take(groups, c, mode="clip"),
+                                                    mode="clip"),
                                 REPAIRED, jnp.where(c >= 0, STILL_DAMAGED, NOT_LISTED))
-                      for r, c in zip(remade, lists.reshape(-1, lists.shape[-1]))]
+                      for (r, groups), c in zip(remade, lists.reshape(-1, lists.shape[-1]))]
             return state._replace(opt=opt), self.placement.per_device(
                 jnp.stack(status).reshape(lists.shape).astype(jnp.int32))
         opt = state.opt
@@ -204,30 +205,34 @@ class OneCopy(Traced):
                     acc |= verify(x, table, cb).astype(jnp.int32) * int(Damage.of(k))
                 if rows is not None and n:
                     stale = self._stale_groups(x, rows[i][k], cb)
-                    marks = jnp.repeat(stale, self.opt.group)[:n]
+                    marks = stale[self._groups(n)]  # each chunk marked as its group
                     acc |= marks.astype(jnp.int32) * int(Damage.of(k, in_copy=True))
             maps.append(acc)
         return self.placement.per_device(ScrubSummary(fault_list(maps, self.fault_capacity)))
+
+    def _groups(self, chunks: int) -> jax.Array:
+        """The parity group of each of a tensor's chunks (int32, a constant)."""
+        return jnp.asarray(parity.chunk_groups(chunks, self.opt.group))
 
     def _stale_groups(self, x: jax.Array, rows: jax.Array, chunk_bytes: int) -> jax.Array:
         """bool per group: its parity row is not the XOR of its chunks."""
         return jnp.any(parity.parity(x, chunk_bytes, self.opt.group) != rows, axis=1)
 
-    def _remade_parity(self, opt: AdamWState) -> tuple[AdamWState, list[jax.Array]]:
+    def _remade_parity(self, opt: AdamWState
+                       ) -> tuple[AdamWState, list[tuple[jax.Array, jax.Array]]]:
         """The parity made anew from the state, except in a group with a chunk that fails its
         digest (its row is what rebuilds that chunk: the next step will); per leaf and tensor,
-        bool per group: remade."""
+        bool per group (remade) and the group of each chunk."""
         remade, rows, out = [], self.treedef.flatten_up_to(opt.parity), []
-        group = self.opt.group
         for i, leaf in enumerate(self.tensors(opt)):
             new = {}
             for k, (x, table) in leaf.items():
                 cb, old = self.layout.chunk_bytes(k, i), rows[i][k]
-                bad, groups = verify(x, table, cb), old.shape[0]
-                damaged = jnp.pad(bad, (0, groups * group - bad.shape[0])).reshape(
-                    groups, group).any(axis=1)
-                new[k] = jnp.where(damaged[:, None], old, parity.parity(x, cb, group))
-                remade.append(~damaged)
+                bad, groups = verify(x, table, cb), self._groups(table.shape[0])
+                damaged = jnp.zeros((old.shape[0],), jnp.int32).at[groups].max(
+                    bad.astype(jnp.int32)) > 0
+                new[k] = jnp.where(damaged[:, None], old, parity.parity(x, cb, self.opt.group))
+                remade.append((~damaged, groups))
             out.append(new)
         return opt._replace(parity=jax.tree.unflatten(self.treedef, out)), remade
 
