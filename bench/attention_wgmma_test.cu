@@ -22,6 +22,7 @@ namespace {
 using testing::DeviceBuffer;
 using testing::random_bf16;
 using testing::relative_error;
+using testing::where_wrong;
 
 struct Out {
   std::vector<uint16_t> o;
@@ -71,10 +72,13 @@ TEST_P(WgmmaForward, MatchesCpuAndLibraryAndRepeats) {
   forward_cpu(Forward{s, q.data(), k.data(), v.data(), want.o.data(), want.lse.data()});
   Out got, again, library;
   ASSERT_NO_FATAL_FAILURE(run(kernel, s, q, k, v, &got));
-  EXPECT_LE(relative_error(got.o, want.o), 2e-2);
-  EXPECT_LE(relative_error(got.lse, want.lse), 1e-3);
+  const auto o_at = testing::bthd(s.seq, s.heads, s.head_dim);
+  const auto lse_at = [seq = s.seq](int64_t i) { return testing::Position{i % seq, 0}; };
+  EXPECT_LE(relative_error(got.o, want.o), 2e-2) << where_wrong(got.o, want.o, o_at);
+  EXPECT_LE(relative_error(got.lse, want.lse), 1e-3)
+      << where_wrong(got.lse, want.lse, lse_at, 1e-3);
   ASSERT_NO_FATAL_FAILURE(run(Kernel::kLibrary, s, q, k, v, &library));
-  EXPECT_LE(relative_error(got.o, library.o), 2e-2);
+  EXPECT_LE(relative_error(got.o, library.o), 2e-2) << where_wrong(got.o, library.o, o_at);
   ASSERT_NO_FATAL_FAILURE(run(kernel, s, q, k, v, &again));
   EXPECT_EQ(got.o, again.o);
   EXPECT_EQ(got.lse, again.lse);
@@ -157,8 +161,11 @@ TEST_P(WgmmaBackward, MatchesCpuAndLibraryAndRepeats) {
   for (const auto& [name, g, w, lib] : {std::tuple{"dq", &got.dq, &want.dq, &library.dq},
                                         std::tuple{"dk", &got.dk, &want.dk, &library.dk},
                                         std::tuple{"dv", &got.dv, &want.dv, &library.dv}}) {
-    EXPECT_LE(relative_error(*g, *w), 2e-2) << name << " against the CPU reference";
-    EXPECT_LE(relative_error(*g, *lib), 2e-2) << name << " against the library's kernels";
+    const auto at = testing::bthd(s.seq, name[1] == 'q' ? s.heads : s.kv_heads, s.head_dim);
+    EXPECT_LE(relative_error(*g, *w), 2e-2)
+        << name << " against the CPU reference: " << where_wrong(*g, *w, at);
+    EXPECT_LE(relative_error(*g, *lib), 2e-2)
+        << name << " against the library's kernels: " << where_wrong(*g, *lib, at);
   }
   ASSERT_NO_FATAL_FAILURE(run_backward(true, s, q, k, v, fwd, d_o, &again));
   EXPECT_EQ(got.dq, again.dq);
