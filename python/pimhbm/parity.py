@@ -16,6 +16,7 @@ csrc/parity/groups.h and parity.h.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,16 +44,17 @@ def _check_group(group: int) -> int:
     return int(group)
 
 
-def chunk_groups(chunks: int, group: int) -> np.ndarray:
+def chunk_groups(chunks: int, group: int, xp: Any = np) -> Any:
     """The parity group of each of a tensor's ``chunks`` chunks (int32), as the kernels deal
-    them (module docstring)."""
+    them (module docstring). ``xp``: numpy, or jax.numpy inside a traced function (an iota and
+    a few operations, where numpy's result would be a constant of the program)."""
     group = _check_group(group)
-    c = np.arange(chunks, dtype=np.int64)
+    c = xp.arange(chunks, dtype=xp.int32)
     block = group * group
     first = c // block * block
-    n = np.minimum(block, chunks - first)  # chunks in c's block
+    n = xp.minimum(block, chunks - first)  # chunks in c's block
     groups = -(-n // group)  # groups in c's block
-    return (c // block * group + groups - 1 - (n - 1 - (c - first)) % groups).astype(np.int32)
+    return c // block * group + groups - 1 - (n - 1 - (c - first)) % groups
 
 
 def parity(x: jax.Array, chunk_bytes: int, group: int) -> jax.Array:

@@ -211,8 +211,8 @@ class OneCopy(Traced):
         return self.placement.per_device(ScrubSummary(fault_list(maps, self.fault_capacity)))
 
     def _groups(self, chunks: int) -> jax.Array:
-        """The parity group of each of a tensor's chunks (int32, a constant)."""
-        return jnp.asarray(parity.chunk_groups(chunks, self.opt.group))
+        """The parity group of each of a tensor's chunks (int32)."""
+        return parity.chunk_groups(chunks, self.opt.group, xp=jnp)
 
     def _stale_groups(self, x: jax.Array, rows: jax.Array, chunk_bytes: int) -> jax.Array:
         """bool per group: its parity row is not the XOR of its chunks."""
