@@ -19,8 +19,9 @@ from pimhbm import inplace
 from test_update import random_grads, random_params
 
 LR, WD = 1e-3, 1e-4
-# A few whole parity groups (16 chunks of the default size) and a leaf of one chunk: the defaults' parity
-# is 1/16 of the state; a small leaf pads its chunk and its row.
+# A few whole parity groups (16 chunks of the default size; in one short block, dealt over its
+# groups) and a leaf of one chunk: the defaults' parity is 1/16 of the state; a small leaf pads
+# its chunk and its row.
 SHAPES = ((64, 256), (256,), (256, 64))
 KINDS = ["fp32", "bf16_master_no_parity"]  # one leaves master None, the other parity None
 

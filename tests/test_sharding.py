@@ -1,7 +1,7 @@
 """The FFI ops under plain jax.jit with parameters sharded on their first dimension (4 virtual CPU
 devices): each device works on its own shards -- the compiled program holds no all-gather --
 the outputs keep the inputs' sharding, and every result equals the unsharded one bit for bit;
-a leaf whose shards do not fall on chunk (or parity-group) boundaries is computed whole,
+a leaf whose shards do not fall on chunk (or parity-block) boundaries is computed whole,
 correctly. Positive controls: without the chunk base a shard's digests are not the whole's, and
 a layout that cannot be cut per shard does gather."""
 
@@ -74,7 +74,7 @@ def test_a_shard_off_the_chunk_boundaries_is_scanned_whole(mesh, rng, rows):
 
 
 def test_parity_rows_run_per_shard(mesh, rng):
-    x = jnp.asarray(rng.standard_normal((64, 128)).astype(np.float32))  # 4 groups a shard
+    x = jnp.asarray(rng.standard_normal((64, 128)).astype(np.float32))  # a block a shard
     f = jax.jit(lambda x: parity.parity(x, 512, GROUP))
     got = f(on(mesh, x, "x", None))
     assert got.sharding.spec[0] == "x"
@@ -83,8 +83,8 @@ def test_parity_rows_run_per_shard(mesh, rng):
 
 
 def sharded_params(rng, mesh, dtype):
-    """A matrix in whole groups a shard, a vector too small to shard (replicated), and a matrix
-    sharded off the group boundaries (computed whole)."""
+    """A matrix in whole parity blocks a shard, a vector too small to shard (replicated), and a
+    matrix sharded off the block boundaries (computed whole)."""
     params = {"w": rng.standard_normal((256, 64)), "b": rng.standard_normal((64,)),
               "odd": rng.standard_normal((8, 100))}
     params = {k: jnp.asarray(v.astype(dtype)) for k, v in params.items()}
@@ -118,7 +118,7 @@ def test_the_in_place_update_runs_per_shard_and_equals_the_whole(mesh, rng, kind
     for field in (state.params, state.mu, state.nu):
         assert field["w"].sharding.spec[0] == "x"
     hlo = update.lower(g_placed, state).compile().as_text()
-    # The one leaf off the group boundaries ("odd") is gathered; none of the others is.
+    # The one leaf off the block boundaries ("odd") is gathered; none of the others is.
     gathered = [line for line in hlo.splitlines() if re.search(r"\ball-gather\b", line)]
     assert gathered and all("8,100" in line or "[800]" in line or "8, 100" in line
                             for line in gathered), gathered[:3]
@@ -184,6 +184,8 @@ def test_a_shard_updated_with_its_chunk_base_is_the_wholes_shard(rng, kind):
     g = jnp.asarray(rng.standard_normal((256, 64)).astype(dtype))
     state = opt.init(params)
     rows, chunks = slice(128, 192), slice(128 * 64 // CHUNK, 192 * 64 // CHUNK)
+    block = GROUP * GROUP  # a run of whole blocks holds the run of whole groups below
+    assert chunks.start % block == 0 and chunks.stop % block == 0
     groups = slice(chunks.start // GROUP, chunks.stop // GROUP)
     base = jnp.asarray([chunks.start], jnp.int32)
     tables = state.digests["w"]
@@ -289,6 +291,7 @@ def test_a_chunk_of_a_shard_is_rebuilt_with_its_chunk_base(rng):
     x = jnp.asarray(rng.standard_normal((256, 64)), jnp.float32)
     table, rows = pimhbm.scan(x, chunk_bytes).digests, parity.parity(x, chunk_bytes, GROUP)
     first = 128 * 64 // CHUNK
+    assert first % (GROUP * GROUP) == 0 and 32 % (GROUP * GROUP) == 0  # whole blocks: whole groups
     shard = np.asarray(x[128:192]).copy()
     shard.reshape(-1).view(np.uint32)[5 * CHUNK + 3] ^= np.uint32(1 << 11)
 
