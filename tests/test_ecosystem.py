@@ -245,6 +245,33 @@ def test_damage_the_flax_update_finds_is_repaired_as_if_it_never_was(rng):
     assert bits(optimizers[1].opt_state.get_value()) == bits(optimizers[0].opt_state.get_value())
 
 
+def test_a_damaged_flax_parameter_is_rebuilt_by_repair_and_its_step_replayed(rng):
+    """A bit flipped in a parameter between steps: the update is refused (its gradients read
+    the damage), repair with its report rebuilds the chunk from the parity, and the step run
+    again ends as the run without the flip."""
+    nnx = flax_nnx()
+    import pimhbm.flax
+    seed = int(rng.integers(2**31))
+    models = [mlp(nnx, seed) for _ in range(2)]
+    optimizers = [pimhbm.flax.Optimizer(m, inplace.adamw(LR, weight_decay=WD)) for m in models]
+    step = train_step(nnx)
+    data = batches(rng, 2)
+    for x, y in data:
+        step(models[0], optimizers[0], x, y)
+    step(models[1], optimizers[1], *data[0])
+    kernel = np.asarray(models[1].layers[2].kernel[...]).copy()
+    words = kernel.reshape(-1).view(np.uint32)
+    words[int(rng.integers(words.size))] ^= np.uint32(1 << int(rng.integers(32)))
+    models[1].layers[2].kernel[...] = jnp.asarray(kernel)
+    _, report = step(models[1], optimizers[1], *data[1])
+    assert not bool(report.applied) and int(report.digest_faults) == 1
+    fixed = optimizers[1].repair(models[1], report)
+    assert bool(fixed.complete)
+    step(models[1], optimizers[1], *data[1])  # the refused step, run again
+    assert bits(params_of(nnx, models[1])) == bits(params_of(nnx, models[0]))
+    assert bits(optimizers[1].opt_state.get_value()) == bits(optimizers[0].opt_state.get_value())
+
+
 def test_the_flax_module_example_runs():
     flax_nnx()
     import pimhbm.flax

@@ -212,12 +212,13 @@ def test_a_damaged_chunk_is_rebuilt_from_its_group_and_its_update_redone(rng, ki
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_parameter_damaged_before_the_update_cancels_the_step_and_is_rebuilt(rng, kind):
     """A parameter chunk that fails its digest when the step starts may have reached the
-    gradients: nothing is written; rebuilt from the parity, the step is replayed."""
+    gradients: nothing is written; ``repair`` with the step's report rebuilds it from the
+    parity, and the step is replayed."""
     opt, dtype = make(kind)
     params = random_params(rng, dtype)
     grads = [random_grads(rng, params) for _ in range(3)]
     clean, _ = run(opt, params, grads)
-    update, _ = steps_of(opt)
+    update, repair = steps_of(opt)
     state = opt.init(params)
     state, _ = update(grads[0], state)
     leaf = "t0"
@@ -227,14 +228,39 @@ def test_a_parameter_damaged_before_the_update_cancels_the_step_and_is_rebuilt(r
     assert not bool(report.applied) and int(report.digest_faults) == 1
     assert bits(state) == before  # nothing written, the count unchanged
     chunk = int(np.flatnonzero(np.asarray(report.fault_maps[leaf]))[0])
-    p, status = parity.rebuild(jnp.array([chunk]), state.params[leaf], state.digests[leaf]["p"],
-                               state.parity[leaf]["p"], opt.chunk_bytes("p", dtype), opt.group)
-    assert int(status[0]) == pimhbm.REPAIRED
-    state = state._replace(params={**state.params, leaf: p})
+    state, fixed = repair(state, report)
+    assert bool(fixed.complete)
+    status = np.asarray(fixed.params_rebuilt[leaf])
+    assert status[0] == pimhbm.REPAIRED and not status[1:].any()  # the one chunk, then none
+    assert all(not np.asarray(s).any() for k, s in fixed.params_rebuilt.items() if k != leaf)
+    assert bits(state.params[leaf]) == bits(clean_after_one(opt, params, grads)[leaf]), chunk
     for g in grads[1:]:
         state, report = update(g, state)
         assert bool(report.committed)
     assert bits(state) == bits(clean)
+
+
+def clean_after_one(opt, params, grads):
+    """The parameters after the first update of a run without faults."""
+    state, _ = jax.jit(opt.update)(grads[0], opt.init(params))
+    return state.params
+
+
+def test_more_damaged_parameters_than_repair_lists_is_not_complete(rng):
+    """Parameter chunks past ``stash_capacity`` in one leaf are not rebuilt: ``complete`` says
+    so (the next source: a replica or a checkpoint)."""
+    opt, _ = make("fp32", group=4, stash_capacity=2)
+    ce = opt.chunk_elems
+    params = {"w": jnp.asarray(rng.standard_normal(ce * 64).astype(np.float32))}
+    update, repair = steps_of(opt)
+    state = opt.init(params)
+    for c in (0, 1, 2):  # three neighbours: three groups
+        state = flip(state, "p", "w", c * ce + 5, 7)
+    state, report = update(random_grads(rng, params), state)
+    assert not bool(report.applied) and int(report.digest_faults) == 3
+    state, fixed = repair(state, report)
+    assert not bool(fixed.complete)
+    assert np.asarray(fixed.params_rebuilt["w"]).tolist() == [pimhbm.REPAIRED] * 2
 
 
 def test_two_damaged_chunks_of_one_group_go_to_the_next_source(rng):

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import pimhbm
 from conftest import needs_devices
 from pimhbm import inplace, parity
+from pimhbm.repair import NOT_LISTED
 
 CHUNK, GROUP = 128, 4
 
@@ -251,6 +252,34 @@ def test_a_parameter_damaged_in_a_shard_cancels_the_step_on_every_device(mesh, r
     assert not bool(report.applied) and int(report.digest_faults) == 1
     assert np.flatnonzero(np.asarray(report.fault_maps["w"])).tolist() == [element // CHUNK]
     assert bits(new) == before
+
+
+def test_a_damaged_parameter_is_rebuilt_per_shard_by_repair(mesh, rng):
+    """A parameter bit flipped on the last device's shard: the update is refused, repair with
+    its report rebuilds the chunk on that device (no all-gather), and the state is the whole
+    run's bit for bit."""
+    opt = inplace.adamw(1e-3, master_weights=True, chunk_elems=CHUNK, group=GROUP)
+    params = {"v": jnp.asarray(rng.standard_normal((512, 32)), jnp.bfloat16)}
+    grads = {"v": jnp.asarray(rng.standard_normal((512, 32)), jnp.bfloat16)}
+    update, repair = steps(opt)
+    element = 3 * 128 * 32 + 5 * CHUNK + 1
+
+    def refused(place):
+        state = opt.init({k: place(v) for k, v in params.items()})
+        p = np.asarray(state.params["v"]).copy()
+        p.reshape(-1).view(np.uint16)[element] ^= np.uint16(1 << 6)
+        state = state._replace(params={"v": place(jnp.asarray(p))})
+        return update({k: place(g) for k, g in grads.items()}, state)
+
+    sharded, report = refused(lambda a: on(mesh, a, "x", None))
+    assert not bool(report.applied) and int(report.digest_faults) == 1
+    assert gathers(repair.lower(sharded, report).compile().as_text()) == []
+    sharded, fixed = repair(sharded, report)
+    whole, _ = repair(*refused(lambda a: a))
+    assert bool(fixed.complete)
+    assert np.asarray(fixed.params_rebuilt["v"]).tolist()[:2] == [pimhbm.REPAIRED, NOT_LISTED]
+    assert sharded.params["v"].sharding.spec[0] == "x" and bits(sharded) == bits(whole)
+    assert bits(sharded.params) == bits(opt.init(params).params)
 
 
 def test_the_repair_runs_per_shard_with_no_all_gather(mesh, rng):

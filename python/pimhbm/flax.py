@@ -26,7 +26,9 @@ are added. A full training loop::
 
 A step that does not commit (a NaN gradient, a damaged parameter) leaves the model as it was
 and says so in its report; damage the update itself finds (in the moments, or a parameter hit
-after the backward pass) leaves its chunks to ``optimizer.repair(model, report)``. The
+after the backward pass) leaves its chunks to ``optimizer.repair(model, report)``, and the same
+call rebuilds a parameter the checks before the update found damaged (that step's gradients
+read the damage: run its batch again to replay it). The
 parameters are held once, by the model: the state kept here is the ``AdamWState`` with
 ``params=None``, and each call lends it the model's. So change the parameters only through
 ``update``: others changed no longer match their digests, and every later update is refused
@@ -75,7 +77,8 @@ class Optimizer(nnx.Pytree):
         """One guarded step, writing the model's parameters (in place where the call donates
         them: ``nnx.jit(..., donate_argnums=...)``). ``grads``: as ``nnx.grad`` gives them;
         ``kwargs``: ``AdamW.update``'s (learning_rate, axis_name, gate). Where the report has
-        ``digest_faults`` and ``applied``, call :meth:`repair` with it before the next step."""
+        ``digest_faults``, call :meth:`repair` with it before the next step (and where it was not
+        ``applied``, run the step's batch again after it)."""
         grads = nnx.as_pure(nnx.state(grads, self.wrt))
         new, report = self.opt.update(grads, self._lent(model), **kwargs)
         self._take_back(model, new)
@@ -84,7 +87,8 @@ class Optimizer(nnx.Pytree):
 
     def repair(self, model: Any, report: UpdateReport | LeftChunks) -> RepairReport:
         """The chunks ``report``'s update left (damage it found) rebuilt from the parity and
-        their update redone, as ``AdamW.repair``: the step is then complete."""
+        their update redone, and the parameter chunks a refused update's checks found damaged
+        rebuilt, as ``AdamW.repair``."""
         new, fixed = self.opt.repair(self._lent(model), report)
         self._take_back(model, new)
         return fixed

@@ -39,7 +39,7 @@ from pimhbm._ffi import ensure_registered
 from pimhbm.inplace_calls import (Stash, leaf_operands, prechecks, redo_call, saturated,
                                   update_call)
 from pimhbm.inplace_calls import layout as inplace_layout
-from pimhbm.repair import REPAIRED
+from pimhbm.repair import NOT_LISTED, REPAIRED
 from pimhbm.scan import scan
 from pimhbm.gradients import check_grads, check_transform, transform_grads
 from pimhbm.update import (FAULT_MASTER, FAULT_MU, FAULT_NU, FAULT_PARAM, _check_learning_rate,
@@ -113,11 +113,15 @@ class UpdateReport(NamedTuple):
 
 
 class RepairReport(NamedTuple):
-    """What ``repair`` did with an update's left chunks (this device's)."""
+    """What ``repair`` did with an update's left chunks (this device's), and with the parameter
+    chunks the checks before a refused update found damaged."""
 
     rebuilt: Any  # per leaf int32 (capacity, 4): rebuild status per stash row and tensor
     faults: jax.Array  # int32: redone chunks that still do not verify (to the next source)
-    complete: jax.Array  # bool: every left chunk rebuilt and redone
+    complete: jax.Array  # bool: every left chunk rebuilt and redone, every damaged parameter rebuilt
+    # per leaf int32 (capacity,): rebuild status of each damaged parameter chunk the checks
+    # found before a refused update (NOT_LISTED: none; always so for a LeftChunks argument)
+    params_rebuilt: Any
 
 
 def _tensors(state: AdamWState, treedef) -> list[dict[str, jax.Array]]:
@@ -310,16 +314,25 @@ class AdamW:
     def repair(self, state: AdamWState,
                report: UpdateReport | LeftChunks) -> tuple[AdamWState, RepairReport]:
         """This device's chunks the update left (``report.left``, or the LeftChunks kept from
-        it): the damaged tensors of each rebuilt
-        from the parity, then the chunk updated with its stashed gradient and the step's scalars
-        -- in place,
-        under ``jax.jit`` with the state donated. Does nothing for an empty stash. Needs parity
-        (with replicas, copy the chunks from a healthy replica instead)."""
+        it): the damaged tensors of each rebuilt from the parity, then the chunk updated with its
+        stashed gradient and the step's scalars -- in place, under ``jax.jit`` with the state
+        donated. Given the whole UpdateReport of a refused step, also the parameter chunks its
+        checks found damaged (up to ``stash_capacity`` a leaf) are rebuilt from the parity: that
+        step is not done (its gradients read the damaged parameters), the next one runs on the
+        rebuilt parameters -- recompute the refused step's gradients to replay it. Does nothing
+        where nothing was found. Needs parity (with replicas, copy the chunks from a healthy
+        replica instead)."""
         ensure_registered()
         if state.parity is None:
             raise ValueError("repair rebuilds from parity; this state has none (group=0)")
-        report = report.left if isinstance(report, UpdateReport) else report
         treedef = jax.tree.structure(state.params)
+        if isinstance(report, UpdateReport):
+            state, params_rebuilt, params_whole = self._rebuild_params(state, report, treedef)
+            report = report.left
+        else:
+            params_rebuilt = jax.tree.unflatten(treedef, [
+                jnp.full((self.stash_capacity,), NOT_LISTED, jnp.int32)] * treedef.num_leaves)
+            params_whole = jnp.bool_(True)
         leaves = _tensors(state, treedef)
         tables = treedef.flatten_up_to(state.digests)
         rows = treedef.flatten_up_to(state.parity)
@@ -345,8 +358,47 @@ class AdamW:
         # The redo commits a chunk's step: the count stays (the step was counted when applied).
         new_state = self._state_from(outs, treedef, state.master is not None, True,
                                      state.step_copies)
-        complete = (faults == 0) & (report.stashed <= self.stash_capacity) & ~unrepaired
-        return new_state, RepairReport(jax.tree.unflatten(treedef, statuses), faults, complete)
+        complete = ((faults == 0) & (report.stashed <= self.stash_capacity) & ~unrepaired
+                    & params_whole)
+        return new_state, RepairReport(jax.tree.unflatten(treedef, statuses), faults, complete,
+                                       params_rebuilt)
+
+    def _rebuild_params(self, state: AdamWState, report: UpdateReport, treedef
+                        ) -> tuple[AdamWState, Any, jax.Array]:
+        """The parameter chunks the checks before a refused update found damaged, rebuilt from
+        the parity (``stash_capacity`` of them a leaf at most). Returns the state, the statuses
+        per leaf, and whether every damaged chunk was listed and rebuilt."""
+        params = treedef.flatten_up_to(state.params)
+        tables = treedef.flatten_up_to(state.digests)
+        rows = treedef.flatten_up_to(state.parity)
+        maps = treedef.flatten_up_to(report.fault_maps)
+        new, statuses, whole = [], [], jnp.bool_(True)
+        for p, table, r, m in zip(params, tables, rows, maps):
+            damaged = ~report.applied & (m & FAULT_PARAM != 0)
+            chunks = _first_marked(damaged, self.stash_capacity)
+            p, status = parity.rebuild(chunks, p, table["p"], r["p"],
+                                       self.chunk_bytes("p", p.dtype), self.group)
+            whole &= (jnp.sum(damaged) <= self.stash_capacity) & ~jnp.any(
+                (chunks >= 0) & (status != REPAIRED))
+            new.append(p)
+            statuses.append(status)
+        return (state._replace(params=jax.tree.unflatten(treedef, new)),
+                jax.tree.unflatten(treedef, statuses), whole)
+
+
+def _first_marked(marked: jax.Array, k: int) -> jax.Array:
+    """int32[k]: the indices of the first k true entries of ``marked``, -1 past the last. By k
+    minimum reductions: on a map sharded as its leaf each is a reduction across the devices,
+    where ``jnp.nonzero`` would gather the map (k is small; this runs only in a repair)."""
+    n = marked.shape[0]
+    left = jnp.where(marked, jnp.arange(n, dtype=jnp.int32), n)
+    found = []
+    for _ in range(k):
+        first = jnp.min(left, initial=n)
+        found.append(first)
+        left = jnp.where(left == first, n, left)
+    listed = jnp.stack(found) if found else jnp.zeros((0,), jnp.int32)
+    return jnp.where(listed < n, listed, -1).astype(jnp.int32)
 
 
 def concatenated(maps: list[jax.Array]) -> jax.Array:
