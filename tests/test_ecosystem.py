@@ -216,19 +216,26 @@ def test_parameters_changed_outside_the_flax_optimizer_are_refused(rng):
     assert bool(report.committed) and bits(params_of(nnx, model)) != before
 
 
-def test_damage_the_flax_update_finds_is_repaired_as_if_it_never_was(rng):
-    """A bit flipped in a moment: the update leaves its chunk, repair rebuilds it and redoes
-    its update; the model and the state are then those of the run without the flip."""
-    nnx = flax_nnx()
+def twin_runs(nnx, rng, steps):
+    """Two equal models and optimizers: the first trained on all ``steps`` batches (the run
+    without faults), the second on the first batch only (the run a fault is put into)."""
     import pimhbm.flax
     seed = int(rng.integers(2**31))
     models = [mlp(nnx, seed) for _ in range(2)]
     optimizers = [pimhbm.flax.Optimizer(m, inplace.adamw(LR, weight_decay=WD)) for m in models]
     step = train_step(nnx)
-    data = batches(rng, 3)
+    data = batches(rng, steps)
     for x, y in data:
         step(models[0], optimizers[0], x, y)
     step(models[1], optimizers[1], *data[0])
+    return models, optimizers, step, data
+
+
+def test_damage_the_flax_update_finds_is_repaired_as_if_it_never_was(rng):
+    """A bit flipped in a moment: the update leaves its chunk, repair rebuilds it and redoes
+    its update; the model and the state are then those of the run without the flip."""
+    nnx = flax_nnx()
+    models, optimizers, step, data = twin_runs(nnx, rng, 3)
     held = optimizers[1].opt_state.get_value()
     mu = [np.asarray(m).copy() for m in jax.tree.leaves(held.mu)]
     leaf = int(rng.integers(len(mu)))
@@ -250,15 +257,7 @@ def test_a_damaged_flax_parameter_is_rebuilt_by_repair_and_its_step_replayed(rng
     the damage), repair with its report rebuilds the chunk from the parity, and the step run
     again ends as the run without the flip."""
     nnx = flax_nnx()
-    import pimhbm.flax
-    seed = int(rng.integers(2**31))
-    models = [mlp(nnx, seed) for _ in range(2)]
-    optimizers = [pimhbm.flax.Optimizer(m, inplace.adamw(LR, weight_decay=WD)) for m in models]
-    step = train_step(nnx)
-    data = batches(rng, 2)
-    for x, y in data:
-        step(models[0], optimizers[0], x, y)
-    step(models[1], optimizers[1], *data[0])
+    models, optimizers, step, data = twin_runs(nnx, rng, 2)
     kernel = np.asarray(models[1].layers[2].kernel[...]).copy()
     words = kernel.reshape(-1).view(np.uint32)
     words[int(rng.integers(words.size))] ^= np.uint32(1 << int(rng.integers(32)))
