@@ -27,12 +27,24 @@ enum class WgmmaSchedule {
   kScoresAhead,
 };
 
+// How the tiles sit in shared memory for the products to read them, measured side by side.
+enum class WgmmaLayout {
+  // wgmma's core matrices (8 rows x 16 bytes, 128 contiguous bytes each) as [D / 8][rows][8],
+  // no swizzle.
+  kCoreMatrices,
+  // Rows of 128 bytes as [D / 64][rows][64], the 16-byte pieces of each row permuted by the
+  // row's place in its group of 8 (piece c at c ^ (row % 8)): the 128-byte swizzle of TMA and
+  // CUTLASS, read by the products in whole 128-byte rows.
+  kSwizzled,
+};
+
 // cudaErrorInvalidValue for a head dim the candidate is not built for, cudaErrorNotSupported on
 // a device that is not sm_90.
-cudaError_t forward_wgmma(const Forward& call, WgmmaSchedule schedule, cudaStream_t stream);
+cudaError_t forward_wgmma(const Forward& call, WgmmaSchedule schedule, WgmmaLayout layout,
+                          cudaStream_t stream);
 
 // The backward pass (delta by the library's kernel, then dK/dV and dQ on wgmma): backward_cuda's
 // contract. The same errors as forward_wgmma.
-cudaError_t backward_wgmma(const Backward& call, cudaStream_t stream);
+cudaError_t backward_wgmma(const Backward& call, WgmmaLayout layout, cudaStream_t stream);
 
 }  // namespace pimhbm::attention

@@ -1,5 +1,5 @@
 // The wgmma candidates (attention_wgmma.h: the forward pass in both schedules, the backward
-// pass) against the library's mma.sync kernels (forward_cuda, backward_cuda), side by side in
+// pass, each in both shared-memory layouts) against the library's mma.sync kernels (forward_cuda, backward_cuda), side by side in
 // one run: causal, bf16, Llama-3-8B's grouped heads (32 query heads, 8 kv heads, head dim 128;
 // or 64 / 16 heads of 64), a fixed number of tokens a call split into sequences of 1k to 16k.
 // Rounds take the kernels in turn; each figure is the median of the rounds. TFLOP/s count the
@@ -32,7 +32,10 @@ namespace {
 
 using pimhbm::attention::Forward;
 using pimhbm::attention::Shape;
+using pimhbm::attention::WgmmaLayout;
 using pimhbm::attention::WgmmaSchedule;
+constexpr auto kSerial = WgmmaSchedule::kSerial, kAhead = WgmmaSchedule::kScoresAhead;
+constexpr auto kCore = WgmmaLayout::kCoreMatrices, kSwizzled = WgmmaLayout::kSwizzled;
 
 #define BENCH_CHECK(expr)                                                \
   do {                                                                   \
@@ -180,21 +183,22 @@ void line(const char* pass, const std::vector<Variant>& variants, const Options&
     }
   }
   const auto reference = outputs_of(variants[0], outs);
-  std::printf("  %-8s", pass);
   double base = 0;
   for (size_t i = 0; i < variants.size(); ++i) {
     std::sort(ms[i].begin(), ms[i].end());
     const double median = ms[i][ms[i].size() / 2];
     if (i == 0) base = median;
-    std::printf(" | %-12s %7.3f ms %6.1f TFLOP/s %5.2fx", variants[i].name, median,
+    std::printf("  %-8s %-12s %7.3f ms %6.1f TFLOP/s %5.2fx", pass, variants[i].name, median,
                 flops / (median * 1e-3) / 1e12, median / base);
-    if (i == 0) continue;
-    const auto got = outputs_of(variants[i], outs);
-    for (size_t k = 0; k < outs.size(); ++k) {
-      std::printf(" %s diff %.1e", names[k], pimhbm::testing::relative_error(got[k], reference[k]));
+    if (i > 0) {
+      const auto got = outputs_of(variants[i], outs);
+      for (size_t k = 0; k < outs.size(); ++k) {
+        std::printf(" %s diff %.1e", names[k],
+                    pimhbm::testing::relative_error(got[k], reference[k]));
+      }
     }
+    std::printf("\n");
   }
-  std::printf("\n");
   std::fflush(stdout);
 }
 
@@ -220,13 +224,16 @@ void row(const Options& opt, int64_t seq) {
               static_cast<long long>(s.batch));
   line("forward",
        {{"mma.sync", [&] { return forward_cuda(f, 0); }},
-        {"wgmma serial", [&] { return forward_wgmma(f, WgmmaSchedule::kSerial, 0); }},
-        {"wgmma ahead", [&] { return forward_wgmma(f, WgmmaSchedule::kScoresAhead, 0); }}},
+        {"serial core", [&] { return forward_wgmma(f, kSerial, kCore, 0); }},
+        {"ahead core", [&] { return forward_wgmma(f, kAhead, kCore, 0); }},
+        {"serial swz", [&] { return forward_wgmma(f, kSerial, kSwizzled, 0); }},
+        {"ahead swz", [&] { return forward_wgmma(f, kAhead, kSwizzled, 0); }}},
        opt, flops, {{o.ptr, q_elems}}, {"O"});
   BENCH_CHECK(forward_cuda(f, 0));  // the backward passes start from the library's o and lse
   line("backward",
        {{"mma.sync", [&] { return backward_cuda(g, 0); }},
-        {"wgmma", [&] { return backward_wgmma(g, 0); }}},
+        {"wgmma core", [&] { return backward_wgmma(g, kCore, 0); }},
+        {"wgmma swz", [&] { return backward_wgmma(g, kSwizzled, 0); }}},
        opt, 2.5 * flops, {{dq.ptr, q_elems}, {dk.ptr, kv_elems}, {dv.ptr, kv_elems}},
        {"dQ", "dK", "dV"});
 }

@@ -4,10 +4,15 @@
 // each warp's 16 rows (warp w of the group holds rows 16 w .. 16 w + 15).
 //
 // Shared-memory operands are described by 64-bit descriptors: the start address and two strides
-// between core matrices (8 rows x 16 bytes, 128 contiguous bytes each), no swizzle. The roles of
-// the two strides were measured on the H200 by bench/wgmma_probe_test.cu: for a K-major operand
-// LBO is the step along K and SBO the step along M or N; for an MN-major (transposed) operand,
-// LBO is the step along K and SBO the step along N.
+// between core matrices (8 rows x 16 bytes, 128 contiguous bytes each), with or without the
+// 128-byte swizzle. The roles of the two strides without it were measured on the H200 by
+// bench/wgmma_probe_test.cu: for a K-major operand LBO is the step along K and SBO the step
+// along M or N; for an MN-major (transposed) operand, LBO is the step along K and SBO the step
+// along N. With the swizzle (rows of 128 bytes, groups of 8 rows 1024 bytes, each 1024-byte
+// aligned), after CUTLASS's canonical layouts: K-major, SBO is the step between groups of 8
+// rows along M or N and LBO is not used (a k-step's 32 bytes lie inside a row; the start address
+// moves 32 bytes a step); MN-major, LBO is the step between blocks of 64 columns along N and
+// SBO the step between groups of 8 rows along K.
 //
 // The instructions exist only in sm_90a code: device code for any other target is refused here
 // (built for sm_90, the products would compile to nothing and the kernels run to garbage). Build
@@ -27,6 +32,12 @@ __device__ __forceinline__ uint64_t descriptor(const void* smem, int lbo, int sb
   const uint64_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   return ((addr >> 4) & 0x3FFF) | (static_cast<uint64_t>((lbo >> 4) & 0x3FFF) << 16) |
          (static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32);  // swizzle 0 (bits 62-63)
+}
+
+// The same with the 128-byte swizzle (mode 1 in bits 62-63); base offset 0: the swizzle's
+// 1024-byte groups must be 1024-byte aligned.
+__device__ __forceinline__ uint64_t descriptor_swizzled(const void* smem, int lbo, int sbo) {
+  return descriptor(smem, lbo, sbo) | (uint64_t{1} << 62);
 }
 
 #define PIMHBM_WGMMA_D32                                                              \
