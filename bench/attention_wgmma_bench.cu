@@ -1,11 +1,11 @@
-// The wgmma candidates (attention_wgmma.h: the forward pass in both schedules, the backward
-// pass, each in both shared-memory layouts) against the library's mma.sync kernels (forward_cuda, backward_cuda), side by side in
+// The wgmma kernels (attention_wgmma.h: the forward pass in both schedules, the backward pass)
+// against the mma.sync kernels (forward_cuda, backward_cuda), side by side in
 // one run: causal, bf16, Llama-3-8B's grouped heads (32 query heads, 8 kv heads, head dim 128;
 // or 64 / 16 heads of 64), a fixed number of tokens a call split into sequences of 1k to 16k.
 // Rounds take the kernels in turn; each figure is the median of the rounds. TFLOP/s count the
 // causal products only (forward 4 b t^2 h d / 2, backward 2.5x that, as
 // bench/attention_bench.py counts them). Each line also gives the largest difference of the
-// candidate's output (O; dQ, dK, dV) from the library's, relative to the largest value.
+// wgmma kernel's output (O; dQ, dK, dV) from the mma.sync kernel's, relative to the largest value.
 //
 // usage: attention_wgmma_bench [--tokens 16384] [--seqs 1024,4096,16384] [--head-dim 128]
 //                              [--rounds 7] [--calls 10]
@@ -24,18 +24,16 @@
 #include <vector>
 
 #include "attention/attention.h"
+#include "attention/attention_wgmma.h"
 #include "attention_test_util.h"
-#include "attention_wgmma.h"
 #include "pimhbm/adamw_math.h"
 
 namespace {
 
 using pimhbm::attention::Forward;
 using pimhbm::attention::Shape;
-using pimhbm::attention::WgmmaLayout;
 using pimhbm::attention::WgmmaSchedule;
 constexpr auto kSerial = WgmmaSchedule::kSerial, kAhead = WgmmaSchedule::kScoresAhead;
-constexpr auto kCore = WgmmaLayout::kCoreMatrices, kSwizzled = WgmmaLayout::kSwizzled;
 
 #define BENCH_CHECK(expr)                                                \
   do {                                                                   \
@@ -224,16 +222,13 @@ void row(const Options& opt, int64_t seq) {
               static_cast<long long>(s.batch));
   line("forward",
        {{"mma.sync", [&] { return forward_cuda(f, 0); }},
-        {"serial core", [&] { return forward_wgmma(f, kSerial, kCore, 0); }},
-        {"ahead core", [&] { return forward_wgmma(f, kAhead, kCore, 0); }},
-        {"serial swz", [&] { return forward_wgmma(f, kSerial, kSwizzled, 0); }},
-        {"ahead swz", [&] { return forward_wgmma(f, kAhead, kSwizzled, 0); }}},
+        {"wgmma serial", [&] { return forward_wgmma(f, kSerial, 0); }},
+        {"wgmma ahead", [&] { return forward_wgmma(f, kAhead, 0); }}},
        opt, flops, {{o.ptr, q_elems}}, {"O"});
-  BENCH_CHECK(forward_cuda(f, 0));  // the backward passes start from the library's o and lse
+  BENCH_CHECK(forward_cuda(f, 0));  // the backward passes start from the mma.sync kernel's o, lse
   line("backward",
        {{"mma.sync", [&] { return backward_cuda(g, 0); }},
-        {"wgmma core", [&] { return backward_wgmma(g, kCore, 0); }},
-        {"wgmma swz", [&] { return backward_wgmma(g, kSwizzled, 0); }}},
+        {"wgmma", [&] { return backward_wgmma(g, 0); }}},
        opt, 2.5 * flops, {{dq.ptr, q_elems}, {dk.ptr, kv_elems}, {dv.ptr, kv_elems}},
        {"dQ", "dK", "dV"});
 }

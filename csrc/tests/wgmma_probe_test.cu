@@ -1,6 +1,6 @@
 // Hopper's warpgroup products (wgmma.cuh's wrappers) on the layouts the attention kernels use,
-// checked exactly against a CPU product: the layouts the wgmma attention candidates rely on
-// (bench/attention_wgmma*.cu; bench/NOTES.md, "wgmma groundwork").
+// checked exactly against a CPU product: the layouts the wgmma attention kernels rely on
+// (attention_wgmma_fwd.cu, attention_wgmma_bwd.cu; bench/NOTES.md, "wgmma groundwork").
 //
 // One warpgroup (128 threads) computes D (64 x 64, fp32) = A (64 x 64) * B (64 x 64) in four
 // k-steps of m64n64k16, bf16 operands holding small integers so that every sum is exact:
@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
+#include "attention/wgmma.cuh"
 #include "cuda_test_util.h"
-#include "wgmma.cuh"
 
 namespace {
 

@@ -1,7 +1,7 @@
 // The backward pass on wgmma (attention_wgmma.h): the library's deterministic shape (delta, then
 // dK/dV per key block and dQ per query block, each output written once by one block from sums
 // in a fixed order, no atomics) with every product a warpgroup's wgmma on the two operand
-// shapes the forward candidate uses:
+// shapes the forward kernel uses:
 //   dK/dV, a block of two warpgroups per (128 keys, kv head, batch), each warpgroup 64 keys,
 //   looping over the group's query heads and their 64-query tiles in order:
 //     S^T = K Q^T and dP^T = V dO^T   (both operands in shared memory, K-major)
@@ -10,16 +10,16 @@
 //   looping over 64-key tiles in order:
 //     S = Q K^T and dP = dO V^T       (both operands in shared memory, K-major)
 //     dQ += dS K                      (dS from registers; K MN-major: the same tile as for S)
-// Tiles sit in shared memory in the layout the launch names (WgmmaLayout); rows past the end are
-// zero-filled and never written.
+// Tiles sit in shared memory in wgmma's 128-byte swizzle (attention_wgmma.cuh); rows past the
+// end are zero-filled and never written.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include "attention/attention_device.cuh"
-#include "attention_wgmma.cuh"
-#include "attention_wgmma.h"
+#include "attention/attention_wgmma.cuh"
+#include "attention/attention_wgmma.h"
+#include "attention/wgmma.cuh"
 #include "pimhbm/cuda_check.h"
-#include "wgmma.cuh"
 
 namespace pimhbm::attention::hopper {
 namespace {
@@ -32,26 +32,24 @@ using Scores = float[1][kTile / 8][4];  // a warp's 16 rows x kTile: one row til
 using Operand = uint32_t[1][kTile / 16][4];
 
 // acc (+)= A B^T for a warpgroup's 64 rows of `a` (rows at `a_rows` of a tile of A_ROWS rows)
-// and the kTile rows of `b` (a tile of kTile rows): both K-major, in layout L. Issued, not
-// committed.
-template <int D, int A_ROWS, WgmmaLayout L>
+// and the kTile rows of `b` (a tile of kTile rows): both K-major. Issued, not committed.
+template <int D, int A_ROWS>
 __device__ __forceinline__ void scores(float (&acc)[kTile / 8][4], const uint16_t* a, int a_rows,
                                        const uint16_t* b) {
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {  // 16 columns
-    wgmma::mma_ss<kTile>(acc, k_major<L, A_ROWS>(a, a_rows, ks), k_major<L, kTile>(b, 0, ks),
-                         ks > 0);
+    wgmma::mma_ss<kTile>(acc, k_major<A_ROWS>(a, a_rows, ks), k_major<kTile>(b, 0, ks), ks > 0);
   }
 }
 
-// acc += A B: A (64 x kTile) from registers, B the kTile rows of `b` (layout L) read MN-major.
-// Issued, not committed.
-template <int D, WgmmaLayout L>
+// acc += A B: A (64 x kTile) from registers, B the kTile rows of `b` read MN-major. Issued, not
+// committed.
+template <int D>
 __device__ __forceinline__ void times_rows(float (&acc)[D / 8][4], const Operand& a,
                                            const uint16_t* b) {
 #pragma unroll
   for (int ks = 0; ks < kTile / 16; ++ks) {  // 16 rows of b
-    wgmma::mma_rs<D>(acc, a[0][ks], mn_major<L, kTile>(b, ks), 1);
+    wgmma::mma_rs<D>(acc, a[0][ks], mn_major<kTile>(b, ks), 1);
   }
 }
 
@@ -99,10 +97,10 @@ __device__ __forceinline__ void dq_scores(Scores& s, const Scores& dp, const Dim
   }
 }
 
-template <int D, WgmmaLayout L>
+template <int D>
 __global__ void __launch_bounds__(kThreads, 1) dq_kernel(Args a) {
   extern __shared__ __align__(128) uint16_t smem[];
-  const DqSmem<D> sm{tiles_base<L>(smem)};
+  const DqSmem<D> sm{tiles_base(smem)};
   const Dims& d = a.dims;
   const int group = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
   const int q0 = (tiles(d.seq, kQRows) - 1 - blockIdx.x) * kQRows;  // the longest rows first
@@ -113,11 +111,11 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(Args a) {
   const int64_t kv_base = head_base<D>(b, h / d.group, d.seq, d.kv_heads);
   const int kblocks = tiles(d.causal ? min(d.seq, q0 + kQRows) : d.seq, kTile);
   auto load_kv = [&](int j) {
-    load_tile<L, D, kTile>(sm.k(j), a.k + kv_base, j * kTile, d.seq, kv_stride);
-    load_tile<L, D, kTile>(sm.v(j), a.v + kv_base, j * kTile, d.seq, kv_stride);
+    load_tile<D, kTile>(sm.k(j), a.k + kv_base, j * kTile, d.seq, kv_stride);
+    load_tile<D, kTile>(sm.v(j), a.v + kv_base, j * kTile, d.seq, kv_stride);
   };
-  load_tile<L, D, kQRows>(sm.q(), a.q + q_base, q0, d.seq, q_stride);
-  load_tile<L, D, kQRows>(sm.d_o(), a.d_o + q_base, q0, d.seq, q_stride);
+  load_tile<D, kQRows>(sm.q(), a.q + q_base, q0, d.seq, q_stride);
+  load_tile<D, kQRows>(sm.d_o(), a.d_o + q_base, q0, d.seq, q_stride);
   load_kv(0);
   cp_async_commit();
   // The rows' lse and delta are read while the tiles arrive.
@@ -136,15 +134,15 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(Args a) {
     cp_async_commit();
     Scores s, dp;
     wgmma::begin();
-    scores<D, kQRows, L>(s[0], sm.q(), 64 * group, sm.k(j));
-    scores<D, kQRows, L>(dp[0], sm.d_o(), 64 * group, sm.v(j));
+    scores<D, kQRows>(s[0], sm.q(), 64 * group, sm.k(j));
+    scores<D, kQRows>(dp[0], sm.d_o(), 64 * group, sm.v(j));
     wgmma::commit();
     wait_all<kTile, kTile>(s[0], dp[0]);
     dq_scores(s, dp, d, j * kTile, row0, lse2, delta);
     Operand ds;
     to_operand<1, kTile>(ds, s);
     wgmma::begin();
-    times_rows<D, L>(dq[0], ds, sm.k(j));
+    times_rows<D>(dq[0], ds, sm.k(j));
     wgmma::commit();
     wgmma::wait<0>();
     wgmma::fence_operand<D>(dq[0]);
@@ -201,7 +199,7 @@ struct RowValues {
 
 // The steps of a dK/dV block: the group's query heads in order, each over its query tiles from
 // the first that the block's keys see.
-template <int D, WgmmaLayout L>
+template <int D>
 struct DkvSteps {
   const Args& a;
   const DkvSmem<D>& sm;
@@ -215,8 +213,8 @@ struct DkvSteps {
     const Dims& d = a.dims;
     const int64_t q_base = head_base<D>(b, head(step), d.seq, d.heads);
     const int64_t q_stride = static_cast<int64_t>(d.heads) * D;
-    load_tile<L, D, kTile>(sm.q(step), a.q + q_base, q0(step), d.seq, q_stride);
-    load_tile<L, D, kTile>(sm.d_o(step), a.d_o + q_base, q0(step), d.seq, q_stride);
+    load_tile<D, kTile>(sm.q(step), a.q + q_base, q0(step), d.seq, q_stride);
+    load_tile<D, kTile>(sm.d_o(step), a.d_o + q_base, q0(step), d.seq, q_stride);
   }
 
   // The step's row values for threads below kTile, read from global memory a step before they
@@ -241,7 +239,7 @@ struct DkvSteps {
 
 // One step's products for the warpgroup's 64 keys (the warp's from key0) and query tile q0:
 // S^T and dP^T, then dV += P^T dO (running while dS^T is worked out) and dK += dS^T Q.
-template <int D, WgmmaLayout L>
+template <int D>
 __device__ __forceinline__ void dkdv_turn(const DkvSmem<D>& sm, const Dims& d, int group, int key0,
                                           int q0, int step, float (&dk)[D / 8][4],
                                           float (&dv)[D / 8][4]) {
@@ -249,15 +247,15 @@ __device__ __forceinline__ void dkdv_turn(const DkvSmem<D>& sm, const Dims& d, i
   const float* delta = lse2 + kTile;
   Scores st, dpt;  // S^T and dP^T: the warp's 16 keys x the tile's queries
   wgmma::begin();
-  scores<D, kDkvKeys, L>(st[0], sm.k(), 64 * group, sm.q(step));
-  scores<D, kDkvKeys, L>(dpt[0], sm.v(), 64 * group, sm.d_o(step));
+  scores<D, kDkvKeys>(st[0], sm.k(), 64 * group, sm.q(step));
+  scores<D, kDkvKeys>(dpt[0], sm.v(), 64 * group, sm.d_o(step));
   wgmma::commit();
   wait_all<kTile, kTile>(st[0], dpt[0]);
   probabilities_t(st, d, key0, q0, lse2);
   Operand pt, dst;
   to_operand<1, kTile>(pt, st);
   wgmma::begin();
-  times_rows<D, L>(dv, pt, sm.d_o(step));
+  times_rows<D>(dv, pt, sm.d_o(step));
   wgmma::commit();
 #pragma unroll
   for (int n = 0; n < kTile / 8; ++n) {
@@ -266,15 +264,15 @@ __device__ __forceinline__ void dkdv_turn(const DkvSmem<D>& sm, const Dims& d, i
   }
   to_operand<1, kTile>(dst, st);
   wgmma::begin();
-  times_rows<D, L>(dk, dst, sm.q(step));
+  times_rows<D>(dk, dst, sm.q(step));
   wgmma::commit();
   wait_all<D, D>(dv, dk);
 }
 
-template <int D, WgmmaLayout L>
+template <int D>
 __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(Args a) {
   extern __shared__ __align__(128) uint16_t smem[];
-  const DkvSmem<D> sm{tiles_base<L>(smem)};
+  const DkvSmem<D> sm{tiles_base(smem)};
   const Dims& d = a.dims;
   const int group = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
   const int k0 = blockIdx.x * kDkvKeys, hk = blockIdx.y, b = blockIdx.z;
@@ -282,9 +280,9 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(Args a) {
   const int64_t kv_stride = static_cast<int64_t>(d.kv_heads) * D;
   const int64_t kv_base = head_base<D>(b, hk, d.seq, d.kv_heads);
   const int qb_first = d.causal ? k0 / kTile : 0, qblocks = tiles(d.seq, kTile) - qb_first;
-  const DkvSteps<D, L> steps{a, sm, b, hk, qb_first, qblocks, d.group * qblocks};
-  load_tile<L, D, kDkvKeys>(sm.k(), a.k + kv_base, k0, d.seq, kv_stride);
-  load_tile<L, D, kDkvKeys>(sm.v(), a.v + kv_base, k0, d.seq, kv_stride);
+  const DkvSteps<D> steps{a, sm, b, hk, qb_first, qblocks, d.group * qblocks};
+  load_tile<D, kDkvKeys>(sm.k(), a.k + kv_base, k0, d.seq, kv_stride);
+  load_tile<D, kDkvKeys>(sm.v(), a.v + kv_base, k0, d.seq, kv_stride);
   steps.load_tiles(0);
   cp_async_commit();
   steps.store_rows(0, steps.read_rows(0));
@@ -298,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(Args a) {
       ahead = steps.read_rows(it + 2);
     }
     cp_async_commit();
-    dkdv_turn<D, L>(sm, d, group, key0, steps.q0(it), it, dk[0], dv[0]);
+    dkdv_turn<D>(sm, d, group, key0, steps.q0(it), it, dk[0], dv[0]);
   }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -311,36 +309,30 @@ __global__ void __launch_bounds__(kThreads, 1) dkdv_kernel(Args a) {
 
 // ---- launches -------------------------------------------------------------------------------
 
-template <int D, WgmmaLayout L>
+template <int D>
 cudaError_t backward_d(const Backward& c, cudaStream_t stream) {
   const Args a = backward_args(c);
   const unsigned batch = static_cast<unsigned>(c.shape.batch);
-  PIMHBM_CUDA_RETURN_IF_ERROR(launch(dkdv_kernel<D, L>,
+  PIMHBM_CUDA_RETURN_IF_ERROR(launch(dkdv_kernel<D>,
                                      dim3(tiles(a.dims.seq, kDkvKeys), a.dims.kv_heads, batch),
-                                     kThreads, DkvSmem<D>::bytes() + kSmemSlack<L>, stream, a));
-  return launch(dq_kernel<D, L>, dim3(tiles(a.dims.seq, kQRows), a.dims.heads, batch), kThreads,
-                DqSmem<D>::bytes() + kSmemSlack<L>, stream, a);
+                                     kThreads, DkvSmem<D>::bytes() + kSmemSlack, stream, a));
+  return launch(dq_kernel<D>, dim3(tiles(a.dims.seq, kQRows), a.dims.heads, batch), kThreads,
+                DqSmem<D>::bytes() + kSmemSlack, stream, a);
 }
 
-template <int D>
-cudaError_t by_layout(const Backward& c, WgmmaLayout layout, cudaStream_t stream) {
-  return layout == WgmmaLayout::kCoreMatrices
-             ? backward_d<D, WgmmaLayout::kCoreMatrices>(c, stream)
-             : backward_d<D, WgmmaLayout::kSwizzled>(c, stream);
-}
 
 }  // namespace
 }  // namespace pimhbm::attention::hopper
 
 namespace pimhbm::attention {
 
-cudaError_t backward_wgmma(const Backward& call, WgmmaLayout layout, cudaStream_t stream) {
+cudaError_t backward_wgmma(const Backward& call, cudaStream_t stream) {
   if (!wgmma_head_dim(call.shape.head_dim)) return cudaErrorInvalidValue;
   PIMHBM_CUDA_RETURN_IF_ERROR(hopper::check_sm90());
   if (call.shape.q_elems() == 0) return cudaSuccess;
   PIMHBM_CUDA_RETURN_IF_ERROR(delta_cuda(call, stream));
-  return call.shape.head_dim == 64 ? hopper::by_layout<64>(call, layout, stream)
-                                   : hopper::by_layout<128>(call, layout, stream);
+  return call.shape.head_dim == 64 ? hopper::backward_d<64>(call, stream)
+                                   : hopper::backward_d<128>(call, stream);
 }
 
 }  // namespace pimhbm::attention

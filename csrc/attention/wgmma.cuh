@@ -6,7 +6,7 @@
 // Shared-memory operands are described by 64-bit descriptors: the start address and two strides
 // between core matrices (8 rows x 16 bytes, 128 contiguous bytes each), with or without the
 // 128-byte swizzle. The roles of the two strides without it were measured on the H200 by
-// bench/wgmma_probe_test.cu: for a K-major operand LBO is the step along K and SBO the step
+// csrc/tests/wgmma_probe_test.cu: for a K-major operand LBO is the step along K and SBO the step
 // along M or N; for an MN-major (transposed) operand, LBO is the step along K and SBO the step
 // along N. With the swizzle (rows of 128 bytes, groups of 8 rows 1024 bytes, each 1024-byte
 // aligned), after CUTLASS's canonical layouts: K-major, SBO is the step between groups of 8

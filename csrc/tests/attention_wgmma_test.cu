@@ -1,20 +1,19 @@
-// The wgmma candidates (attention_wgmma.h) against the CPU reference, to bf16 tolerance, and
-// against the library's mma.sync kernels, on ragged sequence lengths (no multiple of the 64- or
+// The wgmma kernels (attention_wgmma.h) against the CPU reference, to bf16 tolerance, and
+// against the mma.sync kernels, on ragged sequence lengths (no multiple of the 64- or
 // 128-row tiles, and one row), head dims 64 and 128, grouped heads, causal and full, batch 1 to
 // 3; outputs poisoned first, so a value never written fails; two runs bitwise equal; the
-// forward pass in both schedules, both passes in both shared-memory layouts. Skipped without an sm_90 GPU; run under compute-sanitizer
+// forward pass in both schedules. Skipped without an sm_90 GPU; run under compute-sanitizer
 // with PIMHBM_TEST_SMALL=1.
 #include <gtest/gtest.h>
 
-#include <optional>
 #include <random>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "attention/attention.h"
+#include "attention/attention_wgmma.h"
 #include "attention_test_util.h"
-#include "attention_wgmma.h"
 #include "cuda_test_util.h"
 
 namespace pimhbm::attention {
@@ -30,14 +29,10 @@ struct Out {
   std::vector<float> lse;
 };
 
-// A forward candidate.
-struct Candidate {
-  WgmmaSchedule schedule;
-  WgmmaLayout layout;
-};
+// One forward call on the GPU: the wgmma kernel with a schedule, or the mma.sync one.
+enum class Kernel { kMmaSync, kWgmmaSerial, kWgmmaScoresAhead };
 
-// One forward call on the GPU: the candidate's, or the library's kernel (none).
-void run(const std::optional<Candidate>& kernel, const Shape& s, const std::vector<uint16_t>& q,
+void run(Kernel kernel, const Shape& s, const std::vector<uint16_t>& q,
          const std::vector<uint16_t>& k, const std::vector<uint16_t>& v, Out* out) {
   DeviceBuffer<uint16_t> q_(s.q_elems()), k_(s.kv_elems()), v_(s.kv_elems()), o_(s.q_elems());
   DeviceBuffer<float> lse_(s.rows());
@@ -47,35 +42,43 @@ void run(const std::optional<Candidate>& kernel, const Shape& s, const std::vect
   PIMHBM_ASSERT_CUDA(o_.poison());
   PIMHBM_ASSERT_CUDA(lse_.poison());
   const Forward call{s, q_.get(), k_.get(), v_.get(), o_.get(), lse_.get()};
-  PIMHBM_ASSERT_CUDA(kernel ? forward_wgmma(call, kernel->schedule, kernel->layout, 0)
-                            : forward_cuda(call, 0));
+  switch (kernel) {
+    case Kernel::kMmaSync:
+      PIMHBM_ASSERT_CUDA(forward_cuda(call, 0));
+      break;
+    case Kernel::kWgmmaSerial:
+      PIMHBM_ASSERT_CUDA(forward_wgmma(call, WgmmaSchedule::kSerial, 0));
+      break;
+    case Kernel::kWgmmaScoresAhead:
+      PIMHBM_ASSERT_CUDA(forward_wgmma(call, WgmmaSchedule::kScoresAhead, 0));
+      break;
+  }
   PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
   PIMHBM_ASSERT_DOWNLOAD(out->o, o_);
   PIMHBM_ASSERT_DOWNLOAD(out->lse, lse_);
 }
 
-using Case = std::tuple<Shape, WgmmaSchedule, WgmmaLayout>;
+using Case = std::tuple<Shape, Kernel>;
 
 class WgmmaForward : public ::testing::TestWithParam<Case> {};
 
-TEST_P(WgmmaForward, MatchesCpuAndLibraryAndRepeats) {
+TEST_P(WgmmaForward, MatchesCpuAndMmaSyncAndRepeats) {
   PIMHBM_SKIP_WITHOUT_SM90();
-  const auto& [s, schedule, layout] = GetParam();
-  const Candidate kernel{schedule, layout};
+  const auto& [s, kernel] = GetParam();
   std::mt19937 gen(std::random_device{}());
   const auto q = random_bf16(s.q_elems(), gen), k = random_bf16(s.kv_elems(), gen),
              v = random_bf16(s.kv_elems(), gen);
   Out want{std::vector<uint16_t>(s.q_elems()), std::vector<float>(s.rows())};
   forward_cpu(Forward{s, q.data(), k.data(), v.data(), want.o.data(), want.lse.data()});
-  Out got, again, library;
+  Out got, again, mma_sync;
   ASSERT_NO_FATAL_FAILURE(run(kernel, s, q, k, v, &got));
   const auto o_at = testing::bthd(s.seq, s.heads, s.head_dim);
   const auto lse_at = [seq = s.seq](int64_t i) { return testing::Position{i % seq, 0}; };
   EXPECT_LE(relative_error(got.o, want.o), 2e-2) << where_wrong(got.o, want.o, o_at);
   EXPECT_LE(relative_error(got.lse, want.lse), 1e-3)
       << where_wrong(got.lse, want.lse, lse_at, 1e-3);
-  ASSERT_NO_FATAL_FAILURE(run(std::nullopt, s, q, k, v, &library));
-  EXPECT_LE(relative_error(got.o, library.o), 2e-2) << where_wrong(got.o, library.o, o_at);
+  ASSERT_NO_FATAL_FAILURE(run(Kernel::kMmaSync, s, q, k, v, &mma_sync));
+  EXPECT_LE(relative_error(got.o, mma_sync.o), 2e-2) << where_wrong(got.o, mma_sync.o, o_at);
   ASSERT_NO_FATAL_FAILURE(run(kernel, s, q, k, v, &again));
   EXPECT_EQ(got.o, again.o);
   EXPECT_EQ(got.lse, again.lse);
@@ -97,32 +100,24 @@ std::string name_of(const Shape& s) {
          std::to_string(s.head_dim) + (s.causal ? "_causal" : "_full");
 }
 
-std::string layout_name(WgmmaLayout layout) {
-  return layout == WgmmaLayout::kCoreMatrices ? "core_" : "swizzled_";
-}
-
 std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  const auto& [s, schedule, layout] = info.param;
-  return std::string(schedule == WgmmaSchedule::kSerial ? "serial_" : "ahead_") +
-         layout_name(layout) + name_of(s);
+  const auto& [s, kernel] = info.param;
+  return std::string(kernel == Kernel::kWgmmaSerial ? "serial_" : "ahead_") + name_of(s);
 }
-
-const auto kLayouts = ::testing::Values(WgmmaLayout::kCoreMatrices, WgmmaLayout::kSwizzled);
 
 INSTANTIATE_TEST_SUITE_P(Shapes, WgmmaForward,
                          ::testing::Combine(::testing::ValuesIn(shapes()),
-                                            ::testing::Values(WgmmaSchedule::kSerial,
-                                                              WgmmaSchedule::kScoresAhead),
-                                            kLayouts),
+                                            ::testing::Values(Kernel::kWgmmaSerial,
+                                                              Kernel::kWgmmaScoresAhead)),
                          case_name);
 
 struct Grads {
   std::vector<uint16_t> dq, dk, dv;
 };
 
-// One backward call on the GPU from the reference's forward outputs: the candidate's in
-// `layout`, or the library's (none).
-void run_backward(const std::optional<WgmmaLayout>& layout, const Shape& s, const std::vector<uint16_t>& q,
+// One backward call on the GPU from the reference's forward outputs: the wgmma kernels or the
+// mma.sync ones.
+void run_backward(bool wgmma, const Shape& s, const std::vector<uint16_t>& q,
                   const std::vector<uint16_t>& k, const std::vector<uint16_t>& v, const Out& fwd,
                   const std::vector<uint16_t>& d_o, Grads* out) {
   DeviceBuffer<uint16_t> q_(s.q_elems()), k_(s.kv_elems()), v_(s.kv_elems()), o_(s.q_elems()),
@@ -138,18 +133,18 @@ void run_backward(const std::optional<WgmmaLayout>& layout, const Shape& s, cons
   PIMHBM_ASSERT_CUDA(delta_.poison());
   const Backward call{s,          q_.get(),     k_.get(),  v_.get(),  o_.get(), do_.get(),
                       lse_.get(), delta_.get(), dq_.get(), dk_.get(), dv_.get()};
-  PIMHBM_ASSERT_CUDA(layout ? backward_wgmma(call, *layout, 0) : backward_cuda(call, 0));
+  PIMHBM_ASSERT_CUDA(wgmma ? backward_wgmma(call, 0) : backward_cuda(call, 0));
   PIMHBM_ASSERT_CUDA(cudaDeviceSynchronize());
   PIMHBM_ASSERT_DOWNLOAD(out->dq, dq_);
   PIMHBM_ASSERT_DOWNLOAD(out->dk, dk_);
   PIMHBM_ASSERT_DOWNLOAD(out->dv, dv_);
 }
 
-class WgmmaBackward : public ::testing::TestWithParam<std::tuple<Shape, WgmmaLayout>> {};
+class WgmmaBackward : public ::testing::TestWithParam<Shape> {};
 
-TEST_P(WgmmaBackward, MatchesCpuAndLibraryAndRepeats) {
+TEST_P(WgmmaBackward, MatchesCpuAndMmaSyncAndRepeats) {
   PIMHBM_SKIP_WITHOUT_SM90();
-  const auto& [s, layout] = GetParam();
+  const Shape s = GetParam();
   std::mt19937 gen(std::random_device{}());
   const auto q = random_bf16(s.q_elems(), gen), k = random_bf16(s.kv_elems(), gen),
              v = random_bf16(s.kv_elems(), gen), d_o = random_bf16(s.q_elems(), gen);
@@ -160,44 +155,48 @@ TEST_P(WgmmaBackward, MatchesCpuAndLibraryAndRepeats) {
   std::vector<float> delta(s.rows());
   backward_cpu(Backward{s, q.data(), k.data(), v.data(), fwd.o.data(), d_o.data(), fwd.lse.data(),
                         delta.data(), want.dq.data(), want.dk.data(), want.dv.data()});
-  Grads got, again, library;
-  ASSERT_NO_FATAL_FAILURE(run_backward(layout, s, q, k, v, fwd, d_o, &got));
-  ASSERT_NO_FATAL_FAILURE(run_backward(std::nullopt, s, q, k, v, fwd, d_o, &library));
-  for (const auto& [name, g, w, lib] : {std::tuple{"dq", &got.dq, &want.dq, &library.dq},
-                                        std::tuple{"dk", &got.dk, &want.dk, &library.dk},
-                                        std::tuple{"dv", &got.dv, &want.dv, &library.dv}}) {
+  Grads got, again, mma_sync;
+  ASSERT_NO_FATAL_FAILURE(run_backward(true, s, q, k, v, fwd, d_o, &got));
+  ASSERT_NO_FATAL_FAILURE(run_backward(false, s, q, k, v, fwd, d_o, &mma_sync));
+  for (const auto& [name, g, w, lib] : {std::tuple{"dq", &got.dq, &want.dq, &mma_sync.dq},
+                                        std::tuple{"dk", &got.dk, &want.dk, &mma_sync.dk},
+                                        std::tuple{"dv", &got.dv, &want.dv, &mma_sync.dv}}) {
     const auto at = testing::bthd(s.seq, name[1] == 'q' ? s.heads : s.kv_heads, s.head_dim);
     EXPECT_LE(relative_error(*g, *w), 2e-2)
         << name << " against the CPU reference: " << where_wrong(*g, *w, at);
     EXPECT_LE(relative_error(*g, *lib), 2e-2)
-        << name << " against the library's kernels: " << where_wrong(*g, *lib, at);
+        << name << " against the mma.sync kernels: " << where_wrong(*g, *lib, at);
   }
-  ASSERT_NO_FATAL_FAILURE(run_backward(layout, s, q, k, v, fwd, d_o, &again));
+  ASSERT_NO_FATAL_FAILURE(run_backward(true, s, q, k, v, fwd, d_o, &again));
   EXPECT_EQ(got.dq, again.dq);
   EXPECT_EQ(got.dk, again.dk);
   EXPECT_EQ(got.dv, again.dv);
 }
 
-std::string backward_name(const ::testing::TestParamInfo<std::tuple<Shape, WgmmaLayout>>& info) {
-  const auto& [s, layout] = info.param;
-  return layout_name(layout) + name_of(s);
-}
+std::string shape_name(const ::testing::TestParamInfo<Shape>& info) { return name_of(info.param); }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, WgmmaBackward,
-                         ::testing::Combine(::testing::ValuesIn(shapes()), kLayouts),
-                         backward_name);
+INSTANTIATE_TEST_SUITE_P(Shapes, WgmmaBackward, ::testing::ValuesIn(shapes()), shape_name);
+
+TEST(WgmmaDispatch, TakesAnSm90DeviceAtItsHeadDimsOnly) {
+  PIMHBM_SKIP_WITHOUT_SM90();
+  for (int64_t d : {16, 32, 64, 128, 256}) {
+    bool takes = !wgmma_head_dim(d);  // the opposite of the answer expected
+    PIMHBM_ASSERT_CUDA(wgmma_takes(d, &takes));
+    EXPECT_EQ(takes, wgmma_head_dim(d)) << "head dim " << d;
+  }
+}
 
 TEST(WgmmaErrors, RefuseHeadDimsTheyAreNotBuiltFor) {
   // Checked before any device is touched: holds with or without a GPU.
   for (int64_t d : {16, 32, 96, 256}) {
     const Shape s{1, 8, 2, 1, d, true};
     EXPECT_EQ(forward_wgmma(Forward{s, nullptr, nullptr, nullptr, nullptr, nullptr},
-                            WgmmaSchedule::kSerial, WgmmaLayout::kSwizzled, 0),
+                            WgmmaSchedule::kSerial, 0),
               cudaErrorInvalidValue)
         << "head dim " << d;
     EXPECT_EQ(backward_wgmma(Backward{s, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
                                       nullptr, nullptr, nullptr, nullptr},
-                             WgmmaLayout::kSwizzled, 0),
+                             0),
               cudaErrorInvalidValue)
         << "head dim " << d;
   }

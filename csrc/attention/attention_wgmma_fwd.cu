@@ -2,7 +2,7 @@
 // head, batch), each warpgroup 64 rows; key tiles of 128 in order. S = Q K^T reads Q and K from
 // shared memory (both K-major), O += P V takes P from registers (each warp's converted scores,
 // as in the mma.sync kernel) and V from shared memory (MN-major). Q, K and V sit in shared
-// memory in the layout the launch names (WgmmaLayout), filled by cp.async; rows
+// memory in wgmma's 128-byte swizzle (attention_wgmma.cuh), filled by cp.async; rows
 // past the sequence's end are zero-filled, never read from global memory, and never written.
 // The online softmax and the epilogue are the mma.sync kernel's (attention_device.cuh): each
 // warp's 16 rows of a wgmma tile have the layout of its m16n8 tiles.
@@ -15,10 +15,10 @@
 #include <type_traits>
 
 #include "attention/attention_device.cuh"
-#include "attention_wgmma.cuh"
-#include "attention_wgmma.h"
+#include "attention/attention_wgmma.cuh"
+#include "attention/attention_wgmma.h"
+#include "attention/wgmma.cuh"
 #include "pimhbm/cuda_check.h"
-#include "wgmma.cuh"
 
 namespace pimhbm::attention::hopper {
 namespace {
@@ -28,9 +28,8 @@ using namespace device;  // NOLINT(google-build-using-namespace): the kernels' o
 constexpr int kKeys = 128;  // a key tile
 
 // Where a block's tiles live in shared memory: Q, then K's two stages, then V's stages.
-template <int D, int kVStages, WgmmaLayout kLayout>
+template <int D, int kVStages>
 struct Smem {
-  static constexpr WgmmaLayout L = kLayout;
   uint16_t* base;
   __device__ uint16_t* q() const { return base; }
   __device__ uint16_t* k(int tile) const { return base + (kQRows + (tile % 2) * kKeys) * D; }
@@ -38,7 +37,7 @@ struct Smem {
     return base + (kQRows + (2 + tile % kVStages) * kKeys) * D;
   }
   static constexpr int bytes() {
-    return (kQRows + (2 + kVStages) * kKeys) * D * 2 + kSmemSlack<kLayout>;
+    return (kQRows + (2 + kVStages) * kKeys) * D * 2 + kSmemSlack;
   }
 };
 
@@ -57,8 +56,8 @@ __device__ __forceinline__ void issue_scores(float (&s)[kKeys / 8][4], const Sm&
   wgmma::begin();
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {  // 16 columns
-    wgmma::mma_ss<kKeys>(s, k_major<Sm::L, kQRows>(sm.q(), 64 * r.group, ks),
-                         k_major<Sm::L, kKeys>(sm.k(tile), 0, ks), ks > 0);
+    wgmma::mma_ss<kKeys>(s, k_major<kQRows>(sm.q(), 64 * r.group, ks),
+                         k_major<kKeys>(sm.k(tile), 0, ks), ks > 0);
   }
   wgmma::commit();
 }
@@ -72,7 +71,7 @@ __device__ __forceinline__ void issue_values(float (&o)[D / 8][4],
   wgmma::begin();
 #pragma unroll
   for (int ks = 0; ks < kKeys / 16; ++ks) {  // 16 keys
-    wgmma::mma_rs<D>(o, p[ks], mn_major<Sm::L, kKeys>(sm.v(tile), ks), 1);
+    wgmma::mma_rs<D>(o, p[ks], mn_major<kKeys>(sm.v(tile), ks), 1);
   }
   wgmma::commit();
 }
@@ -109,20 +108,20 @@ __device__ __forceinline__ void scale_and_mask(float (&s)[kKeys / 8][4], const D
 // K or V of tile `tile` into its stage.
 template <int D, typename Sm>
 __device__ __forceinline__ void load_k(const Args& a, const Sm& sm, const Rows& r, int tile) {
-  load_tile<Sm::L, D, kKeys>(sm.k(tile), a.k + r.kv_base, tile * kKeys, a.dims.seq, r.kv_stride);
+  load_tile<D, kKeys>(sm.k(tile), a.k + r.kv_base, tile * kKeys, a.dims.seq, r.kv_stride);
 }
 template <int D, typename Sm>
 __device__ __forceinline__ void load_v(const Args& a, const Sm& sm, const Rows& r, int tile) {
-  load_tile<Sm::L, D, kKeys>(sm.v(tile), a.v + r.kv_base, tile * kKeys, a.dims.seq, r.kv_stride);
+  load_tile<D, kKeys>(sm.v(tile), a.v + r.kv_base, tile * kKeys, a.dims.seq, r.kv_stride);
 }
 
 // kSerial: each tile's two products waited for in turn; K and V of the next tile arrive
 // meanwhile (two stages of each).
-template <int D, WgmmaLayout L>
-using SerialSmem = Smem<D, 2, L>;
+template <int D>
+using SerialSmem = Smem<D, 2>;
 
-template <int D, WgmmaLayout L>
-__device__ __forceinline__ void key_loop_serial(const Args& a, const SerialSmem<D, L>& sm,
+template <int D>
+__device__ __forceinline__ void key_loop_serial(const Args& a, const SerialSmem<D>& sm,
                                                 const Rows& r, float (&o)[D / 8][4], float (&m)[2],
                                                 float (&l)[2]) {
   load_k<D>(a, sm, r, 0);
@@ -154,15 +153,15 @@ __device__ __forceinline__ void key_loop_serial(const Args& a, const SerialSmem<
 // V has three stages: when a group passes the barrier of turn j, every group is past S of
 // tile j and P V of tile j - 2, so K of tile j + 2 and V of tile j + 1 may come in while P V
 // of tile j - 1 still reads its stage.
-template <int D, WgmmaLayout L>
-using AheadSmem = Smem<D, 3, L>;
+template <int D>
+using AheadSmem = Smem<D, 3>;
 
 // Turn j, whose scores are in s: the softmax while P V of tile j - 1 may still run, the next
 // copies (their branches also keep the compiler from moving the wait below above the softmax:
 // it schedules a wait first in its block), then the output rows rescaled once that product is
 // done and P packed.
-template <int D, WgmmaLayout L>
-__device__ __forceinline__ void softmax_ahead(const Args& a, const AheadSmem<D, L>& sm, const Rows& r,
+template <int D>
+__device__ __forceinline__ void softmax_ahead(const Args& a, const AheadSmem<D>& sm, const Rows& r,
                                               int j, float (&s)[1][kKeys / 8][4],
                                               uint32_t (&p)[1][kKeys / 16][4], float (&o)[D / 8][4],
                                               float (&m)[2], float (&l)[2]) {
@@ -179,8 +178,8 @@ __device__ __forceinline__ void softmax_ahead(const Args& a, const AheadSmem<D, 
   to_operand<1, kKeys>(p, s);
 }
 
-template <int D, WgmmaLayout L>
-__device__ __forceinline__ void key_loop_scores_ahead(const Args& a, const AheadSmem<D, L>& sm,
+template <int D>
+__device__ __forceinline__ void key_loop_scores_ahead(const Args& a, const AheadSmem<D>& sm,
                                                       const Rows& r, float (&o)[D / 8][4],
                                                       float (&m)[2], float (&l)[2]) {
   load_k<D>(a, sm, r, 0);
@@ -195,26 +194,25 @@ __device__ __forceinline__ void key_loop_scores_ahead(const Args& a, const Ahead
   uint32_t p[1][kKeys / 16][4];
   const int last = r.kblocks - 1;  // its own turn: no product is issued under a condition
   for (int j = 0; j < last; ++j) {
-    softmax_ahead<D, L>(a, sm, r, j, s, p, o, m, l);
+    softmax_ahead<D>(a, sm, r, j, s, p, o, m, l);
     issue_scores<D>(s[0], sm, r, j + 1);
     issue_values<D>(o, p[0], sm, j);
     wgmma::wait<1>();  // S of tile j + 1; P V of tile j runs on
     wgmma::fence_operand<kKeys>(s[0]);
   }
-  softmax_ahead<D, L>(a, sm, r, last, s, p, o, m, l);
+  softmax_ahead<D>(a, sm, r, last, s, p, o, m, l);
   issue_values<D>(o, p[0], sm, last);
   wgmma::wait<0>();
   wgmma::fence_operand<D>(o);
 }
 
-template <WgmmaSchedule kSchedule, int D, WgmmaLayout L>
-using SmemOf =
-    std::conditional_t<kSchedule == WgmmaSchedule::kSerial, SerialSmem<D, L>, AheadSmem<D, L>>;
+template <WgmmaSchedule kSchedule, int D>
+using SmemOf = std::conditional_t<kSchedule == WgmmaSchedule::kSerial, SerialSmem<D>, AheadSmem<D>>;
 
-template <int D, WgmmaSchedule kSchedule, WgmmaLayout L>
+template <int D, WgmmaSchedule kSchedule>
 __global__ void __launch_bounds__(kThreads, 1) forward_kernel(Args a) {
   extern __shared__ __align__(128) uint16_t smem[];
-  const SmemOf<kSchedule, D, L> sm{tiles_base<L>(smem)};
+  const SmemOf<kSchedule, D> sm{tiles_base(smem)};
   const Dims& d = a.dims;
   const int group = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4;
   const int q0 = (tiles(d.seq, kQRows) - 1 - blockIdx.x) * kQRows;  // the longest rows first
@@ -224,14 +222,14 @@ __global__ void __launch_bounds__(kThreads, 1) forward_kernel(Args a) {
   const Rows r{
       q0 + 64 * group + 16 * warp, group, tiles(d.causal ? min(d.seq, q0 + kQRows) : d.seq, kKeys),
       head_base<D>(b, h / d.group, d.seq, d.kv_heads), static_cast<int64_t>(d.kv_heads) * D};
-  load_tile<L, D, kQRows>(sm.q(), a.q + q_base, q0, d.seq, q_stride);  // joins K's first group
+  load_tile<D, kQRows>(sm.q(), a.q + q_base, q0, d.seq, q_stride);  // joins K's first group
 
   float o[1][D / 8][4] = {};  // one row tile: the shape store_row takes
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   if constexpr (kSchedule == WgmmaSchedule::kSerial) {
-    key_loop_serial<D, L>(a, sm, r, o[0], m, l);
+    key_loop_serial<D>(a, sm, r, o[0], m, l);
   } else {
-    key_loop_scores_ahead<D, L>(a, sm, r, o[0], m, l);
+    key_loop_scores_ahead<D>(a, sm, r, o[0], m, l);
   }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -240,27 +238,18 @@ __global__ void __launch_bounds__(kThreads, 1) forward_kernel(Args a) {
   }
 }
 
-template <int D, WgmmaSchedule kSchedule, WgmmaLayout L>
+template <int D, WgmmaSchedule kSchedule>
 cudaError_t forward_d(const Forward& c, cudaStream_t stream) {
   const Args a = forward_args(c);
   const dim3 grid(tiles(a.dims.seq, kQRows), a.dims.heads, static_cast<unsigned>(c.shape.batch));
-  return launch(forward_kernel<D, kSchedule, L>, grid, kThreads, SmemOf<kSchedule, D, L>::bytes(),
-                stream, a);
-}
-
-template <int D, WgmmaLayout L>
-cudaError_t by_schedule(const Forward& c, WgmmaSchedule schedule, cudaStream_t stream) {
-  return schedule == WgmmaSchedule::kSerial
-             ? forward_d<D, WgmmaSchedule::kSerial, L>(c, stream)
-             : forward_d<D, WgmmaSchedule::kScoresAhead, L>(c, stream);
+  return launch(forward_kernel<D, kSchedule>, grid, kThreads, SmemOf<kSchedule, D>::bytes(), stream,
+                a);
 }
 
 template <int D>
-cudaError_t by_layout(const Forward& c, WgmmaSchedule schedule, WgmmaLayout layout,
-                      cudaStream_t stream) {
-  return layout == WgmmaLayout::kCoreMatrices
-             ? by_schedule<D, WgmmaLayout::kCoreMatrices>(c, schedule, stream)
-             : by_schedule<D, WgmmaLayout::kSwizzled>(c, schedule, stream);
+cudaError_t by_schedule(const Forward& c, WgmmaSchedule schedule, cudaStream_t stream) {
+  return schedule == WgmmaSchedule::kSerial ? forward_d<D, WgmmaSchedule::kSerial>(c, stream)
+                                            : forward_d<D, WgmmaSchedule::kScoresAhead>(c, stream);
 }
 
 }  // namespace
@@ -278,13 +267,12 @@ cudaError_t wgmma_takes(int64_t d, bool* takes) {
   return cudaSuccess;
 }
 
-cudaError_t forward_wgmma(const Forward& call, WgmmaSchedule schedule, WgmmaLayout layout,
-                          cudaStream_t stream) {
+cudaError_t forward_wgmma(const Forward& call, WgmmaSchedule schedule, cudaStream_t stream) {
   if (!wgmma_head_dim(call.shape.head_dim)) return cudaErrorInvalidValue;
   PIMHBM_CUDA_RETURN_IF_ERROR(hopper::check_sm90());
   if (call.shape.q_elems() == 0) return cudaSuccess;
-  return call.shape.head_dim == 64 ? hopper::by_layout<64>(call, schedule, layout, stream)
-                                   : hopper::by_layout<128>(call, schedule, layout, stream);
+  return call.shape.head_dim == 64 ? hopper::by_schedule<64>(call, schedule, stream)
+                                   : hopper::by_schedule<128>(call, schedule, stream);
 }
 
 }  // namespace pimhbm::attention
