@@ -240,7 +240,11 @@ int main(int argc, char** argv) {
   bool takes = false;
   const cudaError_t err = pimhbm::attention::wgmma_takes(opt.head_dim, &takes);
   if (err != cudaSuccess || !takes) {
-    std::printf("attention_wgmma_bench: needs an sm_90 GPU (%s)\n", cudaGetErrorString(err));
+    if (err != cudaSuccess) {
+      std::printf("attention_wgmma_bench: no device: %s\n", cudaGetErrorString(err));
+    } else {
+      std::printf("attention_wgmma_bench: needs an sm_90 GPU\n");
+    }
     return 1;
   }
   cudaDeviceProp prop{};

@@ -1,4 +1,4 @@
-// What the wgmma attention kernels share (attention_wgmma.cu, attention_wgmma_backward.cu): blocks
+// What the wgmma attention kernels share (attention_wgmma_fwd.cu, attention_wgmma_bwd.cu): blocks
 // of two warpgroups, tiles in shared memory in wgmma's 128-byte swizzle (wgmma.cuh), filled by
 // cp.async.
 #pragma once
@@ -19,8 +19,7 @@ constexpr int kQRows = 64 * kGroups;  // a block's query rows
 // Tiles sit in shared memory as rows of 128 bytes, [D / 64][rows][64], the 16-byte pieces of
 // each row permuted by the row's place in its group of 8 (piece c at c ^ (row % 8)): the
 // 128-byte swizzle of TMA and CUTLASS, which the products read in whole rows. Each group of 8
-// rows (1024 bytes) is 1024-byte aligned. (wgmma's core matrices without the swizzle, filled
-// eight threads a core matrix, ran at 0.6x this speed: bench/NOTES.md, "Runs 148-149".)
+// rows (1024 bytes) is 1024-byte aligned.
 
 // Rows [row0, row0 + ROWS) of the matrix at `base` (row stride `row_stride` elements, D wide)
 // into `tile`; rows at or past `seq` are zero-filled. A warp reads whole rows (two 256-byte rows
@@ -74,13 +73,16 @@ __device__ __forceinline__ void publish_copies() {
 
 // cudaErrorNotSupported unless the current device is sm_90 (the wgmma kernels are sm_90a code).
 inline cudaError_t check_sm90() {
-  int device = 0, major = 0;
+  int device = 0, major = 0, minor = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) {
     err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   }
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  }
   if (err != cudaSuccess) return err;
-  return major == 9 ? cudaSuccess : cudaErrorNotSupported;
+  return major == 9 && minor == 0 ? cudaSuccess : cudaErrorNotSupported;
 }
 
 }  // namespace pimhbm::attention::hopper

@@ -3,7 +3,8 @@
 // serve every other device and head dim. They keep forward_cuda's and backward_cuda's contracts
 // (attention.h): the same layouts and outputs, every sum in a fixed order, two calls bitwise
 // equal. The backward pass sums in the mma.sync kernels' order (bench/NOTES.md: its outputs
-// were bitwise theirs at 4k and 16k); the forward pass rescales at key tiles of 128, not 64.
+// were bitwise theirs at 4k and 16k, run 148); the forward pass rescales at key tiles of 128,
+// not 64.
 #pragma once
 
 #include <cuda_runtime_api.h>

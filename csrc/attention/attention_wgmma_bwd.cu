@@ -72,7 +72,7 @@ struct DqSmem {
   __device__ uint16_t* v(int tile) const {
     return base + (2 * kQRows + (2 + tile % 2) * kTile) * D;
   }
-  static constexpr int bytes() { return (2 * kQRows + 4 * kTile) * D * 2; }
+  static constexpr int bytes() { return (2 * kQRows + 4 * kTile) * D * 2 + kSmemSlack; }
 };
 
 // dS = P (dP - delta) of key tile k0 for the warp's rows from row0, P from the scores s (log2
@@ -169,7 +169,9 @@ struct DkvSmem {
   __device__ float* rows(int step) const {
     return reinterpret_cast<float*>(base + (2 * kDkvKeys + 4 * kTile) * D) + (step % 2) * 2 * kTile;
   }
-  static constexpr int bytes() { return (2 * kDkvKeys + 4 * kTile) * D * 2 + 4 * kTile * 4; }
+  static constexpr int bytes() {
+    return (2 * kDkvKeys + 4 * kTile) * D * 2 + 4 * kTile * 4 + kSmemSlack;
+  }
 };
 
 // P^T of query tile q0 for the warp's keys from key0 (st: S^T, the keys' rows; lse2 the tile's
@@ -315,11 +317,10 @@ cudaError_t backward_d(const Backward& c, cudaStream_t stream) {
   const unsigned batch = static_cast<unsigned>(c.shape.batch);
   PIMHBM_CUDA_RETURN_IF_ERROR(launch(dkdv_kernel<D>,
                                      dim3(tiles(a.dims.seq, kDkvKeys), a.dims.kv_heads, batch),
-                                     kThreads, DkvSmem<D>::bytes() + kSmemSlack, stream, a));
+                                     kThreads, DkvSmem<D>::bytes(), stream, a));
   return launch(dq_kernel<D>, dim3(tiles(a.dims.seq, kQRows), a.dims.heads, batch), kThreads,
-                DqSmem<D>::bytes() + kSmemSlack, stream, a);
+                DqSmem<D>::bytes(), stream, a);
 }
-
 
 }  // namespace
 }  // namespace pimhbm::attention::hopper

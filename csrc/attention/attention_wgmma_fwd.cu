@@ -8,7 +8,7 @@
 // warp's 16 rows of a wgmma tile have the layout of its m16n8 tiles.
 //
 // Shared memory: Q (128 rows), two stages of K and two or three of V (128 keys each): 160 or
-// 192 KiB at head dim 128 (1 KiB more swizzled, for the alignment), one block an SM.
+// 192 KiB at head dim 128, and 1 KiB of slack for the tiles' alignment: one block an SM.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -36,9 +36,7 @@ struct Smem {
   __device__ uint16_t* v(int tile) const {
     return base + (kQRows + (2 + tile % kVStages) * kKeys) * D;
   }
-  static constexpr int bytes() {
-    return (kQRows + (2 + kVStages) * kKeys) * D * 2 + kSmemSlack;
-  }
+  static constexpr int bytes() { return (kQRows + (2 + kVStages) * kKeys) * D * 2 + kSmemSlack; }
 };
 
 // What a warpgroup's key loop needs: its rows, the tensors' bases, the tiles to go over.

@@ -158,14 +158,14 @@ TEST_P(WgmmaBackward, MatchesCpuAndMmaSyncAndRepeats) {
   Grads got, again, mma_sync;
   ASSERT_NO_FATAL_FAILURE(run_backward(true, s, q, k, v, fwd, d_o, &got));
   ASSERT_NO_FATAL_FAILURE(run_backward(false, s, q, k, v, fwd, d_o, &mma_sync));
-  for (const auto& [name, g, w, lib] : {std::tuple{"dq", &got.dq, &want.dq, &mma_sync.dq},
+  for (const auto& [name, g, w, ref] : {std::tuple{"dq", &got.dq, &want.dq, &mma_sync.dq},
                                         std::tuple{"dk", &got.dk, &want.dk, &mma_sync.dk},
                                         std::tuple{"dv", &got.dv, &want.dv, &mma_sync.dv}}) {
     const auto at = testing::bthd(s.seq, name[1] == 'q' ? s.heads : s.kv_heads, s.head_dim);
     EXPECT_LE(relative_error(*g, *w), 2e-2)
         << name << " against the CPU reference: " << where_wrong(*g, *w, at);
-    EXPECT_LE(relative_error(*g, *lib), 2e-2)
-        << name << " against the mma.sync kernels: " << where_wrong(*g, *lib, at);
+    EXPECT_LE(relative_error(*g, *ref), 2e-2)
+        << name << " against the mma.sync kernels: " << where_wrong(*g, *ref, at);
   }
   ASSERT_NO_FATAL_FAILURE(run_backward(true, s, q, k, v, fwd, d_o, &again));
   EXPECT_EQ(got.dq, again.dq);

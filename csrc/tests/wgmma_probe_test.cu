@@ -1,6 +1,7 @@
-// Hopper's warpgroup products (wgmma.cuh's wrappers) on the layouts the attention kernels use,
-// checked exactly against a CPU product: the layouts the wgmma attention kernels rely on
-// (attention_wgmma_fwd.cu, attention_wgmma_bwd.cu; bench/NOTES.md, "wgmma groundwork").
+// Hopper's warpgroup products (wgmma.cuh's wrappers) on the operand shapes of attention, checked
+// exactly against a CPU product, with tiles as unswizzled core matrices: the groundwork that
+// fixed the descriptors' strides (bench/NOTES.md, "wgmma groundwork"). The attention kernels
+// keep their tiles in the 128-byte swizzle; attention_wgmma_test checks those.
 //
 // One warpgroup (128 threads) computes D (64 x 64, fp32) = A (64 x 64) * B (64 x 64) in four
 // k-steps of m64n64k16, bf16 operands holding small integers so that every sum is exact:
