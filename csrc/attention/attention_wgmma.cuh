@@ -55,8 +55,8 @@ __device__ __forceinline__ uint64_t mn_major(const uint16_t* tile, int ks) {
   return wgmma::descriptor_swizzled(tile + ks * 16 * 64, ROWS * 128, 1024);
 }
 
-// Where a block's tiles start in dynamic shared memory: the first 1024-byte boundary (the
-// launch asks for kSmemSlack bytes more).
+// Where a block's tiles start in dynamic shared memory: the first 1024-byte boundary (every
+// kernel's shared-memory size counts kSmemSlack bytes for it).
 constexpr int kSmemSlack = 1024;
 
 __device__ __forceinline__ uint16_t* tiles_base(uint16_t* smem) {
