@@ -19,6 +19,7 @@
 #include "pimhbm/ffi_alias.h"
 #include "repair/repair_ffi.h"
 #include "scan/scan_ffi.h"
+#include "summary/fault_list_ffi.h"
 #include "telemetry/telemetry.h"
 #include "update/adamw_layout.h"
 #include "update/inplace_ffi.h"
@@ -66,6 +67,7 @@ constexpr Target kTargets[] = {
     PIMHBM_TARGET("pimhbm_adamw_inplace", PimhbmAdamWInPlace),
     PIMHBM_TARGET("pimhbm_adamw_redo", PimhbmAdamWRedo),
     PIMHBM_TARGET("pimhbm_inplace_precheck", PimhbmInPlacePrecheck),
+    PIMHBM_TARGET("pimhbm_fault_list", PimhbmFaultList),
     PIMHBM_TARGET("pimhbm_parity_rebuild", PimhbmParityRebuild),
     PIMHBM_TARGET("pimhbm_attention_fwd", PimhbmAttentionFwd),
     PIMHBM_TARGET("pimhbm_attention_bwd", PimhbmAttentionBwd),
@@ -128,6 +130,15 @@ nb::dict inplace_layout() {
   for (int64_t c : pimhbm::update::kInPlaceChunkElems) sizes.append(c);
   out["chunk_elems"] = sizes;
   out["stash_columns"] = pimhbm::update::kStashIndexColumns;
+  return out;
+}
+
+// The sizes a pimhbm_fault_list call's scratch result is made of.
+nb::dict fault_list_layout() {
+  nb::dict out;
+  out["range_entries"] = pimhbm::summary::kRangeEntries;
+  out["range_bytes"] = sizeof(pimhbm::summary::Range);
+  out["totals"] = pimhbm::summary::kListTotals;
   return out;
 }
 
@@ -381,6 +392,9 @@ NB_MODULE(_core, m) {
         "leaf's operands and results (None: none). The step scalars come before the leaves' "
         "operands, the call's totals after their results.");
   m.def("inplace_layout", &inplace_layout, "The buffers of a leaf of pimhbm_adamw_inplace.");
+  m.def("fault_list_layout", &fault_list_layout,
+        "Entries a range of pimhbm_fault_list's scratch table covers, its row's bytes, and the "
+        "number of its totals.");
 
   def_regions(m);
   def_telemetry(m);

@@ -192,8 +192,9 @@ def test_a_damaged_chunk_is_rebuilt_from_its_group_and_its_update_redone(rng, ki
         seeing = inplace.prechecks
 
         def blind(params, tables, grads, chunk_elems):
-            damaged, nonfinite = seeing(params, tables, grads, chunk_elems)
-            return [jnp.zeros_like(d) for d in damaged], nonfinite
+            damaged, nonfinite, counts = seeing(params, tables, grads, chunk_elems)
+            return inplace.Prechecks([jnp.zeros_like(d) for d in damaged], nonfinite,
+                                     counts.at[0].set(0))
         monkeypatch.setattr(inplace, "prechecks", blind)
         update, repair = steps_of(opt)
     state, report = update(grads[1], state)
@@ -335,7 +336,7 @@ def test_the_prechecks_are_verify_and_the_squares_of_the_gradients(rng, dtype):
         flat[rng.choice(flat.size, len(values), replace=False)] = values
     keys = sorted(ps)
     tables = [state.digests[k]["p"] for k in keys]
-    damaged, nonfinite = jax.jit(lambda p, t, g: inplace.prechecks(p, t, g, chunk))(
+    damaged, nonfinite, counts = jax.jit(lambda p, t, g: inplace.prechecks(p, t, g, chunk))(
         [jnp.asarray(ps[k]) for k in keys], tables, [jnp.asarray(gs[k]) for k in keys])
     for k, table, d, b in zip(keys, tables, damaged, nonfinite):
         want = pimhbm.verify(jnp.asarray(ps[k]), table, chunk * ps[k].itemsize)
@@ -346,6 +347,9 @@ def test_the_prechecks_are_verify_and_the_squares_of_the_gradients(rng, dtype):
         assert np.asarray(b).tolist() == per_chunk(bad, chunk).tolist(), k
     assert sum(int(np.sum(b)) for b in nonfinite) == sum(min(5, ps[k].size) for k in keys)
     assert sum(int(np.sum(d)) for d in damaged) > 0  # the flips were found
+    # The call's totals are the maps' sums (the verdict reads only them).
+    assert np.asarray(counts).tolist() == [sum(int(np.sum(d)) for d in damaged),
+                                           sum(int(np.sum(b)) for b in nonfinite)]
 
 
 def test_the_prechecks_refuse_a_table_of_another_chunk_size():
@@ -453,12 +457,11 @@ def test_the_compiled_update_is_in_place_with_no_conditional_and_no_host_transfe
     assert bool(report.committed) and pimhbm._core.unaliased_copies() == before
 
 
-def test_inside_shard_map_the_checks_totals_are_one_reduction_whatever_the_leaves(rng):
-    """The verdict's counts inside shard_map: one reduction over the concatenated per-chunk
-    maps. XLA rewrites a sum of a concatenation as a sum of each part (on a GPU a launch a
-    leaf); the number of reductions in the compiled update must not grow with the leaves.
-    Control: under plain jit the counts are a sum a leaf (sharded maps are not gathered), and
-    there it grows."""
+def test_the_verdicts_counts_come_from_the_checks_call_whatever_the_leaves(rng, monkeypatch):
+    """The verdict's counts are the checks' own totals (summed by their kernel): the compiled
+    update holds as many reductions for 9 leaves as for 3, inside shard_map and under plain jit
+    (XLA would run a reduction of per-leaf maps as one launch a leaf, every step). Control: the
+    counts summed from the maps, leaf by leaf, grow with the leaves."""
     from jax.sharding import Mesh, PartitionSpec as P
     mesh = Mesh(np.array(jax.devices("cpu")[:1]), ("dp",))
     opt, dtype = make("fp32")
@@ -473,8 +476,16 @@ def test_inside_shard_map_the_checks_totals_are_one_reduction_whatever_the_leave
         hlo = jax.jit(update).lower(grads, state).compile().as_text()
         return len(re.findall(r"\breduce\(", hlo))
 
-    assert reductions(3, True) == reductions(9, True)
-    assert reductions(9, False) >= reductions(3, False) + 6  # the control: a sum a leaf
+    for in_shard_map in (True, False):
+        assert reductions(3, in_shard_map) == reductions(9, in_shard_map), in_shard_map
+    seeing = inplace.prechecks
+
+    def summed_per_leaf(params, tables, grads, chunk_elems):
+        damaged, nonfinite, _ = seeing(params, tables, grads, chunk_elems)
+        total = lambda maps: sum((jnp.sum(m, dtype=jnp.int32) for m in maps), jnp.int32(0))
+        return inplace.Prechecks(damaged, nonfinite, jnp.stack([total(damaged), total(nonfinite)]))
+    monkeypatch.setattr(inplace, "prechecks", summed_per_leaf)
+    assert reductions(9, False) >= reductions(3, False) + 6
 
 
 def test_the_verdict_is_global_across_devices(rng):

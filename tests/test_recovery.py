@@ -677,45 +677,59 @@ def test_a_gradient_fault_hidden_in_a_poisoned_gradient_is_detected_not_located(
                    "overwritten": 0}
 
 
-def test_first_nonzero_is_jnp_nonzero_without_a_scatter(rng):
-    """The fault lists of every step: the same entries as jnp.nonzero(size=k), in a program with
-    no scatter and no sort (under XLA's deterministic ops on GPUs a scatter becomes sorts of the
-    whole array, every step)."""
-    from pimhbm.recovery import first_nonzero
+def test_a_fault_list_is_the_first_non_zero_entries_of_the_concatenated_maps(rng):
+    """One pimhbm_fault_list call against NumPy on fresh random maps: no leaf, one, many (more
+    than one counting launch holds on a GPU), ragged sizes across its ranges of 8192 entries,
+    densities from none to all, lists shorter and longer than the entries; its counts are the
+    maps' non-zero entries and the sum of their values (saturating at int32's largest)."""
+    from pimhbm.recovery.summary import listed
 
-    for n in (1, 2, 63, 64, 65, 1000, int(rng.integers(2000, 300000))):
-        for density in (0.0, 1e-4, 0.01, 0.5, 1.0):
-            x = np.where(rng.random(n) < density, rng.integers(1, 1 << 20, n), 0).astype(np.int32)
+    int32_max = np.iinfo(np.int32).max
+    for leaves, largest in ((0, 1), (1, 40000), (5, 20000), (300, 60)):
+        for density in (0.0, 1e-4, 0.01, 1.0):
+            sizes = rng.integers(0, largest + 1, leaves)
+            maps = [np.where(rng.random(n) < density, rng.integers(1, 1 << 20, n), 0)
+                    .astype(np.int32) for n in sizes]
+            flat = np.concatenate(maps) if maps else np.zeros((0,), np.int32)
+            where = np.flatnonzero(flat)
             for k in (1, 7, 64):
-                got = np.asarray(first_nonzero(jnp.asarray(x), k))
-                want = np.asarray(jnp.nonzero(x, size=k, fill_value=-1)[0])
-                assert got.tolist() == want.tolist(), (n, density, k)
-    assert np.asarray(first_nonzero(jnp.zeros((0,), jnp.int32), 3)).tolist() == [-1, -1, -1]
-    hlo = jax.jit(first_nonzero, static_argnums=1).lower(
-        jax.ShapeDtypeStruct((123000,), jnp.int32), 64).compile().as_text()
-    assert re.findall(r"\b(scatter|sort)\(", hlo) == []
+                got = jax.jit(lambda ms: listed(ms, k))([jnp.asarray(m) for m in maps])
+                want = np.full(k, -1)
+                want[:min(k, where.size)] = where[:k]
+                what = (leaves, density, k)
+                assert np.asarray(got.faults.index).tolist() == want.tolist(), what
+                assert np.asarray(got.faults.value).tolist() == np.where(
+                    want >= 0, flat[np.maximum(want, 0)] if flat.size else 0, 0).tolist(), what
+                assert int(got.nonzero) == where.size, what
+                assert int(got.total) == min(int(flat.sum(dtype=np.int64)), int32_max), what
 
 
-def test_a_step_summary_reduces_the_concatenated_maps_once_whatever_the_leaves():
-    """The step's summary counts and lists faults over every leaf's map with one reduction
-    each: the number of reductions does not grow with the leaves (XLA would split a reduction
-    of a concatenation into one a leaf: on a GPU a launch each, every step)."""
+def test_a_step_summary_has_no_reduction_or_concatenation_of_the_maps_whatever_the_leaves():
+    """The step's summary counts and lists faults over every leaf's map by one call a list: the
+    compiled summary holds no reduction and no concatenation, for 2 leaves as for 7 (XLA would
+    run a reduction of a concatenation as one launch a leaf, every step). Control: the regexes
+    find the reductions and the concatenation of a summary that sums the maps itself."""
     from types import SimpleNamespace
     from pimhbm.recovery.summary import inplace_summary
 
-    def reductions(leaves: int) -> int:
+    def ops(leaves: int, summed: bool = False) -> list[str]:
         maps = {f"w{i}": jnp.zeros((100 + 3 * i,), jnp.int32) for i in range(leaves)}
         treedef = jax.tree.structure(maps)
 
         def summary(faults, grads):
             report = SimpleNamespace(applied=jnp.bool_(True), digest_faults=jnp.int32(0),
                                      fault_maps=faults, grad_nonfinite_maps=grads)
-            return inplace_summary(report, treedef, 8, [])
+            out = inplace_summary(report, treedef, 8, [])
+            if summed:
+                flat = jnp.concatenate([m for m in jax.tree.leaves(grads)])
+                out = out._replace(grad_nonfinite=jnp.sum(flat, dtype=jnp.int32))
+            return out
 
         hlo = jax.jit(summary).lower(maps, maps).compile().as_text()
-        return len(re.findall(r"\breduce\(", hlo))
+        return re.findall(r"\b(reduce|concatenate)\(", hlo)
 
-    assert reductions(2) == reductions(7)
+    assert ops(2) == [] and ops(7) == []
+    assert "reduce" in ops(7, summed=True)
 
 
 def test_a_step_that_fails_on_every_replay_stops_the_run_with_a_clear_error(shm_name):

@@ -190,12 +190,14 @@ def test_a_shard_updated_with_its_chunk_base_is_the_wholes_shard(rng, kind):
     groups = slice(chunks.start // GROUP, chunks.stop // GROUP)
     base = jnp.asarray([chunks.start], jnp.int32)
     tables = state.digests["w"]
-    damaged, nonfinite = inplace_calls._precheck_ffi(
+    damaged, nonfinite, counts = inplace_calls._precheck_ffi(
         [params["w"][rows]], [tables["p"][chunks]], [g[rows]], [base], CHUNK)
     assert not np.asarray(damaged).any() and not np.asarray(nonfinite).any()
-    unbased, _ = inplace_calls._precheck_ffi(
+    assert not np.asarray(counts).any()
+    unbased, _, counts = inplace_calls._precheck_ffi(
         [params["w"][rows]], [tables["p"][chunks]], [g[rows]], [jnp.zeros(1, jnp.int32)], CHUNK)
     assert np.asarray(unbased).all()  # the control: keyed by the shard's own chunk numbers
+    assert np.asarray(counts).tolist() == [[unbased.size, 0], [0, 0]]
 
     leaf = {k: getattr(state, f)["w"][rows] for k, f in
             (("p", "params"), ("mu", "mu"), ("nu", "nu"), ("master", "master"))

@@ -8,6 +8,8 @@
 //                 chunk_elems * sizeof(p) bytes), else 0 -- as scan.h's verify
 //   nonfinite[c]  gradient values g of the chunk with float(g) * float(g) not finite (NaN or
 //                 infinite g, or |g| so large that AdamW's second moment overflows)
+// and, over every leaf of the call, totals[0] the damaged chunks and totals[1] the non-finite
+// values: the verdict needs only these, so no reduction of the maps follows the call.
 #pragma once
 
 #include <cstddef>
@@ -21,6 +23,8 @@
 #endif
 
 namespace pimhbm::update {
+
+inline constexpr int kPrecheckTotals = 2;  // damaged chunks, non-finite gradient values
 
 struct PrecheckLeaf {
   int64_t n = 0;
@@ -61,11 +65,12 @@ PIMHBM_HD bool square_nonfinite(uint32_t bits, bool bf16) {
 }
 
 // CPU reference.
-void precheck_cpu(const PrecheckLeaf* leaves, size_t count);
+void precheck_cpu(const PrecheckLeaf* leaves, size_t count, uint64_t* totals);
 
 #if defined(PIMHBM_WITH_CUDA)
 // The same results, bit for bit; p and g must be 16-byte aligned (the handler checks).
-cudaError_t precheck_cuda(const PrecheckLeaf* leaves, size_t count, cudaStream_t stream);
+cudaError_t precheck_cuda(const PrecheckLeaf* leaves, size_t count, uint64_t* totals,
+                          cudaStream_t stream);
 #endif
 
 }  // namespace pimhbm::update

@@ -6,7 +6,8 @@
 
 namespace pimhbm::update {
 
-void precheck_cpu(const PrecheckLeaf* leaves, size_t count) {
+void precheck_cpu(const PrecheckLeaf* leaves, size_t count, uint64_t* totals) {
+  totals[0] = totals[1] = 0;
   for (size_t i = 0; i < count; ++i) {
     const PrecheckLeaf& L = leaves[i];
     const int64_t size = L.bf16 ? 2 : 4;
@@ -23,6 +24,8 @@ void precheck_cpu(const PrecheckLeaf* leaves, size_t count) {
         bad += square_nonfinite(bits, L.bf16) ? 1 : 0;
       }
       L.nonfinite[c] = bad;
+      totals[0] += static_cast<uint64_t>(L.damaged[c]);
+      totals[1] += static_cast<uint64_t>(bad);
     }
   }
 }

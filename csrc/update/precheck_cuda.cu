@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cub/block/block_reduce.cuh>
 
 #include "pimhbm/cuda_check.h"
 #include "pimhbm/digest.h"
@@ -64,12 +65,19 @@ __device__ __forceinline__ int32_t nonfinite_squares(const uint4 v) {
   return bad;
 }
 
+// What a thread found in the chunks it wrote, for the call's totals.
+struct Found {
+  unsigned long long damaged = 0;
+  unsigned long long nonfinite = 0;
+};
+
 // Chunk c of leaf L, by the kSegment lanes of a segment (`part`: the lane's place in it); the
-// segment's first lane writes its two results. Past the leaf's chunks (`c` >= chunks) the lanes
-// only take part in the sums.
+// segment's first lane writes its two results and counts them in `found`. Past the leaf's
+// chunks (`c` >= chunks) the lanes only take part in the sums.
 template <bool kBF16>
 __device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, int64_t chunks,
-                                            int part, const uint4 (&muls)[kMulVectors]) {
+                                            int part, const uint4 (&muls)[kMulVectors],
+                                            Found& found) {
   constexpr int64_t kSize = kBF16 ? 2 : 4;
   const int64_t first = c * L.chunk_elems;
   const int64_t len = c < chunks ? min(L.chunk_elems, L.n - first) * kSize : 0;
@@ -118,14 +126,23 @@ __device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, in
   bad = segment_sum(bad);
   if (part == 0 && c < chunks) {
     const uint64_t d = finalize(acc, static_cast<uint64_t>(len), key_chunk);
-    L.damaged[c] = d != digest_join(L.d_p[2 * c], L.d_p[2 * c + 1]) ? 1 : 0;
+    const int32_t damaged = d != digest_join(L.d_p[2 * c], L.d_p[2 * c + 1]) ? 1 : 0;
+    L.damaged[c] = damaged;
     L.nonfinite[c] = bad;
+    found.damaged += static_cast<unsigned long long>(damaged);
+    found.nonfinite += static_cast<unsigned long long>(bad);
   }
 }
 
-// Every warp takes every warps-th run of four chunks of each leaf in turn.
-__global__ void __launch_bounds__(32 * kWarps) precheck_kernel(const __grid_constant__ Table T) {
+using Reduce = cub::BlockReduce<unsigned long long, 32 * kWarps>;
+
+// Every warp takes every warps-th run of four chunks of each leaf in turn; then the block's
+// counts go into the totals, two atomics a block.
+__global__ void __launch_bounds__(32 * kWarps) precheck_kernel(const __grid_constant__ Table T,
+                                                               unsigned long long* totals) {
   __shared__ uint4 muls[kMulVectors];
+  __shared__ typename Reduce::TempStorage temp;
+  Found found;
   fill_word_muls(muls);
   constexpr int kPerWarp = 32 / kSegment;
   const int lane = threadIdx.x & 31;
@@ -137,26 +154,38 @@ __global__ void __launch_bounds__(32 * kWarps) precheck_kernel(const __grid_cons
     for (int64_t c0 = kPerWarp * warp; c0 < chunks; c0 += kPerWarp * warps) {
       const int64_t c = c0 + lane / kSegment;
       if (L.bf16) {
-        check_chunk<true>(L, c, chunks, lane % kSegment, muls);
+        check_chunk<true>(L, c, chunks, lane % kSegment, muls, found);
       } else {
-        check_chunk<false>(L, c, chunks, lane % kSegment, muls);
+        check_chunk<false>(L, c, chunks, lane % kSegment, muls, found);
       }
     }
   }
+  const unsigned long long damaged = Reduce(temp).Sum(found.damaged);
+  __syncthreads();
+  const unsigned long long nonfinite = Reduce(temp).Sum(found.nonfinite);
+  if (threadIdx.x == 0) {
+    if (damaged != 0) atomicAdd(&totals[0], damaged);
+    if (nonfinite != 0) atomicAdd(&totals[1], nonfinite);
+  }
 }
 
-cudaError_t launch(const Table& T, int64_t chunks, cudaStream_t stream) {
+cudaError_t launch(const Table& T, int64_t chunks, unsigned long long* totals,
+                   cudaStream_t stream) {
   const int64_t warps = (chunks + 32 / kSegment - 1) / (32 / kSegment);
   const int blocks = static_cast<int>(std::min<int64_t>((warps + kWarps - 1) / kWarps, kMaxBlocks));
   if (blocks == 0) return cudaSuccess;
-  precheck_kernel<<<blocks, 32 * kWarps, 0, stream>>>(T);
+  precheck_kernel<<<blocks, 32 * kWarps, 0, stream>>>(T, totals);
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
   return cudaSuccess;
 }
 
 }  // namespace
 
-cudaError_t precheck_cuda(const PrecheckLeaf* leaves, size_t count, cudaStream_t stream) {
+cudaError_t precheck_cuda(const PrecheckLeaf* leaves, size_t count, uint64_t* totals,
+                          cudaStream_t stream) {
+  PIMHBM_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(totals, 0, kPrecheckTotals * sizeof(uint64_t), stream));
+  auto* sums = reinterpret_cast<unsigned long long*>(totals);
   Table T{};
   int64_t chunks = 0;
   for (size_t i = 0; i < count; ++i) {
@@ -164,11 +193,11 @@ cudaError_t precheck_cuda(const PrecheckLeaf* leaves, size_t count, cudaStream_t
     T.leaf[T.count++] = leaves[i];
     chunks = std::max(chunks, precheck_chunks(leaves[i]));
     if (T.count == kMaxLeaves) {
-      PIMHBM_CUDA_RETURN_IF_ERROR(launch(T, chunks, stream));
+      PIMHBM_CUDA_RETURN_IF_ERROR(launch(T, chunks, sums, stream));
       T.count = 0, chunks = 0;
     }
   }
-  return T.count > 0 ? launch(T, chunks, stream) : cudaSuccess;
+  return T.count > 0 ? launch(T, chunks, sums, stream) : cudaSuccess;
 }
 
 }  // namespace pimhbm::update

@@ -11,7 +11,7 @@ using ffi_util::check_buffer;
 using ffi_util::invalid;
 
 ffi::Error launch(ffi_util::OnCpu, const PrecheckCall& c) {
-  precheck_cpu(c.leaves.data(), c.leaves.size());
+  precheck_cpu(c.leaves.data(), c.leaves.size(), c.totals);
   return ffi::Error::Success();
 }
 
@@ -64,18 +64,23 @@ ffi::ErrorOr<PrecheckLeaf> leaf_at(const ffi::RemainingArgs& args, const ffi::Re
   return L;
 }
 
-// leaves (p, d_p, g, chunk_base)... -> leaves (damaged, nonfinite)...
+// leaves (p, d_p, g, chunk_base)... -> leaves (damaged, nonfinite)..., totals
 template <typename Platform>
 ffi::Error precheck_handler(Platform on, ffi::RemainingArgs args, ffi::RemainingRets rets,
                             int64_t chunk_elems) {
   PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_chunk_size(kOp, "chunk_elems", chunk_elems));
   const size_t n = args.size() / kPrecheckLeafOperands;
-  if (args.size() % kPrecheckLeafOperands != 0 || rets.size() != n * kPrecheckLeafResults) {
+  if (args.size() % kPrecheckLeafOperands != 0 || rets.size() != n * kPrecheckLeafResults + 1) {
     return invalid(kOp, "expected 4 operands (p, its digests, the gradient, chunk_base) and 2 "
-                        "results a leaf; got " + std::to_string(args.size()) + " and " +
-                        std::to_string(rets.size()));
+                        "results a leaf, then the totals; got " + std::to_string(args.size()) +
+                        " operands and " + std::to_string(rets.size()) + " results");
   }
+  auto totals = rets.get<ffi::AnyBuffer>(n * kPrecheckLeafResults);
+  if (!totals) return invalid(kOp, "the totals are not a buffer");
+  PIMHBM_FFI_RETURN_IF_ERROR(
+      check_buffer(kOp, "totals", **totals, ffi::DataType::U32, 2 * kPrecheckTotals));
   PrecheckCall call;
+  call.totals = static_cast<uint64_t*>((*totals)->untyped_data());
   for (size_t i = 0; i < n; ++i) {
     ffi::ErrorOr<PrecheckLeaf> leaf = leaf_at(args, rets, i, chunk_elems);
     if (leaf.has_error()) {

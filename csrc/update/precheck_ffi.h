@@ -3,7 +3,8 @@
 //
 // Operands: for each leaf, p (float32 or bfloat16), p's digest table (uint32 (chunks, 2)), the
 // gradient (p's dtype and size) and chunk_base (int32 (1,), precheck.h). Results: for each leaf,
-// damaged and nonfinite, int32 (chunks,) each (precheck.h). Attribute: chunk_elems.
+// damaged and nonfinite, int32 (chunks,) each; after the leaves', the totals, uint32 (2, 2): two
+// 64-bit counters as low and high words (precheck.h). Attribute: chunk_elems.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +23,7 @@ inline constexpr int kPrecheckLeafResults = 2;   // damaged, nonfinite
 
 struct PrecheckCall {
   std::vector<PrecheckLeaf> leaves;
+  uint64_t* totals;  // kPrecheckTotals counters
 };
 
 PIMHBM_FFI_DECLARE_LAUNCHES(PrecheckCall);

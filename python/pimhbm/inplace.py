@@ -36,8 +36,8 @@ import numpy as np
 
 from pimhbm import parity
 from pimhbm._ffi import ensure_registered
-from pimhbm.inplace_calls import (Stash, leaf_operands, prechecks, redo_call, saturated,
-                                  update_call)
+from pimhbm.inplace_calls import (Prechecks, Stash, leaf_operands, prechecks, redo_call,
+                                  saturated, update_call)
 from pimhbm.inplace_calls import layout as inplace_layout
 from pimhbm.repair import NOT_LISTED, REPAIRED
 from pimhbm.scan import scan
@@ -233,10 +233,10 @@ class AdamW:
         flat_grads = treedef.flatten_up_to(grads)
 
         # Before any write: the parameters as the backward pass read them, the gradients.
-        p_faults, g_bad, flat_grads = self._prechecks(leaves, tables, flat_grads)
+        checked, flat_grads = self._prechecks(leaves, tables, flat_grads)
+        p_faults, g_bad, local = checked
         if before_writes is not None:
             flat_grads = before_writes(flat_grads)
-        local = jnp.stack([_total(p_faults, axis_name), _total(g_bad, axis_name)])
         hold = (local != 0).any() | ~jnp.all(jnp.isfinite(scalars)) | (scalars[1] <= 0) | (scalars[2] <= 0)
         if gate is not None:
             hold |= ~jnp.asarray(gate, jnp.bool_)
@@ -268,12 +268,12 @@ class AdamW:
         return new_state, report
 
     def _prechecks(self, leaves: list[dict], tables: list[dict], grads: list[jax.Array]
-                   ) -> tuple[list[jax.Array], list[jax.Array], list[jax.Array]]:
-        """Per leaf, p's damaged chunks and the gradient's nonfinite counts; and the gradients
-        the update reads (the same here; a variant that orders its checks by barriers hands on
-        the barriers' outputs: bench/check_order.py)."""
+                   ) -> tuple[Prechecks, list[jax.Array]]:
+        """Per leaf, p's damaged chunks and the gradient's nonfinite counts, with their totals;
+        and the gradients the update reads (the same here; a variant that orders its checks by
+        barriers hands on the barriers' outputs: bench/check_order.py)."""
         params, p_tables = [leaf["p"] for leaf in leaves], [t["p"] for t in tables]
-        return (*prechecks(params, p_tables, grads, self.chunk_elems), grads)
+        return prechecks(params, p_tables, grads, self.chunk_elems), grads
 
     def _state_from(self, outs: list[dict], treedef, has_master: bool, has_parity: bool,
                     step_copies: jax.Array) -> AdamWState:
@@ -399,25 +399,6 @@ def _first_marked(marked: jax.Array, k: int) -> jax.Array:
         left = jnp.where(left == first, n, left)
     listed = jnp.stack(found) if found else jnp.zeros((0,), jnp.int32)
     return jnp.where(listed < n, listed, -1).astype(jnp.int32)
-
-
-def concatenated(maps: list[jax.Array]) -> jax.Array:
-    """Per-chunk maps as one vector, kept whole by an optimization barrier: XLA rewrites a
-    reduction of a concatenation as a reduction of each part (on a GPU a launch a leaf, ~40 a
-    step at the 8B layer: bench/NOTES.md). For maps that are a device's own (inside
-    shard_map): under plain jit a leaf's map is sharded as the leaf is, and a concatenation
-    would gather them."""
-    if not maps:
-        return jnp.zeros((0,), jnp.int32)
-    return jax.lax.optimization_barrier(jnp.concatenate([m.reshape(-1) for m in maps]))
-
-
-def _total(maps: list[jax.Array], axis_name: str | None) -> jax.Array:
-    """int32: the sum of per-chunk maps: one reduction inside shard_map (``axis_name``), a sum
-    a leaf under plain jit (see ``concatenated``)."""
-    if axis_name is not None:
-        return jnp.sum(concatenated(maps), dtype=jnp.int32)
-    return sum((jnp.sum(m, dtype=jnp.int32) for m in maps), jnp.int32(0))
 
 
 def _laid_out(x: jax.Array, sharding: Any) -> jax.Array:

@@ -65,22 +65,38 @@ def _whole_base() -> jax.Array:
 
 # -- the checks before the update ---------------------------------------------------------------
 
+class Prechecks(NamedTuple):
+    """What the update checks before its first write: per leaf, int32 per chunk, 1 where p no
+    longer matches its digest table and the number of gradient values whose square is not
+    finite; and the call's totals of both (int32 (2,), saturating), summed by the kernel."""
+
+    damaged: list[jax.Array]
+    nonfinite: list[jax.Array]
+    counts: jax.Array
+
+
 def _precheck_ffi(params, tables, grads, bases, chunk_elems):
+    """The maps of every leaf (damaged, nonfinite, ...) and the totals (uint32 (2, 2))."""
     args, out_types = [], []
     for p, table, g, base in zip(params, tables, grads, bases):
         args += [p, table, g, base]
         out_types += [jax.ShapeDtypeStruct((table.shape[0],), jnp.int32)] * 2
+    out_types.append(jax.ShapeDtypeStruct((_PRECHECK_TOTALS, 2), jnp.uint32))
     return tuple(unbatched_call("pimhbm_inplace_precheck", out_types, NO_VMAP)(
         *args, chunk_elems=np.int64(chunk_elems)))
 
 
+_PRECHECK_TOTALS = 2  # damaged chunks, non-finite gradient values (csrc/update/precheck.h)
+
+
 def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.Array],
-              chunk_elems: int) -> tuple[list[jax.Array], list[jax.Array]]:
+              chunk_elems: int) -> Prechecks:
     """What the update checks before its first write, in one pass over p and g (one
-    pimhbm_inplace_precheck call for every leaf). Per leaf, int32 per chunk of ``chunk_elems``
-    elements: 1 where p no longer matches its digest table (as :func:`pimhbm.verify`), and the
+    pimhbm_inplace_precheck call for every leaf): per leaf, per chunk of ``chunk_elems``
+    elements, whether p no longer matches its digest table (as :func:`pimhbm.verify`) and the
     number of gradient values whose float32 square is not finite (NaN, infinite, or so large
-    that the second moment would overflow)."""
+    that the second moment would overflow); and the totals of both over every leaf. Per shard
+    under a mesh: the totals summed over each leaf's mesh axes, as the update's are."""
     ensure_registered()
     for i, (p, table, g) in enumerate(zip(params, tables, grads, strict=True)):
         chunks = -(-p.size // chunk_elems)
@@ -94,22 +110,32 @@ def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.
                              f"{table.dtype}{tuple(table.shape)}")
     n = len(params)
     if not n:
-        return [], []
+        return Prechecks([], [], jnp.zeros((_PRECHECK_TOTALS,), jnp.int32))
     leaves = [Leaf(tuple(p.shape), chunk_elems) for p in params]
 
     def whole(*flat):
         return _precheck_ffi(flat[0::3], flat[1::3], flat[2::3], [_whole_base()] * n, chunk_elems)
 
     def lower(plan: Plan, *flat):
-        bases = [plan.chunk_base(leaves, i) for i in range(n)]
-        return _precheck_ffi(flat[0::3], flat[1::3], flat[2::3], bases, chunk_elems)
+        maps, counts = [None] * (2 * n), jnp.zeros((_PRECHECK_TOTALS,), jnp.int32)
+        by_axes: dict[Any, list[int]] = {}
+        for i in range(n):
+            by_axes.setdefault(plan.axes[i], []).append(i)
+        for axes, idx in by_axes.items():
+            outs = _precheck_ffi([flat[3 * i] for i in idx], [flat[3 * i + 1] for i in idx],
+                                 [flat[3 * i + 2] for i in idx],
+                                 [plan.chunk_base(leaves, i) for i in idx], chunk_elems)
+            for j, i in enumerate(idx):
+                maps[2 * i], maps[2 * i + 1] = outs[2 * j], outs[2 * j + 1]
+            counts = _saturating_add(counts, _summed(saturated(outs[-1]), plan, axes, idx))
+        return (*maps, _words(counts))
 
     operands = [Arg(role, i) for i in range(n) for role in (Role.ELEMS, Role.CHUNKS, Role.ELEMS)]
-    results = [Arg(Role.CHUNKS, i) for i in range(n) for _ in range(2)]
+    results = [Arg(Role.CHUNKS, i) for i in range(n) for _ in range(2)] + [WHOLE]
     op = partitioned(whole, lower, leaves, operands, results,
                      no_vmap=f"pimhbm_inplace_precheck cannot be vmapped: {NO_VMAP}")
     outs = op(*[x for triple in zip(params, tables, grads) for x in triple])
-    return list(outs[0::2]), list(outs[1::2])
+    return Prechecks(list(outs[0:-1:2]), list(outs[1:-1:2]), saturated(outs[-1]))
 
 
 # -- the update and the redo ----------------------------------------------------------------------
@@ -241,10 +267,7 @@ def redo_call(scalars: jax.Array, stash: Stash, leaf_ops: list[dict], attrs: dic
                                          bases, attrs, tail)
             for i, r in zip(idx, part):
                 results[i] = r
-            counts = saturated(words)
-            if axes is not None:
-                counts = jax.lax.psum(jnp.minimum(counts, _INT32_MAX // plan.shards(idx[0])), axes)
-            totals = _saturating_add(totals, counts)
+            totals = _saturating_add(totals, _summed(saturated(words), plan, axes, idx))
         return results, [_words(totals)]
 
     res, (totals,) = _leafwise("pimhbm_adamw_redo", [scalars, stash.rows, stash.index], leaf_ops,
@@ -265,6 +288,14 @@ def _local_rows(index: jax.Array, idx: list[int], bases: jax.Array, limits: list
     mine = (index[:, 0] >= 0) & (j >= 0) & (chunk >= 0) & (chunk < jnp.asarray(limits)[k])
     unused = jnp.asarray([-1, -1, 0], jnp.int32)
     return jnp.where(mine[:, None], jnp.stack([j, chunk, index[:, 2]], axis=1), unused)
+
+
+def _summed(counts: jax.Array, plan: Plan, axes, idx: list[int]) -> jax.Array:
+    """A per-shard call's int32 counts summed over its leaves' mesh axes (none: whole leaves,
+    the same counts on every device), saturating."""
+    if axes is None:
+        return counts
+    return jax.lax.psum(jnp.minimum(counts, _INT32_MAX // plan.shards(idx[0])), axes)
 
 
 def _saturating_add(a: jax.Array, b: jax.Array) -> jax.Array:

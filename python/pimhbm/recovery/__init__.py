@@ -35,10 +35,9 @@ from pimhbm.recovery.events import (Action, DeviceFailure, Incident, IncidentKin
                                     PersistentFault, RunStats)
 from pimhbm.recovery.layout import ChunkRef, Damage
 from pimhbm.recovery.placement import Transport, fsdp_spec
-from pimhbm.recovery.summary import first_nonzero
 from pimhbm.recovery.traced import TrainState
 from pimhbm.recovery.trainer import Trainer
 
 __all__ = ["Action", "ChunkRef", "Damage", "DeviceFailure", "Incident", "IncidentKind",
-           "PersistentFault", "RunStats", "Trainer", "TrainState", "Transport", "first_nonzero",
+           "PersistentFault", "RunStats", "Trainer", "TrainState", "Transport",
            "fsdp_spec"]

@@ -1,51 +1,27 @@
 """What a step (or a scrub) leaves on the device for the host, and what the host reads in it.
 
 In the programs: a :class:`StepSummary` per device -- the verdict, its counts, and the first
-``capacity`` entries of its fault maps -- built from the update's report without a scatter or a
-sort. On the host, one step later: :func:`decode_step` turns the fetched summary (a row per
-device) into a :class:`StepReport` of located chunks; :func:`merge` joins the reports of a
-skipped step and of those halted behind it into the one :class:`FaultReport` a repair plans
-from.
+``capacity`` entries of its fault maps -- built from the update's report by one
+pimhbm_fault_list call a list (csrc/summary/fault_list.h): no scatter, no sort, no
+concatenation of the per-leaf maps and no reduction of them around the call. On the host, one
+step later: :func:`decode_step` turns the fetched summary (a row per device) into a
+:class:`StepReport` of located chunks; :func:`merge` joins the reports of a skipped step and of
+those halted behind it into the one :class:`FaultReport` a repair plans from.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pimhbm.inplace import concatenated
+from pimhbm import _core
+from pimhbm._ffi import ensure_registered, unbatched_call
+from pimhbm.inplace_calls import saturated
 from pimhbm.recovery.layout import ChunkDamage, ChunkRef, Damage, StateLayout
-
-
-def first_nonzero(flat: jax.Array, k: int) -> jax.Array:
-    """int32[k]: the positions of the first k non-zero entries of ``flat`` in order, -1 past the
-    last. As ``jnp.nonzero(flat, size=k, fill_value=-1)``, without its scatter: under XLA's
-    deterministic ops a scatter becomes sorts of the whole array (~0.7 ms each for the ~10^5
-    chunks of 2 Llama-3-8B layers, on every step). Entry j is where the running count of
-    non-zeros first reaches j + 1, found in two levels so that the map is read once: the block
-    of ``_BLOCK`` entries where the count reaches j + 1 (k comparisons a block), then the place
-    in that block (k x _BLOCK). One level (k x n comparisons) read the map k times."""
-    n = flat.shape[0]
-    if n == 0:
-        return jnp.full((k,), -1, jnp.int32)
-    blocks = -(-n // _BLOCK)
-    nz = jnp.pad((flat != 0).astype(jnp.int32), (0, blocks * _BLOCK - n)).reshape(blocks, _BLOCK)
-    per_block = jnp.sum(nz, axis=1, dtype=jnp.int32)
-    through = jnp.cumsum(per_block)  # non-zeros up to each block's end
-    target = jnp.arange(1, k + 1, dtype=jnp.int32)
-    block = jnp.searchsorted(through, target, side="left", method="compare_all")
-    found = block < blocks  # fewer than j + 1 non-zeros in all: -1
-    block = jnp.minimum(block, blocks - 1)
-    before = through[block] - per_block[block]  # non-zeros before the block
-    within = jnp.cumsum(nz[block], axis=1)  # (k, _BLOCK): running counts inside each block
-    place = jnp.sum(within < (target - before)[:, None], axis=1, dtype=jnp.int32)
-    return jnp.where(found, block * _BLOCK + place, -1).astype(jnp.int32)
-
-
-_BLOCK = 1024  # entries a block in first_nonzero's first level
 
 
 class FaultList(NamedTuple):
@@ -73,14 +49,36 @@ class ScrubSummary(NamedTuple):
     faults: FaultList  # value: Damage bits (the device copy's shifted by 4)
 
 
-def fault_list(maps: list[jax.Array] | jax.Array, capacity: int) -> FaultList:
-    """The first ``capacity`` non-zero entries of the concatenated per-leaf ``maps`` (or of
-    their concatenation, flat)."""
-    flat_maps = maps if isinstance(maps, jax.Array) else concatenated(maps)
-    idx = first_nonzero(flat_maps, capacity)
-    if flat_maps.shape[0] == 0:  # no map (no replicas to disagree): an empty list
-        return FaultList(idx, jnp.zeros((capacity,), jnp.int32))
-    return FaultList(idx, jnp.where(idx >= 0, flat_maps[jnp.maximum(idx, 0)], 0))
+class Listed(NamedTuple):
+    """A fault list and the counts of its maps, from one pimhbm_fault_list call."""
+
+    faults: FaultList
+    nonzero: jax.Array  # int32: the maps' non-zero entries (saturating)
+    total: jax.Array  # int32: the sum of their values (saturating)
+
+
+def listed(maps: list[jax.Array], capacity: int) -> Listed:
+    """The first ``capacity`` non-zero entries of the per-leaf int32 ``maps`` read one after
+    another (positions in that concatenation, in order), with their counts: one
+    pimhbm_fault_list call, whatever the number of leaves. For maps that are a device's own
+    (inside shard_map): under plain jit the call would gather sharded maps."""
+    ensure_registered()
+    lay = _core.fault_list_layout()
+    rows = sum(-(-math.prod(m.shape) // lay["range_entries"]) for m in maps)
+    out_types = [jax.ShapeDtypeStruct((capacity,), jnp.int32)] * 2 + [
+        jax.ShapeDtypeStruct((lay["totals"], 2), jnp.uint32),
+        jax.ShapeDtypeStruct((rows * lay["range_bytes"],), jnp.uint8)]
+    index, value, totals, _ = unbatched_call("pimhbm_fault_list", out_types, _NO_VMAP)(*maps)
+    counts = saturated(totals)
+    return Listed(FaultList(index, value), counts[0], counts[1])
+
+
+_NO_VMAP = "a step's fault list is one device's, of one step (list each member's maps alone)"
+
+
+def fault_list(maps: list[jax.Array], capacity: int) -> FaultList:
+    """The first ``capacity`` non-zero entries of the per-leaf ``maps`` (see :func:`listed`)."""
+    return listed(maps, capacity).faults
 
 
 def step_summary(report: Any, treedef: Any, capacity: int,
@@ -98,14 +96,14 @@ def step_summary(report: Any, treedef: Any, capacity: int,
 def inplace_summary(report: Any, treedef: Any, capacity: int,
                     disagree: list[jax.Array]) -> StepSummary:
     """The same for an in-place update's report (pimhbm.inplace.UpdateReport): committed when
-    it ran and no device found damage; this device's counts from its own maps."""
-    faults = concatenated(treedef.flatten_up_to(report.fault_maps))
-    grads = concatenated(treedef.flatten_up_to(report.grad_nonfinite_maps))
+    it ran and no device found damage; this device's counts from its own maps, by the lists'
+    calls."""
+    faults = listed(treedef.flatten_up_to(report.fault_maps), capacity)
+    grads = listed(treedef.flatten_up_to(report.grad_nonfinite_maps), capacity)
     return StepSummary(
         (report.applied & (report.digest_faults == 0)).astype(jnp.int32),
-        report.applied.astype(jnp.int32), jnp.sum(grads, dtype=jnp.int32),
-        jnp.sum(faults != 0, dtype=jnp.int32),
-        fault_list(faults, capacity), fault_list(grads, capacity), fault_list(disagree, capacity))
+        report.applied.astype(jnp.int32), grads.total, faults.nonzero, faults.faults,
+        grads.faults, fault_list(disagree, capacity))
 
 
 # -- on the host ---------------------------------------------------------------------------------
