@@ -26,10 +26,11 @@ import re
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Var
 
 from pimhbm import inplace
-from pimhbm.inplace_calls import prechecks
+from pimhbm.inplace_calls import Prechecks, _saturating_add, prechecks
 
 CHECK = "pimhbm_inplace_precheck"
 # Calls that read the parameters after the checks by design: the update and the checks.
@@ -64,6 +65,7 @@ class Ordered(inplace.AdamW):
             raise ValueError(f"the plan names {len(self.after)} leaves, each None or a "
                              f"gradient's index; the parameters have {n}: {self.after}")
         grads, damaged, nonfinite = list(grads), [None] * n, [None] * n
+        counts = jnp.zeros((2,), jnp.int32)
         groups: dict[int | None, list[int]] = {}
         for i, j in enumerate(self.after):
             groups.setdefault(j, []).append(i)
@@ -78,11 +80,12 @@ class Ordered(inplace.AdamW):
                 (*(params[i] for i in members), *(grads[k] for k in follows))))
             for k, g in zip(follows, ps[len(members):]):
                 grads[k] = g
-            d, b = prechecks(ps[:len(members)], [p_tables[i] for i in members],
-                             [grads[i] for i in members], self.chunk_elems)
+            d, b, c = prechecks(ps[:len(members)], [p_tables[i] for i in members],
+                                [grads[i] for i in members], self.chunk_elems)
             for i, di, bi in zip(members, d, b):
                 damaged[i], nonfinite[i] = di, bi
-        return damaged, nonfinite, grads
+            counts = _saturating_add(counts, c)
+        return Prechecks(damaged, nonfinite, counts), grads
 
 
 # Work XLA computes once and writes (never duplicates into the kernels of its readers): a

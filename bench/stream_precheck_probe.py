@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.compute_on import compute_on
 
 from pimhbm import inplace, inplace_calls
@@ -26,17 +27,18 @@ from pimhbm_cli import main
 
 
 def per_leaf_on_stream(self, leaves, tables, grads):
-    damaged, nonfinite = [], []
+    damaged, nonfinite, counts = [], [], jnp.zeros((2,), jnp.int32)
     for leaf, table, g in zip(leaves, tables, grads, strict=True):
         def check(p, t, g):
             return inplace_calls._precheck_ffi([p], [t], [g], [inplace_calls._whole_base()],
                                                self.chunk_elems)
         on_stream = compute_on(compute_type="gpu_stream:1",
                                out_memory_spaces=jax.memory.Space.Device)(check)
-        d, n = on_stream(leaf["p"], table["p"], g)
+        d, n, totals = on_stream(leaf["p"], table["p"], g)
         damaged.append(d)
         nonfinite.append(n)
-    return damaged, nonfinite, grads
+        counts = inplace_calls._saturating_add(counts, inplace_calls.saturated(totals))
+    return inplace_calls.Prechecks(damaged, nonfinite, counts), grads
 
 
 if __name__ == "__main__":
