@@ -1,10 +1,9 @@
 // The fault lists on the GPU (fault_list.h): a block counts each range of a leaf's map, then one
 // block places the first `capacity` non-zero entries in order, reading again only the ranges
 // that hold them. Deterministic: no atomics, every sum in a fixed order.
+#include <algorithm>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
-
-#include <algorithm>
 
 #include "pimhbm/cuda_check.h"
 #include "summary/fault_list.h"
@@ -18,8 +17,8 @@ constexpr int kMaxLeaves = 256;  // leaves a counting launch describes (8 KiB of
 struct LeafRanges {
   const int32_t* map;
   int64_t n;
-  int64_t start;       // its first entry's position in the concatenation
-  int64_t first_row;   // its first range's row of the scratch table
+  int64_t start;      // its first entry's position in the concatenation
+  int64_t first_row;  // its first range's row of the scratch table
 };
 
 struct Table {
@@ -34,14 +33,17 @@ using Scan32 = cub::BlockScan<int32_t, kThreads>;
 
 // Block b counts row T.first_row + b: a range of one leaf, found by a search of the table
 // (every thread the same).
-__global__ void __launch_bounds__(kThreads) count_ranges(const __grid_constant__ Table T,
-                                                         Range* rows) {
+__global__ void __launch_bounds__(kThreads)
+    count_ranges(const __grid_constant__ Table T, Range* rows) {
   __shared__ typename Reduce64::TempStorage temp;
   const int64_t row = T.first_row + blockIdx.x;
   int lo = 0, hi = T.count - 1;
   while (lo < hi) {  // the last leaf whose first row is <= row
     const int mid = (lo + hi + 1) / 2;
-    if (T.leaf[mid].first_row <= row) lo = mid; else hi = mid - 1;
+    if (T.leaf[mid].first_row <= row)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   const LeafRanges& L = T.leaf[lo];
   const int64_t first = (row - L.first_row) * kRangeEntries;
@@ -56,7 +58,8 @@ __global__ void __launch_bounds__(kThreads) count_ranges(const __grid_constant__
   nonzero = Reduce64(temp).Sum(nonzero);
   __syncthreads();
   sum = Reduce64(temp).Sum(sum);
-  if (threadIdx.x == 0) rows[row] = Range{at, L.start + first, sum, n, static_cast<int32_t>(nonzero)};
+  if (threadIdx.x == 0)
+    rows[row] = Range{at, L.start + first, sum, n, static_cast<int32_t>(nonzero)};
 }
 
 // The non-zero entries of range R into the list from place `base` on, in order, while the list
@@ -83,8 +86,8 @@ __device__ void list_range(const Range& R, int64_t base, const ListOut& out,
 
 // One block: the totals, then the ranges in order, tile by tile, until the list is full; the
 // rest of the list -1 and 0.
-__global__ void __launch_bounds__(kThreads) list_ranges(const Range* rows, int64_t count,
-                                                        ListOut out) {
+__global__ void __launch_bounds__(kThreads)
+    list_ranges(const Range* rows, int64_t count, ListOut out) {
   __shared__ union {
     typename Reduce64::TempStorage reduce;
     typename Scan32::TempStorage scan;
@@ -92,11 +95,13 @@ __global__ void __launch_bounds__(kThreads) list_ranges(const Range* rows, int64
   __shared__ int32_t queue[kThreads];  // rows of this tile to list, in order
   __shared__ int64_t queue_base[kThreads];
   int64_t nonzero = 0, sum = 0;
-  for (int64_t r = threadIdx.x; r < count; r += kThreads) nonzero += rows[r].nonzero, sum += rows[r].sum;
+  for (int64_t r = threadIdx.x; r < count; r += kThreads)
+    nonzero += rows[r].nonzero, sum += rows[r].sum;
   nonzero = Reduce64(temp.reduce).Sum(nonzero);
   __syncthreads();
   sum = Reduce64(temp.reduce).Sum(sum);
-  if (threadIdx.x == 0) out.totals[0] = static_cast<uint64_t>(nonzero), out.totals[1] = static_cast<uint64_t>(sum);
+  if (threadIdx.x == 0)
+    out.totals[0] = static_cast<uint64_t>(nonzero), out.totals[1] = static_cast<uint64_t>(sum);
   __syncthreads();
 
   int64_t placed = 0;  // non-zero entries in the rows before this tile (the same in every thread)

@@ -56,8 +56,8 @@ ffi::Error fault_list_handler(Platform on, ffi::RemainingArgs args, ffi::Remaini
   PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(kOp, "value", out[1], ffi::DataType::S32, capacity));
   PIMHBM_FFI_RETURN_IF_ERROR(
       check_buffer(kOp, "totals", out[2], ffi::DataType::U32, 2 * kListTotals));
-  const int64_t scratch = range_count(call.maps.data(), call.maps.size()) *
-                          static_cast<int64_t>(sizeof(Range));
+  const int64_t scratch =
+      range_count(call.maps.data(), call.maps.size()) * static_cast<int64_t>(sizeof(Range));
   PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(kOp, "scratch", out[3], ffi::DataType::U8, scratch));
   call.out = ListOut{static_cast<int32_t*>(out[0].untyped_data()),
                      static_cast<int32_t*>(out[1].untyped_data()), capacity,
@@ -70,5 +70,5 @@ ffi::Error fault_list_handler(Platform on, ffi::RemainingArgs args, ffi::Remaini
 }  // namespace pimhbm::summary
 
 #define PIMHBM_FAULT_LIST_BINDING(bind) bind.RemainingArgs().RemainingRets()
-PIMHBM_FFI_HANDLERS(PimhbmFaultList, pimhbm::summary::fault_list_handler,
-                    PIMHBM_FAULT_LIST_BINDING, PIMHBM_FFI_CAPTURABLE);
+PIMHBM_FFI_HANDLERS(PimhbmFaultList, pimhbm::summary::fault_list_handler, PIMHBM_FAULT_LIST_BINDING,
+                    PIMHBM_FFI_CAPTURABLE);

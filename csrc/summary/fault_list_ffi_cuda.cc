@@ -5,9 +5,8 @@
 namespace pimhbm::summary {
 
 ffi::Error launch(const ffi_util::OnCuda& on, const FaultListCall& c) {
-  return ffi_util::cuda_status(
-      "pimhbm.fault_list",
-      fault_list_cuda(c.maps.data(), c.maps.size(), c.scratch, c.out, on.stream));
+  return ffi_util::cuda_status("pimhbm.fault_list", fault_list_cuda(c.maps.data(), c.maps.size(),
+                                                                    c.scratch, c.out, on.stream));
 }
 
 }  // namespace pimhbm::summary

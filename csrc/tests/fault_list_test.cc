@@ -1,12 +1,13 @@
 // The fault lists' CPU reference (summary/fault_list.h) against the lists written out by hand
 // from the concatenated maps: ragged leaves, empty ones, a list shorter and longer than the
 // non-zero entries, poisoned outputs.
+#include "summary/fault_list.h"
+
 #include <gtest/gtest.h>
 
 #include <random>
 #include <vector>
 
-#include "summary/fault_list.h"
 #include "test_util.h"
 
 namespace pimhbm::summary {
@@ -20,7 +21,8 @@ struct Lists {
 Lists run_cpu(const std::vector<std::vector<int32_t>>& maps, int64_t capacity) {
   std::vector<MapView> views;
   for (const auto& m : maps) views.push_back(MapView{m.data(), static_cast<int64_t>(m.size())});
-  Lists out{std::vector<int32_t>(capacity, 0x5A5A5A5A), std::vector<int32_t>(capacity, 0x5A5A5A5A),
+  Lists out{std::vector<int32_t>(capacity, 0x5A5A5A5A),
+            std::vector<int32_t>(capacity, 0x5A5A5A5A),
             {~0ull, ~0ull}};
   fault_list_cpu(views.data(), views.size(),
                  ListOut{out.index.data(), out.value.data(), capacity, out.totals});

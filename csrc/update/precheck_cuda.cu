@@ -138,8 +138,8 @@ using Reduce = cub::BlockReduce<unsigned long long, 32 * kWarps>;
 
 // Every warp takes every warps-th run of four chunks of each leaf in turn; then the block's
 // counts go into the totals, two atomics a block.
-__global__ void __launch_bounds__(32 * kWarps) precheck_kernel(const __grid_constant__ Table T,
-                                                               unsigned long long* totals) {
+__global__ void __launch_bounds__(32 * kWarps)
+    precheck_kernel(const __grid_constant__ Table T, unsigned long long* totals) {
   __shared__ uint4 muls[kMulVectors];
   __shared__ typename Reduce::TempStorage temp;
   Found found;

@@ -5,8 +5,9 @@
 namespace pimhbm::update {
 
 ffi::Error launch(const ffi_util::OnCuda& on, const PrecheckCall& c) {
-  return ffi_util::cuda_status("pimhbm.inplace_precheck",
-                               precheck_cuda(c.leaves.data(), c.leaves.size(), c.totals, on.stream));
+  return ffi_util::cuda_status(
+      "pimhbm.inplace_precheck",
+      precheck_cuda(c.leaves.data(), c.leaves.size(), c.totals, on.stream));
 }
 
 }  // namespace pimhbm::update
