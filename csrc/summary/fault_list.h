@@ -7,7 +7,10 @@
 //   index[j]   the position (in the concatenation) of the j-th non-zero entry, -1 past the last
 //   value[j]   the map's value there, 0 past the last
 //   totals     two 64-bit counters as (low, high) uint32 words: [0] the non-zero entries,
-//              [1] the sum of the values (maps hold counts and bit sets: never negative)
+//              [1] the sum of the values as int64 (the maps hold counts and bit sets below
+//              bit 31; a value with bit 31 set would count as negative, the same on both
+//              platforms)
+// Positions are int32: at most 2^31 - 1 entries in all (the FFI handler refuses more).
 //
 // The GPU does it in two launches: each range of up to kRangeEntries entries of one leaf is
 // counted by a block (its count, sum and where it lies, into a scratch table); then one block
