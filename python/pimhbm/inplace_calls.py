@@ -118,10 +118,7 @@ def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.
 
     def lower(plan: Plan, *flat):
         maps, counts = [None] * (2 * n), jnp.zeros((_PRECHECK_TOTALS,), jnp.int32)
-        by_axes: dict[Any, list[int]] = {}
-        for i in range(n):
-            by_axes.setdefault(plan.axes[i], []).append(i)
-        for axes, idx in by_axes.items():
+        for axes, idx in _by_axes(plan, n).items():
             outs = _precheck_ffi([flat[3 * i] for i in idx], [flat[3 * i + 1] for i in idx],
                                  [flat[3 * i + 2] for i in idx],
                                  [plan.chunk_base(leaves, i) for i in idx], chunk_elems)
@@ -203,10 +200,7 @@ def _leafwise(target: str, lead: list, leaf_ops: list[dict], attrs: dict, tail: 
 
     def lower(plan: Plan, *flat):
         lead, ops = unflatten(flat)
-        by_axes: dict[Any, list[int]] = {}
-        for i in range(n):
-            by_axes.setdefault(plan.axes[i], []).append(i)
-        return flatten(*per_shard(plan, leaves, lead, ops, by_axes))
+        return flatten(*per_shard(plan, leaves, lead, ops, _by_axes(plan, n)))
 
     operands = [WHOLE] * k + [_role(name, ops[name], i) for i, ops in enumerate(leaf_ops)
                               for name in lay["operands"]]
@@ -288,6 +282,14 @@ def _local_rows(index: jax.Array, idx: list[int], bases: jax.Array, limits: list
     mine = (index[:, 0] >= 0) & (j >= 0) & (chunk >= 0) & (chunk < jnp.asarray(limits)[k])
     unused = jnp.asarray([-1, -1, 0], jnp.int32)
     return jnp.where(mine[:, None], jnp.stack([j, chunk, index[:, 2]], axis=1), unused)
+
+
+def _by_axes(plan: Plan, n: int) -> dict[Any, list[int]]:
+    """The leaves 0..n-1 grouped by their mesh axes (None: whole), in order: one call a group."""
+    groups: dict[Any, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(plan.axes[i], []).append(i)
+    return groups
 
 
 def _summed(counts: jax.Array, plan: Plan, axes, idx: list[int]) -> jax.Array:
