@@ -707,8 +707,8 @@ def test_a_fault_list_is_the_first_non_zero_entries_of_the_concatenated_maps(rng
 def test_a_step_summary_has_no_reduction_or_concatenation_of_the_maps_whatever_the_leaves():
     """The step's summary counts and lists faults over every leaf's map by one call a list: the
     compiled summary holds no reduction and no concatenation, for 2 leaves as for 7 (XLA would
-    run a reduction of a concatenation as one launch a leaf, every step). Control: the regexes
-    find the reductions and the concatenation of a summary that sums the maps itself."""
+    run a reduction of a concatenation as one launch a leaf, every step). Control: the regex
+    finds the reduction of a summary that sums the maps itself."""
     from types import SimpleNamespace
     from pimhbm.recovery.summary import inplace_summary
 
