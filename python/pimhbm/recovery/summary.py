@@ -11,6 +11,7 @@ those halted behind it into the one :class:`FaultReport` a repair plans from.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -63,7 +64,7 @@ def listed(maps: list[jax.Array], capacity: int) -> Listed:
     pimhbm_fault_list call, whatever the number of leaves. For maps that are a device's own
     (inside shard_map): under plain jit the call would gather sharded maps."""
     ensure_registered()
-    lay = _core.fault_list_layout()
+    lay = _list_layout()
     rows = sum(-(-math.prod(m.shape) // lay["range_entries"]) for m in maps)
     out_types = [jax.ShapeDtypeStruct((capacity,), jnp.int32)] * 2 + [
         jax.ShapeDtypeStruct((lay["totals"], 2), jnp.uint32),
@@ -71,6 +72,12 @@ def listed(maps: list[jax.Array], capacity: int) -> Listed:
     index, value, totals, _ = unbatched_call("pimhbm_fault_list", out_types, _NO_VMAP)(*maps)
     counts = saturated(totals)
     return Listed(FaultList(index, value), counts[0], counts[1])
+
+
+@functools.cache
+def _list_layout() -> dict:
+    """The sizes a pimhbm_fault_list call's scratch result is made of (csrc/summary)."""
+    return _core.fault_list_layout()
 
 
 _NO_VMAP = "a step's fault list is one device's, of one step (list each member's maps alone)"
