@@ -195,6 +195,37 @@ def test_the_snapshot_fence_passes_its_tree_through_and_refuses_results_not_its_
         jax.block_until_ready(jax.jit(wrong)(jnp.zeros((3,), jnp.int32)))
 
 
+def fence_result_bytes(hlo: str) -> list[int]:
+    """The bytes of each snapshot fence's results in a compiled program's text."""
+    sizes = {"s32": 4, "u32": 4, "f32": 4, "bf16": 2, "u16": 2, "u8": 1, "pred": 1}
+    out = []
+    for line in hlo.splitlines():
+        if 'custom_call_target="pimhbm_snapshot_fence"' in line:
+            shapes = line.split("= ", 1)[1].split("custom-call(", 1)[0]
+            out.append(sum(sizes[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
+                           for t, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shapes)))
+    return out
+
+
+def test_the_update_is_fenced_through_its_verdicts_counts_not_the_state_or_gradients(shm_name):
+    """The fence before the in-place update's writes passes through the checks' counts (8
+    bytes): passed through the gradients, XLA copied those it could not alias (on the GPU, 32
+    MiB a step at the 8B layers). Control: the same measure of a fence over a gradient-sized
+    tree sees its bytes."""
+    from pimhbm.repair import snapshot_fence
+    opt = inplace.adamw(1e-3, master_weights=True, chunk_elems=256)
+    tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=shm_name, snapshot_every=5,
+                 telemetry=None)
+    tr.prewarm()
+    for program in tr.programs.step.values():
+        assert fence_result_bytes(program.as_text()) == [8]
+    grads = {k: jnp.zeros(v.shape, v.dtype) for k, v in mlp.init(0).items()}
+    control = jax.jit(snapshot_fence).lower(grads).compile().as_text()
+    assert fence_result_bytes(control) == [sum(v.size * v.dtype.itemsize for v in grads.values())]
+    stats = tr.run(12)  # two snapshots, each fenced
+    assert stats.steps_committed == 12 and stats.snapshots >= 2
+
+
 def test_the_snapshot_kept_is_checked_again_before_the_other_slot_is_overwritten(shm_name, rng):
     """Two sealed snapshots: the next one goes over the older. If the newer one's digest table
     changed in host memory since this process sealed it, the next goes over the newer instead
