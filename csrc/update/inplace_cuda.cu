@@ -9,8 +9,7 @@
 // XORed into two sums for the group, which the lane keeps for its own positions in shared
 // memory (no other lane touches them: no barrier either). At the group's end each lane writes
 // its positions of the parity rows: the new bytes' sum where every chunk committed (the rows are
-// not read), else the rows XORed with both sums (the committed chunks' changes). Before each
-// chunk the warp asks the L2 for the next one's bytes (prefetch_chunk). The math is
+// not read), else the rows XORed with both sums (the committed chunks' changes). The math is
 // inplace_math.h's, bit for bit the CPU reference's.
 #include <cuda_runtime.h>
 
@@ -510,31 +509,6 @@ __device__ __forceinline__ int leaf_of(const Table& T, int64_t gg) {
   return i;
 }
 
-// Chunk c's bytes of every tensor that warp_chunk loads, asked of the L2 a 128-byte line a lane
-// (a hint: no registers held, nothing waited for), so that they are on their way from memory
-// while the warp computes the chunk before it: a warp has no load of its own in flight then
-// (bench/NOTES.md, "The next chunk asked of the L2"). Whole chunks only (128 kG elements): a
-// lane's tensor and line are the same for every chunk, constants but for the lane's number.
-template <bool kBF16, bool kMaster, int kG>
-__device__ __forceinline__ void prefetch_chunk(const InPlaceLeaf& L, int64_t c) {
-  constexpr int kLine = 128, kPBytes = kBF16 ? 2 : 4;
-  constexpr int kNarrow = kG * kPBytes, kWide = 4 * kG;  // lines of p or g, of mu or nu
-  constexpr int kLines = 2 * kNarrow + 2 * kWide + (kMaster ? 2 * kG : 0);
-  const int64_t first = c * (128 * kG);
-#pragma unroll
-  for (int i = lane_id(); i < kLines; i += 32) {
-    const bool narrow = i < 2 * kNarrow, wide = !narrow && i < 2 * kNarrow + 2 * kWide;
-    const int line = narrow ? i % kNarrow : wide ? (i - 2 * kNarrow) % kWide
-                                                 : i - 2 * kNarrow - 2 * kWide;
-    const char* base = narrow ? static_cast<const char*>(i < kNarrow ? L.p : L.g)
-                       : wide ? reinterpret_cast<const char*>(i < 2 * kNarrow + kWide ? L.mu : L.nu)
-                              : reinterpret_cast<const char*>(L.master);
-    const int64_t elem_bytes = narrow ? kPBytes : wide ? 4 : 2;
-    const char* at = base + first * elem_bytes + line * kLine;
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
-  }
-}
-
 // Blocks an SM the main launch asks for. A warp holds one chunk and has no load in flight while
 // it computes it, so more warps hide more of the loads' latency: with parity, at chunks of up to
 // 256 elements, 6 blocks (80 registers, a few bytes spilled outside the chunk loop) ran 11 %
@@ -575,15 +549,6 @@ __global__ void __launch_bounds__(32 * kWarps, min_blocks<kParity, kG, kWhole>()
     bool left = false;  // a chunk of the group was not written (warp-uniform)
     for (uint32_t m = 0; m < span.count; ++m) {
       const int64_t c = span.chunk(m);
-      if constexpr (kWhole) {  // the chunk the warp takes next: the group's, or its next group's first
-        if (m + 1 < span.count) {
-          prefetch_chunk<kBF16, kMaster, kG>(L, span.chunk(m + 1));
-        } else if (gg + warps < T.first_group[T.count]) {
-          const int i2 = leaf_of(T, gg + warps);
-          const int64_t grp2 = T.group0[i2] + gg + warps - T.first_group[i2];
-          prefetch_chunk<kBF16, kMaster, kG>(T.leaf[i2], members<kParity>(T.leaf[i2], grp2).chunk(0));
-        }
-      }
       Part<kG, kBF16> x;
       const void* g = static_cast<const uint8_t*>(L.g) + c * L.chunk_elems * (kBF16 ? 2 : 4);
       const ChunkVerdict v =
