@@ -488,6 +488,30 @@ def test_the_verdicts_counts_come_from_the_checks_call_whatever_the_leaves(rng, 
     assert reductions(9, False) >= reductions(3, False) + 6
 
 
+def test_a_skipped_steps_fault_maps_come_from_the_kernel_whatever_the_leaves(rng):
+    """The report's fault maps are the update call's results as they are: a skipped step's are
+    the checks' (the kernel writes them), so the compiled update holds as many OR operations
+    for 9 leaves as for 3 (XLA runs an op on each leaf's map as one launch a leaf, every step).
+    Control: the maps merged with the checks' in XLA, leaf by leaf, grow with the leaves."""
+    opt, dtype = make("fp32")
+
+    def ors(leaves: int, merged_in_xla: bool) -> int:
+        params = random_params(rng, dtype, shapes=[(300 + 7 * i,) for i in range(leaves)])
+        state, grads = opt.init(params), random_grads(rng, params)
+
+        def update(g, s):
+            new, report = opt.update(g, s)
+            if merged_in_xla:
+                maps = jax.tree.map(lambda m: m | jnp.where(report.applied, 0, 1), report.fault_maps)
+                report = report._replace(fault_maps=maps)
+            return new, report
+        hlo = jax.jit(update).lower(grads, state).compile().as_text()
+        return len(re.findall(r"\bor\(", hlo))
+
+    assert ors(3, False) == ors(9, False)
+    assert ors(9, True) >= ors(3, True) + 6
+
+
 def test_the_verdict_is_global_across_devices(rng):
     """Four devices in shard_map: a parameter damaged on one cancels the step on all; a moment
     damaged on one leaves that device's chunk (its repair is local) and the others commit."""

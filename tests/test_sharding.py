@@ -203,7 +203,8 @@ def test_a_shard_updated_with_its_chunk_base_is_the_wholes_shard(rng, kind):
             (("p", "params"), ("mu", "mu"), ("nu", "nu"), ("master", "master"))
             if getattr(state, f) is not None}
     ops = inplace_calls.leaf_operands(leaf, {k: t[chunks] for k, t in tables.items()},
-                                      {k: r[groups] for k, r in state.parity["w"].items()}, g[rows])
+                                      {k: r[groups] for k, r in state.parity["w"].items()}, g[rows],
+                                      damaged)
     ops["chunk_base"] = base
     scalars = _step_scalars(jnp.float32(1e-3), state.step + 1, opt.b1, opt.b2)
     results, _, totals = jax.jit(lambda s, o: inplace_calls.update_call(

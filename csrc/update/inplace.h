@@ -25,7 +25,8 @@
 // every row a redo touches). One warp handles a whole group on the GPU, so a row has one writer.
 // group 0: no parity (data-parallel replicas are the redundancy).
 //
-// go == 0: nothing is written; every report is zero.
+// go == 0: nothing is written; the fault maps are the checks' (kFaultParam where p's chunk was
+// found damaged before the update, InPlaceLeaf::checked), every other report is zero.
 #pragma once
 
 #include <cstddef>
@@ -78,6 +79,10 @@ struct InPlaceLeaf {
   // for a shard: its digests are the whole tensor's; parity groups and the stash are the
   // shard's own); null: 0.
   const int32_t* chunk_base = nullptr;
+  // The update's checks' map of p (non-zero: the chunk no longer matched its digest), or null
+  // (a redo). A skipped step's fault map is this one (kFaultParam where damaged): the step's
+  // report then needs no XLA op a leaf to merge the two.
+  const int32_t* checked = nullptr;
 };
 
 // The index in the whole tensor of the leaf's chunk c: what its digests are keyed by.

@@ -138,9 +138,13 @@ std::vector<std::vector<uint8_t>> zero_rows(const InPlaceLeaf& L) {
   return acc;
 }
 
+// A skipped step's reports: the checks' damaged chunks, nothing kept. (An update that runs
+// writes every chunk's over them.)
 void clear_reports(const InPlaceLeaf& L) {
   const int64_t n = inplace_chunks(L);
-  std::fill(L.faults, L.faults + n, 0);
+  for (int64_t c = 0; c < n; ++c) {
+    L.faults[c] = L.checked != nullptr && L.checked[c] != 0 ? kFaultParam : 0;
+  }
   std::fill(L.kept, L.kept + n, 0);
 }
 

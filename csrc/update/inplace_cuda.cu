@@ -527,7 +527,7 @@ __global__ void __launch_bounds__(32 * kWarps, min_blocks<kParity, kG, kWhole>()
                    const int32_t* go, Stash stash, uint64_t* totals) {
   __shared__ uint4 muls[32 * kG];
   fill_word_muls(muls);
-  const bool skipped = *go == 0;  // nothing written but the reports' zeros
+  const bool skipped = *go == 0;  // nothing written but the reports
   const AdamWStep s = adamw_step(step);
   const int warp = threadIdx.x >> 5;
   const Acc<kG> acc = warp_acc<kParity, kG>();
@@ -538,10 +538,11 @@ __global__ void __launch_bounds__(32 * kWarps, min_blocks<kParity, kG, kWhole>()
     const InPlaceLeaf& L = T.leaf[i];
     const int64_t grp = T.group0[i] + gg - T.first_group[i];
     const parity::GroupSpan span = members<kParity>(L, grp);
-    if (skipped) {
+    if (skipped) {  // the reports: the checks' damaged chunks, nothing kept
       for (uint32_t m = lane_id(); m < span.count; m += 32) {
         const int64_t c = span.chunk(m);
-        L.faults[c] = L.kept[c] = 0;
+        L.faults[c] = L.checked != nullptr && L.checked[c] != 0 ? kFaultParam : 0;
+        L.kept[c] = 0;
       }
       continue;
     }

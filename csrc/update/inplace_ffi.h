@@ -23,11 +23,11 @@ namespace ffi = xla::ffi;
 
 inline constexpr const char* kInPlaceOperands[] = {
     "p", "master", "mu", "nu", "d_p", "d_master", "d_mu", "d_nu",
-    "q_p", "q_master", "q_mu", "q_nu", "g", "chunk_base"};
+    "q_p", "q_master", "q_mu", "q_nu", "g", "chunk_base", "checked"};
 inline constexpr const char* kInPlaceResults[] = {
     "p", "master", "mu", "nu", "d_p", "d_master", "d_mu", "d_nu",
     "q_p", "q_master", "q_mu", "q_nu", "faults", "kept"};
-inline constexpr int kInPlaceLeafOperands = 14;
+inline constexpr int kInPlaceLeafOperands = 15;
 inline constexpr int kInPlaceLeafResults = 14;
 inline constexpr int kInPlaceAliased = 12;  // operands [0, 12) are results [0, 12)
 

@@ -250,7 +250,7 @@ class AdamW:
         go = counts[2] == 0
 
         outs, stash, totals = self._call(go, scalars, leaves, tables, state.parity, treedef,
-                                         flat_grads)
+                                         flat_grads, checked=p_faults)
         kept, faulty = saturated(totals[1]), saturated(totals[0])
         committed_here = go & (kept == 0)
         if axis_name is not None:
@@ -265,8 +265,9 @@ class AdamW:
         new_state = self._state_from(outs, treedef, state.master is not None, state.parity is not None,
                                      step_copies_of(done))
         unflat = lambda xs: jax.tree.unflatten(treedef, xs)
-        fault_maps = [o["faults"] | jnp.where(go, 0, m.astype(jnp.int32) * FAULT_PARAM)
-                      for o, m in zip(outs, p_faults)]
+        # A skipped step's maps are the checks' (FAULT_PARAM where p was damaged): the kernel
+        # writes them, so no XLA op a leaf merges the two.
+        fault_maps = [o["faults"] for o in outs]
         report = UpdateReport(go, committed, counts[1], counts[0] + faulty, kept, unflat(fault_maps),
                               unflat(g_bad), stash, saturated(totals[2]), scalars)
         return new_state, report
@@ -299,12 +300,14 @@ class AdamW:
                     eps=np.float32(self.eps), eps_root=np.float32(self.eps_root),
                     weight_decay=np.float32(self.weight_decay))
 
-    def _call(self, go, scalars, leaves, tables, rows, treedef, grads=None, stash=None):
-        """One pimhbm_adamw_inplace call (grads given) or pimhbm_adamw_redo call (stash given)
-        over every leaf (pimhbm.inplace_calls): per leaf its results by name, the new stash
-        (None for a redo), the totals."""
+    def _call(self, go, scalars, leaves, tables, rows, treedef, grads=None, stash=None,
+              checked=None):
+        """One pimhbm_adamw_inplace call (grads and the checks' maps of p given) or
+        pimhbm_adamw_redo call (stash given) over every leaf (pimhbm.inplace_calls): per leaf its
+        results by name, the new stash (None for a redo), the totals."""
         flat_rows = treedef.flatten_up_to(rows) if rows is not None else [None] * len(leaves)
-        ops = [leaf_operands(leaf, table, r, grads[i] if grads is not None else None)
+        pick = lambda xs, i: xs[i] if xs is not None else None
+        ops = [leaf_operands(leaf, table, r, pick(grads, i), pick(checked, i))
                for i, (leaf, table, r) in enumerate(zip(leaves, tables, flat_rows))]
         attrs = self.attributes()
         if stash is not None:

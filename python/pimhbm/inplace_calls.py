@@ -52,7 +52,7 @@ def _role(name: str, x: jax.Array, leaf: int) -> Arg:
     is the same on every device."""
     if math.prod(x.shape) == 0 or name == "chunk_base":
         return WHOLE
-    if name.startswith("d_") or name in ("faults", "kept"):
+    if name.startswith("d_") or name in ("faults", "kept", "checked"):
         return Arg(Role.CHUNKS, leaf)
     if name.startswith("q_"):
         return Arg(Role.GROUPS, leaf)
@@ -137,15 +137,18 @@ def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.
 
 # -- the update and the redo ----------------------------------------------------------------------
 
-def leaf_operands(leaf: dict, table: dict, rows: dict | None, g: jax.Array | None) -> dict:
+def leaf_operands(leaf: dict, table: dict, rows: dict | None, g: jax.Array | None,
+                  checked: jax.Array | None = None) -> dict:
     """A leaf's operands by the handler's names: its tensors, digest tables and parity rows,
-    with empty placeholders for what it has not (master weights, parity, a redo's gradient),
-    and chunk_base 0 (a whole tensor)."""
+    the gradient and the checks' map of p (what a skipped step reports), with empty
+    placeholders for what it has not (master weights, parity, a redo's gradient and map), and
+    chunk_base 0 (a whole tensor)."""
     p = leaf["p"]
     empty = lambda shape, dt=jnp.uint32: jnp.zeros(shape, dt)
     ops = {"p": p, "mu": leaf["mu"], "nu": leaf["nu"],
            "master": leaf.get("master", empty((0,), jnp.uint16)),
-           "g": g if g is not None else empty((0,), p.dtype), "chunk_base": _whole_base()}
+           "g": g if g is not None else empty((0,), p.dtype), "chunk_base": _whole_base(),
+           "checked": checked if checked is not None else empty((0,), jnp.int32)}
     for k in TENSORS:
         ops["d_" + k] = table.get(k, empty((0, 2)))
         ops["q_" + k] = rows.get(k, empty((0, 1))) if rows is not None else empty((0, 1))
