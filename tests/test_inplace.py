@@ -13,6 +13,7 @@ import pytest
 import pimhbm
 from conftest import requires_gpu
 from pimhbm import inplace, parity
+from pimhbm.update import FAULT_PARAM
 from test_update import numpy_adamw
 
 LR = 1e-3
@@ -222,13 +223,18 @@ def test_a_parameter_damaged_before_the_update_cancels_the_step_and_is_rebuilt(r
     update, repair = steps_of(opt)
     state = opt.init(params)
     state, _ = update(grads[0], state)
-    leaf = "t0"
-    damaged = flip(state, "p", leaf, int(rng.integers(0, params[leaf].size)), int(rng.integers(0, 16)))
+    leaf, index = "t0", int(rng.integers(0, params["t0"].size))
+    damaged = flip(state, "p", leaf, index, int(rng.integers(0, 16)))
     before = bits(damaged)
     state, report = update(grads[1], damaged)
     assert not bool(report.applied) and int(report.digest_faults) == 1
     assert bits(state) == before  # nothing written, the count unchanged
-    chunk = int(np.flatnonzero(np.asarray(report.fault_maps[leaf]))[0])
+    # The skipped step's fault maps (written by the update call from its checks' map): the
+    # damaged chunk's parameter bit, nothing else anywhere.
+    chunk = index // opt.chunk_elems
+    for k, m in report.fault_maps.items():
+        m = np.asarray(m)
+        assert m.tolist() == [FAULT_PARAM if (k, c) == (leaf, chunk) else 0 for c in range(m.size)]
     state, fixed = repair(state, report)
     assert bool(fixed.complete)
     status = np.asarray(fixed.params_rebuilt[leaf])
