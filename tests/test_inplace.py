@@ -408,6 +408,59 @@ def test_eps_zero_with_zero_gradients_commits_nothing(rng):
     assert bits(state) == before and int(state.step) == 0
 
 
+BF16_MAX = 0x7F7F  # the largest finite bf16, as bits
+GROW = 2.0 ** 119  # takes a master weight of BF16_MAX's value up 0x8000 ulps: to bits 0x7F7F8000
+
+
+def near_limit(rng, shape=(9, 300)):
+    """bf16 parameters, some of them +-BF16_MAX, and gradients of magnitude one: each extreme
+    element in row 0 grows (its gradient against its sign), in row 1 shrinks."""
+    p = rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+    g = rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+    sign = rng.choice([-1, 1], size=(2, shape[1]))
+    p.view(np.uint16)[:2] = np.where(sign > 0, BF16_MAX, 0x8000 | BF16_MAX)
+    g[:2] = np.where(np.array([[-1], [1]]) * sign > 0, 1.0, -1.0).astype(ml_dtypes.bfloat16)
+    return {"w": jnp.asarray(p)}, {"w": jnp.asarray(g)}
+
+
+@pytest.mark.parametrize("ulps_short", [0, 1])
+def test_a_master_weight_is_kept_exactly_where_its_new_parameter_would_overflow(rng, ulps_short):
+    """An update that takes |w| from the largest bf16 up by 2^119 lands on bits 0x7F7F8000, whose
+    split parameter is the infinity: those elements keep their values; by 2^104 less it lands on
+    0x7F7F7FFF (parameter BF16_MAX, remainder 0xFFFF) and is written. Everything else updates."""
+    params, grads = near_limit(rng)
+    opt = inplace.adamw(GROW - ulps_short * 2.0 ** 104, weight_decay=0.0, master_weights=True,
+                        chunk_elems=256, group=4)
+    state = opt.init(params)
+    old_p, old_r = np.asarray(state.params["w"]).view(np.uint16), np.asarray(state.master["w"])
+    state, report = jax.jit(opt.update, donate_argnums=1)(grads, state)
+    p, r = np.asarray(state.params["w"]).view(np.uint16), np.asarray(state.master["w"])
+    grown = p[0] & 0x7FFF, r[0]
+    if ulps_short == 0:
+        assert int(report.kept) == p.shape[1] and not bool(report.committed)
+        assert (p[0] == old_p[0]).all() and (r[0] == old_r[0]).all()
+    else:
+        assert int(report.kept) == 0 and bool(report.committed)
+        assert (grown[0] == BF16_MAX).all() and (grown[1] == 0xFFFF).all()
+    assert (p[2:] != old_p[2:]).all() and (r[1] != old_r[1]).all()
+    assert np.isfinite(np.asarray(state.master_weights["w"], np.float32)).all()
+
+
+@requires_gpu
+@pytest.mark.parametrize("eps,eps_root,lr", [(1e-8, 0.0, GROW), (1e-8, 1e-12, GROW),
+                                             (0.0, 0.0, LR)])
+def test_gpu_equals_cpu_bit_for_bit_where_elements_keep_their_values(rng, eps, eps_root, lr):
+    """The kernel's rare path (an element keeps its values) beside its common one, with and
+    without eps_root (the main launch leaves out its addition where it is zero): elements at the
+    bf16 limit, or with eps 0 the elements whose gradient is zero (0 / 0)."""
+    params, g = near_limit(rng, (9, 1000))
+    if eps == 0.0:
+        g = {"w": jnp.where(jnp.asarray(rng.random(g["w"].shape) < 0.1), 0, g["w"])}
+    opt = inplace.adamw(lr, eps=eps, eps_root=eps_root, weight_decay=0.0, master_weights=True,
+                        chunk_elems=256, group=4)
+    assert_gpu_equals_cpu(opt, params, [g, g], None)
+
+
 @pytest.mark.parametrize("bad", [dict(b1=np.nan), dict(b2=1.0), dict(eps=-1.0), dict(eps=np.inf),
                                  dict(learning_rate=np.nan), dict(weight_decay=np.nan),
                                  dict(chunk_elems=1024), dict(group=-1), dict(group=(1 << 15) + 1),

@@ -290,51 +290,67 @@ __device__ __forceinline__ void xor_into(uint4 (*sum)[32 * kG], const Part<kG, k
   }
 }
 
-__device__ __forceinline__ bool finite_f32(float x) {
-  return (__float_as_uint(x) & 0x7FFFFFFFu) < 0x7F800000u;
-}
+// An element's new master weight splits into a finite bf16 parameter exactly when its magnitude
+// is below this float (split_master adds 0x8000 to the bits: from 0x7F7F8000 on, p is the
+// infinity), and a NaN compares false: one compare for split_master's NaN case and both tests.
+constexpr uint32_t kSplitLimitBits = 0x7F7F8000u;
+constexpr uint32_t kInfBits = 0x7F800000u;
 
-// Elements 2 h and 2 h + 1 of group j, bf16 with master weights, as their pair registers hold
-// them: each element's master word is one byte permutation of the pairs (p << 16 | r, plus
-// 0x8000: split_master's form), and the two new words permute back into the pairs. The same
-// values as update_elem: a new master word whose p is finite also has a finite master (the
-// split only adds 0x8000), so that check covers both. Returns the elements kept.
-template <int kG, bool kWhole>
-__device__ __forceinline__ uint32_t update_master_pair(Part<kG, true>& x, int j, int h,
-                                                       const AdamWHyper& hy, const AdamWStep& s) {
-  uint32_t word[2];
-  uint32_t kept = 0;
+// Group j of the lane, bf16 with master weights, updated in place: each element's master word is
+// one byte permutation of the pair registers (p << 16 | r, plus 0x8000: split_master's form), and
+// the new words permute back into the pairs. The same values as update_elem. An element keeps
+// its old values where a new one would not be finite, or past a ragged end; the warp takes those
+// selects only when one of its lanes has such an element (a vote), which no element of a
+// training step with valid hyperparameters does. Returns the elements kept.
+template <int kG, bool kEpsRoot>
+__device__ __forceinline__ uint32_t update_master_group(Part<kG, true>& x, int j,
+                                                        const AdamWHyper& hy, const AdamWStep& s) {
+  uint32_t old[4], word[4];
+  float m[4], v[4];
+  uint32_t keep = 0;  // bit k: element k keeps its old values
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int k = 2 * h + e;
-    const uint32_t old = __byte_perm(x.r[j][h], x.p[j][h], e ? 0x7632 : 0x5410);
-    const uint32_t g16 = x.g[j][h];
-    const float g = __uint_as_float(e ? g16 & 0xFFFF0000u : g16 << 16);
-    float w = __uint_as_float(old - 0x8000u), m = x.mu[j][k], v = x.nu[j][k];
-    adamw_element(g, w, m, v, hy, s);
-    const uint32_t bits = __float_as_uint(w);
-    const uint32_t split = (bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : bits + 0x8000u;
-    const bool live = kWhole || k < x.live[j];
-    const bool ok = (split & 0x7FFFFFFFu) < 0x7F800000u && finite_f32(m) && finite_f32(v);
-    const bool take = live && ok;
-    kept += live && !ok ? 1u : 0u;
-    word[e] = take ? split : old;
-    x.mu[j][k] = take ? m : x.mu[j][k];
-    x.nu[j][k] = take ? v : x.nu[j][k];
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t pair = x.g[j][k >> 1];
+    const float g = __uint_as_float(k & 1 ? pair & 0xFFFF0000u : pair << 16);
+    old[k] = __byte_perm(x.r[j][k >> 1], x.p[j][k >> 1], k & 1 ? 0x7632 : 0x5410);
+    float w = __uint_as_float(old[k] - 0x8000u);
+    m[k] = x.mu[j][k], v[k] = x.nu[j][k];
+    adamw_element<kEpsRoot>(g, w, m[k], v[k], hy, s);
+    word[k] = __float_as_uint(w) + 0x8000u;
+    // Bitwise, not short-circuit: three predicates and no branch.
+    const bool ok = (fabsf(w) < __uint_as_float(kSplitLimitBits)) &
+                    (fabsf(m[k]) < __uint_as_float(kInfBits)) &
+                    (fabsf(v[k]) < __uint_as_float(kInfBits)) & (k < x.live[j]);
+    keep |= static_cast<uint32_t>(!ok) << k;
   }
-  x.p[j][h] = __byte_perm(word[0], word[1], 0x7632);
-  x.r[j][h] = __byte_perm(word[0], word[1], 0x5410);
+  uint32_t kept = 0;
+  if (__any_sync(0xFFFFFFFFu, keep != 0)) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const bool keeps = (keep >> k) & 1u;
+      word[k] = keeps ? old[k] : word[k];
+      m[k] = keeps ? x.mu[j][k] : m[k];
+      v[k] = keeps ? x.nu[j][k] : v[k];
+    }
+    kept = __popc(keep & ((1u << x.live[j]) - 1u));
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) x.mu[j][k] = m[k], x.nu[j][k] = v[k];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    x.p[j][h] = __byte_perm(word[2 * h], word[2 * h + 1], 0x7632);
+    x.r[j][h] = __byte_perm(word[2 * h], word[2 * h + 1], 0x5410);
+  }
   return kept;
 }
 
 // Group j of the lane updated in place (x). Returns the elements kept.
-template <bool kBF16, bool kMaster, int kG, bool kWhole>
+template <bool kBF16, bool kMaster, int kG, bool kWhole, bool kEpsRoot>
 __device__ __forceinline__ uint32_t update_group(Part<kG, kBF16>& x, int j, const AdamWHyper& h,
                                                  const AdamWStep& s) {
   constexpr int kPW = Part<kG, kBF16>::kPW;
   if constexpr (kBF16 && kMaster) {
-    return update_master_pair<kG, kWhole>(x, j, 0, h, s) +
-           update_master_pair<kG, kWhole>(x, j, 1, h, s);
+    return update_master_group<kG, kEpsRoot>(x, j, h, s);
   } else {
     uint32_t kept = 0;
 #pragma unroll
@@ -356,9 +372,10 @@ struct ChunkVerdict {
 };
 
 // Chunk c: loaded, checked, and where it verifies updated, stored, its tables rewritten and its
-// old and new bytes XORed into acc. Warp-uniform result. `x` keeps the chunk's gradient for the stash.
-// kWhole: every element of the chunk is there (the compiler drops the ragged paths).
-template <bool kBF16, bool kMaster, bool kParity, int kG, bool kWhole>
+// old and new bytes XORed into acc. Warp-uniform result. `x` keeps the chunk's gradient for the
+// stash. kWhole: every element of the chunk is there (the compiler drops the ragged paths).
+// kEpsRoot: as adamw_element's.
+template <bool kBF16, bool kMaster, bool kParity, int kG, bool kWhole, bool kEpsRoot>
 __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* g,
                                    const AdamWHyper& h, const AdamWStep& s, Acc<kG> acc,
                                    const uint4* muls, Part<kG, kBF16>& x) {
@@ -381,7 +398,7 @@ __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* 
 #pragma unroll
   for (int j = 0; j < kG; ++j) {
     if constexpr (kParity) xor_into<kG, kBF16, kMaster>(acc.before, x, j);
-    kept += update_group<kBF16, kMaster, kG, kWhole>(x, j, h, s);
+    kept += update_group<kBF16, kMaster, kG, kWhole, kEpsRoot>(x, j, h, s);
     store_group<kBF16, kMaster, kG>(L, first + 4 * (lane_id() + 32 * j), j, x);
     if constexpr (kParity) xor_into<kG, kBF16, kMaster>(acc.after, x, j);
   }
@@ -521,7 +538,7 @@ constexpr int min_blocks() {
 
 // kWhole: the table's groups hold whole chunks only (the main launch); else each is a tensor's
 // last group, whose last chunk is short (the tail launch).
-template <bool kBF16, bool kMaster, bool kParity, int kG, bool kWhole>
+template <bool kBF16, bool kMaster, bool kParity, int kG, bool kWhole, bool kEpsRoot>
 __global__ void __launch_bounds__(32 * kWarps, min_blocks<kParity, kG, kWhole>())
     inplace_kernel(const __grid_constant__ Table T, const AdamWHyper h, const float* step,
                    const int32_t* go, Stash stash, uint64_t* totals) {
@@ -553,7 +570,7 @@ __global__ void __launch_bounds__(32 * kWarps, min_blocks<kParity, kG, kWhole>()
       Part<kG, kBF16> x;
       const void* g = static_cast<const uint8_t*>(L.g) + c * L.chunk_elems * (kBF16 ? 2 : 4);
       const ChunkVerdict v =
-          warp_chunk<kBF16, kMaster, kParity, kG, kWhole>(L, c, g, h, s, acc, muls, x);
+          warp_chunk<kBF16, kMaster, kParity, kG, kWhole, kEpsRoot>(L, c, g, h, s, acc, muls, x);
       record(L, c, v, totals);
       if (v.faults != 0) stash_chunk<kBF16, kG>(L, c, v.faults, x, stash, totals);
       left |= v.faults != 0;
@@ -598,7 +615,7 @@ __global__ void __launch_bounds__(32 * kWarps)
       const int64_t c = at(j, 1);
       if constexpr (kParity) zero_acc<kG>(acc);
       Part<kG, kBF16> x;
-      const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG, false>(
+      const ChunkVerdict v = warp_chunk<kBF16, kMaster, kParity, kG, false, true>(
           L, c, stash.rows + j * L.chunk_elems, h, s, acc, muls, x);
       record(L, c, v, totals);
       if constexpr (kParity) {
@@ -650,8 +667,11 @@ cudaError_t launch_kind(const Table& T, const Launch& l) {
     kernel<<<blocks_for(l.redo->entries), 32 * kWarps, smem, l.stream>>>(T, l.h, l.step, *l.redo,
                                                                          l.totals);
   } else {
-    auto* kernel = l.whole ? inplace_kernel<kBF16, kMaster, kParity, kG, true>
-                           : inplace_kernel<kBF16, kMaster, kParity, kG, false>;
+    // The main launch leaves out eps_root's addition where it adds nothing (adamw_math.h); the
+    // tail launch, a few chunks, keeps one kernel.
+    auto* kernel = !l.whole             ? inplace_kernel<kBF16, kMaster, kParity, kG, false, true>
+                   : eps_root_free(l.h) ? inplace_kernel<kBF16, kMaster, kParity, kG, true, false>
+                                        : inplace_kernel<kBF16, kMaster, kParity, kG, true, true>;
     PIMHBM_CUDA_RETURN_IF_ERROR(allow_acc(kernel, smem));
     kernel<<<blocks_for(T.first_group[T.count]), 32 * kWarps, smem, l.stream>>>(
         T, l.h, l.step, l.go, *l.stash, l.totals);

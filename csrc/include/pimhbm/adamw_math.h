@@ -19,7 +19,7 @@
 namespace pimhbm {
 
 struct AdamWHyper {
-  float b1, b2;                  // moment decays
+  float b1, b2;                      // moment decays
   float one_minus_b1, one_minus_b2;  // rounded as optax rounds (1 - b) in float32
   float eps, eps_root;
   float weight_decay;
@@ -64,14 +64,22 @@ PIMHBM_HD AdamWStep adamw_step(const float* s) {
   return AdamWStep{s[0], fdiv(1.0f, s[1]), fdiv(1.0f, s[2])};
 }
 
+// Whether adamw_element<false> gives adamw_element's results: eps_root is zero (of either sign)
+// and eps positive. Then v_hat + eps_root is v_hat itself but for v_hat = -0, whose square root
+// -0 differs from +0's only in a sign that adding eps > 0 takes away.
+PIMHBM_HD bool eps_root_free(const AdamWHyper& h) { return h.eps_root == 0.0f && h.eps > 0.0f; }
+
 // One AdamW step of one element: w is the fp32 weight (master, or the parameter itself).
+// kEpsRoot false leaves out the addition of eps_root (only where eps_root_free holds).
+template <bool kEpsRoot = true>
 PIMHBM_HD void adamw_element(float g, float& w, float& m, float& v, const AdamWHyper& h,
                              const AdamWStep& s) {
   m = fadd(fmul(h.one_minus_b1, g), fmul(h.b1, m));
   v = fadd(fmul(h.one_minus_b2, fmul(g, g)), fmul(h.b2, v));
   const float m_hat = fmul(m, s.inv_bc1);
   const float v_hat = fmul(v, s.inv_bc2);
-  float u = fdiv(m_hat, fadd(fsqrt(fadd(v_hat, h.eps_root)), h.eps));
+  const float root_arg = kEpsRoot ? fadd(v_hat, h.eps_root) : v_hat;
+  float u = fdiv(m_hat, fadd(fsqrt(root_arg), h.eps));
   u = fadd(u, fmul(h.weight_decay, w));
   w = fadd(w, fmul(-s.lr, u));
 }
