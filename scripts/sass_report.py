@@ -6,8 +6,11 @@ innermost loop that holds 128-bit global loads (the streaming loop), and prints 
 branches (the back-edge is one of them), predicated instructions and loads. With --classes,
 also the loop's instructions by the pipe that issues them (integer, float, memory, control) and
 its most frequent opcodes: an instruction budget a chunk, to set against the loop's elements.
+With --common-path, also the instructions one trip issues on the common path: a conditional
+branch is taken where it steps over a CALL (the IEEE division's and square root's slow paths) or
+follows a VOTE (a warp's rare case), and not taken otherwise (damage, ragged ends).
 
-usage: sass_report.py BINARY [NAME_REGEX] [--arch sm_90] [--classes]
+usage: sass_report.py BINARY [NAME_REGEX] [--arch sm_90] [--classes] [--common-path]
 BINARY: an executable, a shared library or a .cubin (`nvcc -cubin -arch=sm_90 ...`). Where the
 CUDA toolkit has no cuobjdump, PyPI's `nvidia-cuda-cuobjdump` wheel carries one (bin/).
 """
@@ -62,7 +65,35 @@ def streaming_loop(code: list[tuple[int, str]]):
     if not innermost:
         return None
     lo, hi = min(innermost)
-    return body(lo, hi)
+    return [(a, ins) for a, ins in code if lo <= a <= hi]
+
+
+def steps_over_call(loop: list[tuple[int, str]], k: int) -> bool:
+    """Whether the block after loop[k] (a conditional branch) calls a function before its next
+    branch or join."""
+    for _, ins in loop[k + 1:k + 7]:
+        if "CALL" in ins:
+            return True
+        if re.search(r"\b(BRA|BSYNC)\b", ins):
+            return False
+    return False
+
+
+def common_path(loop: list[tuple[int, str]]) -> list[str]:
+    """One trip through the loop on its common path (see the module's doc)."""
+    at = {a: k for k, (a, _) in enumerate(loop)}
+    path, k = [], 0
+    while k < len(loop) and len(path) <= 4 * len(loop):
+        addr, ins = loop[k]
+        path.append(ins)
+        m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)", ins)
+        if k == len(loop) - 1 or m is None or int(m.group(1), 16) not in at:
+            k += 1
+            continue
+        conditional = ins.startswith("@")
+        taken = not conditional or steps_over_call(loop, k) or "VOTE" in loop[k - 1][1]
+        k = at[int(m.group(1), 16)] if taken else k + 1
+    return path
 
 
 # The issuing pipe of an opcode's root (the part before the first dot).
@@ -107,6 +138,8 @@ def main() -> int:
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--classes", action="store_true",
                     help="also the loop's instructions by issuing pipe and its top opcodes")
+    ap.add_argument("--common-path", action="store_true",
+                    help="also the instructions one trip issues on its common path")
     args = ap.parse_args()
     funcs = functions(dump(args.binary, args.arch))
     rows = 0
@@ -114,9 +147,10 @@ def main() -> int:
         pretty = re.sub(r"[\w:]*\(anonymous namespace\)::", "", demangle(name))
         if not re.search(args.pattern, pretty):
             continue
-        loop = streaming_loop(code)
-        if loop is None:
+        located = streaming_loop(code)
+        if located is None:
             continue
+        loop = [ins for _, ins in located]
         branches = [i for i in loop if re.search(r"\bBRA\b", i)]
         predicated = [i for i in loop if i.startswith("@")]
         loads = [i for i in loop if "LDG" in i]
@@ -126,6 +160,11 @@ def main() -> int:
               f"({sum('.128' in l for l in loads)} x 128-bit), {len(local)} local-memory accesses")
         if args.classes:
             print(classes(loop))
+        if args.common_path:
+            path = common_path(located)
+            print(f"  common path: {len(path)} instructions a trip")
+            if args.classes:
+                print(classes(path))
         rows += 1
     if rows == 0:
         print(f"sass_report: no kernel matching {args.pattern!r} with a streaming loop")

@@ -305,34 +305,36 @@ constexpr uint32_t kInfBits = 0x7F800000u;
 template <int kG, bool kEpsRoot>
 __device__ __forceinline__ uint32_t update_master_group(Part<kG, true>& x, int j,
                                                         const AdamWHyper& hy, const AdamWStep& s) {
-  uint32_t old[4], word[4];
-  float m[4], v[4];
-  uint32_t keep = 0;  // bit k: element k keeps its old values
+  uint32_t old[4];
+  float w[4], m[4], v[4];
+  // Bitwise, not short-circuit: the compares chain into one predicate, with no branch.
+  const auto ok = [&](int k) {
+    return (fabsf(w[k]) < __uint_as_float(kSplitLimitBits)) &
+           (fabsf(m[k]) < __uint_as_float(kInfBits)) & (fabsf(v[k]) < __uint_as_float(kInfBits)) &
+           (k < x.live[j]);
+  };
+  bool all_ok = true;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const uint32_t pair = x.g[j][k >> 1];
     const float g = __uint_as_float(k & 1 ? pair & 0xFFFF0000u : pair << 16);
     old[k] = __byte_perm(x.r[j][k >> 1], x.p[j][k >> 1], k & 1 ? 0x7632 : 0x5410);
-    float w = __uint_as_float(old[k] - 0x8000u);
-    m[k] = x.mu[j][k], v[k] = x.nu[j][k];
-    adamw_element<kEpsRoot>(g, w, m[k], v[k], hy, s);
-    word[k] = __float_as_uint(w) + 0x8000u;
-    // Bitwise, not short-circuit: three predicates and no branch.
-    const bool ok = (fabsf(w) < __uint_as_float(kSplitLimitBits)) &
-                    (fabsf(m[k]) < __uint_as_float(kInfBits)) &
-                    (fabsf(v[k]) < __uint_as_float(kInfBits)) & (k < x.live[j]);
-    keep |= static_cast<uint32_t>(!ok) << k;
+    w[k] = __uint_as_float(old[k] - 0x8000u), m[k] = x.mu[j][k], v[k] = x.nu[j][k];
+    adamw_element<kEpsRoot>(g, w[k], m[k], v[k], hy, s);
+    all_ok &= ok(k);
   }
-  uint32_t kept = 0;
-  if (__any_sync(0xFFFFFFFFu, keep != 0)) {
+  uint32_t word[4], kept = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) word[k] = __float_as_uint(w[k]) + 0x8000u;
+  if (__any_sync(0xFFFFFFFFu, !all_ok)) {  // the compares again: no per-element flags held
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const bool keeps = (keep >> k) & 1u;
+      const bool keeps = !ok(k);
+      kept += keeps && k < x.live[j] ? 1u : 0u;
       word[k] = keeps ? old[k] : word[k];
       m[k] = keeps ? x.mu[j][k] : m[k];
       v[k] = keeps ? x.nu[j][k] : v[k];
     }
-    kept = __popc(keep & ((1u << x.live[j]) - 1u));
   }
 #pragma unroll
   for (int k = 0; k < 4; ++k) x.mu[j][k] = m[k], x.nu[j][k] = v[k];
