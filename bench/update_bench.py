@@ -3,7 +3,7 @@ optax.apply_if_finite(optax.adamw), for 268 M parameters:
   fp32 parameters (fp32 moments), and bf16 parameters with fp32 master weights and moments.
 
 usage: python bench/update_bench.py [--params 268435456] [--leaves 8 | --model-layers N]
-                                   [--json out.json] [--profile DIR]
+                                   [--json out.json] [--profile DIR] [--inplace-only [REPS]]
 Reported: ms per step in a steady loop (the slope between batches of 5 and 25 steps, median of
 7; and, beside it, per step of a batch of 25, which also carries the first step's dispatch),
 effective TB/s over optax.adamw's traffic (28 bytes per parameter in both cases: fp32 p, mu, nu
@@ -13,6 +13,9 @@ remainder), and ratios to optax.adamw.
 With --profile, a few steps of optax.adamw and of the guarded update are also traced and every
 kernel of a step is listed with its device time, beside the step's span and idle time: where
 the guarded step's time goes besides its update kernel.
+With --inplace-only, only bf16 parameters with master weights: optax.adamw and the in-place
+update (checks + update + parity, the library's defaults) in turn, REPS times in one process --
+the figure to compare two builds of the in-place kernel by, one process each, in turn.
 """
 
 from __future__ import annotations
@@ -178,6 +181,35 @@ def bench_case(kind, n_params, leaves, profile_dir=None, model_layers=0):
     return n, out, ceiling, profiles
 
 
+def inplace_only(n_params, leaves, model_layers, reps):
+    """optax.adamw (fp32 master weights, bf16 parameters cast after) and pimhbm.inplace on the
+    same tree, `reps` times in turn: [(optax s, in-place s)], steady seconds a step."""
+    tree = ((lambda seed: model_tree(model_layers, jnp.bfloat16, seed)) if model_layers else
+            (lambda seed: make_tree(n_params, leaves, jnp.bfloat16, seed)))
+    params = tree(0)
+    grads = jax.tree.map(lambda p: (p * 0.5 + 0.01).astype(jnp.bfloat16), tree(1))
+    tx = optax.adamw(LR)
+
+    def step(carry, g):
+        m, s, _ = carry
+        u, s = tx.update(jax.tree.map(lambda x: x.astype(jnp.float32), g), s, m)
+        m = optax.apply_updates(m, u)
+        return m, s, jax.tree.map(lambda x: x.astype(jnp.bfloat16), m)
+
+    opt = inplace.adamw(LR, master_weights=True)
+    upd = jax.jit(lambda s, g, lr: opt.update(g, s, lr)[0], donate_argnums=0)
+    plain = jax.jit(step, donate_argnums=0)
+    pairs = []
+    for rep in range(reps):
+        master = jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True), params)
+        base = timed_loop(plain, (master, tx.init(master), params), (grads,))[0]
+        ours = timed_loop(upd, opt.init(params), (grads, jnp.float32(LR)))[0]
+        print(f"rep {rep}: optax.adamw {base * 1e3:.3f} ms, pimhbm.inplace {ours * 1e3:.3f} ms, "
+              f"{ours / base:.3f}x", flush=True)
+        pairs.append((base, ours))
+    return sum(p.size for p in jax.tree.leaves(params)), pairs
+
+
 def print_profiles(console, kind, profiles):
     """Every kernel of a step (ms per step, launches) and the step's timeline, per variant."""
     for what, prof in profiles.items():
@@ -206,12 +238,23 @@ def main() -> int:
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="also trace optax.adamw and the guarded update into DIR and list the "
                          "kernels of their steps")
+    ap.add_argument("--inplace-only", type=int, nargs="?", const=2, default=0, metavar="REPS",
+                    help="only optax.adamw and the in-place update, bf16 + master, REPS times in "
+                         "turn (default 2)")
     args = ap.parse_args()
     console = Console(width=120)
     dev = jax.devices()[0]
     what = (f"{args.model_layers} decoder layers of 8B dimensions" if args.model_layers else
             f"{args.params / 1e6:.0f} M parameters in {args.leaves} tensors")
     payload = {"device": dev.device_kind, "params": args.params, "tree": what, "results": {}}
+    if args.inplace_only:
+        n, pairs = inplace_only(args.params, args.leaves, args.model_layers, args.inplace_only)
+        payload["params"] = n
+        payload["results"]["bf16+master"] = [
+            {"optax.adamw ms": b * 1e3, "pimhbm.inplace ms": o * 1e3, "ratio": o / b}
+            for b, o in pairs]
+        write_json(args.json, payload)
+        return 0
     table = Table(title=f"AdamW step, {what}, {dev.device_kind} (steady: the slope between batches of 5 "
                         "and 25 steps, median of 7; the skipped step: 2 and 7, median of 3)")
     for col in ("state", "update", "ms", "effective TB/s", "vs optax.adamw", "of read ceiling",
