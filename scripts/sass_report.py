@@ -8,7 +8,8 @@ also the loop's instructions by the pipe that issues them (integer, float, memor
 its most frequent opcodes: an instruction budget a chunk, to set against the loop's elements.
 With --common-path, also the instructions one trip issues on the common path: a conditional
 branch is taken where it steps over a CALL (the IEEE division's and square root's slow paths) or
-follows a VOTE (a warp's rare case), and not taken otherwise (damage, ragged ends).
+an atomic (counts and stash slots of damage found), or follows a VOTE (a warp's rare case), and
+not taken otherwise (a branch some lanes take still issues what it skips for the others).
 
 usage: sass_report.py BINARY [NAME_REGEX] [--arch sm_90] [--classes] [--common-path]
 BINARY: an executable, a shared library or a .cubin (`nvcc -cubin -arch=sm_90 ...`). Where the
@@ -68,15 +69,13 @@ def streaming_loop(code: list[tuple[int, str]]):
     return [(a, ins) for a, ins in code if lo <= a <= hi]
 
 
-def steps_over_call(loop: list[tuple[int, str]], k: int) -> bool:
-    """Whether the block after loop[k] (a conditional branch) calls a function before its next
-    branch or join."""
-    for _, ins in loop[k + 1:k + 7]:
-        if "CALL" in ins:
-            return True
-        if re.search(r"\b(BRA|BSYNC)\b", ins):
-            return False
-    return False
+def skips_rare_work(loop: list[tuple[int, str]], k: int, target: int) -> bool:
+    """Whether the forward branch loop[k] steps over a call (an IEEE slow path) or an atomic (a
+    count or stash slot taken only when something was found) -- and not over the loop's own
+    128-bit loads and stores (a branch around the whole update is not a rare path)."""
+    skipped = [ins for a, ins in loop[k + 1:] if a < target]
+    rare = any(re.search(r"\b(CALL|ATOMG?|REDG?)\b", ins) for ins in skipped)
+    return rare and not any(re.search(r"\b(LDG|STG)\b.*\.128", ins) for ins in skipped)
 
 
 def common_path(loop: list[tuple[int, str]]) -> list[str]:
@@ -90,9 +89,10 @@ def common_path(loop: list[tuple[int, str]]) -> list[str]:
         if k == len(loop) - 1 or m is None or int(m.group(1), 16) not in at:
             k += 1
             continue
-        conditional = ins.startswith("@")
-        taken = not conditional or steps_over_call(loop, k) or "VOTE" in loop[k - 1][1]
-        k = at[int(m.group(1), 16)] if taken else k + 1
+        target = int(m.group(1), 16)
+        taken = (not ins.startswith("@") or "VOTE" in loop[k - 1][1] or
+                 (target > addr and skips_rare_work(loop, k, target)))
+        k = at[target] if taken else k + 1
     return path
 
 
