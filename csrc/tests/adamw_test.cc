@@ -4,13 +4,16 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstring>
+#include <random>
 #include <vector>
 
 #include "adamw_host_leaf.h"
 #include "scan/scan.h"
 #include "test_util.h"
+#include "update/inplace_math.h"
 #include "update/restore.h"
 
 namespace pimhbm::update {
@@ -71,6 +74,66 @@ TEST(SplitMaster, JoinsBackExactlyAndRoundsToNearestTiesAway) {
     }
   }
   EXPECT_GT(ties_differ, 0);
+}
+
+// Bit patterns near every boundary the update's finiteness tests draw (zeros, the denormals,
+// the largest finite values, the split limit 0x7F7F8000, the infinities, NaNs), both signs,
+// and random ones.
+std::vector<uint32_t> edge_patterns(std::mt19937_64& rng) {
+  std::vector<uint32_t> out;
+  for (uint32_t base : {0x00000000u, 0x00800000u, 0x3F800000u, 0x7F7F0000u, 0x7F7F8000u,
+                        0x7F800000u, 0x7FC00000u}) {
+    for (int d = -3; d <= 3; ++d) {
+      for (uint32_t sign : {0u, 0x80000000u}) out.push_back(sign | (base + d) & 0x7FFFFFFFu);
+    }
+  }
+  for (int k = 0; k < (1 << 20); ++k) out.push_back(static_cast<uint32_t>(rng()));
+  return out;
+}
+
+// The GPU kernel's one-compare tests agree with the reference's bit tests on every pattern:
+// split_finite(w) is "split_master(w)'s parameter is finite" (finite_bits on it), finite_f32
+// is finite_bits of the fp32 word.
+TEST(InPlaceMath, FloatComparesAreTheReferencesBitTests) {
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  int split_limits = 0;
+  for (const uint32_t bits : edge_patterns(rng)) {
+    const float w = bits_float(bits);
+    ASSERT_EQ(split_finite(w), finite_bits(split_master(w).p, true)) << std::hex << bits;
+    ASSERT_EQ(finite_f32(w), finite_bits(bits, false)) << std::hex << bits;
+    split_limits += finite_bits(bits, false) && !split_finite(w);  // finite, yet p overflows
+  }
+  EXPECT_GT(split_limits, 0);  // the patterns reach the split limit
+}
+
+// adamw_element<false> (eps_root's addition left out) gives adamw_element's bits for every
+// state and gradient wherever eps_root_free holds; where eps_root is not zero it does not (the
+// control: the comparison sees a difference when there is one).
+TEST(AdamWElement, LeavingOutAZeroEpsRootChangesNoBit) {
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  const std::vector<uint32_t> patterns = edge_patterns(rng);
+  const auto pick = [&] { return bits_float(patterns[rng() % patterns.size()]); };
+  const AdamWStep step = adamw_step(std::array<float, 3>{1e-3f, 0.1f, 0.001f}.data());
+  for (const float eps_root : {0.0f, -0.0f, 1e-12f}) {
+    AdamWHyper h = testing::kHyper;
+    h.eps_root = eps_root;
+    int differ = 0;
+    for (int k = 0; k < (1 << 20); ++k) {
+      float w0 = pick(), m0 = std::fabs(pick()), v0 = std::fabs(pick());
+      const float g = pick();
+      if (k % 4 == 0) v0 = -0.0f;  // the one value whose root's sign the addition changes
+      float w1 = w0, m1 = m0, v1 = v0;
+      adamw_element<true>(g, w0, m0, v0, h, step);
+      adamw_element<false>(g, w1, m1, v1, h, step);
+      const bool same = float_bits(w0) == float_bits(w1) && float_bits(m0) == float_bits(m1) &&
+                        float_bits(v0) == float_bits(v1);
+      if (eps_root_free(h)) ASSERT_TRUE(same) << k;
+      differ += same ? 0 : 1;
+    }
+    if (!eps_root_free(h)) EXPECT_GT(differ, 0);
+  }
 }
 
 class AdamWCpu : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
@@ -164,8 +227,7 @@ TEST(AdamWTotals, AddUpOverTheLeavesOfACall) {
   EXPECT_EQ(want[1], 3u);
 }
 
-INSTANTIATE_TEST_SUITE_P(ParamKinds, AdamWCpu, testing::param_kinds(),
-                         testing::param_kind_name);
+INSTANTIATE_TEST_SUITE_P(ParamKinds, AdamWCpu, testing::param_kinds(), testing::param_kind_name);
 
 TEST(Restore, CopiesOnlyWhenTheStepDoesNotCommit) {
   PIMHBM_SEED_TRACE();

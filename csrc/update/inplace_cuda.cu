@@ -290,12 +290,6 @@ __device__ __forceinline__ void xor_into(uint4 (*sum)[32 * kG], const Part<kG, k
   }
 }
 
-// An element's new master weight splits into a finite bf16 parameter exactly when its magnitude
-// is below this float (split_master adds 0x8000 to the bits: from 0x7F7F8000 on, p is the
-// infinity), and a NaN compares false: one compare for split_master's NaN case and both tests.
-constexpr uint32_t kSplitLimitBits = 0x7F7F8000u;
-constexpr uint32_t kInfBits = 0x7F800000u;
-
 // Group j of the lane, bf16 with master weights, updated in place: each element's master word is
 // one byte permutation of the pair registers (p << 16 | r, plus 0x8000: split_master's form), and
 // the new words permute back into the pairs. The same values as update_elem. An element keeps
@@ -308,10 +302,9 @@ __device__ __forceinline__ uint32_t update_master_group(Part<kG, true>& x, int j
   uint32_t old[4];
   float w[4], m[4], v[4];
   // Bitwise, not short-circuit: the compares chain into one predicate, with no branch.
+  // split_finite covers the new master too, and split_master's NaN case.
   const auto ok = [&](int k) {
-    return (fabsf(w[k]) < __uint_as_float(kSplitLimitBits)) &
-           (fabsf(m[k]) < __uint_as_float(kInfBits)) & (fabsf(v[k]) < __uint_as_float(kInfBits)) &
-           (k < x.live[j]);
+    return split_finite(w[k]) & finite_f32(m[k]) & finite_f32(v[k]) & (k < x.live[j]);
   };
   bool all_ok = true;
 #pragma unroll

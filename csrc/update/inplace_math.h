@@ -3,6 +3,7 @@
 // be finite.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "pimhbm/adamw_math.h"
@@ -18,6 +19,12 @@ struct ElemState {
 PIMHBM_HD bool finite_bits(uint32_t bits, bool bf16) {
   return bf16 ? (bits & 0x7FFFu) < 0x7F80u : (bits & 0x7FFFFFFFu) < 0x7F800000u;
 }
+
+// The same tests as one float compare each (the GPU's kernel chains them into one predicate):
+// a NaN compares false. split_finite(w): split_master(w)'s parameter is finite -- split_master
+// adds 0x8000 to the bits, so from 0x7F7F8000 on the parameter is the infinity.
+PIMHBM_HD bool finite_f32(float x) { return fabsf(x) < bits_float(0x7F800000u); }
+PIMHBM_HD bool split_finite(float w) { return fabsf(w) < bits_float(0x7F7F8000u); }
 
 // Updates x with gradient g (as a float); returns false, leaving x as it was, where the new
 // parameter, master weight or a moment is NaN or infinite.
