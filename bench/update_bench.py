@@ -105,6 +105,22 @@ def model_tree(layers, dtype, seed):
     return jax.tree.map(lambda x: x * 0.02 if x.ndim == 1 else x, tree)
 
 
+def optax_step(tx, params, bf16):
+    """`tx`'s step, jitted with its carry donated, and a fresh carry: on fp32 master weights
+    with the bf16 parameters cast after (bf16), else on the parameters themselves."""
+    master = jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True), params)
+    carry = (master, tx.init(master)) + ((params,) if bf16 else ())
+
+    def step(carry, g):
+        m, s = carry[0], carry[1]
+        g32 = jax.tree.map(lambda x: x.astype(jnp.float32), g) if bf16 else g
+        u, s = tx.update(g32, s, m)
+        m = optax.apply_updates(m, u)
+        return (m, s, jax.tree.map(lambda x: x.astype(jnp.bfloat16), m)) if bf16 else (m, s)
+
+    return jax.jit(step, donate_argnums=0), carry
+
+
 def bench_case(kind, n_params, leaves, profile_dir=None, model_layers=0):
     bf16 = kind == "bf16+master"
     pdtype = jnp.bfloat16 if bf16 else jnp.float32
@@ -118,17 +134,7 @@ def bench_case(kind, n_params, leaves, profile_dir=None, model_layers=0):
     # optax.adamw (on fp32 master weights for the bf16 case, casting the parameters after).
     for name, tx in (("optax.adamw", optax.adamw(LR)),
                      ("optax.apply_if_finite(adamw)", optax.apply_if_finite(optax.adamw(LR), 10**9))):
-        master = jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True), params)
-        carry = (master, tx.init(master)) + ((params,) if bf16 else ())
-
-        def step(carry, g, tx=tx):
-            m, s = carry[0], carry[1]
-            g32 = jax.tree.map(lambda x: x.astype(jnp.float32), g) if bf16 else g
-            u, s = tx.update(g32, s, m)
-            m = optax.apply_updates(m, u)
-            return (m, s, jax.tree.map(lambda x: x.astype(jnp.bfloat16), m)) if bf16 else (m, s)
-
-        jitted = jax.jit(step, donate_argnums=0)
+        jitted, carry = optax_step(tx, params, bf16)
         steady, batch, long, carry = timed_loop(jitted, carry, (grads,))
         out[name] = (steady, batch, long)
         if profile_dir and name == "optax.adamw":
@@ -188,21 +194,12 @@ def inplace_only(n_params, leaves, model_layers, reps):
             (lambda seed: make_tree(n_params, leaves, jnp.bfloat16, seed)))
     params = tree(0)
     grads = jax.tree.map(lambda p: (p * 0.5 + 0.01).astype(jnp.bfloat16), tree(1))
-    tx = optax.adamw(LR)
-
-    def step(carry, g):
-        m, s, _ = carry
-        u, s = tx.update(jax.tree.map(lambda x: x.astype(jnp.float32), g), s, m)
-        m = optax.apply_updates(m, u)
-        return m, s, jax.tree.map(lambda x: x.astype(jnp.bfloat16), m)
-
     opt = inplace.adamw(LR, master_weights=True)
     upd = jax.jit(lambda s, g, lr: opt.update(g, s, lr)[0], donate_argnums=0)
-    plain = jax.jit(step, donate_argnums=0)
     pairs = []
     for rep in range(reps):
-        master = jax.tree.map(lambda p: jnp.array(p, jnp.float32, copy=True), params)
-        base = timed_loop(plain, (master, tx.init(master), params), (grads,))[0]
+        plain, carry = optax_step(optax.adamw(LR), params, True)
+        base = timed_loop(plain, carry, (grads,))[0]
         ours = timed_loop(upd, opt.init(params), (grads, jnp.float32(LR)))[0]
         print(f"rep {rep}: optax.adamw {base * 1e3:.3f} ms, pimhbm.inplace {ours * 1e3:.3f} ms, "
               f"{ours / base:.3f}x", flush=True)
