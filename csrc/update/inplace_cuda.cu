@@ -339,26 +339,63 @@ __device__ __forceinline__ uint32_t update_master_group(Part<kG, true>& x, int j
   return kept;
 }
 
-// Group j of the lane updated in place (x). Returns the elements kept.
-template <bool kBF16, bool kMaster, int kG, bool kWhole, bool kEpsRoot>
-__device__ __forceinline__ uint32_t update_group(Part<kG, kBF16>& x, int j, const AdamWHyper& h,
-                                                 const AdamWStep& s) {
+// Group j of the lane without master weights (fp32 or bf16 parameters), as update_master_group:
+// the same values as update_elem, the kept elements' selects behind a vote. A new bf16
+// parameter rounds to nearest even; the largest finite one, 0x7F7F, is odd, so from 0x7F7F8000
+// on the rounding reaches the infinity and split_finite is its test too. Returns the elements
+// kept.
+template <int kG, bool kBF16, bool kEpsRoot>
+__device__ __forceinline__ uint32_t update_plain_group(Part<kG, kBF16>& x, int j,
+                                                       const AdamWHyper& hy, const AdamWStep& s) {
   constexpr int kPW = Part<kG, kBF16>::kPW;
-  if constexpr (kBF16 && kMaster) {
-    return update_master_group<kG, kEpsRoot>(x, j, h, s);
-  } else {
-    uint32_t kept = 0;
+  float w[4], m[4], v[4];
+  const auto ok = [&](int k) {  // bitwise, as update_master_group's
+    return (kBF16 ? split_finite(w[k]) : finite_f32(w[k])) & finite_f32(m[k]) & finite_f32(v[k]) &
+           (k < x.live[j]);
+  };
+  bool all_ok = true;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    w[k] = kernel::param_value(word_of<kPW>(x.p[j], k), kBF16), m[k] = x.mu[j][k],
+    v[k] = x.nu[j][k];
+    adamw_element<kEpsRoot>(kernel::param_value(word_of<kPW>(x.g[j], k), kBF16), w[k], m[k], v[k],
+                            hy, s);
+    all_ok &= ok(k);
+  }
+  uint32_t word[4], kept = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {  // float_to_bf16 without its NaN case: a NaN is never written
+    const uint32_t bits = __float_as_uint(w[k]);
+    word[k] = kBF16 ? (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16 : bits;
+  }
+  if (__any_sync(0xFFFFFFFFu, !all_ok)) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      if (!kWhole && k >= x.live[j]) continue;
-      ElemState e{word_of<kPW>(x.p[j], k), 0u, x.mu[j][k], x.nu[j][k]};
-      const float gk = kernel::param_value(word_of<kPW>(x.g[j], k), kBF16);
-      kept += update_elem(e, gk, kBF16, false, h, s) ? 0u : 1u;
-      set_word<kPW>(x.p[j], k, e.p);
-      x.mu[j][k] = e.mu, x.nu[j][k] = e.nu;
+      const bool keeps = !ok(k);
+      kept += keeps && k < x.live[j] ? 1u : 0u;
+      word[k] = keeps ? word_of<kPW>(x.p[j], k) : word[k];
+      m[k] = keeps ? x.mu[j][k] : m[k];
+      v[k] = keeps ? x.nu[j][k] : v[k];
     }
-    return kept;
   }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) x.mu[j][k] = m[k], x.nu[j][k] = v[k];
+  if constexpr (kBF16) {
+    x.p[j][0] = __byte_perm(word[0], word[1], 0x5410);
+    x.p[j][1] = __byte_perm(word[2], word[3], 0x5410);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) x.p[j][k] = word[k];
+  }
+  return kept;
+}
+
+// Group j of the lane updated in place (x). Returns the elements kept.
+template <bool kBF16, bool kMaster, int kG, bool kEpsRoot>
+__device__ __forceinline__ uint32_t update_group(Part<kG, kBF16>& x, int j, const AdamWHyper& h,
+                                                 const AdamWStep& s) {
+  if constexpr (kBF16 && kMaster) return update_master_group<kG, kEpsRoot>(x, j, h, s);
+  return update_plain_group<kG, kBF16, kEpsRoot>(x, j, h, s);
 }
 
 struct ChunkVerdict {
@@ -393,7 +430,7 @@ __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* 
 #pragma unroll
   for (int j = 0; j < kG; ++j) {
     if constexpr (kParity) xor_into<kG, kBF16, kMaster>(acc.before, x, j);
-    kept += update_group<kBF16, kMaster, kG, kWhole, kEpsRoot>(x, j, h, s);
+    kept += update_group<kBF16, kMaster, kG, kEpsRoot>(x, j, h, s);
     store_group<kBF16, kMaster, kG>(L, first + 4 * (lane_id() + 32 * j), j, x);
     if constexpr (kParity) xor_into<kG, kBF16, kMaster>(acc.after, x, j);
   }
