@@ -290,6 +290,13 @@ __device__ __forceinline__ void xor_into(uint4 (*sum)[32 * kG], const Part<kG, k
   }
 }
 
+// Whether an element's new values may be written: the parameter's test, both moments finite,
+// the element inside the chunk. Bitwise, not short-circuit: the compares chain into one
+// predicate, with no branch.
+__device__ __forceinline__ bool writable(bool param_ok, float m, float v, bool live) {
+  return param_ok & finite_f32(m) & finite_f32(v) & live;
+}
+
 // Group j of the lane, bf16 with master weights, updated in place: each element's master word is
 // one byte permutation of the pair registers (p << 16 | r, plus 0x8000: split_master's form), and
 // the new words permute back into the pairs. The same values as update_elem. An element keeps
@@ -301,10 +308,9 @@ __device__ __forceinline__ uint32_t update_master_group(Part<kG, true>& x, int j
                                                         const AdamWHyper& hy, const AdamWStep& s) {
   uint32_t old[4];
   float w[4], m[4], v[4];
-  // Bitwise, not short-circuit: the compares chain into one predicate, with no branch.
   // split_finite covers the new master too, and split_master's NaN case.
-  const auto ok = [&](int k) {
-    return split_finite(w[k]) & finite_f32(m[k]) & finite_f32(v[k]) & (k < x.live[j]);
+  const auto ok = [&x, j](float w, float m, float v, int k) {
+    return writable(split_finite(w), m, v, k < x.live[j]);
   };
   bool all_ok = true;
 #pragma unroll
@@ -314,7 +320,7 @@ __device__ __forceinline__ uint32_t update_master_group(Part<kG, true>& x, int j
     old[k] = __byte_perm(x.r[j][k >> 1], x.p[j][k >> 1], k & 1 ? 0x7632 : 0x5410);
     w[k] = __uint_as_float(old[k] - 0x8000u), m[k] = x.mu[j][k], v[k] = x.nu[j][k];
     adamw_element<kEpsRoot>(g, w[k], m[k], v[k], hy, s);
-    all_ok &= ok(k);
+    all_ok &= ok(w[k], m[k], v[k], k);
   }
   uint32_t word[4], kept = 0;
 #pragma unroll
@@ -322,7 +328,7 @@ __device__ __forceinline__ uint32_t update_master_group(Part<kG, true>& x, int j
   if (__any_sync(0xFFFFFFFFu, !all_ok)) {  // the compares again: no per-element flags held
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const bool keeps = !ok(k);
+      const bool keeps = !ok(w[k], m[k], v[k], k);
       kept += keeps && k < x.live[j] ? 1u : 0u;
       word[k] = keeps ? old[k] : word[k];
       m[k] = keeps ? x.mu[j][k] : m[k];
@@ -349,9 +355,8 @@ __device__ __forceinline__ uint32_t update_plain_group(Part<kG, kBF16>& x, int j
                                                        const AdamWHyper& hy, const AdamWStep& s) {
   constexpr int kPW = Part<kG, kBF16>::kPW;
   float w[4], m[4], v[4];
-  const auto ok = [&](int k) {  // bitwise, as update_master_group's
-    return (kBF16 ? split_finite(w[k]) : finite_f32(w[k])) & finite_f32(m[k]) & finite_f32(v[k]) &
-           (k < x.live[j]);
+  const auto ok = [&x, j](float w, float m, float v, int k) {
+    return writable(kBF16 ? split_finite(w) : finite_f32(w), m, v, k < x.live[j]);
   };
   bool all_ok = true;
 #pragma unroll
@@ -360,7 +365,7 @@ __device__ __forceinline__ uint32_t update_plain_group(Part<kG, kBF16>& x, int j
     v[k] = x.nu[j][k];
     adamw_element<kEpsRoot>(kernel::param_value(word_of<kPW>(x.g[j], k), kBF16), w[k], m[k], v[k],
                             hy, s);
-    all_ok &= ok(k);
+    all_ok &= ok(w[k], m[k], v[k], k);
   }
   uint32_t word[4], kept = 0;
 #pragma unroll
@@ -371,7 +376,7 @@ __device__ __forceinline__ uint32_t update_plain_group(Part<kG, kBF16>& x, int j
   if (__any_sync(0xFFFFFFFFu, !all_ok)) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const bool keeps = !ok(k);
+      const bool keeps = !ok(w[k], m[k], v[k], k);
       kept += keeps && k < x.live[j] ? 1u : 0u;
       word[k] = keeps ? word_of<kPW>(x.p[j], k) : word[k];
       m[k] = keeps ? x.mu[j][k] : m[k];
