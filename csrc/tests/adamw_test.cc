@@ -92,8 +92,8 @@ std::vector<uint32_t> edge_patterns(std::mt19937_64& rng) {
 }
 
 // The GPU kernel's one-compare tests agree with the reference's bit tests on every pattern:
-// split_finite(w) is "split_master(w)'s parameter is finite" (finite_bits on it), finite_f32
-// is finite_bits of the fp32 word.
+// split_finite(w) is "split_master(w)'s parameter is finite" and "w's bf16 rounding is finite"
+// (finite_bits on them), finite_f32 is finite_bits of the fp32 word.
 TEST(InPlaceMath, FloatComparesAreTheReferencesBitTests) {
   PIMHBM_SEED_TRACE();
   auto rng = rng_for_test();
@@ -101,6 +101,9 @@ TEST(InPlaceMath, FloatComparesAreTheReferencesBitTests) {
   for (const uint32_t bits : edge_patterns(rng)) {
     const float w = bits_float(bits);
     ASSERT_EQ(split_finite(w), finite_bits(split_master(w).p, true)) << std::hex << bits;
+    // ... and "w rounded to a bf16 parameter (nearest even) is finite": the kernel's test of
+    // bf16 parameters without master weights.
+    ASSERT_EQ(split_finite(w), finite_bits(float_to_bf16(w), true)) << std::hex << bits;
     ASSERT_EQ(finite_f32(w), finite_bits(bits, false)) << std::hex << bits;
     split_limits += finite_bits(bits, false) && !split_finite(w);  // finite, yet p overflows
   }

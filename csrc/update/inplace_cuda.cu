@@ -290,6 +290,13 @@ __device__ __forceinline__ void xor_into(uint4 (*sum)[32 * kG], const Part<kG, k
   }
 }
 
+// Whether an element's new values may be written: the parameter's test, both moments finite,
+// the element inside the chunk. Bitwise, not short-circuit: the compares chain into one
+// predicate, with no branch.
+__device__ __forceinline__ bool writable(bool param_ok, float m, float v, bool live) {
+  return param_ok & finite_f32(m) & finite_f32(v) & live;
+}
+
 // Group j of the lane, bf16 with master weights, updated in place: each element's master word is
 // one byte permutation of the pair registers (p << 16 | r, plus 0x8000: split_master's form), and
 // the new words permute back into the pairs. The same values as update_elem. An element keeps
@@ -301,10 +308,9 @@ __device__ __forceinline__ uint32_t update_master_group(Part<kG, true>& x, int j
                                                         const AdamWHyper& hy, const AdamWStep& s) {
   uint32_t old[4];
   float w[4], m[4], v[4];
-  // Bitwise, not short-circuit: the compares chain into one predicate, with no branch.
   // split_finite covers the new master too, and split_master's NaN case.
-  const auto ok = [&](int k) {
-    return split_finite(w[k]) & finite_f32(m[k]) & finite_f32(v[k]) & (k < x.live[j]);
+  const auto ok = [&x, j](float w, float m, float v, int k) {
+    return writable(split_finite(w), m, v, k < x.live[j]);
   };
   bool all_ok = true;
 #pragma unroll
@@ -314,7 +320,7 @@ __device__ __forceinline__ uint32_t update_master_group(Part<kG, true>& x, int j
     old[k] = __byte_perm(x.r[j][k >> 1], x.p[j][k >> 1], k & 1 ? 0x7632 : 0x5410);
     w[k] = __uint_as_float(old[k] - 0x8000u), m[k] = x.mu[j][k], v[k] = x.nu[j][k];
     adamw_element<kEpsRoot>(g, w[k], m[k], v[k], hy, s);
-    all_ok &= ok(k);
+    all_ok &= ok(w[k], m[k], v[k], k);
   }
   uint32_t word[4], kept = 0;
 #pragma unroll
@@ -322,7 +328,7 @@ __device__ __forceinline__ uint32_t update_master_group(Part<kG, true>& x, int j
   if (__any_sync(0xFFFFFFFFu, !all_ok)) {  // the compares again: no per-element flags held
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const bool keeps = !ok(k);
+      const bool keeps = !ok(w[k], m[k], v[k], k);
       kept += keeps && k < x.live[j] ? 1u : 0u;
       word[k] = keeps ? old[k] : word[k];
       m[k] = keeps ? x.mu[j][k] : m[k];
@@ -339,26 +345,62 @@ __device__ __forceinline__ uint32_t update_master_group(Part<kG, true>& x, int j
   return kept;
 }
 
-// Group j of the lane updated in place (x). Returns the elements kept.
-template <bool kBF16, bool kMaster, int kG, bool kWhole, bool kEpsRoot>
-__device__ __forceinline__ uint32_t update_group(Part<kG, kBF16>& x, int j, const AdamWHyper& h,
-                                                 const AdamWStep& s) {
+// Group j of the lane without master weights (fp32 or bf16 parameters), as update_master_group:
+// the same values as update_elem, the kept elements' selects behind a vote. A new bf16
+// parameter rounds to nearest even; the largest finite one, 0x7F7F, is odd, so from 0x7F7F8000
+// on the rounding reaches the infinity and split_finite is its test too. Returns the elements
+// kept.
+template <int kG, bool kBF16, bool kEpsRoot>
+__device__ __forceinline__ uint32_t update_plain_group(Part<kG, kBF16>& x, int j,
+                                                       const AdamWHyper& hy, const AdamWStep& s) {
   constexpr int kPW = Part<kG, kBF16>::kPW;
-  if constexpr (kBF16 && kMaster) {
-    return update_master_group<kG, kEpsRoot>(x, j, h, s);
-  } else {
-    uint32_t kept = 0;
+  float w[4], m[4], v[4];
+  const auto ok = [&x, j](float w, float m, float v, int k) {
+    return writable(kBF16 ? split_finite(w) : finite_f32(w), m, v, k < x.live[j]);
+  };
+  bool all_ok = true;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    w[k] = kernel::param_value(word_of<kPW>(x.p[j], k), kBF16), m[k] = x.mu[j][k],
+    v[k] = x.nu[j][k];
+    adamw_element<kEpsRoot>(kernel::param_value(word_of<kPW>(x.g[j], k), kBF16), w[k], m[k], v[k],
+                            hy, s);
+    all_ok &= ok(w[k], m[k], v[k], k);
+  }
+  uint32_t word[4], kept = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {  // float_to_bf16 without its NaN case: a NaN is never written
+    const uint32_t bits = __float_as_uint(w[k]);
+    word[k] = kBF16 ? (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16 : bits;
+  }
+  if (__any_sync(0xFFFFFFFFu, !all_ok)) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      if (!kWhole && k >= x.live[j]) continue;
-      ElemState e{word_of<kPW>(x.p[j], k), 0u, x.mu[j][k], x.nu[j][k]};
-      const float gk = kernel::param_value(word_of<kPW>(x.g[j], k), kBF16);
-      kept += update_elem(e, gk, kBF16, false, h, s) ? 0u : 1u;
-      set_word<kPW>(x.p[j], k, e.p);
-      x.mu[j][k] = e.mu, x.nu[j][k] = e.nu;
+      const bool keeps = !ok(w[k], m[k], v[k], k);
+      kept += keeps && k < x.live[j] ? 1u : 0u;
+      word[k] = keeps ? word_of<kPW>(x.p[j], k) : word[k];
+      m[k] = keeps ? x.mu[j][k] : m[k];
+      v[k] = keeps ? x.nu[j][k] : v[k];
     }
-    return kept;
   }
+#pragma unroll
+  for (int k = 0; k < 4; ++k) x.mu[j][k] = m[k], x.nu[j][k] = v[k];
+  if constexpr (kBF16) {
+    x.p[j][0] = __byte_perm(word[0], word[1], 0x5410);
+    x.p[j][1] = __byte_perm(word[2], word[3], 0x5410);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) x.p[j][k] = word[k];
+  }
+  return kept;
+}
+
+// Group j of the lane updated in place (x). Returns the elements kept.
+template <bool kBF16, bool kMaster, int kG, bool kEpsRoot>
+__device__ __forceinline__ uint32_t update_group(Part<kG, kBF16>& x, int j, const AdamWHyper& h,
+                                                 const AdamWStep& s) {
+  if constexpr (kBF16 && kMaster) return update_master_group<kG, kEpsRoot>(x, j, h, s);
+  return update_plain_group<kG, kBF16, kEpsRoot>(x, j, h, s);
 }
 
 struct ChunkVerdict {
@@ -393,7 +435,7 @@ __device__ ChunkVerdict warp_chunk(const InPlaceLeaf& L, int64_t c, const void* 
 #pragma unroll
   for (int j = 0; j < kG; ++j) {
     if constexpr (kParity) xor_into<kG, kBF16, kMaster>(acc.before, x, j);
-    kept += update_group<kBF16, kMaster, kG, kWhole, kEpsRoot>(x, j, h, s);
+    kept += update_group<kBF16, kMaster, kG, kEpsRoot>(x, j, h, s);
     store_group<kBF16, kMaster, kG>(L, first + 4 * (lane_id() + 32 * j), j, x);
     if constexpr (kParity) xor_into<kG, kBF16, kMaster>(acc.after, x, j);
   }

@@ -22,7 +22,8 @@ PIMHBM_HD bool finite_bits(uint32_t bits, bool bf16) {
 
 // The same tests as one float compare each (the GPU's kernel chains them into one predicate):
 // a NaN compares false. split_finite(w): split_master(w)'s parameter is finite -- split_master
-// adds 0x8000 to the bits, so from 0x7F7F8000 on the parameter is the infinity.
+// adds 0x8000 to the bits, so from 0x7F7F8000 on the parameter is the infinity -- and so is
+// float_to_bf16(w) (the largest finite bf16 is odd: from there on its tie rounds up too).
 PIMHBM_HD bool finite_f32(float x) { return fabsf(x) < bits_float(0x7F800000u); }
 PIMHBM_HD bool split_finite(float w) { return fabsf(w) < bits_float(0x7F7F8000u); }
 
