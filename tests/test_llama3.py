@@ -425,6 +425,30 @@ def test_llama3_tool_measures_each_steps_memory_in_a_process_of_its_own():
     assert protected["state_bytes"] <= 1.10 * plain["state_bytes"]
 
 
+def test_llama3_tool_takes_the_chunk_size_it_is_given():
+    """`--chunk-elems 512` reaches the protected state (its digest rows, parity rows and stash
+    are laid out for 512: other bytes held than with the default's 256); a size the in-place
+    update does not take stops the tool before it starts, saying which it takes."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "pimhbm_cli", "llama3", "--tiny", "--layers", "1", "--tokens",
+           "256", "--seq", "32", "--vocab", "256", "--steps", "3", "--devices", "1",
+           "--memory-of", "protected"]
+    held = {}
+    for chunk in ("256", "512"):
+        run = subprocess.run(cmd + ["--chunk-elems", chunk], capture_output=True, text=True,
+                             env=cached_env(), timeout=300)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        line = next(l for l in run.stdout.splitlines() if l.startswith("MEMORY "))
+        held[chunk] = json.loads(line[len("MEMORY "):])["state_bytes"]
+    assert held["512"] != held["256"]
+    run = subprocess.run(cmd + ["--chunk-elems", "300"], capture_output=True, text=True,
+                         env=cached_env(), timeout=300)
+    assert run.returncode == 2 and "--chunk-elems 300: the in-place update takes" in run.stderr
+
+
 def test_llama3_tool_times_exact_mode_in_a_process_of_its_own():
     """`pimhbm llama3 --exact-of-protected` (the child the tool starts, in exact mode, for the
     exact-mode row beside the fast plain step): one line with the protected step's time."""

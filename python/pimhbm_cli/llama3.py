@@ -78,6 +78,10 @@ def add_arguments(p) -> None:
                    help="keep no redundancy of each device's own (no parity; with --state "
                         "two-slots no device copy): every damaged chunk is pulled from another "
                         "replica (needs more devices than --shard)")
+    p.add_argument("--chunk-elems", type=positive_int, default=None,
+                   help="elements a digest covers, the unit of repair (default: the state's -- "
+                        "256 with one copy, whose update takes 128, 256 or 512; 4096 with two "
+                        "slots)")
     # The Trainer's SNAPSHOT_EVERY, written out: parsing loads no jax (tests/test_cli.py).
     p.add_argument("--snapshot-every", type=non_negative_int, default=250,
                    help="host snapshot every this many steps (the Trainer's default; 0: none)")
@@ -126,6 +130,10 @@ def _problem(args: Any) -> str | None:
     if args.no_device_copy and args.devices <= args.shard:
         return (f"--no-device-copy repairs from other replicas: it needs more devices than "
                 f"--shard ({args.devices} devices, --shard {args.shard})")
+    if args.state == "one-copy" and args.chunk_elems is not None:
+        from pimhbm.inplace_calls import layout  # loads jax; starts no device
+        if args.chunk_elems not in (sizes := tuple(layout()["chunk_elems"])):
+            return f"--chunk-elems {args.chunk_elems}: the in-place update takes {sizes}"
     return None
 
 
@@ -337,7 +345,8 @@ def _protected(job: Job, shm_name: str, *, hooks: bool) -> Any:
     recheck = RECHECK_EVERY if job.exact else None
     return llama_trainer(job.cfg, job.data, steps=1000, batch=job.batch, seq=args.seq,
                          peak_lr=3e-4, warmup=5, shm_name=shm_name,
-                         chunk_elems=4096 if args.state == "two-slots" else None,
+                         chunk_elems=args.chunk_elems or (4096 if args.state == "two-slots"
+                                                          else None),
                          snapshot_every=args.snapshot_every, scrub_every=args.scrub_every,
                          inject_gradients=hooks, devices=job.devices, attention_impl=job.attention,
                          ordered_embedding=job.exact,
@@ -382,7 +391,8 @@ def _what_was_on(trainer: Any) -> dict:
                   "device copy" if trainer.local_source else "replicas only")
     return {"snapshot_every": trainer.snapshots.every if trainer.backup is not None else 0,
             "scrub_every": trainer.scrub_every, "recheck_every": trainer.recheck_every,
-            "redundancy": redundancy, "fault_hooks": False}
+            "redundancy": redundancy, "chunk_elems": trainer.opt.chunk_elems,
+            "fault_hooks": False}
 
 
 def _time_both(job: Job, plain: PlainStep, trainer: Any) -> None:

@@ -31,7 +31,8 @@ def timing(console, results: dict, tokens: int, devices: int, kind: str, rounds:
         console.print(f"  protected with: host snapshot every "
                       f"{on['snapshot_every']} steps, {scrubs}, sampled "
                       f"re-execution every {on['recheck_every']} (0: off), redundancy: "
-                      f"{on['redundancy']}; no fault hooks (the campaign's Trainer has them)")
+                      f"{on['redundancy']}, chunks of {on['chunk_elems']} elements; no fault "
+                      "hooks (the campaign's Trainer has them)")
     console.print(f"cost of protection: {results['overhead'] * 100:+.2f} % (target <= "
                   f"{TARGET:.0%}): " +
                   ("[green]met[/]" if results["overhead"] <= TARGET else "[red]not met[/]") +
