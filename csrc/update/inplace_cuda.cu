@@ -371,7 +371,7 @@ __device__ __forceinline__ uint32_t update_plain_group(Part<kG, kBF16>& x, int j
 #pragma unroll
   for (int k = 0; k < 4; ++k) {  // float_to_bf16 without its NaN case: a NaN is never written
     const uint32_t bits = __float_as_uint(w[k]);
-    word[k] = kBF16 ? (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16 : bits;
+    word[k] = kBF16 ? bf16_round_bits(bits) : bits;
   }
   if (__any_sync(0xFFFFFFFFu, !all_ok)) {
 #pragma unroll

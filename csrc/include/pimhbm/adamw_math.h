@@ -95,6 +95,10 @@ PIMHBM_HD float bf16_to_float(uint16_t b) {
   return f;
 #endif
 }
+// The rounding to nearest even alone, for bits known not to be a NaN.
+PIMHBM_HD uint32_t bf16_round_bits(uint32_t bits) {
+  return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+}
 PIMHBM_HD uint16_t float_to_bf16(float f) {
 #if defined(__CUDA_ARCH__)
   uint32_t bits = __float_as_uint(f);
@@ -103,8 +107,7 @@ PIMHBM_HD uint16_t float_to_bf16(float f) {
   std::memcpy(&bits, &f, 4);
 #endif
   if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
+  return static_cast<uint16_t>(bf16_round_bits(bits));
 }
 
 // Master weights are stored split: the bf16 parameter p and a 16-bit remainder r, with
