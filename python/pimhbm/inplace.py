@@ -45,9 +45,12 @@ from pimhbm.gradients import check_grads, check_transform, transform_grads
 from pimhbm.update import (FAULT_MASTER, FAULT_MU, FAULT_NU, FAULT_PARAM, _check_learning_rate,
                            _step_scalars, join_master, step_copies_of, step_majority)
 
-# A warp holds a chunk in registers, 8 elements a lane: chunks of 256 update ~8 % faster than
-# chunks of 512 with bf16 parameters and master weights (bench/NOTES.md, runs 103 and 109).
-DEFAULT_CHUNK_ELEMS = 256
+# A warp holds a chunk in registers, 16 elements a lane: what is paid once a chunk (set-up,
+# digest finalisations, parity, reports) is shared by twice the elements of a chunk of 256 (86
+# SASS instructions an element against 102; 127 registers, 4 blocks an SM, no spills). On an
+# H100 the 8B-layer row cost +1.14 % and +0.95 % against 256's +1.36 % and +1.02 % (one machine,
+# ABBA), and the held state is 12.81 B a parameter against 12.88 (bench/NOTES.md, runs 179-182).
+DEFAULT_CHUNK_ELEMS = 512
 DEFAULT_GROUP = 16  # chunks a parity row covers: 1/16 of the state's bytes
 DEFAULT_STASH = 16  # gradients of chunks a step can leave for a redo
 TENSORS = ("p", "master", "mu", "nu")

@@ -76,7 +76,7 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
     gradients run first (see pimhbm.adamw). ``ordered_embedding``: the embedding's
     gradient summed in a fixed order (``llama3.embed``; for exact replays). ``in_flight``,
     ``telemetry``: the Trainer's. ``chunk_elems``:
-    None for the kind's default (256 in place, 1024
+    None for the kind's default (512 in place, 1024
     with two slots). ``recheck_every``: the Trainer's sampled re-execution (None: its
     default)."""
     if params is None:

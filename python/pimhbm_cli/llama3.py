@@ -80,7 +80,7 @@ def add_arguments(p) -> None:
                         "replica (needs more devices than --shard)")
     p.add_argument("--chunk-elems", type=positive_int, default=None,
                    help="elements a digest covers, the unit of repair (default: the state's -- "
-                        "256 with one copy, whose update takes 128, 256 or 512; 4096 with two "
+                        "512 with one copy, whose update takes 128, 256 or 512; 4096 with two "
                         "slots)")
     # The Trainer's SNAPSHOT_EVERY, written out: parsing loads no jax (tests/test_cli.py).
     p.add_argument("--snapshot-every", type=non_negative_int, default=250,
