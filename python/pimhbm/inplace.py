@@ -49,7 +49,7 @@ from pimhbm.update import (FAULT_MASTER, FAULT_MU, FAULT_NU, FAULT_PARAM, _check
 # digest finalisations, parity, reports) is shared by twice the elements of a chunk of 256 (86
 # SASS instructions an element against 102; 127 registers, 4 blocks an SM, no spills). On an
 # H100 the 8B-layer row cost +1.14 % and +0.95 % against 256's +1.36 % and +1.02 % (one machine,
-# ABBA), and the held state is 12.81 B a parameter against 12.88 (bench/NOTES.md, runs 179-182).
+# ABBA; runs 179-181), and the held state is 12.81 B a parameter against 12.88 (bench/NOTES.md).
 DEFAULT_CHUNK_ELEMS = 512
 DEFAULT_GROUP = 16  # chunks a parity row covers: 1/16 of the state's bytes
 DEFAULT_STASH = 16  # gradients of chunks a step can leave for a redo
