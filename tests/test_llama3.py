@@ -426,9 +426,9 @@ def test_llama3_tool_measures_each_steps_memory_in_a_process_of_its_own():
 
 
 def test_llama3_tool_takes_the_chunk_size_it_is_given():
-    """`--chunk-elems 512` reaches the protected state (its digest rows, parity rows and stash
-    are laid out for 512: other bytes held than with the default's 256); a size the in-place
-    update does not take stops the tool before it starts, saying which it takes."""
+    """`--chunk-elems` reaches the protected state (its digest rows, parity rows and stash are
+    laid out for it: other bytes held at 256 than at 512); a size the state does not take stops
+    the tool before it starts, saying which it takes, for either kind of state."""
     import json
     import subprocess
     import sys
@@ -447,6 +447,11 @@ def test_llama3_tool_takes_the_chunk_size_it_is_given():
     run = subprocess.run(cmd + ["--chunk-elems", "300"], capture_output=True, text=True,
                          env=cached_env(), timeout=300)
     assert run.returncode == 2 and "--chunk-elems 300: the in-place update takes" in run.stderr
+    run = subprocess.run(cmd + ["--state", "two-slots", "--chunk-elems", "300"],
+                         capture_output=True, text=True, env=cached_env(), timeout=300)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "--chunk-elems 300 with --state two-slots: chunk_elems must be a positive" in run.stderr
+    assert "Traceback" not in run.stderr
 
 
 def test_llama3_tool_times_exact_mode_in_a_process_of_its_own():

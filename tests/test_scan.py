@@ -124,6 +124,11 @@ def test_chunks_past_the_digests_word_range_are_refused():
         pimhbm.scan(np.zeros(4, np.float32), chunk_bytes=too_big)
     with pytest.raises(ValueError, match="chunk_elems must be at most"):
         pimhbm.update.adamw(1e-3, chunk_elems=too_big)
+    # The moments' fp32 chunks are the widest: 4 bytes an element.
+    widest = pimhbm.MAX_CHUNK_SIZE // 4
+    assert pimhbm.update.adamw(1e-3, chunk_elems=widest).chunk_bytes(np.float32) == widest * 4
+    with pytest.raises(ValueError, match=f"chunk_elems must be at most {widest} "):
+        pimhbm.update.adamw(1e-3, chunk_elems=widest + 16)
 
 
 def test_non_integer_chunk_size_is_refused():

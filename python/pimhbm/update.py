@@ -205,6 +205,16 @@ def _counts_of(totals: jax.Array) -> jax.Array:
     return jnp.where((hi != 0) | (lo > _INT32_MAX), _INT32_MAX, lo.astype(jnp.int32))
 
 
+def check_chunk_elems(chunk_elems: int) -> None:
+    """Raises ValueError unless ``chunk_elems`` is a digest chunk of every state tensor: a
+    positive multiple of 16 whose fp32 chunk (the moments', the widest) a digest can cover."""
+    if chunk_elems <= 0 or chunk_elems % 16:
+        raise ValueError(f"chunk_elems must be a positive multiple of 16, got {chunk_elems}")
+    if chunk_elems * 4 > MAX_CHUNK_SIZE:
+        raise ValueError(f"chunk_elems must be at most {MAX_CHUNK_SIZE // 4} (an fp32 chunk of "
+                         f"at most {MAX_CHUNK_SIZE} bytes), got {chunk_elems}")
+
+
 def _num_chunks(n: int, chunk_elems: int) -> int:
     return -(-n // chunk_elems)
 
@@ -266,10 +276,7 @@ class AdamW:
     gradient_transform: Any = None
 
     def __post_init__(self):
-        if self.chunk_elems <= 0 or self.chunk_elems % 16:
-            raise ValueError(f"chunk_elems must be a positive multiple of 16, got {self.chunk_elems}")
-        if self.chunk_elems > MAX_CHUNK_SIZE:
-            raise ValueError(f"chunk_elems must be at most {MAX_CHUNK_SIZE}, got {self.chunk_elems}")
+        check_chunk_elems(self.chunk_elems)
         check_transform(self.gradient_transform)
 
     def chunk_bytes(self, dtype: Any) -> int:

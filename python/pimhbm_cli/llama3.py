@@ -134,6 +134,12 @@ def _problem(args: Any) -> str | None:
         from pimhbm.inplace_calls import layout  # loads jax; starts no device
         if args.chunk_elems not in (sizes := tuple(layout()["chunk_elems"])):
             return f"--chunk-elems {args.chunk_elems}: the in-place update takes {sizes}"
+    if args.state == "two-slots" and args.chunk_elems is not None:
+        from pimhbm.update import check_chunk_elems  # loads jax; starts no device
+        try:
+            check_chunk_elems(args.chunk_elems)
+        except ValueError as e:
+            return f"--chunk-elems {args.chunk_elems} with --state two-slots: {e}"
     return None
 
 
