@@ -206,8 +206,7 @@ def _counts_of(totals: jax.Array) -> jax.Array:
 
 
 def check_chunk_elems(chunk_elems: int) -> None:
-    """Raises ValueError unless ``chunk_elems`` is a digest chunk of every state tensor: a
-    positive multiple of 16 whose fp32 chunk (the moments', the widest) a digest can cover."""
+    """Raises ValueError unless a digest can cover a chunk of every state tensor (fp32: widest)."""
     if chunk_elems <= 0 or chunk_elems % 16:
         raise ValueError(f"chunk_elems must be a positive multiple of 16, got {chunk_elems}")
     if chunk_elems * 4 > MAX_CHUNK_SIZE:
