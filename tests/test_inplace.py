@@ -408,6 +408,65 @@ def test_eps_zero_with_zero_gradients_commits_nothing(rng):
     assert bits(state) == before and int(state.step) == 0
 
 
+def test_prechecks_without_gradients_read_p_alone(rng):
+    """grads None: the same damaged maps as with the gradients, every nonfinite count 0 (the
+    gradients hold NaN and infinities, which a check of them would count)."""
+    chunk = int(rng.choice([128, 256, 512]))
+    params = random_params(rng, ml_dtypes.bfloat16, shapes=((300, 77), (4097,), (1,), (0,)))
+    state = inplace.adamw(LR, chunk_elems=chunk).init(params)
+    keys = sorted(params)
+    ps = [np.asarray(params[k]).copy() for k in keys]
+    ps[0].view(np.uint16).reshape(-1)[int(rng.integers(ps[0].size))] ^= np.uint16(1 << 3)
+    gs = [np.full(p.shape, np.nan, p.dtype) for p in ps]
+    tables = [state.digests[k]["p"] for k in keys]
+    call = jax.jit(lambda p, t, g: inplace.prechecks(p, t, g, chunk))
+    with_g = call([jnp.asarray(p) for p in ps], tables, [jnp.asarray(g) for g in gs])
+    alone = jax.jit(lambda p, t: inplace.prechecks(p, t, None, chunk))(
+        [jnp.asarray(p) for p in ps], tables)
+    assert [np.asarray(d).tolist() for d in alone.damaged] == \
+        [np.asarray(d).tolist() for d in with_g.damaged]
+    assert int(with_g.counts[0]) == 1 and int(with_g.counts[1]) == sum(p.size for p in ps)
+    assert np.asarray(alone.counts).tolist() == [1, 0]
+    assert not any(np.asarray(b).any() for b in alone.nonfinite)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradients_checked_in_the_update_apply_the_step_in_part(rng, kind):
+    """GradientChecks.IN_UPDATE: a NaN gradient value does not cancel the step before its
+    writes; the update keeps that element (and only it), reports it where the checks would
+    have, and the step does not commit. The control, BEFORE_WRITES, writes nothing."""
+    params = random_params(rng, make(kind)[1])
+    grads = random_grads(rng, params)
+    leaf, at = "t0", (int(rng.integers(300)), int(rng.integers(77)))
+    grads = {**grads, leaf: grads[leaf].at[at].set(jnp.nan)}
+    for checks in inplace.GradientChecks:
+        opt, _ = make(kind, gradient_checks=checks)
+        state = opt.init(params)
+        before = {k: np.asarray(v).copy() for k, v in state.mu.items()}
+        state, report = jax.jit(opt.update, donate_argnums=1)(grads, state)
+        assert not bool(report.committed) and int(report.grad_nonfinite) == 1, checks
+        nonfinite = np.asarray(report.grad_nonfinite_maps[leaf])
+        assert nonfinite.sum() == 1 and nonfinite[(at[0] * 77 + at[1]) // opt.chunk_elems] == 1
+        after = {k: np.asarray(v) for k, v in state.mu.items()}
+        if checks is inplace.GradientChecks.BEFORE_WRITES:
+            assert not bool(report.applied)
+            assert all(after[k].tobytes() == before[k].tobytes() for k in before)
+            continue
+        assert bool(report.applied) and int(report.kept) == 1
+        changed = after[leaf] != before[leaf]
+        assert not changed[at] and changed.sum() > changed.size // 2
+        # What was written verifies: the state is whole, a step behind in one element.
+        for k in after:
+            for name, x in (("p", state.params[k]), ("mu", state.mu[k])):
+                bad = pimhbm.verify(x, state.digests[k][name], opt.chunk_bytes(name, x.dtype))
+                assert not np.asarray(bad).any(), (k, name)
+
+
+def test_gradient_checks_must_be_the_enum():
+    with pytest.raises(TypeError, match="GradientChecks"):
+        inplace.adamw(LR, gradient_checks="in the update")
+
+
 BF16_MAX = 0x7F7F  # the largest finite bf16, as bits
 GROW = 2.0 ** 119  # takes a master weight of BF16_MAX's value up 0x8000 ulps: to bits 0x7F7F8000
 

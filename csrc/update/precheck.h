@@ -7,7 +7,10 @@
 //   damaged[c]    1 where p's chunk no longer matches its digest (digest.h, chunks of
 //                 chunk_elems * sizeof(p) bytes), else 0 -- as scan.h's verify
 //   nonfinite[c]  gradient values g of the chunk with float(g) * float(g) not finite (NaN or
-//                 infinite g, or |g| so large that AdamW's second moment overflows)
+//                 infinite g, or |g| so large that AdamW's second moment overflows); 0 where
+//                 the call has no gradients (g null: p's digests alone, 2 bytes a bf16
+//                 parameter -- the update then finds non-finite gradients itself, as elements
+//                 it keeps)
 // and, over every leaf of the call, totals[0] the damaged chunks and totals[1] the non-finite
 // values: the verdict needs only these, so no reduction of the maps follows the call.
 #pragma once
@@ -32,7 +35,7 @@ struct PrecheckLeaf {
   bool bf16 = false;  // p and g: bfloat16, else float32
   const void* p = nullptr;
   const uint32_t* d_p = nullptr;  // p's digest table (chunks, 2)
-  const void* g = nullptr;
+  const void* g = nullptr;  // null: no gradient checked (nonfinite 0)
   int32_t* damaged = nullptr;
   int32_t* nonfinite = nullptr;
   // One int32 in the buffers' memory: the index of p's chunk 0 in its whole tensor (nonzero for

@@ -74,7 +74,7 @@ struct Found {
 // Chunk c of leaf L, by the kSegment lanes of a segment (`part`: the lane's place in it); the
 // segment's first lane writes its two results and counts them in `found`. Past the leaf's
 // chunks (`c` >= chunks) the lanes only take part in the sums.
-template <bool kBF16>
+template <bool kBF16, bool kGrads>
 __device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, int64_t chunks,
                                             int part, const uint4 (&muls)[kMulVectors],
                                             Found& found) {
@@ -82,7 +82,7 @@ __device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, in
   const int64_t first = c * L.chunk_elems;
   const int64_t len = c < chunks ? min(L.chunk_elems, L.n - first) * kSize : 0;
   const uint8_t* p = static_cast<const uint8_t*>(L.p) + first * kSize;
-  const uint8_t* g = static_cast<const uint8_t*>(L.g) + first * kSize;
+  const uint8_t* g = kGrads ? static_cast<const uint8_t*>(L.g) + first * kSize : nullptr;
   const uint64_t key_chunk = static_cast<uint64_t>(precheck_base(L) + c);
   const int64_t vectors = (len + 15) / 16;
   uint64_t acc = 0;
@@ -99,7 +99,7 @@ __device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, in
       for (int k = 0; k < kBatch; ++k) {
         const int64_t v = v0 + k * kSegment;
         pv[k] = v < vectors ? __ldg(p4 + v) : make_uint4(0, 0, 0, 0);
-        gv[k] = v < vectors ? __ldg(g4 + v) : make_uint4(0, 0, 0, 0);
+        if constexpr (kGrads) gv[k] = v < vectors ? __ldg(g4 + v) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int k = 0; k < kBatch; ++k) {
@@ -107,7 +107,7 @@ __device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, in
         if (v >= vectors) break;
         acc += vector_terms(
             pv[k], v < kMulVectors ? muls[v] : word_muls_of_vector(static_cast<uint32_t>(v)));
-        bad += nonfinite_squares<kBF16>(gv[k]);
+        if constexpr (kGrads) bad += nonfinite_squares<kBF16>(gv[k]);
       }
     }
   } else {
@@ -115,15 +115,17 @@ __device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, in
       const bool whole = 16 * (v + 1) <= len;
       const uint4 pv =
           whole ? __ldg(reinterpret_cast<const uint4*>(p) + v) : tail_vector(p, 16 * v, len);
-      const uint4 gv =
-          whole ? __ldg(reinterpret_cast<const uint4*>(g) + v) : tail_vector(g, 16 * v, len);
       const uint4 m = v < kMulVectors ? muls[v] : word_muls_of_vector(static_cast<uint32_t>(v));
       acc += vector_terms(pv, m);  // past the end the words are zero: no terms
-      bad += nonfinite_squares<kBF16>(gv);
+      if constexpr (kGrads) {
+        const uint4 gv =
+            whole ? __ldg(reinterpret_cast<const uint4*>(g) + v) : tail_vector(g, 16 * v, len);
+        bad += nonfinite_squares<kBF16>(gv);
+      }
     }
   }
   acc = segment_sum(acc);
-  bad = segment_sum(bad);
+  if constexpr (kGrads) bad = segment_sum(bad);
   if (part == 0 && c < chunks) {
     const uint64_t d = finalize(acc, static_cast<uint64_t>(len), key_chunk);
     const int32_t damaged = d != digest_join(L.d_p[2 * c], L.d_p[2 * c + 1]) ? 1 : 0;
@@ -153,10 +155,13 @@ __global__ void __launch_bounds__(32 * kWarps)
     const int64_t chunks = precheck_chunks(L);
     for (int64_t c0 = kPerWarp * warp; c0 < chunks; c0 += kPerWarp * warps) {
       const int64_t c = c0 + lane / kSegment;
-      if (L.bf16) {
-        check_chunk<true>(L, c, chunks, lane % kSegment, muls, found);
+      const int part = lane % kSegment;
+      if (L.g == nullptr) {  // p's digests alone (the update counts the gradients)
+        L.bf16 ? check_chunk<true, false>(L, c, chunks, part, muls, found)
+               : check_chunk<false, false>(L, c, chunks, part, muls, found);
       } else {
-        check_chunk<false>(L, c, chunks, lane % kSegment, muls, found);
+        L.bf16 ? check_chunk<true, true>(L, c, chunks, part, muls, found)
+               : check_chunk<false, true>(L, c, chunks, part, muls, found);
       }
     }
   }

@@ -21,16 +21,22 @@ constexpr const char* kOp = "pimhbm.inplace_precheck";
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
+// A leaf's operands: p, its digests, the gradient (with gradients only) and chunk_base.
+int leaf_operands(bool gradients) { return gradients ? 4 : 3; }
+
 // Leaf i: its buffers checked and its view for the kernels.
 ffi::ErrorOr<PrecheckLeaf> leaf_at(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
-                                   size_t i, int64_t chunk_elems) {
-  const char* operands[] = {"p", "digests of p", "gradient", "chunk_base"};
+                                   size_t i, int64_t chunk_elems, bool gradients) {
+  const char* with[] = {"p", "digests of p", "gradient", "chunk_base"};
+  const char* without[] = {"p", "digests of p", "chunk_base"};
+  const int count = leaf_operands(gradients);
   std::vector<ffi::AnyBuffer> in;
-  for (int k = 0; k < kPrecheckLeafOperands; ++k) {
-    auto a = args.get<ffi::AnyBuffer>(i * kPrecheckLeafOperands + k);
-    if (!a) return invalid(kOp, std::string(operands[k]) + " is not a buffer");
+  for (int k = 0; k < count; ++k) {
+    auto a = args.get<ffi::AnyBuffer>(i * count + k);
+    if (!a) return invalid(kOp, std::string(gradients ? with[k] : without[k]) + " is not a buffer");
     in.push_back(*a);
   }
+  if (!gradients) in.insert(in.begin() + 2, in[0]);  // no gradient: its place holds p, unread
   const ffi::DataType pt = in[0].element_type();
   if (pt != ffi::DataType::F32 && pt != ffi::DataType::BF16) {
     return invalid(kOp, "parameters must be float32 or bfloat16, got " + ffi_util::dtype_name(pt));
@@ -57,23 +63,28 @@ ffi::ErrorOr<PrecheckLeaf> leaf_at(const ffi::RemainingArgs& args, const ffi::Re
   L.bf16 = pt == ffi::DataType::BF16;
   L.p = in[0].untyped_data();
   L.d_p = static_cast<const uint32_t*>(in[1].untyped_data());
-  L.g = in[2].untyped_data();
+  L.g = gradients ? in[2].untyped_data() : nullptr;
   L.damaged = out[0];
   L.nonfinite = out[1];
   L.chunk_base = static_cast<const int32_t*>(in[3].untyped_data());
   return L;
 }
 
-// leaves (p, d_p, g, chunk_base)... -> leaves (damaged, nonfinite)..., totals
+// leaves (p, d_p, g, chunk_base)... -> leaves (damaged, nonfinite)..., totals; without
+// gradients, leaves (p, d_p, chunk_base)... and every nonfinite map 0.
 template <typename Platform>
 ffi::Error precheck_handler(Platform on, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                            int64_t chunk_elems) {
+                            int64_t chunk_elems, bool gradients) {
   PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_chunk_size(kOp, "chunk_elems", chunk_elems));
-  const size_t n = args.size() / kPrecheckLeafOperands;
-  if (args.size() % kPrecheckLeafOperands != 0 || rets.size() != n * kPrecheckLeafResults + 1) {
-    return invalid(kOp, "expected 4 operands (p, its digests, the gradient, chunk_base) and 2 "
-                        "results a leaf, then the totals; got " + std::to_string(args.size()) +
-                        " operands and " + std::to_string(rets.size()) + " results");
+  const size_t per = static_cast<size_t>(leaf_operands(gradients));
+  const size_t n = args.size() / per;
+  if (args.size() % per != 0 || rets.size() != n * kPrecheckLeafResults + 1) {
+    return invalid(kOp, std::string("expected ") +
+                            (gradients ? "4 operands (p, its digests, the gradient, chunk_base)"
+                                       : "3 operands (p, its digests, chunk_base)") +
+                            " and 2 results a leaf, then the totals; got " +
+                            std::to_string(args.size()) + " operands and " +
+                            std::to_string(rets.size()) + " results");
   }
   auto totals = rets.get<ffi::AnyBuffer>(n * kPrecheckLeafResults);
   if (!totals) return invalid(kOp, "the totals are not a buffer");
@@ -82,7 +93,7 @@ ffi::Error precheck_handler(Platform on, ffi::RemainingArgs args, ffi::Remaining
   PrecheckCall call;
   call.totals = static_cast<uint64_t*>((*totals)->untyped_data());
   for (size_t i = 0; i < n; ++i) {
-    ffi::ErrorOr<PrecheckLeaf> leaf = leaf_at(args, rets, i, chunk_elems);
+    ffi::ErrorOr<PrecheckLeaf> leaf = leaf_at(args, rets, i, chunk_elems, gradients);
     if (leaf.has_error()) {
       return n == 1 ? leaf.error()
                     : ffi_util::in_context(kOp, "leaf " + std::to_string(i) + ": ", leaf.error());
@@ -96,6 +107,6 @@ ffi::Error precheck_handler(Platform on, ffi::RemainingArgs args, ffi::Remaining
 }  // namespace pimhbm::update
 
 #define PIMHBM_PRECHECK_BINDING(bind) \
-  bind.RemainingArgs().RemainingRets().Attr<int64_t>("chunk_elems")
+  bind.RemainingArgs().RemainingRets().Attr<int64_t>("chunk_elems").Attr<bool>("gradients")
 PIMHBM_FFI_HANDLERS(PimhbmInPlacePrecheck, pimhbm::update::precheck_handler,
                     PIMHBM_PRECHECK_BINDING, PIMHBM_FFI_CAPTURABLE);

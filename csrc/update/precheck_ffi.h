@@ -4,7 +4,8 @@
 // Operands: for each leaf, p (float32 or bfloat16), p's digest table (uint32 (chunks, 2)), the
 // gradient (p's dtype and size) and chunk_base (int32 (1,), precheck.h). Results: for each leaf,
 // damaged and nonfinite, int32 (chunks,) each; after the leaves', the totals, uint32 (2, 2): two
-// 64-bit counters as low and high words (precheck.h). Attribute: chunk_elems.
+// 64-bit counters as low and high words (precheck.h). Attributes: chunk_elems, gradients
+// (false: no gradient operand a leaf, p's digests alone, every nonfinite map 0).
 #pragma once
 
 #include <cstdint>
@@ -18,7 +19,6 @@ namespace pimhbm::update {
 
 namespace ffi = xla::ffi;
 
-inline constexpr int kPrecheckLeafOperands = 4;  // p, d_p, g, chunk_base
 inline constexpr int kPrecheckLeafResults = 2;   // damaged, nonfinite
 
 struct PrecheckCall {

@@ -27,6 +27,7 @@ checkpoints restored into ``jax.eval_shape(opt.init, params)`` see the same tree
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -94,6 +95,18 @@ class LeftChunks(NamedTuple):
     scalars: jax.Array  # float32 (3,): lr, 1 - b1^t, 1 - b2^t
 
 
+class GradientChecks(enum.Enum):
+    """Where the update learns that a gradient value (or its square) is not finite."""
+
+    # A pass over the gradients before the first write (2 bytes a bf16 parameter): such a step
+    # is cancelled and writes nothing.
+    BEFORE_WRITES = "before the writes"
+    # The update itself finds them, as elements it keeps (UpdateReport.kept): such a step is
+    # applied in part and does not commit (its state must come from elsewhere: the Trainer
+    # restores the host snapshot and replays). The checks before the writes read p alone.
+    IN_UPDATE = "in the update"
+
+
 class UpdateReport(NamedTuple):
     """What an update saw, as device values (fetch them asynchronously, never in the step)."""
 
@@ -153,6 +166,7 @@ class AdamW:
     chunk_elems: int = DEFAULT_CHUNK_ELEMS
     group: int = DEFAULT_GROUP  # 0: no parity
     stash_capacity: int = DEFAULT_STASH
+    gradient_checks: GradientChecks = GradientChecks.BEFORE_WRITES
     # An optax transformation of the gradients alone, run first in the same step (clipping by
     # global norm, masks, scaling). Stateless only: a state of its own would be unprotected.
     gradient_transform: Any = None
@@ -160,6 +174,9 @@ class AdamW:
     def __post_init__(self):
         _check_hyper(self)
         check_transform(self.gradient_transform)
+        if not isinstance(self.gradient_checks, GradientChecks):
+            raise TypeError(f"gradient_checks={self.gradient_checks!r}: a pimhbm.inplace."
+                            f"GradientChecks ({', '.join(c.name for c in GradientChecks)})")
 
     def chunk_bytes(self, name: str, param_dtype: Any) -> int:
         size = jnp.dtype(param_dtype).itemsize if name == "p" else (2 if name == "master" else 4)
@@ -271,8 +288,12 @@ class AdamW:
         # A skipped step's maps are the checks' (FAULT_PARAM where p was damaged): the kernel
         # writes them, so no XLA op a leaf merges the two.
         fault_maps = [o["faults"] for o in outs]
-        report = UpdateReport(go, committed, counts[1], counts[0] + faulty, kept, unflat(fault_maps),
-                              unflat(g_bad), stash, saturated(totals[2]), scalars)
+        grad_nonfinite, g_maps = counts[1], g_bad
+        if self.gradient_checks is GradientChecks.IN_UPDATE:  # the kept elements say it
+            grad_nonfinite, g_maps = kept, [o["kept"] for o in outs]
+        report = UpdateReport(go, committed, grad_nonfinite, counts[0] + faulty, kept,
+                              unflat(fault_maps), unflat(g_maps), stash, saturated(totals[2]),
+                              scalars)
         return new_state, report
 
     def _prechecks(self, leaves: list[dict], tables: list[dict], grads: list[jax.Array]
@@ -281,7 +302,8 @@ class AdamW:
         and the gradients the update reads (the same here; a variant that orders its checks by
         barriers hands on the barriers' outputs: bench/check_order.py)."""
         params, p_tables = [leaf["p"] for leaf in leaves], [t["p"] for t in tables]
-        return prechecks(params, p_tables, grads, self.chunk_elems), grads
+        checked = grads if self.gradient_checks is GradientChecks.BEFORE_WRITES else None
+        return prechecks(params, p_tables, checked, self.chunk_elems), grads
 
     def _state_from(self, outs: list[dict], treedef, has_master: bool, has_parity: bool,
                     step_copies: jax.Array) -> AdamWState:
@@ -449,7 +471,8 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
           b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0,
           weight_decay: float = 1e-4, *, master_weights: bool = False,
           chunk_elems: int = DEFAULT_CHUNK_ELEMS, group: int = DEFAULT_GROUP,
-          stash_capacity: int = DEFAULT_STASH, gradient_transform: Any = None) -> AdamW:
+          stash_capacity: int = DEFAULT_STASH, gradient_transform: Any = None,
+          gradient_checks: GradientChecks = GradientChecks.BEFORE_WRITES) -> AdamW:
     """Guarded, fused, in-place AdamW; arguments as ``optax.adamw``. ``master_weights``: fp32
     master weights for bf16 parameters. ``group``: chunks a parity row covers (0: no parity,
     for data-parallel replicas that are each other's redundancy). ``stash_capacity``: chunks a
@@ -458,6 +481,9 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
     same compiled step -- ``optax.clip_by_global_norm(1.0)`` makes this
     ``optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(...))``. It sees the gradients
     alone (no parameters); under FSDP each device's shards (a global norm would be a shard's),
-    so the Trainer refuses it there."""
+    so the Trainer refuses it there. ``gradient_checks``: where non-finite gradients are found
+    (GradientChecks: before the writes, cancelling the step; or by the update itself, 2 bytes a
+    parameter fewer read, the step then applied in part)."""
     return AdamW(learning_rate, b1, b2, eps, eps_root, weight_decay, master_weights, chunk_elems,
-                 group, stash_capacity, gradient_transform)
+                 group, stash_capacity, gradient_checks=gradient_checks,
+                 gradient_transform=gradient_transform)

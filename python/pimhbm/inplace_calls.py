@@ -76,29 +76,33 @@ class Prechecks(NamedTuple):
 
 
 def _precheck_ffi(params, tables, grads, bases, chunk_elems):
-    """The maps of every leaf (damaged, nonfinite, ...) and the totals (uint32 (2, 2))."""
+    """The maps of every leaf (damaged, nonfinite, ...) and the totals (uint32 (2, 2)); grads
+    None: p's digests alone (every nonfinite map 0)."""
     args, out_types = [], []
-    for p, table, g, base in zip(params, tables, grads, bases):
-        args += [p, table, g, base]
+    for i, (p, table, base) in enumerate(zip(params, tables, bases)):
+        args += [p, table] + ([] if grads is None else [grads[i]]) + [base]
         out_types += [jax.ShapeDtypeStruct((table.shape[0],), jnp.int32)] * 2
     out_types.append(jax.ShapeDtypeStruct((_PRECHECK_TOTALS, 2), jnp.uint32))
     return tuple(unbatched_call("pimhbm_inplace_precheck", out_types, NO_VMAP)(
-        *args, chunk_elems=np.int64(chunk_elems)))
+        *args, chunk_elems=np.int64(chunk_elems), gradients=np.bool_(grads is not None)))
 
 
 _PRECHECK_TOTALS = 2  # damaged chunks, non-finite gradient values (csrc/update/precheck.h)
 
 
-def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.Array],
+def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.Array] | None,
               chunk_elems: int) -> Prechecks:
     """What the update checks before its first write, in one pass over p and g (one
     pimhbm_inplace_precheck call for every leaf): per leaf, per chunk of ``chunk_elems``
     elements, whether p no longer matches its digest table (as :func:`pimhbm.verify`) and the
     number of gradient values whose float32 square is not finite (NaN, infinite, or so large
     that the second moment would overflow); and the totals of both over every leaf. Per shard
-    under a mesh: the totals summed over each leaf's mesh axes, as the update's are."""
+    under a mesh: the totals summed over each leaf's mesh axes, as the update's are. ``grads``
+    None: p's digests alone (2 bytes a bf16 parameter), every nonfinite count 0."""
     ensure_registered()
-    for i, (p, table, g) in enumerate(zip(params, tables, grads, strict=True)):
+    with_grads = grads is not None
+    for i, (p, table, g) in enumerate(zip(params, tables, grads if with_grads else params,
+                                          strict=True)):
         chunks = -(-p.size // chunk_elems)
         if p.dtype not in (jnp.float32, jnp.bfloat16) or g.dtype != p.dtype or g.size != p.size:
             raise ValueError(f"leaf {i}: parameters must be float32 or bfloat16 with a gradient "
@@ -113,25 +117,30 @@ def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.
         return Prechecks([], [], jnp.zeros((_PRECHECK_TOTALS,), jnp.int32))
     leaves = [Leaf(tuple(p.shape), chunk_elems) for p in params]
 
+    per = 3 if with_grads else 2  # operands a leaf: p, its table (and its gradient)
+
     def whole(*flat):
-        return _precheck_ffi(flat[0::3], flat[1::3], flat[2::3], [_whole_base()] * n, chunk_elems)
+        return _precheck_ffi(flat[0::per], flat[1::per], flat[2::per] if with_grads else None,
+                             [_whole_base()] * n, chunk_elems)
 
     def lower(plan: Plan, *flat):
         maps, counts = [None] * (2 * n), jnp.zeros((_PRECHECK_TOTALS,), jnp.int32)
         for axes, idx in _by_axes(plan, n).items():
-            outs = _precheck_ffi([flat[3 * i] for i in idx], [flat[3 * i + 1] for i in idx],
-                                 [flat[3 * i + 2] for i in idx],
+            outs = _precheck_ffi([flat[per * i] for i in idx], [flat[per * i + 1] for i in idx],
+                                 [flat[per * i + 2] for i in idx] if with_grads else None,
                                  [plan.chunk_base(leaves, i) for i in idx], chunk_elems)
             for j, i in enumerate(idx):
                 maps[2 * i], maps[2 * i + 1] = outs[2 * j], outs[2 * j + 1]
             counts = _saturating_add(counts, _summed(saturated(outs[-1]), plan, axes, idx))
         return (*maps, _words(counts))
 
-    operands = [Arg(role, i) for i in range(n) for role in (Role.ELEMS, Role.CHUNKS, Role.ELEMS)]
+    roles = (Role.ELEMS, Role.CHUNKS, Role.ELEMS)[:per]
+    operands = [Arg(role, i) for i in range(n) for role in roles]
     results = [Arg(Role.CHUNKS, i) for i in range(n) for _ in range(2)] + [WHOLE]
     op = partitioned(whole, lower, leaves, operands, results,
                      no_vmap=f"pimhbm_inplace_precheck cannot be vmapped: {NO_VMAP}")
-    outs = op(*[x for triple in zip(params, tables, grads) for x in triple])
+    columns = (params, tables, grads) if with_grads else (params, tables)
+    outs = op(*[x for leaf in zip(*columns) for x in leaf])
     return Prechecks(list(outs[0:-1:2]), list(outs[1:-1:2]), saturated(outs[-1]))
 
 
