@@ -35,7 +35,7 @@ struct PrecheckLeaf {
   bool bf16 = false;  // p and g: bfloat16, else float32
   const void* p = nullptr;
   const uint32_t* d_p = nullptr;  // p's digest table (chunks, 2)
-  const void* g = nullptr;  // null: no gradient checked (nonfinite 0)
+  const void* g = nullptr;  // null: no gradient checked (nonfinite 0); alike in a call
   int32_t* damaged = nullptr;
   int32_t* nonfinite = nullptr;
   // One int32 in the buffers' memory: the index of p's chunk 0 in its whole tensor (nonzero for

@@ -139,7 +139,9 @@ __device__ __forceinline__ void check_chunk(const PrecheckLeaf& L, int64_t c, in
 using Reduce = cub::BlockReduce<unsigned long long, 32 * kWarps>;
 
 // Every warp takes every warps-th run of four chunks of each leaf in turn; then the block's
-// counts go into the totals, two atomics a block.
+// counts go into the totals, two atomics a block. kGrads: the call's leaves have gradients (a
+// kernel of its own each way, so that p's digests alone do not pay the registers of both).
+template <bool kGrads>
 __global__ void __launch_bounds__(32 * kWarps)
     precheck_kernel(const __grid_constant__ Table T, unsigned long long* totals) {
   __shared__ uint4 muls[kMulVectors];
@@ -155,13 +157,10 @@ __global__ void __launch_bounds__(32 * kWarps)
     const int64_t chunks = precheck_chunks(L);
     for (int64_t c0 = kPerWarp * warp; c0 < chunks; c0 += kPerWarp * warps) {
       const int64_t c = c0 + lane / kSegment;
-      const int part = lane % kSegment;
-      if (L.g == nullptr) {  // p's digests alone (the update counts the gradients)
-        L.bf16 ? check_chunk<true, false>(L, c, chunks, part, muls, found)
-               : check_chunk<false, false>(L, c, chunks, part, muls, found);
+      if (L.bf16) {
+        check_chunk<true, kGrads>(L, c, chunks, lane % kSegment, muls, found);
       } else {
-        L.bf16 ? check_chunk<true, true>(L, c, chunks, part, muls, found)
-               : check_chunk<false, true>(L, c, chunks, part, muls, found);
+        check_chunk<false, kGrads>(L, c, chunks, lane % kSegment, muls, found);
       }
     }
   }
@@ -176,10 +175,15 @@ __global__ void __launch_bounds__(32 * kWarps)
 
 cudaError_t launch(const Table& T, int64_t chunks, unsigned long long* totals,
                    cudaStream_t stream) {
+  const bool grads = T.leaf[0].g != nullptr;  // every leaf of a call alike (precheck.h)
   const int64_t warps = (chunks + 32 / kSegment - 1) / (32 / kSegment);
   const int blocks = static_cast<int>(std::min<int64_t>((warps + kWarps - 1) / kWarps, kMaxBlocks));
   if (blocks == 0) return cudaSuccess;
-  precheck_kernel<<<blocks, 32 * kWarps, 0, stream>>>(T, totals);
+  if (grads) {
+    precheck_kernel<true><<<blocks, 32 * kWarps, 0, stream>>>(T, totals);
+  } else {
+    precheck_kernel<false><<<blocks, 32 * kWarps, 0, stream>>>(T, totals);
+  }
   PIMHBM_CUDA_RETURN_LAUNCH_ERROR();
   return cudaSuccess;
 }
