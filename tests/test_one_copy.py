@@ -21,8 +21,10 @@ from conftest import needs_devices
 CHUNK, GROUP = 128, 4
 
 
-def make_trainer(name, *, devices=1, shard=1, group=GROUP, inject=False, resume=False, **kw):
-    opt = inplace.adamw(3e-3, master_weights=True, chunk_elems=CHUNK, group=group)
+def make_trainer(name, *, devices=1, shard=1, group=GROUP, inject=False, resume=False,
+                 gradient_checks=inplace.GradientChecks.BEFORE_WRITES, **kw):
+    opt = inplace.adamw(3e-3, master_weights=True, chunk_elems=CHUNK, group=group,
+                        gradient_checks=gradient_checks)
     tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=name, snapshot_every=10,
                  scrub_every=5, inject_gradients=inject, resume=resume,
                  devices=jax.devices()[:devices], shard=shard, **kw)
@@ -78,6 +80,36 @@ def test_a_campaign_of_every_kind_ends_bit_identical(shm_name, devices, shard, g
             assert incidents(stats, IncidentKind.STATE, Action.REDONE_FROM_PARITY)
         else:
             assert incidents(stats, IncidentKind.STATE, Action.REPAIRED_FROM_REPLICA)
+    finally:
+        tr.close(unlink=True)
+
+
+@pytest.mark.parametrize("devices,shard,group", [(1, 1, GROUP), (4, 2, GROUP)],
+                         ids=["1-device-parity", "fsdp-2x2-parity"])
+def test_gradients_checked_in_the_update_restore_a_step_applied_in_part(shm_name, devices, shard,
+                                                                      group):
+    """GradientChecks.IN_UPDATE: the checks before the writes read p alone, so a non-finite
+    gradient value reaches the update, which applies the step in part; the Trainer takes the
+    state from the host snapshot and replays. The campaign of every kind still ends with the
+    fault-free run's state (run with the checks before the writes: the same arithmetic), every
+    gradient fault repaired that way and the state's own faults as before."""
+    needs_devices(devices)
+    steps = 24
+    kw = dict(devices=devices, shard=shard, group=group)
+    reference = fault_free(shm_name, steps, **kw)
+    tr = make_trainer(shm_name, inject=True, gradient_checks=inplace.GradientChecks.IN_UPDATE,
+                      **kw)
+    try:
+        campaign = Campaign(tr, {k: 2 for k in KINDS}, last_step=steps - 2, seed=3)
+        stats = tr.run(steps, campaign=campaign)
+        found = campaign.check(stats)
+        assert all(r["missed"] == 0 and r["repaired"] == r["injected"] for r in found.values()), found
+        assert stats.compiles_after_prewarm == 0
+        assert same_state(tr.current_state(), reference)
+        restored = incidents(stats, IncidentKind.GRADIENT, Action.RESTORED_FROM_SNAPSHOT)
+        assert restored and found["grad_nonfinite"]["detected"] >= 1
+        assert not incidents(stats, IncidentKind.GRADIENT, Action.SKIPPED_AND_REPLAYED)
+        assert incidents(stats, IncidentKind.STATE, Action.REDONE_FROM_PARITY)
     finally:
         tr.close(unlink=True)
 

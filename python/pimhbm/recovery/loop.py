@@ -103,7 +103,7 @@ class RunLoop:
                 loop.skipped_step = None
                 self._commit(done, progress)
                 continue
-            if report.applied:  # one copy: the step ran, and left damaged chunks
+            if report.applied and not report.nonfinite:  # one copy: it left damaged chunks
                 loop.skipped_step, resume = None, self._left(report, flight, done, progress)
                 self.stats.steps_replayed += loop.step - resume
                 loop.step = resume

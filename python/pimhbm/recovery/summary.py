@@ -103,12 +103,14 @@ def step_summary(report: Any, treedef: Any, capacity: int,
 def inplace_summary(report: Any, treedef: Any, capacity: int,
                     disagree: list[jax.Array]) -> StepSummary:
     """The same for an in-place update's report (pimhbm.inplace.UpdateReport): committed when
-    it ran and no device found damage; this device's counts from its own maps, by the lists'
-    calls."""
+    it ran, no device found damage and no gradient value it met was non-finite (which only an
+    update that checks them itself meets: it then applied the step in part); this device's
+    counts from its own maps, by the lists' calls."""
     faults = listed(treedef.flatten_up_to(report.fault_maps), capacity)
     grads = listed(treedef.flatten_up_to(report.grad_nonfinite_maps), capacity)
+    whole = report.applied & (report.digest_faults == 0) & (report.grad_nonfinite == 0)
     return StepSummary(
-        (report.applied & (report.digest_faults == 0)).astype(jnp.int32),
+        whole.astype(jnp.int32),
         report.applied.astype(jnp.int32), grads.total, faults.nonzero, faults.faults,
         grads.faults, fault_list(disagree, capacity))
 
