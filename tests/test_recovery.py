@@ -749,7 +749,8 @@ def test_a_step_summary_has_no_reduction_or_concatenation_of_the_maps_whatever_t
 
         def summary(faults, grads):
             report = SimpleNamespace(applied=jnp.bool_(True), digest_faults=jnp.int32(0),
-                                     fault_maps=faults, grad_nonfinite_maps=grads)
+                                     grad_nonfinite=jnp.int32(0), fault_maps=faults,
+                                     grad_nonfinite_maps=grads)
             out = inplace_summary(report, treedef, 8, [])
             if summed:
                 flat = jnp.concatenate([m for m in jax.tree.leaves(grads)])

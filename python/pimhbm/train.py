@@ -66,7 +66,9 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                   device_copy: bool = True, recheck_every: int | None = None,
                   state: StateKind | str = StateKind.ONE_COPY, in_flight: int = 2,
                   telemetry: Any = "auto", gradient_transform: Any = None,
-                  ordered_embedding: bool = False) -> Trainer:
+                  ordered_embedding: bool = False,
+                  gradient_checks: inplace.GradientChecks = inplace.GradientChecks.BEFORE_WRITES
+                  ) -> Trainer:
     """A protected trainer of the Llama-3 ``cfg`` on byte-level ``data``: bf16 parameters with
     fp32 master weights and moments, and (with ``shm_name``) host snapshots in shared memory.
     ``state``: one copy updated in place (pimhbm.inplace; parity over groups of chunks repairs
@@ -78,7 +80,7 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
     ``telemetry``: the Trainer's. ``chunk_elems``:
     None for the kind's default (512 in place, 1024
     with two slots). ``recheck_every``: the Trainer's sampled re-execution (None: its
-    default)."""
+    default). ``gradient_checks``: one copy's (pimhbm.inplace.GradientChecks)."""
     if params is None:
         params = llama3.init(jax.random.key(seed), cfg)
     master = cfg.dtype == "bfloat16"
@@ -86,7 +88,8 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
         opt = inplace.adamw(peak_lr, weight_decay=0.01, master_weights=master,
                             chunk_elems=chunk_elems or inplace.DEFAULT_CHUNK_ELEMS,
                             group=inplace.DEFAULT_GROUP if device_copy else 0,
-                            gradient_transform=gradient_transform)
+                            gradient_transform=gradient_transform,
+                            gradient_checks=gradient_checks)
     else:
         opt = pimhbm.update.adamw(peak_lr, weight_decay=0.01, master_weights=master,
                            device_copy=device_copy, chunk_elems=chunk_elems or 1024,

@@ -82,6 +82,12 @@ def add_arguments(p) -> None:
                    help="elements a digest covers, the unit of repair (default: the state's -- "
                         "512 with one copy, whose update takes 128, 256 or 512; 4096 with two "
                         "slots)")
+    p.add_argument("--gradient-checks", choices=("before-writes", "in-update"),
+                   default="before-writes",
+                   help="one copy: where non-finite gradients are found -- a pass over them "
+                        "before the update's writes (a step with one is cancelled), or the "
+                        "update itself (2 bytes a parameter fewer read; such a step is applied "
+                        "in part, and the state comes back from the host snapshot)")
     # The Trainer's SNAPSHOT_EVERY, written out: parsing loads no jax (tests/test_cli.py).
     p.add_argument("--snapshot-every", type=non_negative_int, default=250,
                    help="host snapshot every this many steps (the Trainer's default; 0: none)")
@@ -134,6 +140,8 @@ def _problem(args: Any) -> str | None:
         from pimhbm.inplace_calls import layout  # loads jax; starts no device
         if args.chunk_elems not in (sizes := tuple(layout()["chunk_elems"])):
             return f"--chunk-elems {args.chunk_elems}: the in-place update takes {sizes}"
+    if args.state == "two-slots" and args.gradient_checks != "before-writes":
+        return "--gradient-checks in-update is for --state one-copy (two slots check before)"
     if args.state == "two-slots" and args.chunk_elems is not None:
         from pimhbm.update import check_chunk_elems  # loads jax; starts no device
         try:
@@ -343,6 +351,7 @@ class PlainStep:
 def _protected(job: Job, shm_name: str, *, hooks: bool) -> Any:
     """The recovery engine's step, with the campaign's fault hooks compiled in (``hooks``) or
     as a user's Trainer has it (the timed step)."""
+    from pimhbm.inplace import GradientChecks
     from pimhbm.recovery.trainer import RECHECK_EVERY
     from pimhbm.train import llama_trainer
     args = job.args
@@ -359,7 +368,9 @@ def _protected(job: Job, shm_name: str, *, hooks: bool) -> Any:
                          params=_fresh_params(job), replica_transport=args.replica_transport,
                          shard=args.shard, device_copy=not args.no_device_copy, state=args.state,
                          in_flight=args.in_flight, recheck_every=recheck,
-                         telemetry=None if args.no_telemetry else "auto")
+                         telemetry=None if args.no_telemetry else "auto",
+                         gradient_checks=GradientChecks[args.gradient_checks.upper().replace(
+                             "-", "_")])
 
 
 def _prewarm(job: Job, trainer: Any) -> None:
@@ -393,11 +404,14 @@ def _timed(fn: Callable[[], None]) -> float:
 
 def _what_was_on(trainer: Any) -> dict:
     """The protection the timed step ran with (the report's "what was on")."""
+    from pimhbm.inplace import GradientChecks
     redundancy = ("parity groups" if trainer.one_copy and trainer.local_source else
                   "device copy" if trainer.local_source else "replicas only")
     return {"snapshot_every": trainer.snapshots.every if trainer.backup is not None else 0,
             "scrub_every": trainer.scrub_every, "recheck_every": trainer.recheck_every,
             "redundancy": redundancy, "chunk_elems": trainer.opt.chunk_elems,
+            "gradient_checks": getattr(trainer.opt, "gradient_checks",
+                                       GradientChecks.BEFORE_WRITES).value,
             "fault_hooks": False}
 
 

@@ -31,7 +31,8 @@ def timing(console, results: dict, tokens: int, devices: int, kind: str, rounds:
         console.print(f"  protected with: host snapshot every "
                       f"{on['snapshot_every']} steps, {scrubs}, sampled "
                       f"re-execution every {on['recheck_every']} (0: off), redundancy: "
-                      f"{on['redundancy']}, chunks of {on['chunk_elems']} elements; no fault "
+                      f"{on['redundancy']}, chunks of {on['chunk_elems']} elements, non-finite "
+                      f"gradients found {on['gradient_checks']}; no fault "
                       "hooks (the campaign's Trainer has them)")
     console.print(f"cost of protection: {results['overhead'] * 100:+.2f} % (target <= "
                   f"{TARGET:.0%}): " +
