@@ -114,6 +114,12 @@ def test_gradients_checked_in_the_update_restore_a_step_applied_in_part(shm_name
         tr.close(unlink=True)
 
 
+def test_gradients_checked_in_the_update_need_a_host_snapshot():
+    opt = inplace.adamw(3e-3, chunk_elems=CHUNK, gradient_checks=inplace.GradientChecks.IN_UPDATE)
+    with pytest.raises(ValueError, match="host snapshot: pass shm_name"):
+        Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), devices=jax.devices()[:1])
+
+
 class Once:
     """A campaign of one hand-placed fault before step ``at``."""
 

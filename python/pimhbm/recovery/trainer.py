@@ -162,6 +162,11 @@ class Trainer(FaultHandling, RunLoop):
         devices = list(devices) if devices is not None else jax.devices()
         replica_transport = _transport(replica_transport)
         _check_options(opt, replica_transport, devices, shard, max_skips, jax.process_count() > 1)
+        if (getattr(opt, "gradient_checks", None) is inplace.GradientChecks.IN_UPDATE and
+                (shm_name is None or not snapshot_every)):
+            raise ValueError("gradient_checks=GradientChecks.IN_UPDATE applies a step with a "
+                             "non-finite gradient in part, and the state then comes back from "
+                             "the host snapshot: pass shm_name= and snapshot_every > 0")
         self.opt, self.max_skips = opt, max_skips
         self.replica_transport = replica_transport
         self.placement = Placement(devices, shard)
