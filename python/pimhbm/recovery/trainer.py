@@ -51,10 +51,14 @@ def _transport(name: str) -> Transport:
 
 
 def _check_options(opt: AdamW | inplace.AdamW, transport: Transport, devices: list, shard: int,
-                   max_skips: int, multiprocess: bool) -> None:
+                   max_skips: int, multiprocess: bool, *, snapshots: bool) -> None:
     if not isinstance(opt, (AdamW, inplace.AdamW)):
         raise TypeError(f"the Trainer takes pimhbm.adamw(...) (one copy) or "
                         f"pimhbm.update.adamw(...) (two slots), got {type(opt).__name__}")
+    if getattr(opt, "gradient_checks", None) is inplace.GradientChecks.IN_UPDATE and not snapshots:
+        raise ValueError("gradient_checks=GradientChecks.IN_UPDATE applies a step with a "
+                         "non-finite gradient in part, and the state then comes back from the "
+                         "host snapshot: pass shm_name= and snapshot_every > 0")
     if max_skips < 2:
         raise ValueError(f"max_skips={max_skips}: a step must be allowed at least one replay")
     if shard < 1 or len(devices) % shard:
@@ -161,12 +165,8 @@ class Trainer(FaultHandling, RunLoop):
         self.in_flight = in_flight
         devices = list(devices) if devices is not None else jax.devices()
         replica_transport = _transport(replica_transport)
-        _check_options(opt, replica_transport, devices, shard, max_skips, jax.process_count() > 1)
-        if (getattr(opt, "gradient_checks", None) is inplace.GradientChecks.IN_UPDATE and
-                (shm_name is None or not snapshot_every)):
-            raise ValueError("gradient_checks=GradientChecks.IN_UPDATE applies a step with a "
-                             "non-finite gradient in part, and the state then comes back from "
-                             "the host snapshot: pass shm_name= and snapshot_every > 0")
+        _check_options(opt, replica_transport, devices, shard, max_skips, jax.process_count() > 1,
+                       snapshots=shm_name is not None and bool(snapshot_every))
         self.opt, self.max_skips = opt, max_skips
         self.replica_transport = replica_transport
         self.placement = Placement(devices, shard)
