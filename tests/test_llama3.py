@@ -478,6 +478,9 @@ def test_llama3_tool_checks_the_gradients_where_it_is_told(tmp_path):
                          env=cached_env(), timeout=300)
     assert run.returncode == 2 and "is for --state one-copy" in run.stderr
     assert "Traceback" not in run.stderr
+    run = subprocess.run(cmd + ["--snapshot-every", "0"], capture_output=True, text=True,
+                         env=cached_env(), timeout=300)
+    assert run.returncode == 2 and "--snapshot-every must be above 0" in run.stderr
 
 
 def test_llama3_tool_times_exact_mode_in_a_process_of_its_own():

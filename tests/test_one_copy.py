@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pimhbm
 from pimhbm import faults, inplace, parity
 from pimhbm.campaign import KINDS, Campaign
 from pimhbm.models import mlp
@@ -114,10 +115,46 @@ def test_gradients_checked_in_the_update_restore_a_step_applied_in_part(shm_name
         tr.close(unlink=True)
 
 
-def test_gradients_checked_in_the_update_need_a_host_snapshot():
+def test_gradients_checked_in_the_update_need_a_host_snapshot(shm_name):
     opt = inplace.adamw(3e-3, chunk_elems=CHUNK, gradient_checks=inplace.GradientChecks.IN_UPDATE)
     with pytest.raises(ValueError, match="host snapshot: pass shm_name"):
         Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), devices=jax.devices()[:1])
+    tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), devices=jax.devices()[:1],
+                 shm_name=shm_name, snapshot_every=5)
+    try:
+        with pytest.raises(ValueError, match="snapshot_every > 0"):
+            tr.snapshot_every = 0
+        tr.snapshot_every = 7  # the control: a positive interval is taken
+        assert tr.snapshot_every == 7
+    finally:
+        tr.close(unlink=True)
+
+
+def test_gradients_checked_in_the_update_stop_a_step_that_fails_on_every_replay(shm_name):
+    """A NaN in step 7's batch: each time, the update applies the step in part and the Trainer
+    restores the snapshot of step 5 and replays -- steps 6 commits on every replay, which must
+    not reset step 7's count. The run stops after max_skips, as with the checks before."""
+    plain = mlp.batches(0)
+
+    def batch_fn(step):
+        b = plain(step)
+        if step == 7:
+            b["x"][3, 5] = np.nan
+        return b
+
+    opt = inplace.adamw(3e-3, master_weights=True, chunk_elems=CHUNK, group=GROUP,
+                        gradient_checks=inplace.GradientChecks.IN_UPDATE)
+    tr = Trainer(mlp.loss, opt, mlp.init(0), batch_fn, shm_name=shm_name, snapshot_every=5,
+                 max_skips=3, devices=jax.devices()[:1])
+    try:
+        tr.prewarm()
+        with pytest.raises(pimhbm.recovery.PersistentFault, match="step 7 was skipped 3 times"):
+            tr.run(12)
+        assert tr.stats.host_restores == 3 and tr.next_step == 7
+        assert {i.action for i in incidents(tr.stats, IncidentKind.GRADIENT)} == {
+            Action.RESTORED_FROM_SNAPSHOT}
+    finally:
+        tr.close(unlink=True)
 
 
 class Once:

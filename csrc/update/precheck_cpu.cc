@@ -18,7 +18,7 @@ void precheck_cpu(const PrecheckLeaf* leaves, size_t count, uint64_t* totals) {
       const uint64_t d = scan::chunk_digest(p + first * size, elems * size, precheck_base(L) + c);
       L.damaged[c] = d != digest_join(L.d_p[2 * c], L.d_p[2 * c + 1]) ? 1 : 0;
       int32_t bad = 0;
-      for (int64_t e = first; L.g != nullptr && e < first + elems; ++e) {
+      for (int64_t e = first; e < first + (L.g != nullptr ? elems : 0); ++e) {
         const uint32_t bits = L.bf16 ? static_cast<const uint16_t*>(L.g)[e]
                                      : static_cast<const uint32_t*>(L.g)[e];
         bad += square_nonfinite(bits, L.bf16) ? 1 : 0;

@@ -198,6 +198,8 @@ cudaError_t precheck_cuda(const PrecheckLeaf* leaves, size_t count, uint64_t* to
   Table T{};
   int64_t chunks = 0;
   for (size_t i = 0; i < count; ++i) {
+    // One kernel a call: with the gradients or without (precheck.h).
+    if ((leaves[i].g == nullptr) != (leaves[0].g == nullptr)) return cudaErrorInvalidValue;
     if (precheck_chunks(leaves[i]) == 0) continue;
     T.leaf[T.count++] = leaves[i];
     chunks = std::max(chunks, precheck_chunks(leaves[i]));

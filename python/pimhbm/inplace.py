@@ -387,11 +387,15 @@ class AdamW:
         outs, _, totals = self._call(None, report.scalars, rebuilt, tables, state.parity, treedef,
                                      stash=report.stash)
         faults = saturated(totals[0])
+        # A stashed gradient that was not checked before the writes may be non-finite: the
+        # redo then kept elements, and the chunk is not whole (the next source takes it).
+        kept_whole = (saturated(totals[1]) == 0
+                      if self.gradient_checks is GradientChecks.IN_UPDATE else True)
         # The redo commits a chunk's step: the count stays (the step was counted when applied).
         new_state = self._state_from(outs, treedef, state.master is not None, True,
                                      state.step_copies)
         complete = ((faults == 0) & (report.stashed <= self.stash_capacity) & ~unrepaired
-                    & params_whole)
+                    & params_whole & kept_whole)
         return new_state, RepairReport(jax.tree.unflatten(treedef, statuses), faults, complete,
                                        params_rebuilt)
 

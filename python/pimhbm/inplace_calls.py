@@ -104,10 +104,12 @@ def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.
     for i, (p, table, g) in enumerate(zip(params, tables, grads if with_grads else params,
                                           strict=True)):
         chunks = -(-p.size // chunk_elems)
-        if p.dtype not in (jnp.float32, jnp.bfloat16) or g.dtype != p.dtype or g.size != p.size:
-            raise ValueError(f"leaf {i}: parameters must be float32 or bfloat16 with a gradient "
-                             f"of the same dtype and size; got {p.dtype}{tuple(p.shape)} and "
-                             f"{g.dtype}{tuple(g.shape)}")
+        if p.dtype not in (jnp.float32, jnp.bfloat16):
+            raise ValueError(f"leaf {i}: parameters must be float32 or bfloat16; got "
+                             f"{p.dtype}{tuple(p.shape)}")
+        if g.dtype != p.dtype or g.size != p.size:
+            raise ValueError(f"leaf {i}: the gradient must have the parameters' dtype and size; "
+                             f"got {p.dtype}{tuple(p.shape)} and {g.dtype}{tuple(g.shape)}")
         if table.dtype != jnp.uint32 or table.shape != (chunks, 2):
             raise ValueError(f"leaf {i}: the digest table of p must be uint32 of shape "
                              f"({chunks}, 2) for chunks of {chunk_elems} elements; got "

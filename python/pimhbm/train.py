@@ -91,6 +91,9 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                             gradient_transform=gradient_transform,
                             gradient_checks=gradient_checks)
     else:
+        if gradient_checks is not inplace.GradientChecks.BEFORE_WRITES:
+            raise ValueError(f"gradient_checks={gradient_checks}: two slots check the "
+                             "gradients before the writes only")
         opt = pimhbm.update.adamw(peak_lr, weight_decay=0.01, master_weights=master,
                            device_copy=device_copy, chunk_elems=chunk_elems or 1024,
                            gradient_transform=gradient_transform)

@@ -82,8 +82,8 @@ def add_arguments(p) -> None:
                    help="elements a digest covers, the unit of repair (default: the state's -- "
                         "512 with one copy, whose update takes 128, 256 or 512; 4096 with two "
                         "slots)")
-    p.add_argument("--gradient-checks", choices=("before-writes", "in-update"),
-                   default="before-writes",
+    p.add_argument("--gradient-checks", choices=options.GRADIENT_CHECKS,
+                   default=options.GRADIENT_CHECKS[0],
                    help="one copy: where non-finite gradients are found -- a pass over them "
                         "before the update's writes (a step with one is cancelled), or the "
                         "update itself (2 bytes a parameter fewer read; such a step is applied "
@@ -140,8 +140,14 @@ def _problem(args: Any) -> str | None:
         from pimhbm.inplace_calls import layout  # loads jax; starts no device
         if args.chunk_elems not in (sizes := tuple(layout()["chunk_elems"])):
             return f"--chunk-elems {args.chunk_elems}: the in-place update takes {sizes}"
-    if args.state == "two-slots" and args.gradient_checks != "before-writes":
-        return "--gradient-checks in-update is for --state one-copy (two slots check before)"
+    if args.gradient_checks != options.GRADIENT_CHECKS[0]:
+        if args.state == "two-slots":
+            return (f"--gradient-checks {args.gradient_checks} is for --state one-copy (two "
+                    "slots check the gradients before the writes)")
+        if not args.snapshot_every:
+            return (f"--gradient-checks {args.gradient_checks} needs host snapshots (a step "
+                    "with a non-finite gradient is applied in part, then restored from one): "
+                    "--snapshot-every must be above 0")
     if args.state == "two-slots" and args.chunk_elems is not None:
         from pimhbm.update import check_chunk_elems  # loads jax; starts no device
         try:
@@ -351,7 +357,6 @@ class PlainStep:
 def _protected(job: Job, shm_name: str, *, hooks: bool) -> Any:
     """The recovery engine's step, with the campaign's fault hooks compiled in (``hooks``) or
     as a user's Trainer has it (the timed step)."""
-    from pimhbm.inplace import GradientChecks
     from pimhbm.recovery.trainer import RECHECK_EVERY
     from pimhbm.train import llama_trainer
     args = job.args
@@ -369,8 +374,7 @@ def _protected(job: Job, shm_name: str, *, hooks: bool) -> Any:
                          shard=args.shard, device_copy=not args.no_device_copy, state=args.state,
                          in_flight=args.in_flight, recheck_every=recheck,
                          telemetry=None if args.no_telemetry else "auto",
-                         gradient_checks=GradientChecks[args.gradient_checks.upper().replace(
-                             "-", "_")])
+                         gradient_checks=options.gradient_checks(args.gradient_checks))
 
 
 def _prewarm(job: Job, trainer: Any) -> None:

@@ -18,6 +18,16 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
+# pimhbm.inplace.GradientChecks as `--gradient-checks` spells them (no jax at parsing).
+GRADIENT_CHECKS = ("before-writes", "in-update")
+
+
+def gradient_checks(word: str):
+    """The pimhbm.inplace.GradientChecks a --gradient-checks word names."""
+    from pimhbm.inplace import GradientChecks
+    return GradientChecks[word.upper().replace("-", "_")]
+
+
 def positive_int(text: str) -> int:
     value = _int(text)
     if value < 1:

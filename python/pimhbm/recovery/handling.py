@@ -49,7 +49,7 @@ class FaultHandling:
         self.stats.steps_skipped += 1
         later = self._halted_behind(flight, done)
         faults = merge([report] + later)
-        replay_from = self._restore_torn(report) if report.applied else self._handle_fault(faults)
+        replay_from = self._restore_torn(faults) if report.applied else self._handle_fault(faults)
         self.miscomputed.update(d for r in faults.steps for d in r.miscomputed)
         if twice := sorted(d for d, n in self.miscomputed.items() if n >= 2):
             raise self._failure(f"device {twice[0]} computed gradients that another device's "
@@ -117,15 +117,20 @@ class FaultHandling:
         self.state = self.state._replace(halted=self.placement.put(np.int32(0)))
         return report.first_step if resume_at is None else resume_at
 
-    def _restore_torn(self, report: StepReport) -> int:
+    def _restore_torn(self, faults: FaultReport) -> int:
         """A step the update applied in part: it met non-finite gradient values and kept their
         elements (pimhbm.inplace.GradientChecks.IN_UPDATE), so the state is neither the step's
         nor the one before it. The host snapshot, then a replay from it, which executes the step
-        again. Returns the step to replay from."""
+        again; what it and the steps halted behind it found is recorded as restored. Returns the
+        step to replay from."""
         self.state, snap = self._restore_from_host()
-        record(self.stats, [Incident(report.step, IncidentKind.GRADIENT, report.grads,
-                                     Action.RESTORED_FROM_SNAPSHOT, snapshot_step=snap,
-                                     unlisted=report.grads_unlisted)])
+        restored = lambda r, kind, where, **kw: Incident(
+            r.step, kind, where, Action.RESTORED_FROM_SNAPSHOT, snapshot_step=snap, **kw)
+        record(self.stats, [inc for r in faults.steps for inc in (
+            restored(r, IncidentKind.STATE, r.state) if r.state else None,
+            restored(r, IncidentKind.DISAGREEMENT, r.disagree) if r.disagree else None,
+            restored(r, IncidentKind.GRADIENT, r.grads, unlisted=r.grads_unlisted)
+            if r.grads else None) if inc is not None])
         return snap + 1
 
     def _restore_from_host(self) -> tuple[TrainState, int]:

@@ -100,7 +100,10 @@ class RunLoop:
             report = decode_step(done.step, summary, self.layout, recheck)
             self.snapshots.confirm(done.step, report.committed, self.stats)
             if report.committed:
-                loop.skipped_step = None
+                # A replay from a host snapshot commits the steps before the skipped one first:
+                # only the skipped step's own commit (or a later one) ends its count.
+                if loop.skipped_step is not None and done.step >= loop.skipped_step:
+                    loop.skipped_step = None
                 self._commit(done, progress)
                 continue
             if report.applied and not report.nonfinite:  # one copy: it left damaged chunks

@@ -308,6 +308,10 @@ def _describe(value: Any) -> Any:
     return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
 
 
+# Options that change no state a run holds: a region written with either setting serves.
+_NOT_BINDING = {"gradient_checks"}  # where non-finite gradients are found (pimhbm.inplace)
+
+
 def run_binding(params: Any, opt: Any, layout: StateLayout, specs: list[TensorSpec],
                 first_batch: dict, run_id: str | None) -> bytes:
     """What makes a run this run, for its backup's header: the model's structure, the
@@ -316,7 +320,7 @@ def run_binding(params: Any, opt: Any, layout: StateLayout, specs: list[TensorSp
     config = {"layout": [layout.paths, layout.names, layout.sizes, layout.sharded,
                          layout.chunk_elems, layout.shard],
               "optimizer": {f.name: _describe(getattr(opt, f.name))
-                            for f in dataclasses.fields(opt)},
+                            for f in dataclasses.fields(opt) if f.name not in _NOT_BINDING},
               "specs": [[t.name, list(t.shape), t.dtype] for t in specs],
               "structure": str(jax.tree.structure(params)), "run_id": run_id}
     h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())

@@ -266,6 +266,9 @@ class Trainer(FaultHandling, RunLoop):
 
     @snapshot_every.setter
     def snapshot_every(self, every: int) -> None:
+        _check_options(self.opt, self.replica_transport, self.placement.devices,
+                       self.placement.shard, self.max_skips, jax.process_count() > 1,
+                       snapshots=self.backup is not None and bool(every))
         self.snapshots.every = every
 
     @property
