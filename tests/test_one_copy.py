@@ -130,6 +130,21 @@ def test_gradients_checked_in_the_update_need_a_host_snapshot(shm_name):
         tr.close(unlink=True)
 
 
+class NoEndlessReplay:
+    """A campaign that injects nothing and fails the test once ``step`` is attempted more than
+    ``most`` times (so that a run replaying it for ever fails instead of hanging)."""
+
+    def __init__(self, step, most):
+        self.step, self.most = step, most
+
+    def before_step(self, trainer, step, attempt):
+        assert step != self.step or attempt <= self.most, f"step {step} replayed for ever"
+        return None
+
+    def before_scrub(self, trainer, step):
+        pass
+
+
 def test_gradients_checked_in_the_update_stop_a_step_that_fails_on_every_replay(shm_name):
     """A NaN in step 7's batch: each time, the update applies the step in part and the Trainer
     restores the snapshot of step 5 and replays -- steps 6 commits on every replay, which must
@@ -149,7 +164,7 @@ def test_gradients_checked_in_the_update_stop_a_step_that_fails_on_every_replay(
     try:
         tr.prewarm()
         with pytest.raises(pimhbm.recovery.PersistentFault, match="step 7 was skipped 3 times"):
-            tr.run(12)
+            tr.run(12, campaign=NoEndlessReplay(7, 4))
         assert tr.stats.host_restores == 3 and tr.next_step == 7
         assert {i.action for i in incidents(tr.stats, IncidentKind.GRADIENT)} == {
             Action.RESTORED_FROM_SNAPSHOT}
