@@ -124,13 +124,16 @@ class FaultHandling:
         again; what it and the steps halted behind it found is recorded as restored. Returns the
         step to replay from."""
         self.state, snap = self._restore_from_host()
-        restored = lambda r, kind, where, **kw: Incident(
-            r.step, kind, where, Action.RESTORED_FROM_SNAPSHOT, snapshot_step=snap, **kw)
-        record(self.stats, [inc for r in faults.steps for inc in (
-            restored(r, IncidentKind.STATE, r.state) if r.state else None,
-            restored(r, IncidentKind.DISAGREEMENT, r.disagree) if r.disagree else None,
-            restored(r, IncidentKind.GRADIENT, r.grads, unlisted=r.grads_unlisted)
-            if r.grads else None) if inc is not None])
+        found = []
+        for r in faults.steps:
+            for kind, where in ((IncidentKind.STATE, r.state),
+                                (IncidentKind.DISAGREEMENT, r.disagree),
+                                (IncidentKind.GRADIENT, r.grads)):
+                if where:
+                    found.append(Incident(r.step, kind, where, Action.RESTORED_FROM_SNAPSHOT,
+                                          snapshot_step=snap, unlisted=kind is
+                                          IncidentKind.GRADIENT and r.grads_unlisted))
+        record(self.stats, found)
         return snap + 1
 
     def _restore_from_host(self) -> tuple[TrainState, int]:
