@@ -41,7 +41,7 @@ from scan_bench import read_ceiling  # noqa: E402
 import pimhbm  # noqa: E402
 from pimhbm.models import llama3  # noqa: E402
 from pimhbm import inplace  # noqa: E402
-from pimhbm_cli import device_profile  # noqa: E402
+from pimhbm_cli import device_profile, options  # noqa: E402
 
 LR = 1e-4
 BYTES_PER_PARAM = 28
@@ -189,10 +189,6 @@ def bench_case(kind, n_params, leaves, profile_dir=None, model_layers=0):
     return n, out, ceiling, profiles
 
 
-# --gradient-checks: the option's words for pimhbm.inplace.GradientChecks.
-CHECKS = {c.name.lower().replace("_", "-"): c for c in inplace.GradientChecks}
-
-
 def inplace_only(n_params, leaves, model_layers, reps, chunk_elems, gradient_checks):
     """optax.adamw (fp32 master weights, bf16 parameters cast after) and pimhbm.inplace (chunks
     of `chunk_elems`, non-finite gradients found where `gradient_checks` says) on the same tree,
@@ -248,7 +244,8 @@ def main() -> int:
                          "turn (default 2)")
     ap.add_argument("--chunk-elems", type=int, default=inplace.DEFAULT_CHUNK_ELEMS,
                     help="with --inplace-only: the in-place update's chunk (128, 256 or 512)")
-    ap.add_argument("--gradient-checks", choices=list(CHECKS), default="before-writes",
+    ap.add_argument("--gradient-checks", choices=options.GRADIENT_CHECKS,
+                    default=options.GRADIENT_CHECKS[0],
                     help="with --inplace-only: where non-finite gradients are found (before the "
                          "writes: a pass over them; in the update: p's checks alone before it)")
     args = ap.parse_args()
@@ -259,7 +256,7 @@ def main() -> int:
     payload = {"device": dev.device_kind, "params": args.params, "tree": what, "results": {}}
     if args.inplace_only:
         n, pairs = inplace_only(args.params, args.leaves, args.model_layers, args.inplace_only,
-                                args.chunk_elems, CHECKS[args.gradient_checks])
+                                args.chunk_elems, options.gradient_checks(args.gradient_checks))
         payload["params"], payload["chunk_elems"] = n, args.chunk_elems
         payload["gradient_checks"] = args.gradient_checks
         payload["results"]["bf16+master"] = [

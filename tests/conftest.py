@@ -80,6 +80,17 @@ def needs_devices(n: int) -> None:
         pytest.skip(f"needs {n} devices, this machine has {len(jax.devices())}")
 
 
+def nan_at_step(batches, step: int):
+    """``batches`` (step -> batch) with a NaN in step ``step``'s inputs: the same non-finite
+    gradient on every replay of that step (not a transient fault)."""
+    def batch_fn(s):
+        b = batches(s)
+        if s == step:
+            b["x"][3, 5] = np.nan
+        return b
+    return batch_fn
+
+
 def new_shm_name() -> str:
     """A fresh shared-memory region name for one test."""
     return f"pimhbm_test_{uuid.uuid4().hex[:12]}"

@@ -137,3 +137,13 @@ def test_llama3_snapshots_as_often_as_the_trainer_by_default():
     llama3.add_arguments(p)
     assert p.parse_args([]).snapshot_every == SNAPSHOT_EVERY
     assert p.parse_args(["--snapshot-every", "7"]).snapshot_every == 7  # the option is read
+
+
+def test_the_gradient_checks_words_name_every_mode_once():
+    """--gradient-checks lists its words without loading jax; each names one
+    pimhbm.inplace.GradientChecks, and every mode has a word."""
+    from pimhbm import inplace
+    from pimhbm_cli import options
+
+    assert [options.gradient_checks(w) for w in options.GRADIENT_CHECKS] == list(
+        inplace.GradientChecks)

@@ -17,7 +17,7 @@ from pimhbm.campaign import KINDS, Campaign
 from pimhbm.models import mlp
 from pimhbm.recovery import Action, DeviceFailure, IncidentKind, Trainer
 from pimhbm.recovery.placement import AXES
-from conftest import needs_devices
+from conftest import nan_at_step, needs_devices
 
 CHUNK, GROUP = 128, 4
 
@@ -149,14 +149,7 @@ def test_gradients_checked_in_the_update_stop_a_step_that_fails_on_every_replay(
     """A NaN in step 7's batch: each time, the update applies the step in part and the Trainer
     restores the snapshot of step 5 and replays -- steps 6 commits on every replay, which must
     not reset step 7's count. The run stops after max_skips, as with the checks before."""
-    plain = mlp.batches(0)
-
-    def batch_fn(step):
-        b = plain(step)
-        if step == 7:
-            b["x"][3, 5] = np.nan
-        return b
-
+    batch_fn = nan_at_step(mlp.batches(0), 7)
     opt = inplace.adamw(3e-3, master_weights=True, chunk_elems=CHUNK, group=GROUP,
                         gradient_checks=inplace.GradientChecks.IN_UPDATE)
     tr = Trainer(mlp.loss, opt, mlp.init(0), batch_fn, shm_name=shm_name, snapshot_every=5,

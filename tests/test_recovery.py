@@ -22,7 +22,7 @@ from pimhbm.campaign import KINDS, Campaign
 from pimhbm.models import mlp
 from pimhbm.recovery import Action, IncidentKind, Trainer
 
-from conftest import cached_env
+from conftest import cached_env, nan_at_step
 from pull_chain import pull_chain
 
 HERE = os.path.dirname(__file__)
@@ -768,14 +768,7 @@ def test_a_step_that_fails_on_every_replay_stops_the_run_with_a_clear_error(shm_
     """A batch with a NaN in it makes the same gradient non-finite on every replay: not a
     transient fault. The run stops after max_skips skips of that step, naming the step and
     what came back, instead of replaying it for ever; the steps before it committed."""
-    plain = mlp.batches(0)
-
-    def batch_fn(step):
-        b = plain(step)
-        if step == 7:
-            b["x"][3, 5] = np.nan
-        return b
-
+    batch_fn = nan_at_step(mlp.batches(0), 7)
     opt = pimhbm.update.adamw(3e-3, master_weights=True, device_copy=True, chunk_elems=256)
     tr = Trainer(mlp.loss, opt, mlp.init(0), batch_fn, shm_name=shm_name, max_skips=3)
     tr.prewarm()
