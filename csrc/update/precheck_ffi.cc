@@ -36,7 +36,6 @@ ffi::ErrorOr<PrecheckLeaf> leaf_at(const ffi::RemainingArgs& args, const ffi::Re
     if (!a) return invalid(kOp, std::string(gradients ? with[k] : without[k]) + " is not a buffer");
     in.push_back(*a);
   }
-  if (!gradients) in.insert(in.begin() + 2, in[0]);  // no gradient: its place holds p, unread
   const ffi::DataType pt = in[0].element_type();
   if (pt != ffi::DataType::F32 && pt != ffi::DataType::BF16) {
     return invalid(kOp, "parameters must be float32 or bfloat16, got " + ffi_util::dtype_name(pt));
@@ -44,9 +43,11 @@ ffi::ErrorOr<PrecheckLeaf> leaf_at(const ffi::RemainingArgs& args, const ffi::Re
   const int64_t n = static_cast<int64_t>(in[0].element_count());
   const int64_t chunks = n == 0 ? 0 : (n + chunk_elems - 1) / chunk_elems;
   PIMHBM_FFI_RETURN_IF_ERROR(ffi_util::check_digest_table(kOp, "digests of p", in[1], chunks));
-  PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(kOp, "gradient", in[2], pt, n));
-  PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(kOp, "chunk_base", in[3], ffi::DataType::S32, 1));
-  if (!aligned16(in[0].untyped_data()) || !aligned16(in[2].untyped_data())) {
+  const ffi::AnyBuffer* g = gradients ? &in[2] : nullptr;
+  const ffi::AnyBuffer& base = in[count - 1];
+  if (g != nullptr) PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(kOp, "gradient", *g, pt, n));
+  PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(kOp, "chunk_base", base, ffi::DataType::S32, 1));
+  if (!aligned16(in[0].untyped_data()) || (g != nullptr && !aligned16(g->untyped_data()))) {
     return invalid(kOp, "p and the gradient must start on a 16-byte boundary (XLA's buffers do)");
   }
   int32_t* out[kPrecheckLeafResults];
@@ -63,10 +64,10 @@ ffi::ErrorOr<PrecheckLeaf> leaf_at(const ffi::RemainingArgs& args, const ffi::Re
   L.bf16 = pt == ffi::DataType::BF16;
   L.p = in[0].untyped_data();
   L.d_p = static_cast<const uint32_t*>(in[1].untyped_data());
-  L.g = gradients ? in[2].untyped_data() : nullptr;
+  L.g = g != nullptr ? g->untyped_data() : nullptr;
   L.damaged = out[0];
   L.nonfinite = out[1];
-  L.chunk_base = static_cast<const int32_t*>(in[3].untyped_data());
+  L.chunk_base = static_cast<const int32_t*>(base.untyped_data());
   return L;
 }
 
