@@ -165,6 +165,79 @@ def test_gradients_checked_in_the_update_stop_a_step_that_fails_on_every_replay(
         tr.close(unlink=True)
 
 
+def loss_with_a_dead_leaf(params, batch):
+    """mlp.loss, and a leaf whose gradient is always 0 (it enters the loss times 0)."""
+    live = {k: v for k, v in params.items() if k != "dead"}
+    return mlp.loss(live, batch) + 0.0 * jnp.sum(params["dead"].astype(jnp.float32))
+
+
+def device_steps(tr):
+    """The step count the device's state holds (its three copies, every device)."""
+    return np.unique(np.asarray(tr.state.opt.step_copies)).tolist()
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-8], ids=["eps-0", "control-eps-1e-8"])
+def test_an_update_that_keeps_elements_is_not_committed(shm_name, eps):
+    """eps 0 and a leaf whose gradient is always 0: its moments stay 0, so each of its new
+    values is 0 / 0 and the update keeps it, while it writes every other leaf -- the step is
+    applied in part. The host and the device agree that it did not commit: the Trainer takes
+    the host snapshot and replays, and after max_skips raises PersistentFault with the cause.
+    The control (eps 1e-8) commits every step, the device's count with the host's."""
+    params = {**mlp.init(0), "dead": jnp.zeros((300,), jnp.bfloat16)}
+    opt = inplace.adamw(3e-3, eps=eps, master_weights=True, chunk_elems=CHUNK, group=GROUP)
+    tr = Trainer(loss_with_a_dead_leaf, opt, params, mlp.batches(0), shm_name=shm_name,
+                 snapshot_every=5, max_skips=3, devices=jax.devices()[:1])
+    try:
+        tr.prewarm()
+        start = tr.current_state()
+        if eps:
+            stats = tr.run(6)
+            assert stats.steps_committed == 6 and not stats.incidents and device_steps(tr) == [6]
+            return
+        with pytest.raises(pimhbm.recovery.PersistentFault,
+                           match=r"step 1 was skipped 3 times.* 300 elements whose new values "
+                                 r"were not finite.*eps 0"):
+            tr.run(6, campaign=NoEndlessReplay(1, 4))
+        assert tr.stats.host_restores == 3 and tr.next_step == 1 and device_steps(tr) == [0]
+        assert same_state(tr.current_state(), start)  # the other leaves' writes taken back
+        assert {(i.kind, i.action) for i in tr.stats.incidents} == {
+            (IncidentKind.UPDATE, Action.RESTORED_FROM_SNAPSHOT)}
+    finally:
+        tr.close(unlink=True)
+
+
+def test_a_learning_rate_that_is_not_finite_runs_nothing_and_says_so(shm_name):
+    """A schedule that is NaN from step 3 on: the update runs nothing (no host restore is
+    needed), the step is replayed and after max_skips the error names the learning rate, not
+    a device."""
+    opt = inplace.adamw(lambda count: jnp.where(count >= 3, jnp.nan, 3e-3), master_weights=True,
+                        chunk_elems=CHUNK, group=GROUP)
+    tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=shm_name,
+                 snapshot_every=5, max_skips=3, devices=jax.devices()[:1])
+    try:
+        tr.prewarm()
+        with pytest.raises(pimhbm.recovery.PersistentFault,
+                           match=r"step 3 was skipped 3 times.*a learning rate or bias "
+                                 r"correction that is not finite.*schedule value"):
+            tr.run(6, campaign=NoEndlessReplay(3, 4))
+        assert tr.stats.steps_committed == 2 and device_steps(tr) == [2]
+        assert tr.stats.host_restores == 0
+        assert {(i.step, i.kind, i.action) for i in tr.stats.incidents} == {
+            (3, IncidentKind.UPDATE, Action.SKIPPED_AND_REPLAYED)}
+    finally:
+        tr.close(unlink=True)
+
+
+def test_an_update_that_keeps_elements_needs_a_host_snapshot():
+    params = {**mlp.init(0), "dead": jnp.zeros((300,), jnp.bfloat16)}
+    opt = inplace.adamw(3e-3, eps=0.0, chunk_elems=CHUNK, group=GROUP)
+    tr = Trainer(loss_with_a_dead_leaf, opt, params, mlp.batches(0), devices=jax.devices()[:1])
+    tr.prewarm()
+    with pytest.raises(RuntimeError, match="step 1's update kept 300 elements whose new values "
+                                           "were not finite.*pass shm_name="):
+        tr.run(3)
+
+
 class Once:
     """A campaign of one hand-placed fault before step ``at``."""
 

@@ -748,9 +748,11 @@ def test_a_step_summary_has_no_reduction_or_concatenation_of_the_maps_whatever_t
         treedef = jax.tree.structure(maps)
 
         def summary(faults, grads):
-            report = SimpleNamespace(applied=jnp.bool_(True), digest_faults=jnp.int32(0),
-                                     grad_nonfinite=jnp.int32(0), fault_maps=faults,
-                                     grad_nonfinite_maps=grads)
+            report = SimpleNamespace(applied=jnp.bool_(True), committed=jnp.bool_(True),
+                                     digest_faults=jnp.int32(0), grad_nonfinite=jnp.int32(0),
+                                     kept=jnp.int32(0), fault_maps=faults,
+                                     grad_nonfinite_maps=grads,
+                                     scalars=jnp.array([1e-3, 0.1, 0.001], jnp.float32))
             out = inplace_summary(report, treedef, 8, [])
             if summed:
                 flat = jnp.concatenate([m for m in jax.tree.leaves(grads)])

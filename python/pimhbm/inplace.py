@@ -38,7 +38,7 @@ import numpy as np
 from pimhbm import parity
 from pimhbm._ffi import ensure_registered
 from pimhbm.inplace_calls import (Prechecks, Stash, leaf_operands, prechecks, redo_call,
-                                  saturated, update_call)
+                                  saturated, unusable_scalars, update_call)
 from pimhbm.inplace_calls import layout as inplace_layout
 from pimhbm.repair import NOT_LISTED, REPAIRED
 from pimhbm.scan import scan
@@ -261,7 +261,7 @@ class AdamW:
             # those it cannot alias through an in-place op (on the GPU, 4 of 8 MiB a step at the
             # 8B layers).
             local = before_writes(local)
-        hold = (local != 0).any() | ~jnp.all(jnp.isfinite(scalars)) | (scalars[1] <= 0) | (scalars[2] <= 0)
+        hold = (local != 0).any() | unusable_scalars(scalars)
         if gate is not None:
             hold |= ~jnp.asarray(gate, jnp.bool_)
         counts = jnp.concatenate([local, hold.astype(jnp.int32)[None]])

@@ -19,6 +19,9 @@ log = logging.getLogger("pimhbm.recovery")
 class IncidentKind(enum.StrEnum):
     STATE = "state"  # state chunks whose digest did not match
     GRADIENT = "gradient"  # NaN/Inf gradient values
+    # new values the update found non-finite and kept as they were (one copy: the step was
+    # applied in part) -- a NaN or infinite learning rate, eps 0 with zero moments, an overflow
+    UPDATE = "non-finite update"
     DISAGREEMENT = "replicas disagree"  # chunks that differ between replicas, digests and all
     COMPUTE = "compute"  # gradients computed again (sampled re-execution) came out different
     DEVICE_COPY = "device copy"  # device-copy chunks a scrub found damaged
@@ -172,11 +175,16 @@ class PersistentFault(RuntimeError):
 
 
 def persistent_fault(step: int, skips: int, nonfinite: int, damaged: int,
-                     incidents: list[Incident]) -> PersistentFault:
-    """What to tell a user whose step never commits: ``nonfinite`` gradient values and
-    ``damaged`` state chunks (or chunks the replicas disagree on) came back on the last
-    replay."""
+                     incidents: list[Incident], kept: int = 0,
+                     bad_scalars: bool = False) -> PersistentFault:
+    """What to tell a user whose step never commits: ``nonfinite`` gradient values,
+    ``damaged`` state chunks (or chunks the replicas disagree on), ``kept`` elements whose new
+    values were not finite, or (``bad_scalars``) a learning rate or bias correction that could
+    not make finite values came back on the last replay."""
     what = []
+    if bad_scalars:
+        what.append("a learning rate or bias correction that is not finite (or a bias "
+                    "correction not above 0: the update ran nothing)")
     disagree = [loc for inc in incidents if inc.kind is IncidentKind.DISAGREEMENT
                 for loc in inc.locations]
     if disagree:
@@ -187,6 +195,8 @@ def persistent_fault(step: int, skips: int, nonfinite: int, damaged: int,
                  for loc in inc.locations]
         where = ", ".join(f"{loc.leaf} chunk {loc.chunk}" for loc in grads[:3])
         what.append(f"{nonfinite} non-finite gradient values" + (f" (in {where}, ...)" if where else ""))
+    if kept and not nonfinite:  # (where the update checks the gradients, they are the same)
+        what.append(f"{kept} elements whose new values were not finite (kept as they were)")
     if damaged:
         locs = [loc for inc in incidents if inc.kind is IncidentKind.STATE for loc in inc.locations]
         where = ", ".join(f"{loc.leaf}/{loc.tensor} chunk {loc.chunk} on device {loc.device}"
@@ -196,6 +206,10 @@ def persistent_fault(step: int, skips: int, nonfinite: int, damaged: int,
     hint = ("A gradient that is non-finite on its own is no fault: the loss diverged or the "
             "batch holds bad values (check the learning rate, the data and the loss)"
             if nonfinite and not damaged and not disagree else
+            "New values that are not finite from finite gradients come from the optimizer's "
+            "settings: a NaN or infinite learning rate or schedule value, b1 or b2 outside "
+            "[0, 1), eps 0 where a moment is 0, or a learning rate that overflows a weight"
+            if (kept or bad_scalars) and not damaged and not disagree else
             "Replicas that keep computing different states point at a device that computes "
             "wrongly (see `pimhbm health`; the devices named are those of the chunks)"
             if disagree and not damaged else

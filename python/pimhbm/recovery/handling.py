@@ -50,6 +50,10 @@ class FaultHandling:
         later = self._halted_behind(flight, done)
         faults = merge([report] + later)
         replay_from = self._restore_torn(faults) if report.applied else self._handle_fault(faults)
+        if report.bad_scalars:  # (the steps halted behind it drew theirs from the same count)
+            record(self.stats, [Incident(report.step, IncidentKind.UPDATE, (),
+                                         Action.SKIPPED_AND_REPLAYED, detail="its learning rate "
+                                         "or bias corrections could not make finite values")])
         self.miscomputed.update(d for r in faults.steps for d in r.miscomputed)
         if twice := sorted(d for d, n in self.miscomputed.items() if n >= 2):
             raise self._failure(f"device {twice[0]} computed gradients that another device's "
@@ -118,11 +122,18 @@ class FaultHandling:
         return report.first_step if resume_at is None else resume_at
 
     def _restore_torn(self, faults: FaultReport) -> int:
-        """A step the update applied in part: it met non-finite gradient values and kept their
-        elements (pimhbm.inplace.GradientChecks.IN_UPDATE), so the state is neither the step's
-        nor the one before it. The host snapshot, then a replay from it, which executes the step
-        again; what it and the steps halted behind it found is recorded as restored. Returns the
-        step to replay from."""
+        """A step the update applied in part: it kept the elements whose new values were not
+        finite -- from non-finite gradient values where it checks them itself
+        (pimhbm.inplace.GradientChecks.IN_UPDATE), or from its own arithmetic -- and wrote the
+        rest, so the state is neither the step's nor the one before it. The host snapshot, then
+        a replay from it, which executes the step again; what it and the steps halted behind it
+        found is recorded as restored. Returns the step to replay from."""
+        if self.backup is None:
+            torn = faults.steps[0]
+            raise RuntimeError(
+                f"step {torn.step}'s update kept {torn.kept} elements whose new values were not "
+                "finite and wrote the others: only a host snapshot can take the state back to a "
+                "step's (pass shm_name= to keep one)")
         self.state, snap = self._restore_from_host()
         found = []
         for r in faults.steps:
@@ -133,6 +144,10 @@ class FaultHandling:
                     found.append(Incident(r.step, kind, where, Action.RESTORED_FROM_SNAPSHOT,
                                           snapshot_step=snap, unlisted=kind is
                                           IncidentKind.GRADIENT and r.grads_unlisted))
+            if r.kept and not r.grads:  # the update's own arithmetic (the gradients were finite)
+                found.append(Incident(r.step, IncidentKind.UPDATE, (),
+                                      Action.RESTORED_FROM_SNAPSHOT, snapshot_step=snap,
+                                      detail=f"{r.kept} elements kept"))
         record(self.stats, found)
         return snap + 1
 

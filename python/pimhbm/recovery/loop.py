@@ -106,7 +106,8 @@ class RunLoop:
                     loop.skipped_step = None
                 self._commit(done, progress)
                 continue
-            if report.applied and not report.nonfinite:  # one copy: it left damaged chunks
+            if report.applied and not (report.nonfinite or report.kept):  # one copy: it left
+                # damaged chunks (and wrote every other element)
                 loop.skipped_step, resume = None, self._left(report, flight, done, progress)
                 self.stats.steps_replayed += loop.step - resume
                 loop.step = resume
@@ -116,7 +117,8 @@ class RunLoop:
             replay_from = self._skip(report, flight, done)
             if loop.skips >= self.max_skips:
                 raise persistent_fault(done.step, loop.skips, report.nonfinite, report.faulty,
-                                       self.stats.incidents[seen:])
+                                       self.stats.incidents[seen:], kept=report.kept,
+                                       bad_scalars=report.bad_scalars)
             self.stats.steps_replayed += loop.step - replay_from
             log.info("replaying steps %d-%d from the batch log", replay_from, loop.step - 1)
             loop.step = replay_from

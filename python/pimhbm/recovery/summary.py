@@ -21,7 +21,7 @@ import numpy as np
 
 from pimhbm import _core
 from pimhbm._ffi import ensure_registered, unbatched_call
-from pimhbm.inplace_calls import saturated
+from pimhbm.inplace_calls import saturated, unusable_scalars
 from pimhbm.recovery.layout import ChunkDamage, ChunkRef, Damage, StateLayout
 
 
@@ -42,6 +42,13 @@ class StepSummary(NamedTuple):
     faults: FaultList  # value: the chunk's Damage bits
     grad_faults: FaultList  # value: NaN/Inf gradient values in the chunk
     disagree: FaultList  # value: the Damage bits of tensors whose replicas' digests differ
+    # int32: elements whose new values the update found non-finite and kept as they were (one
+    # copy; the step's count, every device's the same; 0 for two slots, which count them with
+    # the gradients')
+    kept: jax.Array
+    # int32: 1 where the step's learning rate or bias corrections could not make finite values
+    # (in place: the update ran nothing; the step's count, every device's the same)
+    bad_scalars: jax.Array
 
 
 class ScrubSummary(NamedTuple):
@@ -97,22 +104,23 @@ def step_summary(report: Any, treedef: Any, capacity: int,
         committed, committed, report.local_counts[1], report.local_counts[0],
         fault_list(treedef.flatten_up_to(report.fault_maps), capacity),
         fault_list(treedef.flatten_up_to(report.grad_nonfinite_maps), capacity),
-        fault_list(disagree, capacity))
+        fault_list(disagree, capacity), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
 
 
 def inplace_summary(report: Any, treedef: Any, capacity: int,
                     disagree: list[jax.Array]) -> StepSummary:
     """The same for an in-place update's report (pimhbm.inplace.UpdateReport): committed when
-    it ran, no device found damage and no gradient value it met was non-finite (which only an
-    update that checks them itself meets: it then applied the step in part); this device's
-    counts from its own maps, by the lists' calls."""
+    it ran, no device found damage, and it kept no element (a new value that was not finite,
+    or a non-finite gradient value where the update checks them itself: either way it applied
+    the step in part); this device's counts from its own maps, by the lists' calls."""
     faults = listed(treedef.flatten_up_to(report.fault_maps), capacity)
     grads = listed(treedef.flatten_up_to(report.grad_nonfinite_maps), capacity)
-    whole = report.applied & (report.digest_faults == 0) & (report.grad_nonfinite == 0)
+    whole = report.committed & (report.digest_faults == 0) & (report.grad_nonfinite == 0)
     return StepSummary(
         whole.astype(jnp.int32),
         report.applied.astype(jnp.int32), grads.total, faults.nonzero, faults.faults,
-        grads.faults, fault_list(disagree, capacity))
+        grads.faults, fault_list(disagree, capacity), report.kept,
+        unusable_scalars(report.scalars).astype(jnp.int32))
 
 
 # -- on the host ---------------------------------------------------------------------------------
@@ -138,6 +146,8 @@ class StepReport(NamedTuple):
     damaged_devices: np.ndarray  # bool per device: it reported a damaged chunk
     disagree: tuple[ChunkRef, ...]  # chunks whose replicas' digests differ (each device's)
     miscomputed: tuple[int, ...] = ()  # devices whose gradients, computed again, differ
+    kept: int = 0  # elements whose new values were not finite, kept (one copy: applied in part)
+    bad_scalars: bool = False  # the learning rate or a bias correction could not make finite values
 
 
 def decode_step(step: int, s: StepSummary, layout: StateLayout,
@@ -163,7 +173,8 @@ def decode_step(step: int, s: StepSummary, layout: StateLayout,
     return StepReport(step, committed, applied, tuple(damaged),
                       tuple(state), overflow, tuple(grads), unlisted, int(s.grad_nonfinite.sum()),
                       int(s.faulty_chunks.sum()), np.asarray(s.faulty_chunks) > 0,
-                      tuple(disagree), miscomputed)
+                      tuple(disagree), miscomputed, int(s.kept.max()),
+                      bool(s.bad_scalars.any()))
 
 
 def whole_chunks(report: StepReport, layout: StateLayout) -> StepReport:
