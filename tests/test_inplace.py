@@ -538,7 +538,8 @@ def test_gpu_equals_cpu_bit_for_bit_where_elements_keep_their_values(rng, eps, e
     assert_gpu_equals_cpu(opt, params, [g, g], None)
 
 
-@pytest.mark.parametrize("bad", [dict(b1=np.nan), dict(b2=1.0), dict(eps=-1.0), dict(eps=np.inf),
+@pytest.mark.parametrize("bad", [dict(b1=np.nan), dict(b2=1.0), dict(b2=0.99999999),
+                                 dict(b1=1 - 1e-9), dict(eps=-1.0), dict(eps=np.inf),
                                  dict(learning_rate=np.nan), dict(weight_decay=np.nan),
                                  dict(chunk_elems=1024), dict(group=-1), dict(group=(1 << 15) + 1),
                                  dict(chunk_elems=100)])
@@ -546,6 +547,12 @@ def test_bad_hyperparameters_are_refused_when_the_optimizer_is_made(bad):
     kw = dict(learning_rate=LR) | bad
     with pytest.raises(ValueError):
         inplace.adamw(**kw)
+
+
+def test_a_b_near_1_is_taken_while_float32_tells_it_from_1():
+    assert inplace.adamw(LR, b2=0.9999999).b2 == 0.9999999  # 1 - 1.2e-7 in float32
+    with pytest.raises(ValueError, match=r"b2=0.99999999 is 1 in float32"):
+        inplace.adamw(LR, b2=0.99999999)
 
 
 def test_lax_scan_over_updates_equals_the_updates_one_by_one(rng):

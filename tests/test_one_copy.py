@@ -176,32 +176,80 @@ def device_steps(tr):
     return np.unique(np.asarray(tr.state.opt.step_copies)).tolist()
 
 
-@pytest.mark.parametrize("eps", [0.0, 1e-8], ids=["eps-0", "control-eps-1e-8"])
-def test_an_update_that_keeps_elements_is_not_committed(shm_name, eps):
-    """eps 0 and a leaf whose gradient is always 0: its moments stay 0, so each of its new
-    values is 0 / 0 and the update keeps it, while it writes every other leaf -- the step is
-    applied in part. The host and the device agree that it did not commit: the Trainer takes
-    the host snapshot and replays, and after max_skips raises PersistentFault with the cause.
-    The control (eps 1e-8) commits every step, the device's count with the host's."""
+def dead_leaf_trainer(name, *, eps, devices=1, shard=1, **kw):
+    """A Trainer of mlp with a leaf whose gradient is always 0 (300 elements): with eps 0 its
+    moments stay 0, so each of its new values is 0 / 0 and the update keeps it, while it
+    writes every other leaf -- every step is applied in part."""
     params = {**mlp.init(0), "dead": jnp.zeros((300,), jnp.bfloat16)}
-    opt = inplace.adamw(3e-3, eps=eps, master_weights=True, chunk_elems=CHUNK, group=GROUP)
-    tr = Trainer(loss_with_a_dead_leaf, opt, params, mlp.batches(0), shm_name=shm_name,
-                 snapshot_every=5, max_skips=3, devices=jax.devices()[:1])
+    opt = inplace.adamw(3e-3, eps=eps, master_weights=True, chunk_elems=CHUNK, group=GROUP, **kw)
+    tr = Trainer(loss_with_a_dead_leaf, opt, params, mlp.batches(0), shm_name=name,
+                 snapshot_every=5, max_skips=3, devices=jax.devices()[:devices], shard=shard)
+    tr.prewarm()
+    return tr
+
+
+@pytest.mark.parametrize("devices,shard", [(1, 1), (4, 1), (4, 2)],
+                         ids=["1-device", "4-replicas", "fsdp-2x2"])
+def test_an_update_that_keeps_elements_is_not_committed(shm_name, devices, shard):
+    """The host and the device agree that a step applied in part did not commit: the Trainer
+    takes the host snapshot and replays, and after max_skips raises PersistentFault with the
+    cause (each kept element counted on every replica that holds it)."""
+    needs_devices(devices)
+    tr = dead_leaf_trainer(shm_name, eps=0.0, devices=devices, shard=shard)
     try:
-        tr.prewarm()
         start = tr.current_state()
-        if eps:
-            stats = tr.run(6)
-            assert stats.steps_committed == 6 and not stats.incidents and device_steps(tr) == [6]
-            return
         with pytest.raises(pimhbm.recovery.PersistentFault,
-                           match=r"step 1 was skipped 3 times.* 300 elements whose new values "
-                                 r"were not finite.*eps 0"):
+                           match=r"step 1 was skipped 3 times.* elements whose new values were "
+                                 r"not finite.*eps 0") as err:
             tr.run(6, campaign=NoEndlessReplay(1, 4))
+        # The dead leaf on every replica, and any other element whose gradient summed to 0
+        # exactly (bf16 sums over devices can).
+        kept = int(re.search(r"(\d+) elements whose", str(err.value)).group(1))
+        assert 300 * (devices // shard) <= kept < 310 * (devices // shard)
         assert tr.stats.host_restores == 3 and tr.next_step == 1 and device_steps(tr) == [0]
         assert same_state(tr.current_state(), start)  # the other leaves' writes taken back
         assert {(i.kind, i.action) for i in tr.stats.incidents} == {
             (IncidentKind.UPDATE, Action.RESTORED_FROM_SNAPSHOT)}
+    finally:
+        tr.close(unlink=True)
+
+
+def test_an_update_with_eps_above_0_commits_every_step(shm_name):
+    """The control of the test before: the same Trainer with eps 1e-8 commits every step, the
+    device's count with the host's."""
+    tr = dead_leaf_trainer(shm_name, eps=1e-8)
+    try:
+        stats = tr.run(6)
+        assert stats.steps_committed == 6 and not stats.incidents and device_steps(tr) == [6]
+    finally:
+        tr.close(unlink=True)
+
+
+def test_kept_elements_and_a_chunk_left_damaged_go_to_the_host_snapshot(shm_name):
+    """A step that kept elements and also left a damaged moment chunk: the chunk's redo could
+    not make it whole (the kept elements were never written), so the host snapshot takes both
+    back -- the damage recorded as restored, no redo."""
+    tr = dead_leaf_trainer(shm_name, eps=0.0)
+    try:
+        with pytest.raises(pimhbm.recovery.PersistentFault, match="elements whose new values"):
+            tr.run(6, campaign=Once(1, lambda t: flip(t, "w1", "nu", 2 * CHUNK + 9)))
+        found = {(i.step, i.kind, i.action) for i in tr.stats.incidents}
+        assert (1, IncidentKind.STATE, Action.RESTORED_FROM_SNAPSHOT) in found
+        assert not incidents(tr.stats, action=Action.REDONE_FROM_PARITY)
+    finally:
+        tr.close(unlink=True)
+
+
+def test_with_the_gradients_checked_in_the_update_kept_elements_name_both_causes(shm_name):
+    """There the update counts non-finite gradient values and its own non-finite values
+    alike: the error names both, and both hints."""
+    tr = dead_leaf_trainer(shm_name, eps=0.0,
+                           gradient_checks=inplace.GradientChecks.IN_UPDATE)
+    try:
+        with pytest.raises(pimhbm.recovery.PersistentFault,
+                           match=r"300 non-finite gradient values or new values.*loss "
+                                 r"diverged.*eps 0 where a moment is 0"):
+            tr.run(6, campaign=NoEndlessReplay(1, 4))
     finally:
         tr.close(unlink=True)
 
@@ -218,7 +266,7 @@ def test_a_learning_rate_that_is_not_finite_runs_nothing_and_says_so(shm_name):
         tr.prewarm()
         with pytest.raises(pimhbm.recovery.PersistentFault,
                            match=r"step 3 was skipped 3 times.*a learning rate or bias "
-                                 r"correction that is not finite.*schedule value"):
+                                 r"correction that could not make finite values.*schedule value"):
             tr.run(6, campaign=NoEndlessReplay(3, 4))
         assert tr.stats.steps_committed == 2 and device_steps(tr) == [2]
         assert tr.stats.host_restores == 0
@@ -228,14 +276,20 @@ def test_a_learning_rate_that_is_not_finite_runs_nothing_and_says_so(shm_name):
         tr.close(unlink=True)
 
 
-def test_an_update_that_keeps_elements_needs_a_host_snapshot():
+@pytest.mark.parametrize("snapshots", ["none", "snapshot-every-0"])
+def test_an_update_that_keeps_elements_needs_a_recent_host_snapshot(shm_name, snapshots):
     params = {**mlp.init(0), "dead": jnp.zeros((300,), jnp.bfloat16)}
     opt = inplace.adamw(3e-3, eps=0.0, chunk_elems=CHUNK, group=GROUP)
-    tr = Trainer(loss_with_a_dead_leaf, opt, params, mlp.batches(0), devices=jax.devices()[:1])
-    tr.prewarm()
-    with pytest.raises(RuntimeError, match="step 1's update kept 300 elements whose new values "
-                                           "were not finite.*pass shm_name="):
-        tr.run(3)
+    kw = dict(shm_name=shm_name, snapshot_every=0) if snapshots != "none" else {}
+    tr = Trainer(loss_with_a_dead_leaf, opt, params, mlp.batches(0), devices=jax.devices()[:1],
+                 **kw)
+    try:
+        tr.prewarm()
+        with pytest.raises(RuntimeError, match="step 1's update kept 300 elements whose new "
+                                               "values were not finite.*pass shm_name=.*eps 0"):
+            tr.run(3)
+    finally:
+        tr.close(unlink=bool(kw))
 
 
 class Once:

@@ -96,6 +96,19 @@ def test_decode_step_locates_every_listed_chunk_and_notices_overflow(rng):
     assert merged.chunks == tuple(sorted(set(want))) and merged.first_step == 7
 
 
+def test_decode_step_reads_the_steps_kept_count_and_its_scalars_verdict(rng):
+    """Both are the step's, the same on every device's row; zero rows read as none."""
+    layout = random_layout(rng)
+    kept = int(rng.integers(1, 10**6))
+    for row_kept, row_bad, want in (([kept] * 4, [0] * 4, (kept, False)),
+                                    ([0] * 4, [1] * 4, (0, True)),
+                                    ([0] * 4, [0] * 4, (0, False))):
+        rows = [{"committed": 0, "faults": [], "grads": [], "kept": k, "bad_scalars": b}
+                for k, b in zip(row_kept, row_bad)]
+        report = decode_step(3, summary_of(rows, 2), layout)
+        assert (report.kept, report.bad_scalars) == want and not report.committed
+
+
 def test_replica_pulls_come_from_a_healthy_replica(rng):
     for shard, replicas in itertools.product((1, 2, 3), (2, 3, 4)):
         layout = random_layout(rng, shard)

@@ -177,7 +177,7 @@ def test_a_shard_updated_with_its_chunk_base_is_the_wholes_shard(rng, kind):
     index, give exactly those rows of the whole update -- tensors, digest tables, parity rows --
     and without it, the shard's digests do not verify."""
     from pimhbm import inplace_calls
-    from pimhbm.update import _step_scalars
+    from pimhbm.step_scalars import step_scalars
 
     dtype = np.float32 if kind == "fp32" else ml_dtypes.bfloat16
     opt = inplace.adamw(1e-3, master_weights=kind != "fp32", chunk_elems=CHUNK, group=GROUP)
@@ -206,7 +206,7 @@ def test_a_shard_updated_with_its_chunk_base_is_the_wholes_shard(rng, kind):
                                       {k: r[groups] for k, r in state.parity["w"].items()}, g[rows],
                                       damaged)
     ops["chunk_base"] = base
-    scalars = _step_scalars(jnp.float32(1e-3), state.step + 1, opt.b1, opt.b2)
+    scalars = step_scalars(jnp.float32(1e-3), state.step + 1, opt.b1, opt.b2)
     results, _, totals = jax.jit(lambda s, o: inplace_calls.update_call(
         s, jnp.ones((1,), jnp.int32), [o], opt.attributes(), opt.stash_capacity))(scalars, ops)
     whole, report = jax.jit(opt.update)({"w": g}, state)

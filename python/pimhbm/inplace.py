@@ -38,13 +38,14 @@ import numpy as np
 from pimhbm import parity
 from pimhbm._ffi import ensure_registered
 from pimhbm.inplace_calls import (Prechecks, Stash, leaf_operands, prechecks, redo_call,
-                                  saturated, unusable_scalars, update_call)
+                                  saturated, update_call)
 from pimhbm.inplace_calls import layout as inplace_layout
 from pimhbm.repair import NOT_LISTED, REPAIRED
 from pimhbm.scan import scan
 from pimhbm.gradients import check_grads, check_transform, transform_grads
 from pimhbm.update import (FAULT_MASTER, FAULT_MU, FAULT_NU, FAULT_PARAM, _check_learning_rate,
-                           _step_scalars, join_master, step_copies_of, step_majority)
+                           join_master, step_copies_of, step_majority)
+from pimhbm.step_scalars import step_scalars, unusable
 
 # A warp holds a chunk in registers, 16 elements a lane: what is paid once a chunk (set-up,
 # digest finalisations, parity, reports) is shared by twice the elements of a chunk of 256 (86
@@ -247,7 +248,7 @@ class AdamW:
         if learning_rate is None:
             learning_rate = (self.learning_rate(count) if callable(self.learning_rate)
                              else self.learning_rate)
-        scalars = _step_scalars(learning_rate, count, self.b1, self.b2)
+        scalars = step_scalars(learning_rate, count, self.b1, self.b2)
         leaves = _tensors(state, treedef)
         tables = treedef.flatten_up_to(state.digests)
         flat_grads = treedef.flatten_up_to(grads)
@@ -261,7 +262,7 @@ class AdamW:
             # those it cannot alias through an in-place op (on the GPU, 4 of 8 MiB a step at the
             # 8B layers).
             local = before_writes(local)
-        hold = (local != 0).any() | unusable_scalars(scalars)
+        hold = (local != 0).any() | unusable(scalars)
         if gate is not None:
             hold |= ~jnp.asarray(gate, jnp.bool_)
         counts = jnp.concatenate([local, hold.astype(jnp.int32)[None]])
@@ -455,6 +456,10 @@ def _check_hyper(o: AdamW) -> None:
                              f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}, got {v!r}")
     real("b1", o.b1, 0.0, 1.0, hi_open=True)
     real("b2", o.b2, 0.0, 1.0, hi_open=True)
+    for name, b in (("b1", o.b1), ("b2", o.b2)):
+        if np.float32(b) == 1:  # 1 - b^t would be 0: every step would be held
+            raise ValueError(f"pimhbm.adamw: {name}={b!r} is 1 in float32, so its bias "
+                             f"correction 1 - {name}^t would be 0; take a value further from 1")
     real("eps", o.eps, 0.0)
     real("eps_root", o.eps_root, 0.0)
     real("weight_decay", o.weight_decay)

@@ -329,14 +329,6 @@ def saturated(words: jax.Array) -> jax.Array:
     return jnp.where((hi != 0) | (lo > _INT32_MAX), _INT32_MAX, lo.astype(jnp.int32))
 
 
-def unusable_scalars(scalars: jax.Array) -> jax.Array:
-    """bool: a step's (lr, 1 - b1^t, 1 - b2^t) cannot make finite values -- one is not finite,
-    or a bias correction is not positive -- so the update runs nothing. Three compares, no
-    reduction (the step's summary holds none)."""
-    lr, bc1, bc2 = scalars[0], scalars[1], scalars[2]
-    return ~(jnp.isfinite(lr) & jnp.isfinite(bc1) & jnp.isfinite(bc2)) | (bc1 <= 0) | (bc2 <= 0)
-
-
 class _StashMerge:
     """The stashes and totals of the per-shard calls as one call's: the rows of each call in
     order, each device's after those of the devices before it on the call's mesh axes, with

@@ -42,6 +42,7 @@ from pimhbm import _core
 from pimhbm._ffi import ensure_registered
 from pimhbm.gradients import check_grads, check_transform, transform_grads
 from pimhbm.scan import MAX_CHUNK_SIZE, scan, verify
+from pimhbm.step_scalars import step_scalars, unusable
 
 DEFAULT_CHUNK_ELEMS = 16384  # 64 KiB of every fp32 tensor, 32 KiB of every bf16 tensor
 DEVICE_COPY_CHUNK_ELEMS = 4096
@@ -227,14 +228,6 @@ def _leaf_digests(p, master, mu, nu, chunk_elems) -> dict[str, jax.Array]:
     return tables
 
 
-def _step_scalars(lr, count, b1, b2) -> jax.Array:
-    """lr, 1 - b1^t, 1 - b2^t in float32, computed exactly as optax computes them."""
-    bc1 = 1 - b1 ** count
-    bc2 = 1 - b2 ** count
-    return jnp.stack([jnp.asarray(lr, jnp.float32), bc1.astype(jnp.float32),
-                      bc2.astype(jnp.float32)])
-
-
 def slot_tensors(slot: Slot, treedef) -> list[dict[str, tuple[jax.Array, jax.Array]]]:
     """Per leaf, {name: (tensor, digest table)} for p, mu, nu (and master)."""
     flat = treedef.flatten_up_to
@@ -343,7 +336,7 @@ class AdamW:
         if learning_rate is None:
             learning_rate = (self.learning_rate(count) if callable(self.learning_rate)
                              else self.learning_rate)
-        scalars = _step_scalars(learning_rate, count, self.b1, self.b2)
+        scalars = step_scalars(learning_rate, count, self.b1, self.b2)
 
         reads = slot_tensors(read, treedef)
         writes = slot_tensors(write, treedef)
@@ -359,7 +352,7 @@ class AdamW:
         # (a sum of counts could wrap); the counts are summed for the report.
         # A closed gate on any device holds the step back on every device (the flag is summed
         # with the others), so that the replicas never part.
-        hold = (local != 0).any()
+        hold = (local != 0).any() | unusable(scalars)  # (a NaN learning rate, say)
         if gate is not None:
             hold |= ~jnp.asarray(gate, jnp.bool_)
         counts = jnp.concatenate([local, hold.astype(jnp.int32)[None]])

@@ -19,8 +19,9 @@ log = logging.getLogger("pimhbm.recovery")
 class IncidentKind(enum.StrEnum):
     STATE = "state"  # state chunks whose digest did not match
     GRADIENT = "gradient"  # NaN/Inf gradient values
-    # new values the update found non-finite and kept as they were (one copy: the step was
-    # applied in part) -- a NaN or infinite learning rate, eps 0 with zero moments, an overflow
+    # one copy: new values the update found non-finite and kept as they were (the step was
+    # applied in part: eps 0 with zero moments, an overflow), or a learning rate or bias
+    # correction that could not make finite values (the update ran nothing)
     UPDATE = "non-finite update"
     DISAGREEMENT = "replicas disagree"  # chunks that differ between replicas, digests and all
     COMPUTE = "compute"  # gradients computed again (sampled re-execution) came out different
@@ -183,8 +184,8 @@ def persistent_fault(step: int, skips: int, nonfinite: int, damaged: int,
     not make finite values came back on the last replay."""
     what = []
     if bad_scalars:
-        what.append("a learning rate or bias correction that is not finite (or a bias "
-                    "correction not above 0: the update ran nothing)")
+        what.append("a learning rate or bias correction that could not make finite values "
+                    "(the update ran nothing)")
     disagree = [loc for inc in incidents if inc.kind is IncidentKind.DISAGREEMENT
                 for loc in inc.locations]
     if disagree:
@@ -194,28 +195,43 @@ def persistent_fault(step: int, skips: int, nonfinite: int, damaged: int,
         grads = [loc for inc in incidents if inc.kind is IncidentKind.GRADIENT
                  for loc in inc.locations]
         where = ", ".join(f"{loc.leaf} chunk {loc.chunk}" for loc in grads[:3])
-        what.append(f"{nonfinite} non-finite gradient values" + (f" (in {where}, ...)" if where else ""))
-    if kept and not nonfinite:  # (where the update checks the gradients, they are the same)
-        what.append(f"{kept} elements whose new values were not finite (kept as they were)")
+        # An update that checks the gradients itself counts their values and its own alike.
+        values = "gradient values or new values" if kept else "gradient values"
+        what.append(f"{nonfinite} non-finite {values}" + (f" (in {where}, ...)" if where else ""))
+    elif kept:
+        what.append(f"{kept} elements whose new values were not finite (kept as they were; "
+                    "counted on every device that holds them)")
     if damaged:
         locs = [loc for inc in incidents if inc.kind is IncidentKind.STATE for loc in inc.locations]
         where = ", ".join(f"{loc.leaf}/{loc.tensor} chunk {loc.chunk} on device {loc.device}"
                           for loc in locs[:3])
         what.append(f"{damaged} state chunks whose digest did not match" +
                     (f" ({where}, ...)" if where else ""))
-    hint = ("A gradient that is non-finite on its own is no fault: the loss diverged or the "
-            "batch holds bad values (check the learning rate, the data and the loss)"
-            if nonfinite and not damaged and not disagree else
-            "New values that are not finite from finite gradients come from the optimizer's "
-            "settings: a NaN or infinite learning rate or schedule value, b1 or b2 outside "
-            "[0, 1), eps 0 where a moment is 0, or a learning rate that overflows a weight"
-            if (kept or bad_scalars) and not damaged and not disagree else
-            "Replicas that keep computing different states point at a device that computes "
-            "wrongly (see `pimhbm health`; the devices named are those of the chunks)"
-            if disagree and not damaged else
-            "State that fails its digest again after each repair points at a device that "
-            "computes or stores wrongly (see `pimhbm health`)")
+    hint = _hint(bool(nonfinite), bool(kept or bad_scalars), bool(damaged), bool(disagree))
     return PersistentFault(
         f"step {step} was skipped {skips} times in a row, every replay reporting "
         f"{' and '.join(what) or 'a fault'}. Faults are transient; this comes back on every "
         f"replay. {hint}.", step, skips, incidents)
+
+
+SETTINGS_HINT = ("New values that are not finite from finite gradients come from the "
+                 "optimizer's settings: a NaN or infinite learning rate or schedule value, eps 0 "
+                 "where a moment is 0, or a learning rate that overflows a weight")
+
+
+def _hint(nonfinite: bool, settings: bool, damaged: bool, disagree: bool) -> str:
+    """Where to look, for what came back on every replay (state before values: damage makes
+    values non-finite too)."""
+    if damaged:
+        return ("State that fails its digest again after each repair points at a device that "
+                "computes or stores wrongly (see `pimhbm health`)")
+    if disagree:
+        return ("Replicas that keep computing different states point at a device that computes "
+                "wrongly (see `pimhbm health`; the devices named are those of the chunks)")
+    gradient = ("A gradient that is non-finite on its own is no fault: the loss diverged or the "
+                "batch holds bad values (check the learning rate, the data and the loss)")
+    if nonfinite and settings:
+        return f"{gradient}. {SETTINGS_HINT}"
+    return gradient if nonfinite else SETTINGS_HINT if settings else (
+        "A step that is held without a reason it names points at a device that computes "
+        "wrongly (see `pimhbm health`)")

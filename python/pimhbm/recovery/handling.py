@@ -12,7 +12,7 @@ import jax
 import numpy as np
 
 from pimhbm import ipc
-from pimhbm.recovery.events import Action, Incident, IncidentKind, record
+from pimhbm.recovery.events import SETTINGS_HINT, Action, Incident, IncidentKind, record
 from pimhbm.recovery.repairs import Recovery
 from pimhbm.recovery.summary import (FaultReport, StepReport, decode_scrub, decode_step, merge,
                                      whole_chunks)
@@ -128,12 +128,13 @@ class FaultHandling:
         rest, so the state is neither the step's nor the one before it. The host snapshot, then
         a replay from it, which executes the step again; what it and the steps halted behind it
         found is recorded as restored. Returns the step to replay from."""
-        if self.backup is None:
+        if self.backup is None or not self.snapshots.every:
             torn = faults.steps[0]
             raise RuntimeError(
                 f"step {torn.step}'s update kept {torn.kept} elements whose new values were not "
-                "finite and wrote the others: only a host snapshot can take the state back to a "
-                "step's (pass shm_name= to keep one)")
+                "finite and wrote the others, so the state on the devices is neither that "
+                "step's nor the one before (do not save it). Only a recent host snapshot takes "
+                "it back: pass shm_name= and snapshot_every > 0. " + SETTINGS_HINT + ".")
         self.state, snap = self._restore_from_host()
         found = []
         for r in faults.steps:

@@ -21,7 +21,8 @@ import numpy as np
 
 from pimhbm import _core
 from pimhbm._ffi import ensure_registered, unbatched_call
-from pimhbm.inplace_calls import saturated, unusable_scalars
+from pimhbm.inplace_calls import saturated
+from pimhbm.step_scalars import unusable
 from pimhbm.recovery.layout import ChunkDamage, ChunkRef, Damage, StateLayout
 
 
@@ -43,8 +44,8 @@ class StepSummary(NamedTuple):
     grad_faults: FaultList  # value: NaN/Inf gradient values in the chunk
     disagree: FaultList  # value: the Damage bits of tensors whose replicas' digests differ
     # int32: elements whose new values the update found non-finite and kept as they were (one
-    # copy; the step's count, every device's the same; 0 for two slots, which count them with
-    # the gradients')
+    # copy; the step's count, the same on every device, each element counted on every device
+    # that holds it; 0 for two slots, whose update does not count them)
     kept: jax.Array
     # int32: 1 where the step's learning rate or bias corrections could not make finite values
     # (in place: the update ran nothing; the step's count, every device's the same)
@@ -120,7 +121,7 @@ def inplace_summary(report: Any, treedef: Any, capacity: int,
         whole.astype(jnp.int32),
         report.applied.astype(jnp.int32), grads.total, faults.nonzero, faults.faults,
         grads.faults, fault_list(disagree, capacity), report.kept,
-        unusable_scalars(report.scalars).astype(jnp.int32))
+        unusable(report.scalars).astype(jnp.int32))
 
 
 # -- on the host ---------------------------------------------------------------------------------

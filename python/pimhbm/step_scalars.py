@@ -1,0 +1,23 @@
+"""A step's scalars: the learning rate and the two bias corrections, in float32 as optax makes
+them, and whether they can make finite values at all (both updates hold a step whose scalars
+cannot: it would write NaN or infinite values everywhere)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def step_scalars(lr, count, b1, b2) -> jax.Array:
+    """float32 (3,): lr, 1 - b1^t, 1 - b2^t, computed exactly as optax computes them."""
+    bc1 = 1 - b1 ** count
+    bc2 = 1 - b2 ** count
+    return jnp.stack([jnp.asarray(lr, jnp.float32), bc1.astype(jnp.float32),
+                      bc2.astype(jnp.float32)])
+
+
+def unusable(scalars: jax.Array) -> jax.Array:
+    """bool: one of a step's ``scalars`` is not finite, or a bias correction is not above 0.
+    Three compares and no reduction (the step's summary holds none)."""
+    lr, bc1, bc2 = scalars[0], scalars[1], scalars[2]
+    return ~(jnp.isfinite(lr) & jnp.isfinite(bc1) & jnp.isfinite(bc2)) | (bc1 <= 0) | (bc2 <= 0)
