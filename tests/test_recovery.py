@@ -785,6 +785,22 @@ def test_a_step_that_fails_on_every_replay_stops_the_run_with_a_clear_error(shm_
         Trainer(mlp.loss, opt, mlp.init(0), batch_fn, max_skips=1)
 
 
+def test_two_slots_hold_a_step_whose_learning_rate_is_not_finite_and_say_so(shm_name):
+    """A schedule that is NaN from step 4: the two-slot update commits nothing (before, it wrote
+    NaN parameters), and after max_skips the error names the learning rate, not a device."""
+    opt = pimhbm.update.adamw(lambda count: jnp.where(count >= 4, jnp.nan, 3e-3),
+                              master_weights=True, device_copy=True, chunk_elems=256)
+    tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=shm_name, max_skips=3)
+    tr.prewarm()
+    with pytest.raises(pimhbm.recovery.PersistentFault,
+                       match=r"step 4 was skipped 3 times.*a learning rate or bias correction "
+                             r"that could not make finite values.*schedule value"):
+        tr.run(8)
+    assert tr.stats.steps_committed == 3 and tr.stats.host_restores == 0
+    assert all(np.isfinite(v.astype(np.float32)).all() for v in tr.current_state().values())
+    assert {(i.step, i.kind) for i in tr.stats.incidents} == {(4, IncidentKind.UPDATE)}
+
+
 def test_the_gradient_fault_hook_leaves_every_gradient_alone_when_told_to():
     """The step's in-graph hook (kind 0: no fault) must pass every gradient through bit for
     bit. Its op updates in place through XLA's aliasing, which XLA does not always grant: on

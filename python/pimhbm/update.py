@@ -194,6 +194,7 @@ class UpdateReport(NamedTuple):
     fault_maps: Any  # per leaf: int32 (nchunks,) bitmask of FAULT_* per chunk
     grad_nonfinite_maps: Any  # per leaf: int32 (nchunks,) NaN/Inf gradients per chunk
     local_counts: jax.Array  # int32 (2,): this device's faulty chunks, NaN/Inf gradient values
+    scalars: jax.Array  # float32 (3,): lr, 1 - b1^t, 1 - b2^t of this step
 
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -383,7 +384,7 @@ class AdamW:
         new_state = AdamWState(slots, nxt, step_copies_of(done), new_copy)
         unflat = lambda xs: jax.tree.unflatten(treedef, xs)
         report = UpdateReport(commit.astype(bool), n_bad, n_faults, unflat(faults), unflat(bad),
-                              local)
+                              local, scalars)
         return new_state, report
 
     def _update_call(self, reads, grads, writes, copies, scalars):

@@ -48,7 +48,7 @@ class StepSummary(NamedTuple):
     # that holds it; 0 for two slots, whose update does not count them)
     kept: jax.Array
     # int32: 1 where the step's learning rate or bias corrections could not make finite values
-    # (in place: the update ran nothing; the step's count, every device's the same)
+    # (the update ran nothing; the step's verdict, every device's the same)
     bad_scalars: jax.Array
 
 
@@ -105,7 +105,8 @@ def step_summary(report: Any, treedef: Any, capacity: int,
         committed, committed, report.local_counts[1], report.local_counts[0],
         fault_list(treedef.flatten_up_to(report.fault_maps), capacity),
         fault_list(treedef.flatten_up_to(report.grad_nonfinite_maps), capacity),
-        fault_list(disagree, capacity), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+        fault_list(disagree, capacity), jnp.zeros((), jnp.int32),
+        unusable(report.scalars).astype(jnp.int32))
 
 
 def inplace_summary(report: Any, treedef: Any, capacity: int,
