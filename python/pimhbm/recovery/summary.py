@@ -117,7 +117,9 @@ def inplace_summary(report: Any, treedef: Any, capacity: int,
     the step in part); this device's counts from its own maps, by the lists' calls."""
     faults = listed(treedef.flatten_up_to(report.fault_maps), capacity)
     grads = listed(treedef.flatten_up_to(report.grad_nonfinite_maps), capacity)
-    whole = report.committed & (report.digest_faults == 0) & (report.grad_nonfinite == 0)
+    # (committed already holds no non-finite gradient value: the checks' count holds the
+    # update back; where the update checks them itself, they are its kept elements)
+    whole = report.committed & (report.digest_faults == 0)
     return StepSummary(
         whole.astype(jnp.int32),
         report.applied.astype(jnp.int32), grads.total, faults.nonzero, faults.faults,
