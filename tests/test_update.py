@@ -212,6 +212,33 @@ def test_a_learning_rate_that_is_not_finite_commits_nothing(rng, lr):
     assert bool(report.committed) and int(state.step) == 2
 
 
+@pytest.mark.parametrize("case", ["eps_0_zero_gradients", "huge_gradient"])
+def test_new_values_that_are_not_finite_commit_nothing(rng, case):
+    """eps 0 where a moment is 0 (every new value 0 / 0), or a finite gradient whose square
+    overflows the second moment: the update counts those elements with the non-finite
+    gradient values, and the step commits nothing. Control: eps 1e-8, a gradient of 1."""
+    params = random_params(rng, ml_dtypes.bfloat16)
+    zero = case == "eps_0_zero_gradients"
+    g = jax.tree.map(jnp.zeros_like, params) if zero else random_grads(rng, params)
+
+    def run(eps, value):
+        opt = pimhbm.update.adamw(LR, eps=eps, master_weights=True, chunk_elems=256)
+        state = opt.init(params)
+        before = bits(current_view(state))
+        grads = g if zero else {**g, "t3": g["t3"].at[4097].set(value)}
+        state, report = make_step(opt)(grads, state, jnp.float32(LR))
+        return state, report, before
+
+    state, report, before = run(0.0 if zero else 1e-8, 1e30)
+    assert not bool(report.committed) and int(state.step) == 0
+    assert bits(current_view(state)) == before
+    assert int(report.grad_nonfinite) == (sum(p.size for p in params.values()) if zero else 1)
+    assert np.flatnonzero(np.asarray(report.grad_nonfinite_maps["t3"])).tolist() == (
+        list(range(64)) if zero else [16])
+    state, report, _ = run(1e-8, 1.0)
+    assert bool(report.committed) and int(report.grad_nonfinite) == 0 and int(state.step) == 1
+
+
 @pytest.mark.parametrize("target,bit", [("params", pimhbm.update.FAULT_PARAM),
                                         ("master", pimhbm.update.FAULT_MASTER),
                                         ("mu", pimhbm.update.FAULT_MU),

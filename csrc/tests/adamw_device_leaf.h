@@ -213,14 +213,16 @@ inline void expect_same_copy(const HostCopy& gpu, const HostCopy& cpu, const std
   EXPECT_EQ(tables(gpu), tables(cpu)) << what;
 }
 
-// One flipped bit in p, mu and (with master weights) the master of random elements, and three
-// NaN gradients.
+// One flipped bit in p, mu and (with master weights) the master of random elements, three
+// NaN gradients, and a finite gradient whose square overflows the second moment (its new
+// values are not all finite: counted with the NaN ones).
 inline void damage(std::mt19937_64& rng, HostLeaf& h) {
   if (h.n == 0) return;
   h.p[(rng() % h.n) * h.psize()] ^= 0x04;
   reinterpret_cast<uint8_t*>(h.mu.data())[(rng() % h.n) * 4 + 3] ^= 0x80;
   if (h.master) h.w[rng() % h.n] ^= 0x0100;
   for (int k = 0; k < 3; ++k) h.set(h.g, rng() % h.n, NAN);
+  h.set(h.g, rng() % h.n, 1e30f);
 }
 
 // A GPU update of `gpu` against the CPU reference's of the same input, `cpu`: the reports

@@ -86,7 +86,9 @@ struct AdamWLeaf {
 
   // per-chunk reports
   int32_t* faults = nullptr;          // FaultBits
-  int32_t* grad_nonfinite = nullptr;  // NaN/Inf gradient values
+  // elements whose new values are not all finite: a NaN/Inf gradient value, or eps 0 where a
+  // moment is 0, or an overflow (the step then commits nothing)
+  int32_t* grad_nonfinite = nullptr;
 
   // Totals over every leaf of a call (all leaves point to the same two counters, or null):
   // [0] chunks with a fault, [1] NaN/Inf gradient values. 64 bits, so that no count of a real

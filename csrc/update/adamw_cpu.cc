@@ -5,6 +5,7 @@
 
 #include "scan/scan.h"
 #include "update/adamw.h"
+#include "update/inplace_math.h"
 
 namespace pimhbm::update {
 
@@ -20,6 +21,13 @@ bool matches(const void* base, int64_t first, int64_t count, int size, int64_t c
   const auto* bytes = static_cast<const uint8_t*>(base) + first * size;
   const uint64_t d = scan::chunk_digest(bytes, count * size, c);
   return d == digest_join(table[2 * c], table[2 * c + 1]);
+}
+
+// The element's new parameter (as stored: bf16 rounds up to infinity from 0x7F7F8000 on),
+// master weight and moments are finite. A non-finite gradient value fails it through its
+// moments; so do eps 0 where a moment is 0, and an overflow -- one count for all of them.
+bool new_values_finite(float w, float m, float v, bool bf16) {
+  return (bf16 ? split_finite(w) : finite_f32(w)) && finite_f32(m) && finite_f32(v);
 }
 
 void write_digest(const void* base, int64_t first, int64_t count, int size, int64_t c,
@@ -67,24 +75,24 @@ void adamw_cpu(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step
     faults |= matches(leaf.mu, first, count, 4, c, leaf.d_mu) ? 0 : kFaultMu;
     faults |= matches(leaf.nu, first, count, 4, c, leaf.d_nu) ? 0 : kFaultNu;
 
-    int32_t bad_grads = 0;
+    int32_t bad = 0;  // elements whose new values are not all finite (see new_values_finite)
     for (int64_t i = first; i < first + count; ++i) {
       const float g = load_param(leaf, leaf.g, i);
-      bad_grads += std::isfinite(g) ? 0 : 1;
-      float m = leaf.mu[i], v = leaf.nu[i];
+      float m = leaf.mu[i], v = leaf.nu[i], w;
       if (leaf.has_master) {  // the master is stored as p and a remainder
         uint16_t p;
         std::memcpy(&p, static_cast<const uint8_t*>(leaf.p) + 2 * i, 2);
-        float w = join_master(p, leaf.master[i]);
+        w = join_master(p, leaf.master[i]);
         adamw_element(g, w, m, v, hyper, s);
         const SplitMaster out = split_master(w);
         std::memcpy(static_cast<uint8_t*>(leaf.p_out) + 2 * i, &out.p, 2);
         leaf.master_out[i] = out.r;
       } else {
-        float w = load_param(leaf, leaf.p, i);
+        w = load_param(leaf, leaf.p, i);
         adamw_element(g, w, m, v, hyper, s);
         store_param(leaf, leaf.p_out, i, w);
       }
+      bad += new_values_finite(w, m, v, leaf.param_bf16) ? 0 : 1;
       leaf.mu_out[i] = m;
       leaf.nu_out[i] = v;
     }
@@ -107,10 +115,10 @@ void adamw_cpu(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step
       copy(leaf.nu_out, leaf.nu_copy, 4, leaf.dn_nu, leaf.dc_nu);
     }
     leaf.faults[c] = faults;
-    leaf.grad_nonfinite[c] = bad_grads;
+    leaf.grad_nonfinite[c] = bad;
     if (leaf.totals != nullptr) {
       leaf.totals[0] += faults != 0 ? 1 : 0;
-      leaf.totals[1] += static_cast<uint64_t>(bad_grads);
+      leaf.totals[1] += static_cast<uint64_t>(bad);
     }
   }
 }

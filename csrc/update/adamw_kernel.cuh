@@ -21,6 +21,7 @@
 #include "pimhbm/digest.h"
 #include "pimhbm/word_muls.cuh"
 #include "update/adamw.h"
+#include "update/inplace_math.h"
 
 namespace pimhbm::update::kernel {
 
@@ -35,10 +36,6 @@ struct Group {    // four elements of every tensor, as raw words
 
 __device__ __forceinline__ float param_value(uint32_t bits, bool bf16) {
   return bf16 ? bf16_to_float(static_cast<uint16_t>(bits)) : __uint_as_float(bits);
-}
-
-__device__ __forceinline__ bool finite_param(uint32_t bits, bool bf16) {
-  return bf16 ? (bits & 0x7FFFu) < 0x7F80u : (bits & 0x7FFFFFFFu) < 0x7F800000u;
 }
 
 // The digest's multipliers of group gi's words (digest.h): four fp32 words are the chunk's
@@ -197,11 +194,15 @@ __device__ __forceinline__ void process_group(const AdamWLeaf& L, const AdamWHyp
   for (int k = 0; k < 4; ++k) {
     const bool on = kFull || k < live;
     const float g = param_value(x.g[k], kBF16);
-    sum.bad += (on && !finite_param(x.g[k], kBF16)) ? 1u : 0u;
     float wt = kMaster
                    ? join_master(static_cast<uint16_t>(x.p[k]), static_cast<uint16_t>(x.master[k]))
                    : param_value(x.p[k], kBF16);
     adamw_element(g, wt, x.mu[k], x.nu[k], h, s);
+    // A non-finite gradient value makes its moments non-finite; so do eps 0 where a moment is
+    // 0, and an overflow: one count of the elements whose new values are not all finite.
+    const bool ok = (kBF16 ? split_finite(wt) : finite_f32(wt)) && finite_f32(x.mu[k]) &&
+                    finite_f32(x.nu[k]);
+    sum.bad += (on && !ok) ? 1u : 0u;
     x.mu[k] = on ? x.mu[k] : 0.0f;
     x.nu[k] = on ? x.nu[k] : 0.0f;
     if constexpr (kMaster) {

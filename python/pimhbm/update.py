@@ -189,7 +189,7 @@ class UpdateReport(NamedTuple):
     committed: jax.Array  # bool: the step was applied
     # Summed over devices (each device's count saturates at INT32_MAX; their sum could wrap --
     # the commit decision never reads it: it sums a flag per device).
-    grad_nonfinite: jax.Array  # int32: NaN/Inf gradient values (all leaves, all devices)
+    grad_nonfinite: jax.Array  # int32: elements with a NaN/Inf gradient or new value (all devices)
     digest_faults: jax.Array  # int32: state chunks whose digest mismatched
     fault_maps: Any  # per leaf: int32 (nchunks,) bitmask of FAULT_* per chunk
     grad_nonfinite_maps: Any  # per leaf: int32 (nchunks,) NaN/Inf gradients per chunk

@@ -45,7 +45,7 @@ class StepSummary(NamedTuple):
     disagree: FaultList  # value: the Damage bits of tensors whose replicas' digests differ
     # int32: elements whose new values the update found non-finite and kept as they were (one
     # copy; the step's count, the same on every device, each element counted on every device
-    # that holds it; 0 for two slots, whose update does not count them)
+    # that holds it; two slots: the gradients' count, which holds them too)
     kept: jax.Array
     # int32: 1 where the step's learning rate or bias corrections could not make finite values
     # (the update ran nothing; the step's verdict, every device's the same)
@@ -105,7 +105,7 @@ def step_summary(report: Any, treedef: Any, capacity: int,
         committed, committed, report.local_counts[1], report.local_counts[0],
         fault_list(treedef.flatten_up_to(report.fault_maps), capacity),
         fault_list(treedef.flatten_up_to(report.grad_nonfinite_maps), capacity),
-        fault_list(disagree, capacity), jnp.zeros((), jnp.int32),
+        fault_list(disagree, capacity), report.grad_nonfinite,
         unusable(report.scalars).astype(jnp.int32))
 
 
