@@ -323,8 +323,9 @@ def test_sigkill_mid_run_resumes_from_shared_memory(shm_name, tmp_path):
     # reference run compiled.
     env = cached_env(dict(os.environ, PYTHONUNBUFFERED="1"))
     ref = tmp_path / "ref.npz"
-    subprocess.run([sys.executable, worker, shm_name + "_ref", "60", str(ref)], check=True,
-                   env=env, capture_output=True, timeout=600)
+    done = subprocess.run([sys.executable, worker, shm_name + "_ref", "60", str(ref)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
     HostBackup.unlink(shm_name + "_ref")
     proc = subprocess.Popen([sys.executable, worker, shm_name, "60", str(tmp_path / "x.npz"),
                              "--pace", "0.02"], stdout=subprocess.PIPE, text=True, env=env)
@@ -339,7 +340,8 @@ def test_sigkill_mid_run_resumes_from_shared_memory(shm_name, tmp_path):
     assert proc.returncode == -signal.SIGKILL and last < 60
     out = tmp_path / "resumed.npz"
     done = subprocess.run([sys.executable, worker, shm_name, "60", str(out), "--resume"],
-                          check=True, env=env, capture_output=True, text=True, timeout=600)
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
     resumed_from = int(re.search(r"resumed from step (\d+)", done.stdout).group(1))
     assert 20 <= resumed_from <= last
     a, b = np.load(ref), np.load(out)
