@@ -13,6 +13,11 @@ if "xla_gpu_deterministic_ops" not in _flags:
     _flags += " --xla_gpu_deterministic_ops=true"
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=4").strip()
 
+# Several processes of the suite share one GPU (a test's child processes, pytest-xdist's
+# workers): each takes the memory it needs, not JAX's default of 75 % of the card, which left a
+# child started after the parent's tests unable to open cuBLAS ("BlasLt is unavailable").
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 # One persistent compilation cache for the session and its workers (pytest-xdist; they inherit
 # the environment): the many Trainers of the suite compile the same programs, and each takes them
 # from the cache after the first. JAX reports a load from the cache as a compilation, so "0

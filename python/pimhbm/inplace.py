@@ -244,7 +244,10 @@ class AdamW:
         treedef = jax.tree.structure(state.params)
         check_grads(grads, state.params)
         grads = transform_grads(self.gradient_transform, grads, state.params)
-        count = state.step + 1
+        # Every use of the count reads the copies' majority through the barrier: a fusion that
+        # read the copies themselves (the scalars' verdict, say) would keep the new copies from
+        # taking the donated buffer's place (XLA's GPU compile then copies them).
+        count = jax.lax.optimization_barrier(state.step) + 1
         if learning_rate is None:
             learning_rate = (self.learning_rate(count) if callable(self.learning_rate)
                              else self.learning_rate)
@@ -280,9 +283,7 @@ class AdamW:
             committed = go & (kept == 0)
         else:
             committed = committed_here
-        # The count leaves the copies' majority first (the barrier): written from a fusion that
-        # read them, the new copies could not take the donated buffer's place.
-        done = jax.lax.optimization_barrier(count - 1) + committed.astype(jnp.int32)
+        done = count - 1 + committed.astype(jnp.int32)
         new_state = self._state_from(outs, treedef, state.master is not None, state.parity is not None,
                                      step_copies_of(done))
         unflat = lambda xs: jax.tree.unflatten(treedef, xs)

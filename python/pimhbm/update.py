@@ -333,7 +333,10 @@ class AdamW:
         grads = transform_grads(self.gradient_transform, grads, read.params)
         treedef = jax.tree.structure(read.params)
 
-        count = state.step + 1
+        # Every use of the count reads the copies' majority through the barrier: a fusion that
+        # read the copies themselves (the scalars' verdict, say) would keep the new copies from
+        # taking the donated buffer's place (XLA's GPU compile then copies them).
+        count = jax.lax.optimization_barrier(state.step) + 1
         if learning_rate is None:
             learning_rate = (self.learning_rate(count) if callable(self.learning_rate)
                              else self.learning_rate)
@@ -378,9 +381,7 @@ class AdamW:
             new_copy = slot_from_tensors([{k: next(cleaned) for k in names} for _ in outs],
                                            treedef)
         slots = (read, new_slot) if cur == 0 else (new_slot, read)
-        # The count leaves the copies' majority first (the barrier): written from a fusion that
-        # read them, the new copies could not take the donated buffer's place.
-        done = jax.lax.optimization_barrier(count - 1) + commit
+        done = count - 1 + commit
         new_state = AdamWState(slots, nxt, step_copies_of(done), new_copy)
         unflat = lambda xs: jax.tree.unflatten(treedef, xs)
         report = UpdateReport(commit.astype(bool), n_bad, n_faults, unflat(faults), unflat(bad),
