@@ -91,9 +91,9 @@ struct AdamWLeaf {
   int32_t* grad_nonfinite = nullptr;
 
   // Totals over every leaf of a call (all leaves point to the same two counters, or null):
-  // [0] chunks with a fault, [1] NaN/Inf gradient values. 64 bits, so that no count of a real
-  // model wraps (a count wrapped to 0 would let a faulty step commit). The caller zeroes them
-  // first. They spare the caller a reduction over every report map: only chunks with
+  // [0] chunks with a fault, [1] the elements grad_nonfinite counts. 64 bits, so that no count of
+  // a real model wraps (a count wrapped to 0 would let a faulty step commit). The caller zeroes
+  // them first. They spare the caller a reduction over every report map: only chunks with
   // something to report add to them, so the common step adds nothing.
   uint64_t* totals = nullptr;
 };

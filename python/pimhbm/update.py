@@ -9,7 +9,7 @@ they cost 2 bytes a parameter beside it, not 4, and the parameters' check is par
 update reads the current slot and the gradients in one pass over memory and, in that same pass,
 
 * checks every chunk of the current slot against the digests written by the previous update,
-* counts NaN/Inf gradient values,
+* counts the elements whose gradient or new values are not finite,
 * writes the updated state and its new digests into the other slot.
 
 Whether the step commits is decided on the device once every tensor is done (and, with
@@ -189,11 +189,12 @@ class UpdateReport(NamedTuple):
     committed: jax.Array  # bool: the step was applied
     # Summed over devices (each device's count saturates at INT32_MAX; their sum could wrap --
     # the commit decision never reads it: it sums a flag per device).
-    grad_nonfinite: jax.Array  # int32: elements with a NaN/Inf gradient or new value (all devices)
+    # int32: elements with a NaN/Inf gradient or new value (all leaves, all devices)
+    grad_nonfinite: jax.Array
     digest_faults: jax.Array  # int32: state chunks whose digest mismatched
     fault_maps: Any  # per leaf: int32 (nchunks,) bitmask of FAULT_* per chunk
-    grad_nonfinite_maps: Any  # per leaf: int32 (nchunks,) NaN/Inf gradients per chunk
-    local_counts: jax.Array  # int32 (2,): this device's faulty chunks, NaN/Inf gradient values
+    grad_nonfinite_maps: Any  # per leaf: int32 (nchunks,) those elements, per chunk
+    local_counts: jax.Array  # int32 (2,): this device's faulty chunks, those elements
     scalars: jax.Array  # float32 (3,): lr, 1 - b1^t, 1 - b2^t of this step
 
 
@@ -351,7 +352,7 @@ class AdamW:
 
         faults = [o["faults"] for o in outs]
         bad = [o["grad_nonfinite"] for o in outs]
-        # The kernels counted this device's faulty chunks and NaN/Inf gradients as they went
+        # The kernels counted this device's faulty chunks and non-finite elements as they went
         # (no reduction over the maps here). Across devices, the verdict sums a flag per device
         # (a sum of counts could wrap); the counts are summed for the report.
         # A closed gate on any device holds the step back on every device (the flag is summed
@@ -393,7 +394,7 @@ class AdamW:
         them), laid out by the handler's own description of a leaf (adamw_layout). reads/writes/
         copies: per leaf {name: (tensor, table)} (device copy None: absent). Returns, per leaf,
         {"write": {...}, "faults", "grad_nonfinite"[, "device_copy": {...}]}, and the call's
-        totals: faulty chunks and NaN/Inf gradient values as uint32 (2, 2), each a 64-bit
+        totals: faulty chunks and non-finite elements as uint32 (2, 2), each a 64-bit
         count's low and high words."""
         layout = adamw_layout()
         operands = sorted((b for b in layout["leaf"] if b["operand"] is not None),
