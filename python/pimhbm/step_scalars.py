@@ -21,3 +21,10 @@ def unusable(scalars: jax.Array) -> jax.Array:
     Three compares and no reduction (the step's summary holds none)."""
     lr, bc1, bc2 = scalars[0], scalars[1], scalars[2]
     return ~(jnp.isfinite(lr) & jnp.isfinite(bc1) & jnp.isfinite(bc2)) | (bc1 <= 0) | (bc2 <= 0)
+
+
+def for_the_kernel(scalars: jax.Array) -> jax.Array:
+    """The scalars an update that runs whatever the verdict (two slots) is given: where they are
+    unusable, lr 0 and bias corrections 1, so that its count of non-finite new values is the
+    gradients' and the settings' own, not every element (the step is held on ``unusable``)."""
+    return jnp.where(unusable(scalars), jnp.array([0.0, 1.0, 1.0], jnp.float32), scalars)

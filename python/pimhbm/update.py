@@ -13,8 +13,8 @@ update reads the current slot and the gradients in one pass over memory and, in 
 * writes the updated state and its new digests into the other slot.
 
 Whether the step commits is decided on the device once every tensor is done (and, with
-``axis_name``, across devices): it commits only if every gradient is finite and no digest
-mismatched. If it does not, a predicated copy puts the current slot back into the other slot,
+``axis_name``, across devices): it commits only if every new value is finite (so every gradient
+is), no digest mismatched and the step's scalars are usable. If it does not, a predicated copy puts the current slot back into the other slot,
 so the state continues bit-identical to its previous value. Either way the other slot becomes
 the current one: no ``lax.cond``, no host transfer, and the same two compiled programs every
 step (one for each slot parity).
@@ -42,7 +42,7 @@ from pimhbm import _core
 from pimhbm._ffi import ensure_registered
 from pimhbm.gradients import check_grads, check_transform, transform_grads
 from pimhbm.scan import MAX_CHUNK_SIZE, scan, verify
-from pimhbm.step_scalars import step_scalars, unusable
+from pimhbm.step_scalars import for_the_kernel, step_scalars, unusable
 
 DEFAULT_CHUNK_ELEMS = 16384  # 64 KiB of every fp32 tensor, 32 KiB of every bf16 tensor
 DEVICE_COPY_CHUNK_ELEMS = 4096
@@ -347,7 +347,7 @@ class AdamW:
         writes = slot_tensors(write, treedef)
         copies = slot_tensors(state.device_copy, treedef) if state.device_copy is not None else [None] * len(reads)
         outs, totals = self._update_call(reads, treedef.flatten_up_to(grads), writes, copies,
-                                         scalars)
+                                         for_the_kernel(scalars))
         local = _counts_of(totals)
 
         faults = [o["faults"] for o in outs]

@@ -18,10 +18,12 @@ log = logging.getLogger("pimhbm.recovery")
 
 class IncidentKind(enum.StrEnum):
     STATE = "state"  # state chunks whose digest did not match
-    GRADIENT = "gradient"  # NaN/Inf gradient values
+    # NaN/Inf gradient values (two slots: elements whose gradient or new values are not finite,
+    # which its update counts as one -- eps 0 with zero moments, an overflow, too)
+    GRADIENT = "gradient"
     # one copy: new values the update found non-finite and kept as they were (the step was
     # applied in part: eps 0 with zero moments, an overflow), or a learning rate or bias
-    # correction that could not make finite values (the update ran nothing)
+    # correction that could not make finite values (the update applied nothing)
     UPDATE = "non-finite update"
     DISAGREEMENT = "replicas disagree"  # chunks that differ between replicas, digests and all
     COMPUTE = "compute"  # gradients computed again (sampled re-execution) came out different
@@ -185,7 +187,7 @@ def persistent_fault(step: int, skips: int, nonfinite: int, damaged: int,
     what = []
     if bad_scalars:
         what.append("a learning rate or bias correction that could not make finite values "
-                    "(the update ran nothing)")
+                    "(the update applied nothing)")
     disagree = [loc for inc in incidents if inc.kind is IncidentKind.DISAGREEMENT
                 for loc in inc.locations]
     if disagree:

@@ -38,17 +38,19 @@ class StepSummary(NamedTuple):
 
     committed: jax.Array  # int32: the step was applied whole (the verdict is global)
     applied: jax.Array  # int32: the update ran (one copy: it may have left damaged chunks)
-    grad_nonfinite: jax.Array  # int32: this device's NaN/Inf gradient values
+    # int32: this device's NaN/Inf gradient values (two slots: elements whose gradient or new
+    # values are not finite, one count)
+    grad_nonfinite: jax.Array
     faulty_chunks: jax.Array  # int32: this device's chunks whose digest did not match
     faults: FaultList  # value: the chunk's Damage bits
-    grad_faults: FaultList  # value: NaN/Inf gradient values in the chunk
+    grad_faults: FaultList  # value: NaN/Inf gradient values in the chunk (two slots: as above)
     disagree: FaultList  # value: the Damage bits of tensors whose replicas' digests differ
     # int32: elements whose new values the update found non-finite and kept as they were (one
     # copy; the step's count, the same on every device, each element counted on every device
     # that holds it; two slots: the gradients' count, which holds them too)
     kept: jax.Array
     # int32: 1 where the step's learning rate or bias corrections could not make finite values
-    # (the update ran nothing; the step's verdict, every device's the same)
+    # (the update applied nothing; the step's verdict, every device's the same)
     bad_scalars: jax.Array
 
 
@@ -143,9 +145,9 @@ class StepReport(NamedTuple):
     damaged: tuple[ChunkDamage, ...]  # listed fault-list entries, every device
     state: tuple[ChunkRef, ...]  # the damaged chunks they name
     overflow: bool  # a device had more damaged chunks than its list holds
-    grads: tuple[ChunkRef, ...]  # chunks with NaN/Inf gradient values
+    grads: tuple[ChunkRef, ...]  # chunks with NaN/Inf gradient values (two slots: or new values)
     grads_unlisted: bool  # more NaN/Inf gradient values than the listed chunks hold
-    nonfinite: int  # NaN/Inf gradient values, every device
+    nonfinite: int  # NaN/Inf gradient values, every device (two slots: or new values)
     faulty: int  # damaged chunks, every device
     damaged_devices: np.ndarray  # bool per device: it reported a damaged chunk
     disagree: tuple[ChunkRef, ...]  # chunks whose replicas' digests differ (each device's)
