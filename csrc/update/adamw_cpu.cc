@@ -23,13 +23,6 @@ bool matches(const void* base, int64_t first, int64_t count, int size, int64_t c
   return d == digest_join(table[2 * c], table[2 * c + 1]);
 }
 
-// The element's new parameter (as stored: bf16 rounds up to infinity from 0x7F7F8000 on),
-// master weight and moments are finite. A non-finite gradient value fails it through its
-// moments; so do eps 0 where a moment is 0, and an overflow -- one count for all of them.
-bool new_values_finite(float w, float m, float v, bool bf16) {
-  return (bf16 ? split_finite(w) : finite_f32(w)) && finite_f32(m) && finite_f32(v);
-}
-
 void write_digest(const void* base, int64_t first, int64_t count, int size, int64_t c,
                   uint32_t* table) {
   const auto* bytes = static_cast<const uint8_t*>(base) + first * size;
@@ -75,7 +68,9 @@ void adamw_cpu(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step
     faults |= matches(leaf.mu, first, count, 4, c, leaf.d_mu) ? 0 : kFaultMu;
     faults |= matches(leaf.nu, first, count, 4, c, leaf.d_nu) ? 0 : kFaultNu;
 
-    int32_t bad = 0;  // elements whose new values are not all finite (see new_values_finite)
+    // elements whose new values are not all finite (inplace_math.h): a NaN/Inf gradient value,
+    // eps 0 where a moment is 0, an overflow -- one count for all of them
+    int32_t bad = 0;
     for (int64_t i = first; i < first + count; ++i) {
       const float g = load_param(leaf, leaf.g, i);
       float m = leaf.mu[i], v = leaf.nu[i], w;

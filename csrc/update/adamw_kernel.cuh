@@ -200,9 +200,7 @@ __device__ __forceinline__ void process_group(const AdamWLeaf& L, const AdamWHyp
     adamw_element(g, wt, x.mu[k], x.nu[k], h, s);
     // A non-finite gradient value makes its moments non-finite; so do eps 0 where a moment is
     // 0, and an overflow: one count of the elements whose new values are not all finite.
-    const bool ok = (kBF16 ? split_finite(wt) : finite_f32(wt)) && finite_f32(x.mu[k]) &&
-                    finite_f32(x.nu[k]);
-    sum.bad += (on && !ok) ? 1u : 0u;
+    sum.bad += (on && !new_values_finite(wt, x.mu[k], x.nu[k], kBF16)) ? 1u : 0u;
     x.mu[k] = on ? x.mu[k] : 0.0f;
     x.nu[k] = on ? x.nu[k] : 0.0f;
     if constexpr (kMaster) {

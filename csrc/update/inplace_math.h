@@ -27,6 +27,13 @@ PIMHBM_HD bool finite_bits(uint32_t bits, bool bf16) {
 PIMHBM_HD bool finite_f32(float x) { return fabsf(x) < bits_float(0x7F800000u); }
 PIMHBM_HD bool split_finite(float w) { return fabsf(w) < bits_float(0x7F7F8000u); }
 
+// An element's new values are all finite: the parameter as stored (bf16, with or without master
+// weights: split_finite, which covers its rounding), the master weight and both moments. A
+// non-finite gradient value fails it through its moments. Bitwise: one predicate, no branch.
+PIMHBM_HD bool new_values_finite(float w, float m, float v, bool bf16) {
+  return (bf16 ? split_finite(w) : finite_f32(w)) & finite_f32(m) & finite_f32(v);
+}
+
 // Updates x with gradient g (as a float); returns false, leaving x as it was, where the new
 // parameter, master weight or a moment is NaN or infinite.
 PIMHBM_HD bool update_elem(ElemState& x, float g, bool bf16, bool master, const AdamWHyper& h,
