@@ -57,6 +57,42 @@ TEST_P(AdamWCuda, DeviceCopyMatchesTheCpuReference) {
                               });
 }
 
+// eps 0 where both moments are 0 (every new value 0 / 0) on a random part of ragged leaves,
+// and one overflowing gradient: the GPU counts exactly the CPU reference's elements -- not the
+// lanes past a leaf's end, which the kernel fills with zeros (0 / 0 with eps 0 too).
+TEST_P(AdamWCuda, CountsNewValuesThatAreNotFiniteAsTheCpuDoes) {
+  PIMHBM_SKIP_WITHOUT_GPU();
+  PIMHBM_SEED_TRACE();
+  auto rng = rng_for_test();
+  const auto [bf16, master] = GetParam();
+  AdamWHyper eps0 = kHyper;
+  eps0.eps = 0.0f;
+  const auto update_eps0 = [&](const AdamWLeaf& leaf, const float* step) {
+    return adamw_cuda(leaf, eps0, step, nullptr);
+  };
+  for (int64_t n :
+       {int64_t{1}, int64_t{3}, int64_t{17}, int64_t{1001}, int64_t{16385}, int64_t{100003}}) {
+    for (int64_t chunk :
+         {int64_t{16}, int64_t{1024}, 16 * (1 + static_cast<int64_t>(rng() % 300))}) {
+      HostLeaf cpu(rng, n, chunk, bf16, master);
+      for (int64_t i = 0; i < n; ++i) {
+        if (rng() % 3 != 0) continue;
+        cpu.set(cpu.g, i, 0.0f);
+        cpu.mu[i] = cpu.nu[i] = 0.0f;
+      }
+      cpu.set(cpu.g, static_cast<int64_t>(rng() % n), 1e30f);
+      cpu.d_mu = HostLeaf::table_of(cpu.mu.data(), n, 4, chunk);
+      cpu.d_nu = HostLeaf::table_of(cpu.nu.data(), n, 4, chunk);
+      HostLeaf gpu = cpu;
+      adamw_cpu(cpu.view(), eps0, testing::kStep);
+      testing::run_gpu(gpu, testing::kStep, update_eps0);
+      const std::string what = "n " + std::to_string(n) + " chunk " + std::to_string(chunk);
+      EXPECT_GT(cpu.totals[1], 0u) << what;
+      testing::expect_matches_cpu(gpu, cpu, /*damaged=*/true, what);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(ParamKinds, AdamWCuda, testing::param_kinds(), testing::param_kind_name);
 
 // A tree's leaves in one call: kinds mixed (each kind its own launch, in the order given),

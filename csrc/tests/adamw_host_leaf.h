@@ -31,7 +31,7 @@ struct HostLeaf {
   std::vector<int32_t> faults, bad;
   std::vector<uint64_t> totals{0, 0};  // AdamWLeaf::totals of a call of this leaf alone
 
-  // The totals the reports imply: chunks with a fault, and NaN/Inf gradient values.
+  // The totals the reports imply: chunks with a fault, and the elements grad_nonfinite counts.
   std::vector<uint64_t> totals_of_maps() const {
     std::vector<uint64_t> t{0, 0};
     for (int64_t c = 0; c < chunks(); ++c) {
