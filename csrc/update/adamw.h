@@ -3,8 +3,8 @@
 // It reads the current state (parameter, optional fp32 master weight stored as the parameter
 // and a 16-bit remainder, fp32 moments) and the gradient, checks every chunk of the state
 // against the digest table written by the previous update, counts the elements whose gradient
-// or new values are not finite, and writes the updated state -- with its new digest tables -- into the other copy of
-// the state (the write side). Nothing is written to the read side, so a step that must not
+// or new values are not finite, and writes the updated state -- with its new digest tables --
+// into the other copy of the state (the write side). Nothing is written to the read side, so a step that must not
 // commit leaves it bit-identical: the caller decides commit or skip after every tensor is
 // done (restore.h), on the device.
 //

@@ -5,7 +5,6 @@
 
 #include "scan/scan.h"
 #include "update/adamw.h"
-#include "update/inplace_math.h"
 
 namespace pimhbm::update {
 
@@ -68,8 +67,9 @@ void adamw_cpu(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step
     faults |= matches(leaf.mu, first, count, 4, c, leaf.d_mu) ? 0 : kFaultMu;
     faults |= matches(leaf.nu, first, count, 4, c, leaf.d_nu) ? 0 : kFaultNu;
 
-    // elements whose new values are not all finite (inplace_math.h): a NaN/Inf gradient value,
-    // eps 0 where a moment is 0, an overflow -- one count for all of them
+    // elements whose new values are not all finite: a NaN/Inf gradient value, eps 0 where a
+    // moment is 0, an overflow -- one count for all of them. Tested on what was stored (the
+    // kernel tests the float before it is stored: inplace_math.h's new_values_finite).
     int32_t bad = 0;
     for (int64_t i = first; i < first + count; ++i) {
       const float g = load_param(leaf, leaf.g, i);
@@ -87,7 +87,9 @@ void adamw_cpu(const AdamWLeaf& leaf, const AdamWHyper& hyper, const float* step
         adamw_element(g, w, m, v, hyper, s);
         store_param(leaf, leaf.p_out, i, w);
       }
-      bad += new_values_finite(w, m, v, leaf.param_bf16) ? 0 : 1;
+      const bool stored_finite = std::isfinite(load_param(leaf, leaf.p_out, i)) &&
+                                 std::isfinite(w) && std::isfinite(m) && std::isfinite(v);
+      bad += stored_finite ? 0 : 1;
       leaf.mu_out[i] = m;
       leaf.nu_out[i] = v;
     }

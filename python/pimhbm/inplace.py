@@ -45,7 +45,7 @@ from pimhbm.scan import scan
 from pimhbm.gradients import check_grads, check_transform, transform_grads
 from pimhbm.update import (FAULT_MASTER, FAULT_MU, FAULT_NU, FAULT_PARAM, _check_learning_rate,
                            join_master, step_copies_of, step_majority)
-from pimhbm.step_scalars import step_scalars, unusable
+from pimhbm.step_scalars import next_count, step_scalars, unusable
 
 # A warp holds a chunk in registers, 16 elements a lane: what is paid once a chunk (set-up,
 # digest finalisations, parity, reports) is shared by twice the elements of a chunk of 256 (86
@@ -244,10 +244,7 @@ class AdamW:
         treedef = jax.tree.structure(state.params)
         check_grads(grads, state.params)
         grads = transform_grads(self.gradient_transform, grads, state.params)
-        # Every use of the count reads the copies' majority through the barrier: a fusion that
-        # read the copies themselves (the scalars' verdict, say) would keep the new copies from
-        # taking the donated buffer's place (XLA's GPU compile then copies them).
-        count = jax.lax.optimization_barrier(state.step) + 1
+        count = next_count(state.step)
         if learning_rate is None:
             learning_rate = (self.learning_rate(count) if callable(self.learning_rate)
                              else self.learning_rate)

@@ -1,11 +1,19 @@
-"""A step's scalars: the learning rate and the two bias corrections, in float32 as optax makes
-them, and whether they can make finite values at all (both updates hold a step whose scalars
+"""A step's number and scalars: the learning rate and the two bias corrections, in float32 as
+optax makes them, and whether they can make finite values at all (both updates hold a step whose scalars
 cannot: it would write NaN or infinite values everywhere)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+
+def next_count(step: jax.Array) -> jax.Array:
+    """This step's number (1 after none committed) from the count of committed steps, through a
+    barrier: every use reads the copies' majority once, so no fusion reads the copies themselves
+    -- one that did (the scalars' verdict, say) would keep the new copies from taking the donated
+    buffer's place, and XLA's GPU compile would copy them."""
+    return jax.lax.optimization_barrier(step) + 1
 
 
 def step_scalars(lr, count, b1, b2) -> jax.Array:

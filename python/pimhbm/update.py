@@ -14,8 +14,8 @@ update reads the current slot and the gradients in one pass over memory and, in 
 
 Whether the step commits is decided on the device once every tensor is done (and, with
 ``axis_name``, across devices): it commits only if every new value is finite (so every gradient
-is), no digest mismatched and the step's scalars are usable. If it does not, a predicated copy puts the current slot back into the other slot,
-so the state continues bit-identical to its previous value. Either way the other slot becomes
+is), no digest mismatched and the step's scalars are usable. If it does not, a predicated copy
+puts the current slot back into the other slot, so the state continues bit-identical to its previous value. Either way the other slot becomes
 the current one: no ``lax.cond``, no host transfer, and the same two compiled programs every
 step (one for each slot parity).
 
@@ -42,7 +42,7 @@ from pimhbm import _core
 from pimhbm._ffi import ensure_registered
 from pimhbm.gradients import check_grads, check_transform, transform_grads
 from pimhbm.scan import MAX_CHUNK_SIZE, scan, verify
-from pimhbm.step_scalars import for_the_kernel, step_scalars, unusable
+from pimhbm.step_scalars import for_the_kernel, next_count, step_scalars, unusable
 
 DEFAULT_CHUNK_ELEMS = 16384  # 64 KiB of every fp32 tensor, 32 KiB of every bf16 tensor
 DEVICE_COPY_CHUNK_ELEMS = 4096
@@ -334,10 +334,7 @@ class AdamW:
         grads = transform_grads(self.gradient_transform, grads, read.params)
         treedef = jax.tree.structure(read.params)
 
-        # Every use of the count reads the copies' majority through the barrier: a fusion that
-        # read the copies themselves (the scalars' verdict, say) would keep the new copies from
-        # taking the donated buffer's place (XLA's GPU compile then copies them).
-        count = jax.lax.optimization_barrier(state.step) + 1
+        count = next_count(state.step)
         if learning_rate is None:
             learning_rate = (self.learning_rate(count) if callable(self.learning_rate)
                              else self.learning_rate)
