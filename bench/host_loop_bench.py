@@ -11,7 +11,8 @@ other protected rounds holds exactly one: the difference is what one costs), pla
 the host each step (as the Trainer's are). Last, a cProfile of one protected round: the host
 functions that take the time.
 
-usage: python bench/host_loop_bench.py [--tiny] [--steps N] [--rounds 3] [--json out.json]
+usage: python bench/host_loop_bench.py [--tiny] [--steps N] [--rounds 3] [--snapshots-only]
+                                       [--json out.json]
        (--steps: by default the snapshot interval, as `pimhbm llama3`'s)
        (the model options are `pimhbm llama3`'s)
 """
@@ -116,12 +117,20 @@ def variants(trainer: Any) -> dict[str, tuple[Callable[[], None], Callable[[], N
             "protected, no host snapshots": (lambda: snapshots(False), lambda: snapshots(True))}
 
 
+# --snapshots-only: what a host snapshot costs, and nothing else (two kinds: ~3 minutes a module
+# at the 8B layers, where all seven take ~8).
+SNAPSHOT_KINDS = ("protected", "protected, no host snapshots")
+
+
 def run_rounds(job: Any, plain: Any, trainer: Any, steps: int, rounds: int,
-               clock: HostClock) -> dict[str, Any]:
+               clock: HostClock, snapshots_only: bool = False) -> dict[str, Any]:
     fed = HostBatches(job, plain)
-    kinds = {"plain (batches on the device)": lambda: plain.round(steps),
-             "plain (batches from the host)": lambda: fed.round(steps)}
+    kinds = {} if snapshots_only else {
+        "plain (batches on the device)": lambda: plain.round(steps),
+        "plain (batches from the host)": lambda: fed.round(steps)}
     for name, (on, off) in variants(trainer).items():
+        if snapshots_only and name not in SNAPSHOT_KINDS:
+            continue
         def protected(on=on, off=off):
             on()
             try:
@@ -222,6 +231,9 @@ def main() -> int:
     llama3.add_arguments(p)
     p.add_argument("--rounds", type=int, default=3, help="rounds of every kind, in turn")
     p.add_argument("--top", type=int, default=25, help="functions listed by the profile")
+    p.add_argument("--snapshots-only", action="store_true",
+                   help="only the protected loop with and without host snapshots, in turn: "
+                        "what a snapshot costs a step, with one compiled step")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="also trace a round of each step (jax.profiler) and print the device's "
                         "idle time inside and between programs, and the longest gaps")
@@ -242,8 +254,9 @@ def main() -> int:
         trainer.run(3)
         plain.round(2)
         clock = instrument(trainer)
-        results = run_rounds(job, plain, trainer, args.steps, args.rounds, clock)
-        profile = profile_round(trainer, args.steps, args.top)
+        results = run_rounds(job, plain, trainer, args.steps, args.rounds, clock,
+                             args.snapshots_only)
+        profile = "" if args.snapshots_only else profile_round(trainer, args.steps, args.top)
         gaps = {}
         if args.trace:
             try:
@@ -254,10 +267,11 @@ def main() -> int:
     finally:
         HostBackup.unlink(name)
     print(profile)
-    base = results["plain (batches from the host)"]["ms"]
+    against = SNAPSHOT_KINDS[1] if args.snapshots_only else "plain (batches from the host)"
+    base = results[against]["ms"]
     table = Table(title=f"ms a step ({args.steps}-step rounds, medians of {args.rounds}); host "
                         "ms a step in the loop's parts")
-    for col in ("kind", "ms", "vs plain (host batches)", "host: waits on device", "host: dispatch",
+    for col in ("kind", "ms", f"vs {against}", "host: waits on device", "host: dispatch",
                 "host: other parts"):
         table.add_column(col)
     for kind, r in results.items():
