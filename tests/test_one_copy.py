@@ -5,6 +5,7 @@ bit-identical to the one without faults, nothing compiled after prewarm -- and t
 copy: a redo, two chunks of one group, a stale parity row, a resume from the host snapshot."""
 
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -584,6 +585,33 @@ def test_a_loop_the_user_owns_pushes_its_batches_and_ends_as_run_does(shm_name, 
         assert stats.steps_committed == 12 and stats.steps_replayed > 0
         assert stats.compiles_after_prewarm == 0
         assert same_state(tr.current_state(), reference)
+    finally:
+        tr.close(unlink=True)
+
+
+def test_a_restart_while_a_snapshot_is_being_sealed_keeps_none_of_the_old_run(shm_name,
+                                                                              monkeypatch):
+    """A seal runs on a thread of its own; a restart in the middle of one (a user's loop that
+    pushed past a snapshot and did not flush) must not let it seal the old run's tensors under
+    the new run's binding: the new run starts with no snapshot of its own (it takes one of its
+    starting state first)."""
+    from pimhbm.backup import HostBackup
+    complete = HostBackup.complete
+
+    def slow(self, slot):  # the seal outlasts the restart's start
+        time.sleep(1.0)
+        complete(self, slot)
+    monkeypatch.setattr(HostBackup, "complete", slow)
+    opt = inplace.adamw(3e-3, master_weights=True, chunk_elems=CHUNK, group=GROUP)
+    tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0)(1), shm_name=shm_name,
+                 snapshot_every=10, devices=jax.devices()[:1])
+    tr.prewarm()
+    try:
+        for step in range(1, 14):  # step 10's snapshot is sealed once step 11's verdict is read
+            tr.push(mlp.batches(0)(step))
+        assert tr.snapshots._sealing is not None  # the control: a seal is running
+        tr.restart(mlp.init(1))
+        assert tr.backup.newest() == []
     finally:
         tr.close(unlink=True)
 

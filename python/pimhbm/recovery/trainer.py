@@ -294,8 +294,10 @@ class Trainer(FaultHandling, RunLoop):
         if jax.tree.structure(params) != self.treedef:
             raise ValueError("restart needs parameters of the same structure")
         if self.backup is not None:
-            self.backup.rebind(self._binding(params, self.backup.tensors))
+            # The old run's copies and seal first: a seal after the rebind would seal the old
+            # run's tensors under the new run's binding.
             self.snapshots.reset()
+            self.backup.rebind(self._binding(params, self.backup.tensors))
         self.batches.reset()
         self.pushed, self._pending, self._loop = 0, {}, None
         params = self.placement.put_tree(params, self.traced.param_specs)
