@@ -4,9 +4,9 @@
 // and a 16-bit remainder, fp32 moments) and the gradient, checks every chunk of the state
 // against the digest table written by the previous update, counts the elements whose gradient
 // or new values are not finite, and writes the updated state -- with its new digest tables --
-// into the other copy of the state (the write side). Nothing is written to the read side, so a step that must not
-// commit leaves it bit-identical: the caller decides commit or skip after every tensor is
-// done (restore.h), on the device.
+// into the other copy of the state (the write side). Nothing is written to the read side, so a
+// step that must not commit leaves it bit-identical: the caller decides commit or skip after
+// every tensor is done (restore.h), on the device.
 //
 // Optionally it also writes the new state into a device copy (a backup for chunk-level
 // repair) -- but only for chunks whose read side verified, so that a damaged chunk never

@@ -1,6 +1,6 @@
 """A step's number and scalars: the learning rate and the two bias corrections, in float32 as
-optax makes them, and whether they can make finite values at all (both updates hold a step whose scalars
-cannot: it would write NaN or infinite values everywhere)."""
+optax makes them, and whether they can make finite values at all (both updates hold a step
+whose scalars cannot: it would write NaN or infinite values everywhere)."""
 
 from __future__ import annotations
 

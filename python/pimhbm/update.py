@@ -15,9 +15,9 @@ update reads the current slot and the gradients in one pass over memory and, in 
 Whether the step commits is decided on the device once every tensor is done (and, with
 ``axis_name``, across devices): it commits only if every new value is finite (so every gradient
 is), no digest mismatched and the step's scalars are usable. If it does not, a predicated copy
-puts the current slot back into the other slot, so the state continues bit-identical to its previous value. Either way the other slot becomes
-the current one: no ``lax.cond``, no host transfer, and the same two compiled programs every
-step (one for each slot parity).
+puts the current slot back into the other slot, so the state continues bit-identical to its
+previous value. Either way the other slot becomes the current one: no ``lax.cond``, no host
+transfer, and the same two compiled programs every step (one for each slot parity).
 
 Why two slots: the verdict is known only after every chunk has been read, and in-place writes
 could not be undone. Writing aside costs no extra memory traffic (the same 28 bytes per fp32
