@@ -5,7 +5,7 @@ optax.apply_if_finite(optax.adamw), for 268 M parameters:
 usage: python bench/update_bench.py [--params 268435456] [--leaves 8 | --model-layers N]
                                    [--json out.json] [--profile DIR]
                                    [--inplace-only [REPS] [--chunk-elems 256]
-                                    [--gradient-checks in-update]]
+                                    [--gradient-checks in-update [--parameter-checks in-update]]]
 Reported: ms per step in a steady loop (the slope between batches of 5 and 25 steps, median of
 7; and, beside it, per step of a batch of 25, which also carries the first step's dispatch),
 effective TB/s over optax.adamw's traffic (28 bytes per parameter in both cases: fp32 p, mu, nu
@@ -189,16 +189,18 @@ def bench_case(kind, n_params, leaves, profile_dir=None, model_layers=0):
     return n, out, ceiling, profiles
 
 
-def inplace_only(n_params, leaves, model_layers, reps, chunk_elems, gradient_checks):
+def inplace_only(n_params, leaves, model_layers, reps, chunk_elems, gradient_checks,
+                 parameter_checks):
     """optax.adamw (fp32 master weights, bf16 parameters cast after) and pimhbm.inplace (chunks
-    of `chunk_elems`, non-finite gradients found where `gradient_checks` says) on the same tree,
-    `reps` times in turn: [(optax s, in-place s)], steady seconds a step."""
+    of `chunk_elems`, non-finite gradients and damaged parameters found where `gradient_checks`
+    and `parameter_checks` say) on the same tree, `reps` times in turn: [(optax s, in-place s)],
+    steady seconds a step."""
     tree = ((lambda seed: model_tree(model_layers, jnp.bfloat16, seed)) if model_layers else
             (lambda seed: make_tree(n_params, leaves, jnp.bfloat16, seed)))
     params = tree(0)
     grads = jax.tree.map(lambda p: (p * 0.5 + 0.01).astype(jnp.bfloat16), tree(1))
     opt = inplace.adamw(LR, master_weights=True, chunk_elems=chunk_elems,
-                        gradient_checks=gradient_checks)
+                        gradient_checks=gradient_checks, parameter_checks=parameter_checks)
     upd = jax.jit(lambda s, g, lr: opt.update(g, s, lr)[0], donate_argnums=0)
     pairs = []
     for rep in range(reps):
@@ -244,10 +246,14 @@ def main() -> int:
                          "turn (default 2)")
     ap.add_argument("--chunk-elems", type=int, default=inplace.DEFAULT_CHUNK_ELEMS,
                     help="with --inplace-only: the in-place update's chunk (128, 256 or 512)")
-    ap.add_argument("--gradient-checks", choices=options.GRADIENT_CHECKS,
-                    default=options.GRADIENT_CHECKS[0],
+    ap.add_argument("--gradient-checks", choices=options.CHECKS_WHERE,
+                    default=options.CHECKS_WHERE[0],
                     help="with --inplace-only: where non-finite gradients are found (before the "
                          "writes: a pass over them; in the update: p's checks alone before it)")
+    ap.add_argument("--parameter-checks", choices=options.CHECKS_WHERE,
+                    default=options.CHECKS_WHERE[0],
+                    help="with --inplace-only and --gradient-checks in-update: where damaged "
+                         "parameter chunks are found (in the update: no pass before it at all)")
     args = ap.parse_args()
     console = Console(width=120)
     dev = jax.devices()[0]
@@ -256,9 +262,11 @@ def main() -> int:
     payload = {"device": dev.device_kind, "params": args.params, "tree": what, "results": {}}
     if args.inplace_only:
         n, pairs = inplace_only(args.params, args.leaves, args.model_layers, args.inplace_only,
-                                args.chunk_elems, options.gradient_checks(args.gradient_checks))
+                                args.chunk_elems, options.gradient_checks(args.gradient_checks),
+                                options.parameter_checks(args.parameter_checks))
         payload["params"], payload["chunk_elems"] = n, args.chunk_elems
         payload["gradient_checks"] = args.gradient_checks
+        payload["parameter_checks"] = args.parameter_checks
         payload["results"]["bf16+master"] = [
             {"optax.adamw ms": b * 1e3, "pimhbm.inplace ms": o * 1e3, "ratio": o / b}
             for b, o in pairs]

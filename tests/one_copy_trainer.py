@@ -11,9 +11,10 @@ CHUNK, GROUP = 128, 4
 
 
 def make_trainer(name, *, devices=1, shard=1, group=GROUP, inject=False, resume=False,
-                 gradient_checks=inplace.GradientChecks.BEFORE_WRITES, **kw):
+                 gradient_checks=inplace.GradientChecks.BEFORE_WRITES,
+                 parameter_checks=inplace.ParameterChecks.BEFORE_WRITES, **kw):
     opt = inplace.adamw(3e-3, master_weights=True, chunk_elems=CHUNK, group=group,
-                        gradient_checks=gradient_checks)
+                        gradient_checks=gradient_checks, parameter_checks=parameter_checks)
     tr = Trainer(mlp.loss, opt, mlp.init(0), mlp.batches(0), shm_name=name, snapshot_every=10,
                  scrub_every=5, inject_gradients=inject, resume=resume,
                  devices=jax.devices()[:devices], shard=shard, **kw)

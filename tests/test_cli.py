@@ -139,11 +139,14 @@ def test_llama3_snapshots_as_often_as_the_trainer_by_default():
     assert p.parse_args(["--snapshot-every", "7"]).snapshot_every == 7  # the option is read
 
 
-def test_the_gradient_checks_words_name_every_mode_once():
-    """--gradient-checks lists its words without loading jax; each names one
-    pimhbm.inplace.GradientChecks, and every mode has a word."""
+def test_the_checks_words_name_every_mode_once():
+    """--gradient-checks and --parameter-checks list their words without loading jax; each
+    names one pimhbm.inplace.GradientChecks and one ParameterChecks, and every mode has a
+    word."""
     from pimhbm import inplace
     from pimhbm_cli import options
 
-    assert [options.gradient_checks(w) for w in options.GRADIENT_CHECKS] == list(
+    assert [options.gradient_checks(w) for w in options.CHECKS_WHERE] == list(
         inplace.GradientChecks)
+    assert [options.parameter_checks(w) for w in options.CHECKS_WHERE] == list(
+        inplace.ParameterChecks)

@@ -582,21 +582,30 @@ def test_the_state_is_held_once_at_most_optax_bytes(rng):
     assert ours / n < 12.9  # 12 bytes of state, 0.75 of parity, the digests
 
 
-def test_the_compiled_update_is_in_place_with_no_conditional_and_no_host_transfer(rng):
-    opt, dtype = make("bf16_master")
+@pytest.mark.parametrize("speculative", [False, True], ids=["checks-first", "speculative"])
+def test_the_compiled_update_is_in_place_with_no_conditional_and_no_host_transfer(rng,
+                                                                                  speculative):
+    """Both ways of checking; the speculative update holds no pass before its writes (the
+    default's holds one: the control)."""
+    where = "IN_UPDATE" if speculative else "BEFORE_WRITES"
+    opt, dtype = make("bf16_master", gradient_checks=inplace.GradientChecks[where],
+                      parameter_checks=inplace.ParameterChecks[where])
     params = random_params(rng, dtype)
     state = opt.init(params)
     grads = random_grads(rng, params)
     step = jax.jit(opt.update, donate_argnums=1)
     hlo = step.lower(grads, state).compile().as_text()
     assert "pimhbm_adamw_inplace" in hlo
+    assert ("pimhbm_inplace_precheck" in hlo) is not speculative
     forbidden = re.findall(r"\b(conditional|send|recv|outfeed|infeed|host_callback|"
                            r"xla_python_cpu_callback|xla_ffi_python_cpu_callback)\b", hlo)
     assert forbidden == [], forbidden
     # No copy of any non-empty buffer: the state and the step count's three copies are written
     # in place (a fusion that read the copies while writing them would need one on the GPU).
+    # (A scalar of the report returned twice -- the kept count, as the gradients' count where
+    # the update checks them -- is copied: 4 bytes, not the state.)
     copies = [l for l in hlo.splitlines() if re.search(r"= \S+\[[^\]]*\]\S* copy\(", l)
-              and not re.search(r"\[0[,\]]", l)]
+              and not re.search(r"\[0[,\]]|\[\] copy", l)]
     assert copies == [], copies
     state, _ = step(grads, state)
     before = pimhbm._core.unaliased_copies()

@@ -112,8 +112,10 @@ ffi::ErrorOr<InPlaceLeaf> leaf_at(const Options& o, const ffi::RemainingArgs& ar
   }
   PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(o.op, "gradient", in[12], pt, o.redo ? 0 : n));
   PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(o.op, "chunk_base", in[13], ffi::DataType::S32, 1));
+  // Empty where no checks ran before the update (pimhbm.inplace.ParameterChecks.IN_UPDATE).
+  const bool unchecked = o.redo || in[14].element_count() == 0;
   PIMHBM_FFI_RETURN_IF_ERROR(
-      check_buffer(o.op, "checks' map", in[14], ffi::DataType::S32, o.redo ? 0 : chunks));
+      check_buffer(o.op, "checks' map", in[14], ffi::DataType::S32, unchecked ? 0 : chunks));
   PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(o.op, "fault map", out[12], ffi::DataType::S32, chunks));
   PIMHBM_FFI_RETURN_IF_ERROR(check_buffer(o.op, "kept map", out[13], ffi::DataType::S32, chunks));
   PIMHBM_FFI_RETURN_IF_ERROR(check_aligned(o, in, out));
@@ -137,7 +139,7 @@ ffi::ErrorOr<InPlaceLeaf> leaf_at(const Options& o, const ffi::RemainingArgs& ar
   L.faults = static_cast<int32_t*>(out[12].untyped_data());
   L.kept = static_cast<int32_t*>(out[13].untyped_data());
   L.chunk_base = static_cast<const int32_t*>(in[13].untyped_data());
-  L.checked = o.redo ? nullptr : static_cast<const int32_t*>(in[14].untyped_data());
+  L.checked = unchecked ? nullptr : static_cast<const int32_t*>(in[14].untyped_data());
   return L;
 }
 

@@ -37,8 +37,8 @@ import numpy as np
 
 from pimhbm import parity
 from pimhbm._ffi import ensure_registered
-from pimhbm.inplace_calls import (Prechecks, Stash, leaf_operands, prechecks, redo_call,
-                                  saturated, update_call)
+from pimhbm.inplace_calls import (PRECHECK_TOTALS, Prechecks, Stash, leaf_operands, prechecks,
+                                  redo_call, saturated, update_call)
 from pimhbm.inplace_calls import layout as inplace_layout
 from pimhbm.repair import NOT_LISTED, REPAIRED
 from pimhbm.scan import scan
@@ -108,6 +108,21 @@ class GradientChecks(enum.Enum):
     IN_UPDATE = "in the update"
 
 
+class ParameterChecks(enum.Enum):
+    """Where the update learns that a parameter chunk no longer matches its digest table."""
+
+    # A pass over p before the first write (2 bytes a bf16 parameter): a chunk damaged before
+    # the backward pass read it cancels the step, which writes nothing; the chunk is rebuilt
+    # from its parity and the step runs again.
+    BEFORE_WRITES = "before the writes"
+    # Speculative: the update verifies each chunk as it reads it, and no pass runs before the
+    # writes (GradientChecks.IN_UPDATE too). It cannot tell damage that came before the
+    # gradients were computed from that which came after, so a step where it finds a damaged
+    # parameter chunk is applied (but for that chunk's group) and does not commit: its state
+    # must come from elsewhere (the Trainer restores the host snapshot and replays).
+    IN_UPDATE = "in the update"
+
+
 class UpdateReport(NamedTuple):
     """What an update saw, as device values (fetch them asynchronously, never in the step)."""
 
@@ -168,6 +183,7 @@ class AdamW:
     group: int = DEFAULT_GROUP  # 0: no parity
     stash_capacity: int = DEFAULT_STASH
     gradient_checks: GradientChecks = GradientChecks.BEFORE_WRITES
+    parameter_checks: ParameterChecks = ParameterChecks.BEFORE_WRITES
     # An optax transformation of the gradients alone, run first in the same step (clipping by
     # global norm, masks, scaling). Stateless only: a state of its own would be unprotected.
     gradient_transform: Any = None
@@ -178,6 +194,19 @@ class AdamW:
         if not isinstance(self.gradient_checks, GradientChecks):
             raise TypeError(f"gradient_checks={self.gradient_checks!r}: a pimhbm.inplace."
                             f"GradientChecks ({', '.join(c.name for c in GradientChecks)})")
+        if not isinstance(self.parameter_checks, ParameterChecks):
+            raise TypeError(f"parameter_checks={self.parameter_checks!r}: a pimhbm.inplace."
+                            f"ParameterChecks ({', '.join(c.name for c in ParameterChecks)})")
+        if self.speculative and self.gradient_checks is not GradientChecks.IN_UPDATE:
+            raise ValueError("parameter_checks=ParameterChecks.IN_UPDATE takes no pass before "
+                             "the update's writes, so the gradients must be checked there too: "
+                             "pass gradient_checks=GradientChecks.IN_UPDATE")
+
+    @property
+    def speculative(self) -> bool:
+        """No checks before the writes: a step where the update finds a damaged parameter chunk
+        does not commit (ParameterChecks.IN_UPDATE)."""
+        return self.parameter_checks is ParameterChecks.IN_UPDATE
 
     def chunk_bytes(self, name: str, param_dtype: Any) -> int:
         size = jnp.dtype(param_dtype).itemsize if name == "p" else (2 if name == "master" else 4)
@@ -273,13 +302,11 @@ class AdamW:
         outs, stash, totals = self._call(go, scalars, leaves, tables, state.parity, treedef,
                                          flat_grads, checked=p_faults)
         kept, faulty = saturated(totals[1]), saturated(totals[0])
-        committed_here = go & (kept == 0)
+        suspect = self._suspect(outs)
         if axis_name is not None:
-            summed = jax.lax.psum(jnp.stack([faulty, kept]), axis_name)
-            faulty, kept = summed[0], summed[1]
-            committed = go & (kept == 0)
-        else:
-            committed = committed_here
+            summed = jax.lax.psum(jnp.stack([faulty, kept, suspect]), axis_name)
+            faulty, kept, suspect = summed[0], summed[1], summed[2]
+        committed = go & (kept == 0) & (suspect == 0)
         done = count - 1 + committed.astype(jnp.int32)
         new_state = self._state_from(outs, treedef, state.master is not None, state.parity is not None,
                                      step_copies_of(done))
@@ -299,10 +326,29 @@ class AdamW:
                    ) -> tuple[Prechecks, list[jax.Array]]:
         """Per leaf, p's damaged chunks and the gradient's nonfinite counts, with their totals;
         and the gradients the update reads (the same here; a variant that orders its checks by
-        barriers hands on the barriers' outputs: bench/check_order.py)."""
+        barriers hands on the barriers' outputs: bench/check_order.py). Speculative: no pass,
+        no maps, totals 0 -- drawn after every gradient, so that what the caller puts between
+        them and the update (a snapshot's fence) still waits for the backward pass."""
+        if self.speculative:
+            zeros, grads = jax.lax.optimization_barrier(
+                (jnp.zeros((PRECHECK_TOTALS,), jnp.int32), grads))
+            return Prechecks(None, None, zeros), grads
         params, p_tables = [leaf["p"] for leaf in leaves], [t["p"] for t in tables]
         checked = grads if self.gradient_checks is GradientChecks.BEFORE_WRITES else None
         return prechecks(params, p_tables, checked, self.chunk_elems), grads
+
+    def _suspect(self, outs: list[dict]) -> jax.Array:
+        """Speculative: the parameter chunks the update found damaged (int32), whose damage may
+        have come before the gradients were computed from them; else 0."""
+        if not self.speculative:
+            return jnp.int32(0)
+        return sum(jnp.count_nonzero(o["faults"] & FAULT_PARAM).astype(jnp.int32) for o in outs)
+
+    def _suspect_left(self, index: jax.Array) -> jax.Array:
+        """Speculative: whether a stash (its index) holds a parameter chunk the update found
+        damaged -- the step's gradients may have read the damage, so its redo does not make the
+        step whole."""
+        return self.speculative & jnp.any(index[:, 2] & FAULT_PARAM != 0)
 
     def _state_from(self, outs: list[dict], treedef, has_master: bool, has_parity: bool,
                     step_copies: jax.Array) -> AdamWState:
@@ -394,7 +440,7 @@ class AdamW:
         new_state = self._state_from(outs, treedef, state.master is not None, True,
                                      state.step_copies)
         complete = ((faults == 0) & (report.stashed <= self.stash_capacity) & ~unrepaired
-                    & params_whole & kept_whole)
+                    & params_whole & kept_whole & ~self._suspect_left(index))
         return new_state, RepairReport(jax.tree.unflatten(treedef, statuses), faults, complete,
                                        params_rebuilt)
 
@@ -479,7 +525,8 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
           weight_decay: float = 1e-4, *, master_weights: bool = False,
           chunk_elems: int = DEFAULT_CHUNK_ELEMS, group: int = DEFAULT_GROUP,
           stash_capacity: int = DEFAULT_STASH, gradient_transform: Any = None,
-          gradient_checks: GradientChecks = GradientChecks.BEFORE_WRITES) -> AdamW:
+          gradient_checks: GradientChecks = GradientChecks.BEFORE_WRITES,
+          parameter_checks: ParameterChecks = ParameterChecks.BEFORE_WRITES) -> AdamW:
     """Guarded, fused, in-place AdamW; arguments as ``optax.adamw``. ``master_weights``: fp32
     master weights for bf16 parameters. ``group``: chunks a parity row covers (0: no parity,
     for data-parallel replicas that are each other's redundancy). ``stash_capacity``: chunks a
@@ -490,7 +537,10 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], b1: float = 0
     alone (no parameters); under FSDP each device's shards (a global norm would be a shard's),
     so the Trainer refuses it there. ``gradient_checks``: where non-finite gradients are found
     (GradientChecks: before the writes, cancelling the step; or by the update itself, 2 bytes a
-    parameter fewer read, the step then applied in part)."""
+    parameter fewer read, the step then applied in part). ``parameter_checks``: where damaged
+    parameter chunks are found (ParameterChecks: before the writes, cancelling the step; or,
+    speculatively, by the update itself -- with the gradients checked there too, no pass before
+    the writes at all -- the step then not committed where it finds one)."""
     return AdamW(learning_rate, b1, b2, eps, eps_root, weight_decay, master_weights, chunk_elems,
                  group, stash_capacity, gradient_checks=gradient_checks,
-                 gradient_transform=gradient_transform)
+                 parameter_checks=parameter_checks, gradient_transform=gradient_transform)

@@ -82,12 +82,12 @@ def _precheck_ffi(params, tables, grads, bases, chunk_elems):
     for i, (p, table, base) in enumerate(zip(params, tables, bases)):
         args += [p, table] + ([] if grads is None else [grads[i]]) + [base]
         out_types += [jax.ShapeDtypeStruct((table.shape[0],), jnp.int32)] * 2
-    out_types.append(jax.ShapeDtypeStruct((_PRECHECK_TOTALS, 2), jnp.uint32))
+    out_types.append(jax.ShapeDtypeStruct((PRECHECK_TOTALS, 2), jnp.uint32))
     return tuple(unbatched_call("pimhbm_inplace_precheck", out_types, NO_VMAP)(
         *args, chunk_elems=np.int64(chunk_elems), gradients=np.bool_(grads is not None)))
 
 
-_PRECHECK_TOTALS = 2  # damaged chunks, non-finite gradient values (csrc/update/precheck.h)
+PRECHECK_TOTALS = 2  # damaged chunks, non-finite gradient values (csrc/update/precheck.h)
 
 
 def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.Array] | None,
@@ -116,7 +116,7 @@ def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.
                              f"{table.dtype}{tuple(table.shape)}")
     n = len(params)
     if not n:
-        return Prechecks([], [], jnp.zeros((_PRECHECK_TOTALS,), jnp.int32))
+        return Prechecks([], [], jnp.zeros((PRECHECK_TOTALS,), jnp.int32))
     leaves = [Leaf(tuple(p.shape), chunk_elems) for p in params]
 
     per = 3 if with_grads else 2  # operands a leaf: p, its table (and its gradient)
@@ -126,7 +126,7 @@ def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.
                              [_whole_base()] * n, chunk_elems)
 
     def lower(plan: Plan, *flat):
-        maps, counts = [None] * (2 * n), jnp.zeros((_PRECHECK_TOTALS,), jnp.int32)
+        maps, counts = [None] * (2 * n), jnp.zeros((PRECHECK_TOTALS,), jnp.int32)
         for axes, idx in _by_axes(plan, n).items():
             outs = _precheck_ffi([flat[per * i] for i in idx], [flat[per * i + 1] for i in idx],
                                  [flat[per * i + 2] for i in idx] if with_grads else None,

@@ -67,7 +67,8 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                   state: StateKind | str = StateKind.ONE_COPY, in_flight: int = 2,
                   telemetry: Any = "auto", gradient_transform: Any = None,
                   ordered_embedding: bool = False,
-                  gradient_checks: inplace.GradientChecks = inplace.GradientChecks.BEFORE_WRITES
+                  gradient_checks: inplace.GradientChecks = inplace.GradientChecks.BEFORE_WRITES,
+                  parameter_checks: inplace.ParameterChecks = inplace.ParameterChecks.BEFORE_WRITES
                   ) -> Trainer:
     """A protected trainer of the Llama-3 ``cfg`` on byte-level ``data``: bf16 parameters with
     fp32 master weights and moments, and (with ``shm_name``) host snapshots in shared memory.
@@ -80,7 +81,7 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
     ``telemetry``: the Trainer's. ``chunk_elems``:
     None for the kind's default (512 in place, 1024
     with two slots). ``recheck_every``: the Trainer's sampled re-execution (None: its
-    default). ``gradient_checks``: one copy's (pimhbm.inplace.GradientChecks)."""
+    default). ``gradient_checks``, ``parameter_checks``: one copy's (pimhbm.inplace)."""
     if params is None:
         params = llama3.init(jax.random.key(seed), cfg)
     master = cfg.dtype == "bfloat16"
@@ -89,11 +90,12 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                             chunk_elems=chunk_elems or inplace.DEFAULT_CHUNK_ELEMS,
                             group=inplace.DEFAULT_GROUP if device_copy else 0,
                             gradient_transform=gradient_transform,
-                            gradient_checks=gradient_checks)
+                            gradient_checks=gradient_checks, parameter_checks=parameter_checks)
     else:
-        if gradient_checks is not inplace.GradientChecks.BEFORE_WRITES:
-            raise ValueError(f"gradient_checks={gradient_checks}: two slots check the "
-                             "gradients before the writes only")
+        if (gradient_checks is not inplace.GradientChecks.BEFORE_WRITES or
+                parameter_checks is not inplace.ParameterChecks.BEFORE_WRITES):
+            raise ValueError(f"gradient_checks={gradient_checks}, parameter_checks="
+                             f"{parameter_checks}: two slots check both before the writes only")
         opt = pimhbm.update.adamw(peak_lr, weight_decay=0.01, master_weights=master,
                            device_copy=device_copy, chunk_elems=chunk_elems or 1024,
                            gradient_transform=gradient_transform)

@@ -82,12 +82,7 @@ def add_arguments(p) -> None:
                    help="elements a digest covers, the unit of repair (default: the state's -- "
                         "512 with one copy, whose update takes 128, 256 or 512; 4096 with two "
                         "slots)")
-    p.add_argument("--gradient-checks", choices=options.GRADIENT_CHECKS,
-                   default=options.GRADIENT_CHECKS[0],
-                   help="one copy: where non-finite gradients are found -- a pass over them "
-                        "before the update's writes (a step with one is cancelled), or the "
-                        "update itself (2 bytes a parameter fewer read; such a step is applied "
-                        "in part, and the state comes back from the host snapshot)")
+    options.add_checks(p)
     # The Trainer's SNAPSHOT_EVERY, written out: parsing loads no jax (tests/test_cli.py).
     p.add_argument("--snapshot-every", type=non_negative_int, default=250,
                    help="host snapshot every this many steps (the Trainer's default; 0: none)")
@@ -140,7 +135,12 @@ def _problem(args: Any) -> str | None:
         from pimhbm.inplace_calls import layout  # loads jax; starts no device
         if args.chunk_elems not in (sizes := tuple(layout()["chunk_elems"])):
             return f"--chunk-elems {args.chunk_elems}: the in-place update takes {sizes}"
-    if args.gradient_checks != options.GRADIENT_CHECKS[0]:
+    before = options.CHECKS_WHERE[0]
+    if args.parameter_checks != before and args.gradient_checks == before:
+        return (f"--parameter-checks {args.parameter_checks} takes no pass before the writes, "
+                "so the gradients are checked in the update too: add --gradient-checks "
+                f"{args.parameter_checks}")
+    if args.gradient_checks != before:
         if args.state == "two-slots":
             return (f"--gradient-checks {args.gradient_checks} is for --state one-copy (two "
                     "slots check the gradients before the writes)")
@@ -374,7 +374,8 @@ def _protected(job: Job, shm_name: str, *, hooks: bool) -> Any:
                          shard=args.shard, device_copy=not args.no_device_copy, state=args.state,
                          in_flight=args.in_flight, recheck_every=recheck,
                          telemetry=None if args.no_telemetry else "auto",
-                         gradient_checks=options.gradient_checks(args.gradient_checks))
+                         gradient_checks=options.gradient_checks(args.gradient_checks),
+                         parameter_checks=options.parameter_checks(args.parameter_checks))
 
 
 def _prewarm(job: Job, trainer: Any) -> None:
@@ -408,7 +409,7 @@ def _timed(fn: Callable[[], None]) -> float:
 
 def _what_was_on(trainer: Any) -> dict:
     """The protection the timed step ran with (the report's "what was on")."""
-    from pimhbm.inplace import GradientChecks
+    from pimhbm.inplace import GradientChecks, ParameterChecks
     redundancy = ("parity groups" if trainer.one_copy and trainer.local_source else
                   "device copy" if trainer.local_source else "replicas only")
     return {"snapshot_every": trainer.snapshots.every if trainer.backup is not None else 0,
@@ -416,6 +417,8 @@ def _what_was_on(trainer: Any) -> dict:
             "redundancy": redundancy, "chunk_elems": trainer.opt.chunk_elems,
             "gradient_checks": getattr(trainer.opt, "gradient_checks",
                                        GradientChecks.BEFORE_WRITES).value,
+            "parameter_checks": getattr(trainer.opt, "parameter_checks",
+                                        ParameterChecks.BEFORE_WRITES).value,
             "fault_hooks": False}
 
 

@@ -32,7 +32,8 @@ def timing(console, results: dict, tokens: int, devices: int, kind: str, rounds:
                       f"{on['snapshot_every']} steps, {scrubs}, sampled "
                       f"re-execution every {on['recheck_every']} (0: off), redundancy: "
                       f"{on['redundancy']}, chunks of {on['chunk_elems']} elements, non-finite "
-                      f"gradients found {on['gradient_checks']}; no fault "
+                      f"gradients found {on['gradient_checks']}, damaged parameters found "
+                      f"{on.get('parameter_checks', 'before the writes')}; no fault "
                       "hooks (the campaign's Trainer has them)")
     console.print(f"cost of protection: {results['overhead'] * 100:+.2f} % (target <= "
                   f"{TARGET:.0%}): " +

@@ -18,14 +18,38 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action)
 
 
-# pimhbm.inplace.GradientChecks as `--gradient-checks` spells them (no jax at parsing).
-GRADIENT_CHECKS = ("before-writes", "in-update")
+# pimhbm.inplace.GradientChecks and ParameterChecks as `--gradient-checks` and
+# `--parameter-checks` spell them (no jax at parsing).
+CHECKS_WHERE = ("before-writes", "in-update")
+
+
+def add_checks(p: argparse.ArgumentParser) -> None:
+    """--gradient-checks and --parameter-checks: where the in-place update's checks run."""
+    p.add_argument("--gradient-checks", choices=CHECKS_WHERE,
+                   default=CHECKS_WHERE[0],
+                   help="one copy: where non-finite gradients are found -- a pass over them "
+                        "before the update's writes (a step with one is cancelled), or the "
+                        "update itself (2 bytes a parameter fewer read; such a step is applied "
+                        "in part, and the state comes back from the host snapshot)")
+    p.add_argument("--parameter-checks", choices=CHECKS_WHERE,
+                   default=CHECKS_WHERE[0],
+                   help="one copy: where damaged parameter chunks are found -- a pass over p "
+                        "before the update's writes (the step is cancelled and the chunk "
+                        "rebuilt from parity), or speculatively by the update itself (with "
+                        "--gradient-checks in-update: no pass before the writes; such a step "
+                        "does not commit, and the state comes back from the host snapshot)")
 
 
 def gradient_checks(word: str):
     """The pimhbm.inplace.GradientChecks a --gradient-checks word names."""
     from pimhbm.inplace import GradientChecks
     return GradientChecks[word.upper().replace("-", "_")]
+
+
+def parameter_checks(word: str):
+    """The pimhbm.inplace.ParameterChecks a --parameter-checks word names (the same words)."""
+    from pimhbm.inplace import ParameterChecks
+    return ParameterChecks[word.upper().replace("-", "_")]
 
 
 def positive_int(text: str) -> int:

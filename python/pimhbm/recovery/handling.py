@@ -13,6 +13,7 @@ import numpy as np
 
 from pimhbm import ipc
 from pimhbm.recovery.events import SETTINGS_HINT, Action, Incident, IncidentKind, record
+from pimhbm.recovery.layout import Damage
 from pimhbm.recovery.repairs import Recovery
 from pimhbm.recovery.summary import (FaultReport, StepReport, decode_scrub, decode_step, merge,
                                      whole_chunks)
@@ -121,13 +122,22 @@ class FaultHandling:
         self.state = self.state._replace(halted=self.placement.put(np.int32(0)))
         return report.first_step if resume_at is None else resume_at
 
+    def _suspect(self, report: StepReport) -> bool:
+        """Whether a step the update applied found a damaged parameter chunk with no checks
+        before its writes (pimhbm.inplace.ParameterChecks.IN_UPDATE; or more damaged chunks than
+        its lists hold): the damage may have made the step's gradients, so the chunk's redo
+        would not make the step whole."""
+        return getattr(self.opt, "speculative", False) and (
+            report.overflow or any(d.damage & Damage.P for d in report.damaged))
+
     def _restore_torn(self, faults: FaultReport) -> int:
         """A step the update applied in part: it kept the elements whose new values were not
         finite -- from non-finite gradient values where it checks them itself
         (pimhbm.inplace.GradientChecks.IN_UPDATE), or from its own arithmetic -- and wrote the
-        rest, so the state is neither the step's nor the one before it. The host snapshot, then
-        a replay from it, which executes the step again; what it and the steps halted behind it
-        found is recorded as restored. Returns the step to replay from."""
+        rest, so the state is neither the step's nor the one before it; or, with no checks
+        before its writes, it found a damaged parameter chunk (``_suspect``). The host
+        snapshot, then a replay from it, which executes the step again; what it and the steps
+        halted behind it found is recorded as restored. Returns the step to replay from."""
         if self.backup is None or not self.snapshots.every:
             torn = faults.steps[0]
             raise RuntimeError(

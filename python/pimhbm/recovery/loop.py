@@ -106,8 +106,8 @@ class RunLoop:
                     loop.skipped_step = None
                 self._commit(done, progress)
                 continue
-            if report.applied and not (report.nonfinite or report.kept):  # one copy: it left
-                # damaged chunks (and wrote every other element)
+            if report.applied and not (report.nonfinite or report.kept or self._suspect(report)):
+                # one copy: it left damaged chunks (and wrote every other element)
                 loop.skipped_step, resume = None, self._left(report, flight, done, progress)
                 self.stats.steps_replayed += loop.step - resume
                 loop.step = resume

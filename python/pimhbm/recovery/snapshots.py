@@ -309,7 +309,8 @@ def _describe(value: Any) -> Any:
 
 
 # Options that change no state a run holds: a region written with either setting serves.
-_NOT_BINDING = {"gradient_checks"}  # where non-finite gradients are found (pimhbm.inplace)
+# Where non-finite gradients and damaged parameter chunks are found (pimhbm.inplace).
+_NOT_BINDING = {"gradient_checks", "parameter_checks"}
 
 
 def run_binding(params: Any, opt: Any, layout: StateLayout, specs: list[TensorSpec],

@@ -1,0 +1,140 @@
+"""Speculative parameter checks (pimhbm.inplace.ParameterChecks.IN_UPDATE), on the CPU: no pass
+runs before the update's writes. A parameter chunk the update finds damaged may have made the
+step's gradients, so that step is applied but does not commit, the chunk's redo does not make
+it whole, and the Trainer takes the host snapshot and replays; a damaged moment is still redone
+in place. Campaigns of every fault kind end with the fault-free run's state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pimhbm import inplace
+from pimhbm.campaign import KINDS, Campaign
+from pimhbm.recovery import Action, IncidentKind
+from pimhbm.recovery.handling import FaultHandling
+from pimhbm.update import FAULT_PARAM
+from conftest import needs_devices
+from one_copy_trainer import GROUP, fault_free, incidents, make_trainer, same_state
+from test_inplace import KINDS as LAYOUTS
+from test_inplace import LR, flip, make, random_grads, random_params
+
+IN_UPDATE = dict(gradient_checks=inplace.GradientChecks.IN_UPDATE,
+                 parameter_checks=inplace.ParameterChecks.IN_UPDATE)
+
+
+def test_parameters_checked_in_the_update_need_the_gradients_checked_there_too():
+    with pytest.raises(ValueError, match="gradient_checks=GradientChecks.IN_UPDATE"):
+        inplace.adamw(LR, parameter_checks=inplace.ParameterChecks.IN_UPDATE)
+    with pytest.raises(TypeError, match="ParameterChecks"):
+        inplace.adamw(LR, parameter_checks="in the update")
+    assert inplace.adamw(LR, **IN_UPDATE).speculative  # the control: both in the update
+    assert not inplace.adamw(LR, gradient_checks=inplace.GradientChecks.IN_UPDATE).speculative
+
+
+def moments(state):
+    return {k: np.asarray(v).copy() for k, v in state.mu.items()}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_damaged_parameter_found_by_a_speculative_update_is_not_committed(rng, layout):
+    """A bit of a parameter flipped before the update. Checked before the writes (the control),
+    the step writes nothing. Speculatively, the update writes every other chunk, names the
+    damaged one, and the step does not commit; the chunk's repair rebuilds and redoes it but
+    is not complete (the step's gradients may have read the damage)."""
+    leaf, index, bit = "t0", int(rng.integers(300 * 77)), int(rng.integers(16))
+    for kw in ({}, IN_UPDATE):
+        opt, dtype = make(layout, **kw)
+        params = random_params(rng, dtype)
+        update, repair = (jax.jit(opt.update, donate_argnums=1),
+                          jax.jit(opt.repair, donate_argnums=0))
+        state = flip(opt.init(params), "p", leaf, index, bit)
+        before = moments(state)
+        state, report = update(random_grads(rng, params), state)
+        after = moments(state)
+        assert not bool(report.committed) and int(report.digest_faults) == 1, kw
+        if not kw:
+            assert not bool(report.applied)
+            assert all(after[k].tobytes() == before[k].tobytes() for k in before)
+            continue
+        assert bool(report.applied) and int(report.kept) == 0
+        faults = np.asarray(report.fault_maps[leaf])
+        chunk = index // opt.chunk_elems
+        assert faults[chunk] & FAULT_PARAM and np.count_nonzero(faults) == 1
+        assert all((after[k] != before[k]).mean() > 0.5 for k in before)  # the others written
+        assert (after[leaf].reshape(-1)[chunk * opt.chunk_elems:][:opt.chunk_elems] ==
+                before[leaf].reshape(-1)[chunk * opt.chunk_elems:][:opt.chunk_elems]).all()
+        state, fixed = repair(state, report)
+        assert not bool(fixed.complete) and int(fixed.faults) == 0
+
+
+def test_a_damaged_moment_found_by_a_speculative_update_is_still_redone_in_place(rng):
+    """The moments do not reach the gradients: their damage found by the update leaves the
+    chunk for its redo, and the step commits and is whole after it (as by default)."""
+    opt, dtype = make("bf16_master", **IN_UPDATE)
+    params = random_params(rng, dtype)
+    state = flip(opt.init(params), "mu", "t1", 5, 20)
+    state, report = jax.jit(opt.update, donate_argnums=1)(random_grads(rng, params), state)
+    assert bool(report.committed) and int(report.digest_faults) == 1
+    state, fixed = jax.jit(opt.repair, donate_argnums=0)(state, report)
+    assert bool(fixed.complete)
+
+
+def flips_of_parameters(name, steps):
+    """A run with two parameter flips before their steps: its stats and whether it ended with
+    the fault-free run's state."""
+    reference = fault_free(name, steps, devices=1, shard=1, group=GROUP)
+    tr = make_trainer(name, inject=True, **IN_UPDATE, devices=1, shard=1, group=GROUP)
+    try:
+        campaign = Campaign(tr, {"param_flip": 2}, last_step=steps - 2, seed=5)
+        stats = tr.run(steps, campaign=campaign)
+        assert campaign.check(stats)["param_flip"]["missed"] == 0
+        return stats, same_state(tr.current_state(), reference)
+    finally:
+        tr.close(unlink=True)
+
+
+def test_each_damaged_parameter_sends_its_step_to_the_host_snapshot(shm_name, monkeypatch):
+    """Parameter flips alone, before their steps: each step's update finds its chunk, the step
+    does not commit and comes back from the host snapshot, and the run ends bit-identical. The
+    control: with the verdicts taken out (the update's, the redo's and the loop's), both chunks
+    are redone from parity, and the steps' gradients, which read the flipped bits, take the run
+    elsewhere."""
+    stats, same = flips_of_parameters(shm_name, 24)
+    state = incidents(stats, IncidentKind.STATE)
+    assert len(state) == 2 and {i.action for i in state} == {Action.RESTORED_FROM_SNAPSHOT}
+    assert stats.host_restores == 2 and same
+
+    monkeypatch.setattr(inplace.AdamW, "_suspect", lambda self, outs: jnp.int32(0))
+    monkeypatch.setattr(inplace.AdamW, "_suspect_left", lambda self, index: jnp.bool_(False))
+    monkeypatch.setattr(FaultHandling, "_suspect", lambda self, report: False)
+    stats, same = flips_of_parameters(shm_name + "_control", 24)
+    assert {i.action for i in incidents(stats, IncidentKind.STATE)} == {
+        Action.REDONE_FROM_PARITY}
+    assert stats.host_restores == 0 and not same
+
+
+@pytest.mark.parametrize("devices,shard", [(1, 1), (4, 2)], ids=["1-device", "fsdp-2x2"])
+def test_a_speculative_campaign_of_every_kind_ends_bit_identical(shm_name, devices, shard):
+    """Every fault kind, no checks before the writes: a damaged parameter chunk sends its step
+    to the host snapshot (restored, replayed), a damaged moment or master weight is redone from
+    parity, and the run ends with the fault-free run's state (run with the checks before the
+    writes: the same arithmetic), with 0 compilations after prewarm."""
+    needs_devices(devices)
+    steps = 24
+    kw = dict(devices=devices, shard=shard, group=GROUP)
+    reference = fault_free(shm_name, steps, **kw)
+    tr = make_trainer(shm_name, inject=True, **IN_UPDATE, **kw)
+    try:
+        campaign = Campaign(tr, {k: 2 for k in KINDS}, last_step=steps - 2, seed=5)
+        stats = tr.run(steps, campaign=campaign)
+        found = campaign.check(stats)
+        assert all(r["missed"] == 0 and r["repaired"] == r["injected"]
+                   for r in found.values()), found
+        assert stats.compiles_after_prewarm == 0
+        assert same_state(tr.current_state(), reference)
+        restored = incidents(stats, IncidentKind.STATE, Action.RESTORED_FROM_SNAPSHOT)
+        assert any(loc.tensor == "p" for i in restored for loc in i.locations)
+        assert incidents(stats, IncidentKind.STATE, Action.REDONE_FROM_PARITY)
+    finally:
+        tr.close(unlink=True)
