@@ -138,3 +138,26 @@ def test_a_speculative_campaign_of_every_kind_ends_bit_identical(shm_name, devic
         assert incidents(stats, IncidentKind.STATE, Action.REDONE_FROM_PARITY)
     finally:
         tr.close(unlink=True)
+
+
+def test_the_counts_a_speculative_fence_sees_wait_for_every_gradient(rng):
+    """No checks run, yet the counts the update's verdict is drawn from (the Trainer puts the
+    snapshot fence on them, ``before_writes``) come out of a barrier that holds every gradient:
+    drawn from a constant instead, the fence could run before the backward pass and stall it on
+    a snapshot's copy. The control: by default no such barrier (the counts are the checks
+    call's, which reads every gradient)."""
+    for kw in ({}, IN_UPDATE):
+        opt, dtype = make("bf16_master", **kw)
+        params = random_params(rng, dtype)
+        grads, state = random_grads(rng, params), opt.init(params)
+        jaxpr = jax.make_jaxpr(lambda g, s: opt.update(g, s, before_writes=lambda c: c + 0))(
+            grads, state).jaxpr
+        gradients = set(jaxpr.invars[:len(params)])
+        barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"
+                    and gradients <= set(e.invars)]
+        assert len(barriers) == (1 if kw else 0), kw
+        if kw:
+            counts = barriers[0].outvars[0]
+            assert counts.aval.shape == (2,)
+            fence = [e for e in jaxpr.eqns if e.primitive.name == "add" and counts in e.invars]
+            assert len(fence) == 1  # before_writes got the barrier's counts
