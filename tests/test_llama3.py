@@ -454,12 +454,13 @@ def test_llama3_tool_takes_the_chunk_size_it_is_given():
     assert "Traceback" not in run.stderr
 
 
-def test_llama3_tool_checks_where_it_is_told(tmp_path):
-    """`--gradient-checks in-update --parameter-checks in-update` (no checks before the
-    writes): the tiny tool's campaign of every fault kind still ends bit-identical with 0
-    compilations, its gradient faults restored from the host snapshot, and the figures say what
-    was on; with two slots, without snapshots, or with the parameters alone checked in the
-    update, the options are refused before anything starts."""
+@pytest.mark.parametrize("speculative", [False, True], ids=["gradients", "speculative"])
+def test_llama3_tool_checks_where_it_is_told(tmp_path, speculative):
+    """`--gradient-checks in-update`, and with it `--parameter-checks in-update` (no checks
+    before the writes): the tiny tool's campaign of every fault kind still ends bit-identical
+    with 0 compilations, its gradient faults restored from the host snapshot, and the figures
+    say what was on; with two slots, without snapshots, or with the parameters alone checked
+    in the update, the options are refused before anything starts."""
     import json
     import subprocess
     import sys
@@ -468,15 +469,19 @@ def test_llama3_tool_checks_where_it_is_told(tmp_path):
     cmd = [sys.executable, "-m", "pimhbm_cli", "llama3", "--tiny", "--layers", "1", "--tokens",
            "256", "--seq", "32", "--vocab", "256", "--steps", "2", "--devices", "1",
            "--campaign-steps", "10", "--faults", "1", "--gradient-checks", "in-update"]
-    run = subprocess.run(cmd + ["--parameter-checks", "in-update", "--json", str(out)],
+    where = "in-update" if speculative else "before-writes"
+    run = subprocess.run(cmd + ["--parameter-checks", where, "--json", str(out)],
                          capture_output=True, text=True, env=cached_env(), timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["protection"]["gradient_checks"] == "in the update"
-    assert r["protection"]["parameter_checks"] == "in the update"
+    assert r["protection"]["parameter_checks"] == {"in-update": "in the update",
+                                                   "before-writes": "before the writes"}[where]
     assert r["compiles_after_prewarm"] == 0 and r["campaign"]["bit_identical"]
     grads = r["campaign"]["faults"]["grad_nonfinite"]
     assert grads["missed"] == 0 and grads["repaired"] == grads["injected"] == 1
+    if speculative:
+        return  # the refusals below do not depend on it
     run = subprocess.run(cmd + ["--state", "two-slots"], capture_output=True, text=True,
                          env=cached_env(), timeout=300)
     assert run.returncode == 2 and "is for --state one-copy" in run.stderr

@@ -80,11 +80,11 @@ def test_a_damaged_moment_found_by_a_speculative_update_is_still_redone_in_place
     assert bool(fixed.complete)
 
 
-def flips_of_parameters(name, steps):
+def flips_of_parameters(name, steps, devices=1, group=GROUP):
     """A run with two parameter flips before their steps: its stats and whether it ended with
     the fault-free run's state."""
-    reference = fault_free(name, steps, devices=1, shard=1, group=GROUP)
-    tr = make_trainer(name, inject=True, **IN_UPDATE, devices=1, shard=1, group=GROUP)
+    reference = fault_free(name, steps, devices=devices, shard=1, group=group)
+    tr = make_trainer(name, inject=True, **IN_UPDATE, devices=devices, shard=1, group=group)
     try:
         campaign = Campaign(tr, {"param_flip": 2}, last_step=steps - 2, seed=5)
         stats = tr.run(steps, campaign=campaign)
@@ -111,6 +111,23 @@ def test_each_damaged_parameter_sends_its_step_to_the_host_snapshot(shm_name, mo
     stats, same = flips_of_parameters(shm_name + "_control", 24)
     assert {i.action for i in incidents(stats, IncidentKind.STATE)} == {
         Action.REDONE_FROM_PARITY}
+    assert stats.host_restores == 0 and not same
+
+
+def test_with_replicas_alone_a_damaged_parameter_still_goes_to_the_host_snapshot(
+        shm_name, monkeypatch):
+    """Four replicas, no parity: every replica's update applied the gradients summed over the
+    replicas, so a healthy replica's chunk would not make the step whole either -- the loop
+    sends it to the host snapshot. The control: with the loop's verdict alone taken out, the
+    chunk is pulled from a replica, the step commits, and the run ends elsewhere."""
+    needs_devices(4)
+    stats, same = flips_of_parameters(shm_name, 24, devices=4, group=0)
+    assert {i.action for i in incidents(stats, IncidentKind.STATE)} == {
+        Action.RESTORED_FROM_SNAPSHOT}
+    assert stats.host_restores == 2 and same
+
+    monkeypatch.setattr(FaultHandling, "_suspect", lambda self, report: False)
+    stats, same = flips_of_parameters(shm_name + "_control", 24, devices=4, group=0)
     assert stats.host_restores == 0 and not same
 
 
@@ -161,3 +178,31 @@ def test_the_counts_a_speculative_fence_sees_wait_for_every_gradient(rng):
             assert counts.aval.shape == (2,)
             fence = [e for e in jaxpr.eqns if e.primitive.name == "add" and counts in e.invars]
             assert len(fence) == 1  # before_writes got the barrier's counts
+
+
+def variables(eqn):
+    """An equation's operands that are variables (not literals)."""
+    return {v for v in eqn.invars if type(v).__name__ != "Literal"}
+
+
+def test_the_parameter_checks_alone_run_after_every_gradient(rng):
+    """With the gradients checked in the update, the pass before the writes reads p alone; its
+    parameters come out of a barrier that holds every gradient, so that the checks follow the
+    backward pass's last read of p (else XLA, which orders by data only, may run them first,
+    and damage between them and that read would reach the gradients unseen). The control: the
+    default's pass reads the gradients themselves, and needs no barrier. (The traced program:
+    on the CPU, XLA drops barriers before it schedules; on the GPU after.)"""
+    for checks, barrier in ((inplace.GradientChecks.BEFORE_WRITES, False),
+                            (inplace.GradientChecks.IN_UPDATE, True)):
+        opt, dtype = make("bf16_master", gradient_checks=checks)
+        params = random_params(rng, dtype)
+        grads, state = random_grads(rng, params), opt.init(params)
+        jaxpr = jax.make_jaxpr(opt.update)(grads, state).jaxpr
+        gradients = set(jaxpr.invars[:len(params)])
+        barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"
+                    and gradients <= set(e.invars)]
+        assert len(barriers) == int(barrier), checks
+        if barrier:
+            passed = set(barriers[0].outvars[:len(params)])  # the parameters, through it
+            readers = [e for e in jaxpr.eqns if passed & variables(e)]
+            assert readers and passed <= variables(readers[0])  # the checks read them all

@@ -2,7 +2,8 @@
 //
 // The caller decides before the update whether the step may commit at all (`go`: every gradient
 // finite, the parameters intact after the backward pass read them, the step scalars valid --
-// python/pimhbm/update.py). Given go, the update reads every chunk of the state and its
+// python/pimhbm/inplace.py; options leave the first two to this update, whose caller then
+// withholds the commit where it kept elements or, speculatively, found a damaged parameter). Given go, the update reads every chunk of the state and its
 // gradient once and writes the new state over the old one. What it finds from there on is
 // local to a chunk:
 //
@@ -80,7 +81,7 @@ struct InPlaceLeaf {
   // shard's own); null: 0.
   const int32_t* chunk_base = nullptr;
   // The update's checks' map of p (non-zero: the chunk no longer matched its digest), or null
-  // (a redo). A skipped step's fault map is this one (kFaultParam where damaged): the step's
+  // (a redo, or no checks before the update: pimhbm.inplace.ParameterChecks.IN_UPDATE). A skipped step's fault map is this one (kFaultParam where damaged): the step's
   // report then needs no XLA op a leaf to merge the two.
   const int32_t* checked = nullptr;
 };

@@ -11,7 +11,9 @@ A step may be cancelled only by what is known before the first write. So ``updat
 in passes that read only the gradients and the parameters (4 bytes a bf16 parameter): every
 gradient finite (and its square), every parameter chunk intact after the backward pass read it,
 the step's scalars (learning rate, bias corrections) finite, and the caller's gate open -- across
-devices with ``axis_name``. Only then does the update run (else it writes nothing), reading and
+devices with ``axis_name``. (Options move the first two into the update itself:
+``GradientChecks.IN_UPDATE`` and, speculatively, ``ParameterChecks.IN_UPDATE``; a step that they
+find wanting is then applied but not committed, and its state must come from elsewhere.) Only then does the update run (else it writes nothing), reading and
 writing every chunk once, in place. What it finds from there is local to one chunk
 (csrc/update/inplace.h): a chunk whose master weights or moments (or parameters, damaged after
 the backward pass) fail their digests does not commit -- its digests keep their old values, its
@@ -118,8 +120,9 @@ class ParameterChecks(enum.Enum):
     # Speculative: the update verifies each chunk as it reads it, and no pass runs before the
     # writes (GradientChecks.IN_UPDATE too). It cannot tell damage that came before the
     # gradients were computed from that which came after, so a step where it finds a damaged
-    # parameter chunk is applied (but for that chunk's group) and does not commit: its state
-    # must come from elsewhere (the Trainer restores the host snapshot and replays).
+    # parameter chunk is applied (but for that chunk) and does not commit, even once the chunk
+    # is redone: its state must come from elsewhere (the Trainer restores the host snapshot
+    # and replays; a replica's chunk would not do: the gradients were summed over replicas).
     IN_UPDATE = "in the update"
 
 
@@ -127,8 +130,9 @@ class UpdateReport(NamedTuple):
     """What an update saw, as device values (fetch them asynchronously, never in the step)."""
 
     applied: jax.Array  # bool: the update ran (every check before it passed, on every device)
-    # bool: applied with no element kept, so the step counts; chunks it left (digest_faults)
-    # are completed by ``repair`` with this step's scalars
+    # bool: applied with no element kept (and, speculative checks, no damaged parameter chunk
+    # found), so the step counts; chunks it left (digest_faults) are completed by ``repair``
+    # with this step's scalars
     committed: jax.Array
     grad_nonfinite: jax.Array  # int32: NaN/Inf (or overflowing) gradient values, all devices
     digest_faults: jax.Array  # int32: damaged chunks found (before the update, and by it)
@@ -150,7 +154,9 @@ class RepairReport(NamedTuple):
 
     rebuilt: Any  # per leaf int32 (capacity, 4): rebuild status per stash row and tensor
     faults: jax.Array  # int32: redone chunks that still do not verify (to the next source)
-    complete: jax.Array  # bool: every left chunk rebuilt and redone, every damaged parameter rebuilt
+    # bool: every left chunk rebuilt and redone, every damaged parameter rebuilt (speculative
+    # checks: and no left chunk a damaged parameter's, which leaves its step suspect)
+    complete: jax.Array
     # per leaf int32 (capacity,): rebuild status of each damaged parameter chunk the checks
     # found before a refused update (NOT_LISTED: none; always so for a LeftChunks argument)
     params_rebuilt: Any
@@ -334,8 +340,13 @@ class AdamW:
                 (jnp.zeros((PRECHECK_TOTALS,), jnp.int32), grads))
             return Prechecks(None, None, zeros), grads
         params, p_tables = [leaf["p"] for leaf in leaves], [t["p"] for t in tables]
-        checked = grads if self.gradient_checks is GradientChecks.BEFORE_WRITES else None
-        return prechecks(params, p_tables, checked, self.chunk_elems), grads
+        if self.gradient_checks is GradientChecks.BEFORE_WRITES:  # the pass reads the gradients
+            return prechecks(params, p_tables, grads, self.chunk_elems), grads
+        # p's checks alone: through a barrier with the gradients, so that they run after the
+        # backward pass's last read of p (XLA orders by data only: without it they may run
+        # first, and damage between them and that read would reach the gradients unseen).
+        params, grads = jax.lax.optimization_barrier((params, grads))
+        return prechecks(params, p_tables, None, self.chunk_elems), grads
 
     def _suspect(self, outs: list[dict]) -> jax.Array:
         """Speculative: the parameter chunks the update found damaged (int32), whose damage may
@@ -398,7 +409,8 @@ class AdamW:
         step is not done (its gradients read the damaged parameters), the next one runs on the
         rebuilt parameters -- recompute the refused step's gradients to replay it. Does nothing
         where nothing was found. Needs parity (with replicas, copy the chunks from a healthy
-        replica instead)."""
+        replica instead -- but not for a step the speculative checks left suspect, whose
+        gradients every replica summed: restore a snapshot)."""
         ensure_registered()
         if state.parity is None:
             raise ValueError("repair rebuilds from parity; this state has none (group=0)")

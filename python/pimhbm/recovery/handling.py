@@ -140,11 +140,13 @@ class FaultHandling:
         halted behind it found is recorded as restored. Returns the step to replay from."""
         if self.backup is None or not self.snapshots.every:
             torn = faults.steps[0]
+            what = (f"kept {torn.kept} elements whose new values were not finite" if torn.kept
+                    else "found a damaged parameter chunk its gradients may have read")
             raise RuntimeError(
-                f"step {torn.step}'s update kept {torn.kept} elements whose new values were not "
-                "finite and wrote the others, so the state on the devices is neither that "
-                "step's nor the one before (do not save it). Only a recent host snapshot takes "
-                "it back: pass shm_name= and snapshot_every > 0. " + SETTINGS_HINT + ".")
+                f"step {torn.step}'s update {what} and wrote the rest, so the state on the "
+                "devices is neither that step's nor the one before (do not save it). Only a "
+                "recent host snapshot takes it back: pass shm_name= and snapshot_every > 0. " +
+                SETTINGS_HINT + ".")
         self.state, snap = self._restore_from_host()
         found = []
         for r in faults.steps:

@@ -57,8 +57,9 @@ def _check_options(opt: AdamW | inplace.AdamW, transport: Transport, devices: li
                         f"pimhbm.update.adamw(...) (two slots), got {type(opt).__name__}")
     if getattr(opt, "gradient_checks", None) is inplace.GradientChecks.IN_UPDATE and not snapshots:
         raise ValueError("gradient_checks=GradientChecks.IN_UPDATE applies a step with a "
-                         "non-finite gradient in part, and the state then comes back from the "
-                         "host snapshot: pass shm_name= and snapshot_every > 0")
+                         "non-finite gradient in part (and parameter_checks=ParameterChecks."
+                         "IN_UPDATE one with a damaged parameter), and the state then comes "
+                         "back from the host snapshot: pass shm_name= and snapshot_every > 0")
     if max_skips < 2:
         raise ValueError(f"max_skips={max_skips}: a step must be allowed at least one replay")
     if shard < 1 or len(devices) % shard:
