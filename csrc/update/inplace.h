@@ -3,9 +3,9 @@
 // The caller decides before the update whether the step may commit at all (`go`: every gradient
 // finite, the parameters intact after the backward pass read them, the step scalars valid --
 // python/pimhbm/inplace.py; options leave the first two to this update, whose caller then
-// withholds the commit where it kept elements or, speculatively, found a damaged parameter). Given go, the update reads every chunk of the state and its
-// gradient once and writes the new state over the old one. What it finds from there on is
-// local to a chunk:
+// withholds the commit where it kept elements or, speculatively, found a damaged parameter).
+// Given go, the update reads every chunk of the state and its gradient once and writes the new
+// state over the old one. What it finds from there on is local to a chunk:
 //
 // * A chunk whose state does not match its digests (damage to the master weights, the moments,
 //   or a parameter after the backward pass read it) is not written: it keeps its state, digests
@@ -81,8 +81,9 @@ struct InPlaceLeaf {
   // shard's own); null: 0.
   const int32_t* chunk_base = nullptr;
   // The update's checks' map of p (non-zero: the chunk no longer matched its digest), or null
-  // (a redo, or no checks before the update: pimhbm.inplace.ParameterChecks.IN_UPDATE). A skipped step's fault map is this one (kFaultParam where damaged): the step's
-  // report then needs no XLA op a leaf to merge the two.
+  // (a redo, or no checks before the update: pimhbm.inplace.ParameterChecks.IN_UPDATE). A
+  // skipped step's fault map is this one (kFaultParam where damaged): the step's report then
+  // needs no XLA op a leaf to merge the two.
   const int32_t* checked = nullptr;
 };
 

@@ -13,13 +13,13 @@ gradient finite (and its square), every parameter chunk intact after the backwar
 the step's scalars (learning rate, bias corrections) finite, and the caller's gate open -- across
 devices with ``axis_name``. (Options move the first two into the update itself:
 ``GradientChecks.IN_UPDATE`` and, speculatively, ``ParameterChecks.IN_UPDATE``; a step that they
-find wanting is then applied but not committed, and its state must come from elsewhere.) Only then does the update run (else it writes nothing), reading and
-writing every chunk once, in place. What it finds from there is local to one chunk
-(csrc/update/inplace.h): a chunk whose master weights or moments (or parameters, damaged after
-the backward pass) fail their digests does not commit -- its digests keep their old values, its
-change stays out of the parity, its gradient goes into a small stash -- and ``repair`` then
-rebuilds its old state from the parity and redoes its update from the stash, in place: the step
-is complete without a replay. An element whose new values would not be finite keeps its old ones
+find wanting is then applied but not committed, and its state must come from elsewhere.) Only
+then does the update run (else it writes nothing), reading and writing every chunk once, in
+place. What it finds from there is local to one chunk (csrc/update/inplace.h): a chunk whose
+master weights or moments (or parameters, damaged after the backward pass) fail their digests
+does not commit -- its digests keep their old values, its change stays out of the parity, its
+gradient goes into a small stash -- and ``repair`` then rebuilds its old state from the parity
+and redoes its update from the stash, in place: the step is complete without a replay. An element whose new values would not be finite keeps its old ones
 (``UpdateReport.kept``): the update never writes NaN or Inf into the state.
 
 The state is a NamedTuple of fixed structure (no slot to flip): ``lax.scan`` over steps and
