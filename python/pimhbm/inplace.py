@@ -19,8 +19,9 @@ place. What it finds from there is local to one chunk (csrc/update/inplace.h): a
 master weights or moments (or parameters, damaged after the backward pass) fail their digests
 does not commit -- its digests keep their old values, its change stays out of the parity, its
 gradient goes into a small stash -- and ``repair`` then rebuilds its old state from the parity
-and redoes its update from the stash, in place: the step is complete without a replay. An element whose new values would not be finite keeps its old ones
-(``UpdateReport.kept``): the update never writes NaN or Inf into the state.
+and redoes its update from the stash, in place: the step is complete without a replay. An
+element whose new values would not be finite keeps its old ones (``UpdateReport.kept``): the
+update never writes NaN or Inf into the state.
 
 The state is a NamedTuple of fixed structure (no slot to flip): ``lax.scan`` over steps and
 checkpoints restored into ``jax.eval_shape(opt.init, params)`` see the same tree every step.
