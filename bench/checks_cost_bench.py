@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import write_json  # noqa: E402
-from host_loop_bench import HostBatches  # noqa: E402
+from host_loop_bench import HostBatches, llama3_job  # noqa: E402
 
 from pimhbm_cli import llama3  # noqa: E402
 
@@ -59,11 +59,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     llama3.add_arguments(p)
     p.add_argument("--rounds", type=int, default=3, help="rounds of every step, in turn")
-    args = p.parse_args()
-    args.argv = sys.argv[1:]
-    job = llama3._setup(args)
-    if isinstance(job, str):
-        print(job, file=sys.stderr)
+    args, job = llama3_job(p)
+    if job is None:
         return 2
     from pimhbm.backup import HostBackup
     from rich.table import Table

@@ -226,6 +226,18 @@ def traced_rounds(job: Any, plain: Any, trainer: Any, steps: int, where: str) ->
     return out
 
 
+def llama3_job(p: argparse.ArgumentParser) -> tuple[Any, Any]:
+    """The parsed options and `pimhbm llama3`'s job from them (None, said why, where they do
+    not hold)."""
+    args = p.parse_args()
+    args.argv = sys.argv[1:]
+    job = llama3._setup(args)
+    if isinstance(job, str):
+        print(job, file=sys.stderr)
+        return args, None
+    return args, job
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     llama3.add_arguments(p)
@@ -237,11 +249,8 @@ def main() -> int:
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="also trace a round of each step (jax.profiler) and print the device's "
                         "idle time inside and between programs, and the longest gaps")
-    args = p.parse_args()
-    args.argv = sys.argv[1:]
-    job = llama3._setup(args)
-    if isinstance(job, str):
-        print(job, file=sys.stderr)
+    args, job = llama3_job(p)
+    if job is None:
         return 2
     from pimhbm.backup import HostBackup
     from rich.table import Table
