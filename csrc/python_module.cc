@@ -126,6 +126,9 @@ nb::dict inplace_layout() {
   out["operands"] = operands;
   out["results"] = results;
   out["totals"] = pimhbm::update::kInPlaceTotals;
+  nb::list totals;
+  for (const char* n : pimhbm::update::kInPlaceTotalNames) totals.append(n);
+  out["total_names"] = totals;
   nb::list sizes;
   for (int64_t c : pimhbm::update::kInPlaceChunkElems) sizes.append(c);
   out["chunk_elems"] = sizes;

@@ -15,7 +15,8 @@ from pimhbm.recovery import Action, IncidentKind
 from pimhbm.recovery.handling import FaultHandling
 from pimhbm.update import FAULT_PARAM
 from conftest import needs_devices
-from one_copy_trainer import GROUP, fault_free, incidents, make_trainer, same_state
+from one_copy_trainer import CHUNK, GROUP, Once, fault_free, incidents, make_trainer, same_state
+from one_copy_trainer import flip as flip_in_trainer
 from test_inplace import KINDS as LAYOUTS
 from test_inplace import LR, flip, make, random_grads, random_params
 
@@ -53,6 +54,7 @@ def test_a_damaged_parameter_found_by_a_speculative_update_is_not_committed(rng,
         state, report = update(random_grads(rng, params), state)
         after = moments(state)
         assert not bool(report.committed) and int(report.digest_faults) == 1, kw
+        assert int(report.suspect) == (1 if kw else 0), kw  # the update's own count
         if not kw:
             assert not bool(report.applied)
             assert all(after[k].tobytes() == before[k].tobytes() for k in before)
@@ -76,8 +78,41 @@ def test_a_damaged_moment_found_by_a_speculative_update_is_still_redone_in_place
     state = flip(opt.init(params), "mu", "t1", 5, 20)
     state, report = jax.jit(opt.update, donate_argnums=1)(random_grads(rng, params), state)
     assert bool(report.committed) and int(report.digest_faults) == 1
+    assert int(report.suspect) == 0
     state, fixed = jax.jit(opt.repair, donate_argnums=0)(state, report)
     assert bool(fixed.complete)
+
+
+@pytest.mark.parametrize("third", ["parameter", "moment"])
+def test_a_parameter_beyond_the_fault_list_is_known_by_the_devices_count(shm_name, third):
+    """Three chunks damaged before one step, the fault list holding two: two moments (listed
+    first: lower chunk indices) and a third chunk that is a parameter or (the control) another
+    moment. The device's own count of damaged parameter chunks tells them apart where the list
+    cannot: the parameter sends the step to the host snapshot; three moments are redone from
+    parity with no restore. Both end bit-identical."""
+    steps, at = 12, 5
+    reference = fault_free(shm_name, steps)
+    last = ("w1", "p", 3 * CHUNK + 1) if third == "parameter" else ("w1", "mu", 3 * CHUNK + 1)
+
+    def inject(t):
+        flip_in_trainer(t, "w0", "mu", 1 * CHUNK + 2)
+        flip_in_trainer(t, "w0", "nu", 2 * CHUNK + 5)
+        flip_in_trainer(t, *last, bit=9)
+
+    tr = make_trainer(shm_name, **IN_UPDATE, fault_capacity=2)
+    try:
+        stats = tr.run(steps, campaign=Once(at, inject))
+        found = incidents(stats, IncidentKind.STATE)
+        assert found and found[0].step == at
+        if third == "parameter":
+            assert {i.action for i in found} == {Action.RESTORED_FROM_SNAPSHOT}
+            assert stats.host_restores == 1
+        else:
+            assert [i.action for i in found] == [Action.REDONE_FROM_PARITY]
+            assert stats.host_restores == 0
+        assert same_state(tr.current_state(), reference)
+    finally:
+        tr.close(unlink=True)
 
 
 def flips_of_parameters(name, steps, devices=1, group=GROUP):
@@ -105,7 +140,7 @@ def test_each_damaged_parameter_sends_its_step_to_the_host_snapshot(shm_name, mo
     assert len(state) == 2 and {i.action for i in state} == {Action.RESTORED_FROM_SNAPSHOT}
     assert stats.host_restores == 2 and same
 
-    monkeypatch.setattr(inplace.AdamW, "_suspect", lambda self, outs: jnp.int32(0))
+    monkeypatch.setattr(inplace.AdamW, "_suspect", lambda self, totals: jnp.int32(0))
     monkeypatch.setattr(inplace.AdamW, "_suspect_left", lambda self, index: jnp.bool_(False))
     monkeypatch.setattr(FaultHandling, "_suspect", lambda self, report: False)
     stats, same = flips_of_parameters(shm_name + "_control", 24)

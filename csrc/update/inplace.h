@@ -108,9 +108,14 @@ struct StashIn {  // the same, read by a redo
   int64_t entries = 0;
 };
 
-// Totals over the call: [0] chunks that did not commit, [1] elements kept, [2] chunks offered
-// to the stash (more than its capacity: some could not be stashed).
-inline constexpr int kInPlaceTotals = 3;
+// The call's totals (64-bit counters), by position: chunks that did not commit; elements kept;
+// chunks offered to the stash (more than its capacity: some could not be stashed); of the
+// chunks that did not commit, those whose parameter was damaged (with no checks before the
+// writes, the gradients may have read it). Python reads them by the names (inplace_calls.py).
+enum InPlaceTotal : int { kTotalFaulty, kTotalKept, kTotalStashed, kTotalSuspect };
+inline constexpr const char* kInPlaceTotalNames[] = {"faulty", "kept", "stashed", "suspect"};
+inline constexpr int kInPlaceTotals = 4;
+static_assert(sizeof(kInPlaceTotalNames) / sizeof(kInPlaceTotalNames[0]) == kInPlaceTotals);
 
 PIMHBM_HD int64_t inplace_chunks(const InPlaceLeaf& leaf) {
   return leaf.n == 0 ? 0 : (leaf.n + leaf.chunk_elems - 1) / leaf.chunk_elems;

@@ -151,14 +151,15 @@ void clear_reports(const InPlaceLeaf& L) {
 void record(const InPlaceLeaf& L, int64_t c, const ChunkResult& r, uint64_t* totals) {
   L.faults[c] = r.faults;
   L.kept[c] = r.kept;
-  totals[0] += r.faults != 0 ? 1 : 0;
-  totals[1] += static_cast<uint64_t>(r.kept);
+  totals[kTotalFaulty] += r.faults != 0 ? 1 : 0;
+  totals[kTotalKept] += static_cast<uint64_t>(r.kept);
+  totals[kTotalSuspect] += (r.faults & kFaultParam) != 0 ? 1 : 0;
 }
 
 // Chunk c's gradient into the next stash row, if there is one.
 void stash_chunk(const InPlaceLeaf& L, int64_t c, int32_t faults, const Stash& stash,
                  uint64_t* totals) {
-  const int64_t slot = static_cast<int64_t>(totals[2]++);
+  const int64_t slot = static_cast<int64_t>(totals[kTotalStashed]++);
   if (slot >= stash.capacity) return;
   const int size = L.param_bf16 ? 2 : 4;
   const int64_t first = c * L.chunk_elems;

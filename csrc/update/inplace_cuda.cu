@@ -516,8 +516,11 @@ __device__ __forceinline__ void record(const InPlaceLeaf& L, int64_t c, const Ch
   L.faults[c] = v.faults;
   L.kept[c] = static_cast<int32_t>(v.kept);
   auto* t = reinterpret_cast<unsigned long long*>(totals);
-  if (v.faults != 0) atomicAdd(&t[0], 1ull);
-  if (v.kept != 0) atomicAdd(&t[1], static_cast<unsigned long long>(v.kept));
+  if (v.faults != 0) {
+    atomicAdd(&t[kTotalFaulty], 1ull);
+    if ((v.faults & kFaultParam) != 0) atomicAdd(&t[kTotalSuspect], 1ull);
+  }
+  if (v.kept != 0) atomicAdd(&t[kTotalKept], static_cast<unsigned long long>(v.kept));
 }
 
 // Chunk c's gradient (held by the lanes) into a stash row, if one is left.
@@ -525,7 +528,8 @@ template <bool kBF16, int kG>
 __device__ void stash_chunk(const InPlaceLeaf& L, int64_t c, int32_t faults,
                             const Part<kG, kBF16>& x, const Stash& stash, uint64_t* totals) {
   unsigned long long slot = 0;
-  if (lane_id() == 0) slot = atomicAdd(reinterpret_cast<unsigned long long*>(totals) + 2, 1ull);
+  auto* t = reinterpret_cast<unsigned long long*>(totals);
+  if (lane_id() == 0) slot = atomicAdd(&t[kTotalStashed], 1ull);
   slot = __shfl_sync(0xFFFFFFFFu, slot, 0);
   if (slot >= static_cast<unsigned long long>(stash.capacity)) return;
   uint32_t* row = stash.rows + static_cast<int64_t>(slot) * L.chunk_elems;

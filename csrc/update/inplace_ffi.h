@@ -5,7 +5,7 @@
 // twelve aliased with the operands of the same name). Before the leaves: the step scalars
 // (float32 (3,)) and, for the update, the verdict `go` (int32 (1,)); for a redo, the stash
 // (uint32 (entries, chunk_elems) and int32 (entries, 2)). After the leaves' results: for the
-// update, the stash (capacity rows); then the totals (uint32 (3, 2): 64-bit counters as low and
+// update, the stash (capacity rows); then the totals (uint32 (4, 2): 64-bit counters as low and
 // high words, inplace.h).
 #pragma once
 

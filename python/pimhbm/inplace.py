@@ -41,7 +41,7 @@ import numpy as np
 from pimhbm import parity
 from pimhbm._ffi import ensure_registered
 from pimhbm.inplace_calls import (PRECHECK_TOTALS, Prechecks, Stash, leaf_operands, prechecks,
-                                  redo_call, saturated, update_call)
+                                  UpdateTotals, redo_call, update_call)
 from pimhbm.inplace_calls import layout as inplace_layout
 from pimhbm.repair import NOT_LISTED, REPAIRED
 from pimhbm.scan import scan
@@ -143,6 +143,9 @@ class UpdateReport(NamedTuple):
     stash: Stash  # this device's gradients of the chunks the update left for a redo
     stashed: jax.Array  # int32: chunks offered to this device's stash (> capacity: not all fit)
     scalars: jax.Array  # float32 (3,): lr, 1 - b1^t, 1 - b2^t of this step (a redo needs them)
+    # int32: speculative checks, the parameter chunks the update found damaged, all devices
+    # (their damage may have reached the gradients: the step is not whole); else 0
+    suspect: jax.Array
 
     @property
     def left(self) -> LeftChunks:
@@ -308,8 +311,8 @@ class AdamW:
 
         outs, stash, totals = self._call(go, scalars, leaves, tables, state.parity, treedef,
                                          flat_grads, checked=p_faults)
-        kept, faulty = saturated(totals[1]), saturated(totals[0])
-        suspect = self._suspect(outs)
+        kept, faulty = totals.kept, totals.faulty
+        suspect = self._suspect(totals)
         if axis_name is not None:
             summed = jax.lax.psum(jnp.stack([faulty, kept, suspect]), axis_name)
             faulty, kept, suspect = summed[0], summed[1], summed[2]
@@ -325,8 +328,8 @@ class AdamW:
         if self.gradient_checks is GradientChecks.IN_UPDATE:  # the kept elements say it
             grad_nonfinite, g_maps = kept, [o["kept"] for o in outs]
         report = UpdateReport(go, committed, grad_nonfinite, counts[0] + faulty, kept,
-                              unflat(fault_maps), unflat(g_maps), stash, saturated(totals[2]),
-                              scalars)
+                              unflat(fault_maps), unflat(g_maps), stash, totals.stashed,
+                              scalars, suspect)
         return new_state, report
 
     def _prechecks(self, leaves: list[dict], tables: list[dict], grads: list[jax.Array]
@@ -349,12 +352,11 @@ class AdamW:
         params, grads = jax.lax.optimization_barrier((params, grads))
         return prechecks(params, p_tables, None, self.chunk_elems), grads
 
-    def _suspect(self, outs: list[dict]) -> jax.Array:
-        """Speculative: the parameter chunks the update found damaged (int32), whose damage may
-        have come before the gradients were computed from them; else 0."""
-        if not self.speculative:
-            return jnp.int32(0)
-        return sum(jnp.count_nonzero(o["faults"] & FAULT_PARAM).astype(jnp.int32) for o in outs)
+    def _suspect(self, totals: UpdateTotals) -> jax.Array:
+        """Speculative: the parameter chunks the update found damaged (int32, the kernel's
+        count), whose damage may have come before the gradients were computed from them; else
+        0 (the checks before the writes found any such damage)."""
+        return totals.suspect if self.speculative else jnp.int32(0)
 
     def _suspect_left(self, index: jax.Array) -> jax.Array:
         """Speculative: whether a stash (its index) holds a parameter chunk the update found
@@ -444,10 +446,10 @@ class AdamW:
             statuses.append(jnp.stack(st, axis=1))
         outs, _, totals = self._call(None, report.scalars, rebuilt, tables, state.parity, treedef,
                                      stash=report.stash)
-        faults = saturated(totals[0])
+        faults = totals.faulty
         # A stashed gradient that was not checked before the writes may be non-finite: the
         # redo then kept elements, and the chunk is not whole (the next source takes it).
-        kept_whole = (saturated(totals[1]) == 0
+        kept_whole = (totals.kept == 0
                       if self.gradient_checks is GradientChecks.IN_UPDATE else True)
         # The redo commits a chunk's step: the count stays (the step was counted when applied).
         new_state = self._state_from(outs, treedef, state.master is not None, True,

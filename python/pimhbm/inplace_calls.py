@@ -47,6 +47,26 @@ def layout() -> dict:
     return _core.inplace_layout()
 
 
+class UpdateTotals(NamedTuple):
+    """An update's or a redo's counts over the call, int32 (saturating): summed by the kernel,
+    and over the mesh axes of the call's leaves (csrc/update/inplace.h, by these names)."""
+
+    faulty: jax.Array  # chunks that did not commit (found damaged)
+    kept: jax.Array  # elements whose new values were not finite, kept as they were
+    stashed: jax.Array  # chunks offered to the stash (more than its capacity: not all fit)
+    suspect: jax.Array  # of the faulty chunks, those whose parameter was damaged
+
+
+def _totals(words: jax.Array) -> UpdateTotals:
+    """The call's totals from its 64-bit counters (uint32 (n, 2)), by the handler's names."""
+    names = tuple(layout()["total_names"])
+    if names != UpdateTotals._fields:
+        raise RuntimeError(f"the compiled module's update totals are {names}, this package "
+                           f"reads {UpdateTotals._fields}: reinstall pimhbm")
+    counts = saturated(words)
+    return UpdateTotals(*(counts[i] for i in range(len(names))))
+
+
 def _role(name: str, x: jax.Array, leaf: int) -> Arg:
     """How a leaf's buffer relates to its chunks; a placeholder (no master weights, no parity)
     is the same on every device."""
@@ -236,7 +256,7 @@ def _group_call(target, lead, ops, idx, bases, attrs, tail):
 def update_call(scalars: jax.Array, go: jax.Array, leaf_ops: list[dict], attrs: dict,
                 capacity: int):
     """pimhbm_adamw_inplace over every leaf: per leaf its results by name, the stash, the
-    totals (uint32 (3, 2)); per shard under a mesh (module docstring)."""
+    totals; per shard under a mesh (module docstring)."""
     lay = layout()
     tail = [jax.ShapeDtypeStruct((capacity, int(attrs["chunk_elems"])), jnp.uint32),
             jax.ShapeDtypeStruct((capacity, lay["stash_columns"]), jnp.int32),
@@ -256,7 +276,7 @@ def update_call(scalars: jax.Array, go: jax.Array, leaf_ops: list[dict], attrs: 
 
     res, (rows, index, totals) = _leafwise("pimhbm_adamw_inplace", [scalars, go], leaf_ops, attrs,
                                            tail, per_shard)
-    return res, Stash(rows, index), totals
+    return res, Stash(rows, index), _totals(totals)
 
 
 def redo_call(scalars: jax.Array, stash: Stash, leaf_ops: list[dict], attrs: dict):
@@ -280,7 +300,7 @@ def redo_call(scalars: jax.Array, stash: Stash, leaf_ops: list[dict], attrs: dic
 
     res, (totals,) = _leafwise("pimhbm_adamw_redo", [scalars, stash.rows, stash.index], leaf_ops,
                                attrs, tail, per_shard)
-    return res, totals
+    return res, _totals(totals)
 
 
 def _local_rows(index: jax.Array, idx: list[int], bases: jax.Array, limits: list[int],

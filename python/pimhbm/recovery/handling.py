@@ -13,7 +13,6 @@ import numpy as np
 
 from pimhbm import ipc
 from pimhbm.recovery.events import SETTINGS_HINT, Action, Incident, IncidentKind, record
-from pimhbm.recovery.layout import Damage
 from pimhbm.recovery.repairs import Recovery
 from pimhbm.recovery.summary import (FaultReport, StepReport, decode_scrub, decode_step, merge,
                                      whole_chunks)
@@ -124,11 +123,10 @@ class FaultHandling:
 
     def _suspect(self, report: StepReport) -> bool:
         """Whether a step the update applied found a damaged parameter chunk with no checks
-        before its writes (pimhbm.inplace.ParameterChecks.IN_UPDATE; or more damaged chunks than
-        its lists hold): the damage may have made the step's gradients, so the chunk's redo
+        before its writes (pimhbm.inplace.ParameterChecks.IN_UPDATE; the device's own count,
+        listed or not): the damage may have made the step's gradients, so the chunk's redo
         would not make the step whole."""
-        return getattr(self.opt, "speculative", False) and (
-            report.overflow or any(d.damage & Damage.P for d in report.damaged))
+        return report.suspect
 
     def _restore_torn(self, faults: FaultReport) -> int:
         """A step the update applied in part: it kept the elements whose new values were not

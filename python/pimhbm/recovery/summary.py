@@ -52,6 +52,9 @@ class StepSummary(NamedTuple):
     # int32: 1 where the step's learning rate or bias corrections could not make finite values
     # (the update applied nothing; the step's verdict, every device's the same)
     bad_scalars: jax.Array
+    # int32: speculative checks (one copy), the parameter chunks the update found damaged, every
+    # device (the step's count): their damage may have reached the gradients; else 0
+    suspect: jax.Array
 
 
 class ScrubSummary(NamedTuple):
@@ -108,7 +111,7 @@ def step_summary(report: Any, treedef: Any, capacity: int,
         fault_list(treedef.flatten_up_to(report.fault_maps), capacity),
         fault_list(treedef.flatten_up_to(report.grad_nonfinite_maps), capacity),
         fault_list(disagree, capacity), report.grad_nonfinite,
-        unusable(report.scalars).astype(jnp.int32))
+        unusable(report.scalars).astype(jnp.int32), jnp.int32(0))
 
 
 def inplace_summary(report: Any, treedef: Any, capacity: int,
@@ -126,7 +129,7 @@ def inplace_summary(report: Any, treedef: Any, capacity: int,
         whole.astype(jnp.int32),
         report.applied.astype(jnp.int32), grads.total, faults.nonzero, faults.faults,
         grads.faults, fault_list(disagree, capacity), report.kept,
-        unusable(report.scalars).astype(jnp.int32))
+        unusable(report.scalars).astype(jnp.int32), report.suspect)
 
 
 # -- on the host ---------------------------------------------------------------------------------
@@ -154,6 +157,9 @@ class StepReport(NamedTuple):
     miscomputed: tuple[int, ...] = ()  # devices whose gradients, computed again, differ
     kept: int = 0  # elements whose new values were not finite, kept (one copy: applied in part)
     bad_scalars: bool = False  # the learning rate or a bias correction could not make finite values
+    # speculative checks: the update found a damaged parameter chunk (listed or not), whose
+    # damage the step's gradients may have read
+    suspect: bool = False
 
 
 def decode_step(step: int, s: StepSummary, layout: StateLayout,
@@ -180,7 +186,7 @@ def decode_step(step: int, s: StepSummary, layout: StateLayout,
                       tuple(state), overflow, tuple(grads), unlisted, int(s.grad_nonfinite.sum()),
                       int(s.faulty_chunks.sum()), np.asarray(s.faulty_chunks) > 0,
                       tuple(disagree), miscomputed, int(s.kept.max()),
-                      bool(s.bad_scalars.any()))
+                      bool(s.bad_scalars.any()), bool(s.suspect.any()))
 
 
 def whole_chunks(report: StepReport, layout: StateLayout) -> StepReport:
