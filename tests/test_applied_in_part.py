@@ -17,6 +17,7 @@ from pimhbm import inplace
 from pimhbm.campaign import KINDS, Campaign
 from pimhbm.models import mlp
 from pimhbm.recovery import Action, IncidentKind, Trainer
+from pimhbm.recovery.one_copy import OneCopy
 from conftest import nan_at_step, needs_devices
 from one_copy_trainer import (CHUNK, GROUP, NoEndlessReplay, Once, fault_free, flip, incidents,
                               make_trainer, same_state)
@@ -67,10 +68,16 @@ def test_gradients_checked_in_the_update_need_a_host_snapshot(shm_name):
         tr.close(unlink=True)
 
 
-def test_gradients_checked_in_the_update_stop_a_step_that_fails_on_every_replay(shm_name):
-    """A NaN in step 7's batch: each time, the update applies the step in part and the Trainer
-    restores the snapshot of step 5 and replays -- steps 6 commits on every replay, which must
-    not reset step 7's count. The run stops after max_skips, as with the checks before."""
+@pytest.mark.parametrize("loss_gate", [True, False], ids=["loss-gate", "control-no-gate"])
+def test_gradients_checked_in_the_update_stop_a_step_that_fails_on_every_replay(
+        shm_name, monkeypatch, loss_gate):
+    """A NaN in step 7's batch, so its loss is NaN on every replay: the loss holds the step
+    before any write, and after max_skips skips (no host restore) the run stops with an error
+    that names the loss. The control, with the loss's gate taken out: each time the update
+    applies the step in part and the Trainer restores the snapshot of step 5 and replays --
+    step 6 commits on every replay, which must not reset step 7's count."""
+    if not loss_gate:
+        monkeypatch.setattr(OneCopy, "_nonfinite_loss", lambda self, loss: jnp.int32(0))
     batch_fn = nan_at_step(mlp.batches(0), 7)
     opt = inplace.adamw(3e-3, master_weights=True, chunk_elems=CHUNK, group=GROUP,
                         gradient_checks=inplace.GradientChecks.IN_UPDATE)
@@ -78,11 +85,21 @@ def test_gradients_checked_in_the_update_stop_a_step_that_fails_on_every_replay(
                  max_skips=3, devices=jax.devices()[:1])
     try:
         tr.prewarm()
-        with pytest.raises(pimhbm.recovery.PersistentFault, match="step 7 was skipped 3 times"):
+        with pytest.raises(pimhbm.recovery.PersistentFault,
+                           match="step 7 was skipped 3 times") as err:
             tr.run(12, campaign=NoEndlessReplay(7, 4))
-        assert tr.stats.host_restores == 3 and tr.next_step == 7
-        assert {i.action for i in incidents(tr.stats, IncidentKind.GRADIENT)} == {
-            Action.RESTORED_FROM_SNAPSHOT}
+        assert tr.next_step == 7
+        found = incidents(tr.stats, IncidentKind.GRADIENT)
+        if loss_gate:
+            assert tr.stats.host_restores == 0 and device_steps(tr) == [6]  # nothing written
+            assert "a loss that was not finite" in str(err.value)
+            assert "loss diverged" in str(err.value)
+            assert [(i.step, i.action, i.detail) for i in found] == [
+                (7, Action.SKIPPED_AND_REPLAYED, "its loss was not finite: the update applied "
+                 "nothing")] * 3
+        else:
+            assert tr.stats.host_restores == 3
+            assert {i.action for i in found} == {Action.RESTORED_FROM_SNAPSHOT}
     finally:
         tr.close(unlink=True)
 

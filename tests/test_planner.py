@@ -65,7 +65,8 @@ def summary_of(rows, capacity):
                        fl([r.get("disagree", []) for r in rows]),
                        np.array([r.get("kept", 0) for r in rows], np.int32),
                        np.array([r.get("bad_scalars", 0) for r in rows], np.int32),
-                       np.array([r.get("suspect", 0) for r in rows], np.int32))
+                       np.array([r.get("suspect", 0) for r in rows], np.int32),
+                       np.array([r.get("loss_nonfinite", 0) for r in rows], np.int32))
 
 
 def test_decode_step_locates_every_listed_chunk_and_notices_overflow(rng):

@@ -753,9 +753,9 @@ def test_a_step_summary_has_no_reduction_or_concatenation_of_the_maps_whatever_t
             report = SimpleNamespace(applied=jnp.bool_(True), committed=jnp.bool_(True),
                                      digest_faults=jnp.int32(0), grad_nonfinite=jnp.int32(0),
                                      kept=jnp.int32(0), fault_maps=faults,
-                                     grad_nonfinite_maps=grads,
+                                     grad_nonfinite_maps=grads, suspect=jnp.int32(0),
                                      scalars=jnp.array([1e-3, 0.1, 0.001], jnp.float32))
-            out = inplace_summary(report, treedef, 8, [])
+            out = inplace_summary(report, treedef, 8, [], jnp.int32(0))
             if summed:
                 flat = jnp.concatenate([m for m in jax.tree.leaves(grads)])
                 out = out._replace(grad_nonfinite=jnp.sum(flat, dtype=jnp.int32))

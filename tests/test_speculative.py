@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pimhbm import inplace
+from pimhbm import faults, inplace
 from pimhbm.campaign import KINDS, Campaign
-from pimhbm.recovery import Action, IncidentKind
+from pimhbm.recovery import Action, IncidentKind, PersistentFault
 from pimhbm.recovery.handling import FaultHandling
 from pimhbm.update import FAULT_PARAM
 from conftest import needs_devices
@@ -164,6 +164,39 @@ def test_with_replicas_alone_a_damaged_parameter_still_goes_to_the_host_snapshot
     monkeypatch.setattr(FaultHandling, "_suspect", lambda self, report: False)
     stats, same = flips_of_parameters(shm_name + "_control", 24, devices=4, group=0)
     assert stats.host_restores == 0 and not same
+
+
+@pytest.mark.parametrize("scrub", [True, False], ids=["scrubbed", "control-no-scrub"])
+def test_a_parameter_that_makes_the_loss_nan_is_found_by_a_scrub_and_rebuilt(
+        shm_name, monkeypatch, scrub):
+    """A NaN written into a parameter before step 5: the loss is NaN and holds the step before
+    any write, and no check has read the parameters -- the Trainer scrubs the state, rebuilds
+    the chunk from its parity and replays: no host restore, bit-identical. The control, without
+    that scrub: nothing finds the NaN, and every replay's loss holds the step again until the
+    run stops with an error that names the loss."""
+    if not scrub:
+        monkeypatch.setattr(FaultHandling, "_with_scrubbed_state", lambda self, report: report)
+    steps = 12
+    reference = fault_free(shm_name, steps)
+    tr = make_trainer(shm_name, **IN_UPDATE)
+    element = 3 * CHUNK + 7
+    try:
+        campaign = Once(5, lambda t: t.inject("w0", "p", faults.spec(
+            faults.NONFINITE, offset=element, value="nan")))
+        if not scrub:
+            with pytest.raises(PersistentFault, match="step 5 was skipped .*a loss that was not "
+                                                      "finite"):
+                tr.run(steps, campaign=campaign)
+            return
+        stats = tr.run(steps, campaign=campaign)
+        found = incidents(stats, IncidentKind.STATE)
+        assert [(i.step, i.action) for i in found] == [(5, Action.REPAIRED_FROM_PARITY)]
+        assert [(l.leaf, l.tensor, l.chunk) for l in found[0].locations] == [
+            ("w0", "p", element // CHUNK)]
+        assert stats.host_restores == 0 and not incidents(stats, IncidentKind.GRADIENT)
+        assert same_state(tr.current_state(), reference)
+    finally:
+        tr.close(unlink=True)
 
 
 @pytest.mark.parametrize("devices,shard", [(1, 1), (4, 2)], ids=["1-device", "fsdp-2x2"])

@@ -107,7 +107,10 @@ class GradientChecks(enum.Enum):
     BEFORE_WRITES = "before the writes"
     # The update itself finds them, as elements it keeps (UpdateReport.kept): such a step is
     # applied in part and does not commit (its state must come from elsewhere: the Trainer
-    # restores the host snapshot and replays). The checks before the writes read p alone.
+    # restores the host snapshot and replays). The checks before the writes read p alone. The
+    # Trainer also closes the update's gate where the loss is not finite (the usual way such
+    # gradients come), so that step is skipped before any write; in a loop of your own, pass
+    # ``gate=jnp.isfinite(loss)``.
     IN_UPDATE = "in the update"
 
 

@@ -178,13 +178,16 @@ class PersistentFault(RuntimeError):
 
 
 def persistent_fault(step: int, skips: int, nonfinite: int, damaged: int,
-                     incidents: list[Incident], kept: int = 0,
-                     bad_scalars: bool = False) -> PersistentFault:
+                     incidents: list[Incident], kept: int = 0, bad_scalars: bool = False,
+                     loss_nonfinite: bool = False) -> PersistentFault:
     """What to tell a user whose step never commits: ``nonfinite`` gradient values,
     ``damaged`` state chunks (or chunks the replicas disagree on), ``kept`` elements whose new
-    values were not finite, or (``bad_scalars``) a learning rate or bias correction that could
-    not make finite values came back on the last replay."""
+    values were not finite, (``bad_scalars``) a learning rate or bias correction that could
+    not make finite values, or (``loss_nonfinite``) a loss that was not finite came back on
+    the last replay."""
     what = []
+    if loss_nonfinite:
+        what.append("a loss that was not finite (the update applied nothing)")
     if bad_scalars:
         what.append("a learning rate or bias correction that could not make finite values "
                     "(the update applied nothing)")
@@ -209,7 +212,8 @@ def persistent_fault(step: int, skips: int, nonfinite: int, damaged: int,
                           for loc in locs[:3])
         what.append(f"{damaged} state chunks whose digest did not match" +
                     (f" ({where}, ...)" if where else ""))
-    hint = _hint(bool(nonfinite), bool(kept or bad_scalars), bool(damaged), bool(disagree))
+    hint = _hint(bool(nonfinite or loss_nonfinite), bool(kept or bad_scalars), bool(damaged),
+                 bool(disagree))
     return PersistentFault(
         f"step {step} was skipped {skips} times in a row, every replay reporting "
         f"{' and '.join(what) or 'a fault'}. Faults are transient; this comes back on every "

@@ -13,6 +13,7 @@ import numpy as np
 
 from pimhbm import ipc
 from pimhbm.recovery.events import SETTINGS_HINT, Action, Incident, IncidentKind, record
+from pimhbm.recovery.layout import STATE_BITS, ChunkDamage, Damage
 from pimhbm.recovery.repairs import Recovery
 from pimhbm.recovery.summary import (FaultReport, StepReport, decode_scrub, decode_step, merge,
                                      whole_chunks)
@@ -48,6 +49,8 @@ class FaultHandling:
         to replay from."""
         self.stats.steps_skipped += 1
         later = self._halted_behind(flight, done)
+        if report.loss_nonfinite and not report.applied:
+            report = self._held_by_its_loss(report)
         faults = merge([report] + later)
         replay_from = self._restore_torn(faults) if report.applied else self._handle_fault(faults)
         if report.bad_scalars:  # (the steps halted behind it drew theirs from the same count)
@@ -60,6 +63,35 @@ class FaultHandling:
                                 "re-execution did not reproduce, twice: it computes wrongly",
                                 twice[0])
         return replay_from
+
+    def _held_by_its_loss(self, report: StepReport) -> StepReport:
+        """A step whose non-finite loss held it before any write. With no checks before the
+        writes (speculative), nothing has looked at the parameters the loss came from: the
+        state is scrubbed now, and what that finds joins the report (repaired before the
+        replay, as the checks would have had it). Where nothing else explains the step, the
+        loss is recorded."""
+        if getattr(self.opt, "speculative", False):
+            report = self._with_scrubbed_state(report)
+        if not (report.damaged or report.disagree or report.nonfinite or report.bad_scalars):
+            record(self.stats, [Incident(report.step, IncidentKind.GRADIENT, (),
+                                         Action.SKIPPED_AND_REPLAYED, detail="its loss was not "
+                                         "finite: the update applied nothing")])
+        return report
+
+    def _with_scrubbed_state(self, report: StepReport) -> StepReport:
+        """``report`` with the damaged chunks of the current state a scrub finds (every
+        chunk's digests), as if the step's summary had listed them."""
+        scrub = self.placement.fetch(self.programs.scrub[slot_of(self.state.opt)](self.state))
+        found = [ChunkDamage(e.device, e.index, Damage(int(e.damage) & STATE_BITS))
+                 for e in decode_scrub(scrub) if e.damage.in_state]
+        if not found:
+            return report
+        devices = report.damaged_devices.copy()
+        devices[[e.device for e in found]] = True
+        return report._replace(
+            damaged=report.damaged + tuple(found), faulty=report.faulty + len(found),
+            state=report.state + tuple(loc for e in found for loc in self.layout.locate(e)),
+            damaged_devices=devices)
 
     def _left(self, report: StepReport, flight: collections.deque, done: InFlight,
               progress: Callable | None) -> int:

@@ -21,6 +21,9 @@ from pimhbm import update
 TENSORS = ("p", "master", "mu", "nu")  # the state tensors of a leaf, in this order everywhere
 
 
+STATE_BITS = 0xF  # Damage's bits of the current slot (the device copy's: shifted by 4)
+
+
 class Damage(enum.IntFlag):
     """Damaged tensors of one chunk: the update's fault-map bits for the current slot, and the
     same bits shifted by 4 for the device copy (the scrub's map)."""
@@ -45,7 +48,7 @@ class Damage(enum.IntFlag):
 
     @property
     def in_state(self) -> bool:
-        return bool(int(self) & 0xF)
+        return bool(int(self) & STATE_BITS)
 
     @property
     def in_copy(self) -> bool:

@@ -118,7 +118,8 @@ class RunLoop:
             if loop.skips >= self.max_skips:
                 raise persistent_fault(done.step, loop.skips, report.nonfinite, report.faulty,
                                        self.stats.incidents[seen:], kept=report.kept,
-                                       bad_scalars=report.bad_scalars)
+                                       bad_scalars=report.bad_scalars,
+                                       loss_nonfinite=report.loss_nonfinite)
             self.stats.steps_replayed += loop.step - replay_from
             log.info("replaying steps %d-%d from the batch log", replay_from, loop.step - 1)
             loop.step = replay_from

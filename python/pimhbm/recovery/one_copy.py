@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from pimhbm import parity
-from pimhbm.inplace import AdamWState, LeftChunks, Stash
+from pimhbm.inplace import AdamWState, GradientChecks, LeftChunks, Stash
 from pimhbm.repair import NOT_LISTED, REPAIRED, STILL_DAMAGED, snapshot_fence
 from pimhbm.scan import verify
 from pimhbm.recovery.layout import Damage
@@ -122,13 +122,16 @@ class OneCopy(Traced):
             gate &= jax.lax.psum(mismatched, AXES) == 0
         else:
             local, loss, aux = self._local_gradients(state.opt.params, batch, grad_fault)
+        loss_nonfinite = self._nonfinite_loss(loss)
+        gate &= loss_nonfinite == 0
         grads, gate, disagree = self._reduced_and_gated(local, grad_fault, state.opt, gate)
         lr = None if callable(self.opt.learning_rate) else lr
         # The checks only read the state: the fence (a snapshot copy may still be reading it)
         # comes after them, right before the update's writes.
         opt, report = self.opt.update(grads, state.opt, lr, gate=gate, axis_name=AXES,
                                       before_writes=snapshot_fence)
-        summary = inplace_summary(report, self.treedef, self.fault_capacity, disagree)
+        summary = inplace_summary(report, self.treedef, self.fault_capacity, disagree,
+                                  loss_nonfinite)
         halted = state.halted | jnp.where(summary.committed != 0, 0, HALTED)
         # A step that did not run (halted behind one that left chunks) keeps that one's.
         left = report.left
@@ -138,6 +141,16 @@ class OneCopy(Traced):
         out = (TrainState(opt, halted, pending), self._reported(loss, aux),
                self.placement.per_device(summary))
         return out if mismatched is None else (*out, self.placement.per_device(mismatched))
+
+    def _nonfinite_loss(self, loss: jax.Array) -> jax.Array:
+        """int32: 1 where this device's loss is not finite and the update checks the gradients
+        itself (GradientChecks.IN_UPDATE), which finds non-finite ones only as it writes -- a
+        host restore each. A non-finite loss, the usual way they come (a diverging run, a bad
+        batch), then holds the step before any write: a skip. 0 where the checks before the
+        writes read the gradients (the loss adds nothing there)."""
+        if self.opt.gradient_checks is not GradientChecks.IN_UPDATE:
+            return jnp.int32(0)
+        return (~jnp.isfinite(loss)).astype(jnp.int32)
 
     def redo(self, state: TrainState) -> tuple[TrainState, jax.Array]:
         """The chunks the last step left, rebuilt from their parity and updated from the stash

@@ -55,6 +55,9 @@ class StepSummary(NamedTuple):
     # int32: speculative checks (one copy), the parameter chunks the update found damaged, every
     # device (the step's count): their damage may have reached the gradients; else 0
     suspect: jax.Array
+    # int32: 1 where this device's loss was not finite and held the step before any write (one
+    # copy, with the gradients checked in the update); else 0
+    loss_nonfinite: jax.Array
 
 
 class ScrubSummary(NamedTuple):
@@ -111,15 +114,16 @@ def step_summary(report: Any, treedef: Any, capacity: int,
         fault_list(treedef.flatten_up_to(report.fault_maps), capacity),
         fault_list(treedef.flatten_up_to(report.grad_nonfinite_maps), capacity),
         fault_list(disagree, capacity), report.grad_nonfinite,
-        unusable(report.scalars).astype(jnp.int32), jnp.int32(0))
+        unusable(report.scalars).astype(jnp.int32), jnp.int32(0), jnp.int32(0))
 
 
-def inplace_summary(report: Any, treedef: Any, capacity: int,
-                    disagree: list[jax.Array]) -> StepSummary:
+def inplace_summary(report: Any, treedef: Any, capacity: int, disagree: list[jax.Array],
+                    loss_nonfinite: jax.Array) -> StepSummary:
     """The same for an in-place update's report (pimhbm.inplace.UpdateReport): committed when
     it ran, no device found damage, and it kept no element (a new value that was not finite,
     or a non-finite gradient value where the update checks them itself: either way it applied
-    the step in part); this device's counts from its own maps, by the lists' calls."""
+    the step in part); this device's counts from its own maps, by the lists' calls;
+    ``loss_nonfinite``: whether this device's loss held the step (OneCopy._nonfinite_loss)."""
     faults = listed(treedef.flatten_up_to(report.fault_maps), capacity)
     grads = listed(treedef.flatten_up_to(report.grad_nonfinite_maps), capacity)
     # (committed already holds no non-finite gradient value: the checks' count holds the
@@ -129,7 +133,7 @@ def inplace_summary(report: Any, treedef: Any, capacity: int,
         whole.astype(jnp.int32),
         report.applied.astype(jnp.int32), grads.total, faults.nonzero, faults.faults,
         grads.faults, fault_list(disagree, capacity), report.kept,
-        unusable(report.scalars).astype(jnp.int32), report.suspect)
+        unusable(report.scalars).astype(jnp.int32), report.suspect, loss_nonfinite)
 
 
 # -- on the host ---------------------------------------------------------------------------------
@@ -160,6 +164,7 @@ class StepReport(NamedTuple):
     # speculative checks: the update found a damaged parameter chunk (listed or not), whose
     # damage the step's gradients may have read
     suspect: bool = False
+    loss_nonfinite: bool = False  # a device's loss was not finite: it held the step
 
 
 def decode_step(step: int, s: StepSummary, layout: StateLayout,
@@ -186,7 +191,8 @@ def decode_step(step: int, s: StepSummary, layout: StateLayout,
                       tuple(state), overflow, tuple(grads), unlisted, int(s.grad_nonfinite.sum()),
                       int(s.faulty_chunks.sum()), np.asarray(s.faulty_chunks) > 0,
                       tuple(disagree), miscomputed, int(s.kept.max()),
-                      bool(s.bad_scalars.any()), bool(s.suspect.any()))
+                      bool(s.bad_scalars.any()), bool(s.suspect.any()),
+                      bool(s.loss_nonfinite.any()))
 
 
 def whole_chunks(report: StepReport, layout: StateLayout) -> StepReport:
