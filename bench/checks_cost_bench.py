@@ -1,15 +1,17 @@
 """What the checks before the update cost the 8B-layer step, in one process: the default against
-the speculative checks (pimhbm.inplace.ParameterChecks.IN_UPDATE with GradientChecks.IN_UPDATE),
-which run no pass before the update's writes.
+the gradients checked in the update (pimhbm.inplace.GradientChecks.IN_UPDATE: the pass before
+the writes reads p alone) and the speculative checks (ParameterChecks.IN_UPDATE too: no pass
+before the writes).
 
-Three steps in turn, in rounds of one snapshot interval: plain (optax.adamw, batches put from
+Four steps in turn, in rounds of one snapshot interval: plain (optax.adamw, batches put from
 the host as the Trainer's are), protected with the Trainer's defaults (the checks before the
-first write: p's digests and the gradients' finiteness, 4 bytes a bf16 parameter), and the same
-protected step with the checks in the update alone. The speculative step's price is not in
-these figures: a step where its update finds a damaged parameter chunk does not commit and
-comes back from the host snapshot (a replay of up to the snapshot interval) where the default
-cancels one step. Both protected steps run in this process, so their products are autotuned
-alike; `pimhbm llama3` runs one protected step a process.
+first write: p's digests and the gradients' finiteness, 4 bytes a bf16 parameter), the same
+with p's digests alone before the writes (2 bytes), and with no pass before them. The options'
+price is not in these figures: a step whose gradients the update finds non-finite with a
+finite loss, and (speculative) a step where it finds a damaged parameter chunk, are applied in
+part and come back from the host snapshot (a replay of up to the snapshot interval) where the
+default cancels one step. Every protected step runs in this process, so their products are
+autotuned alike; `pimhbm llama3` runs one protected step a process.
 
 usage: python bench/checks_cost_bench.py [--tiny] [--rounds 3] [--json out.json]
        (the model options are `pimhbm llama3`'s; --steps: by default the snapshot interval)
@@ -22,7 +24,7 @@ import statistics
 import sys
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import write_json  # noqa: E402
@@ -31,12 +33,25 @@ from host_loop_bench import HostBatches, llama3_job  # noqa: E402
 from pimhbm_cli import llama3  # noqa: E402
 
 PLAIN = "plain (batches from the host)"
-SPECULATIVE = "protected, speculative checks (in the update)"
 
 
-def protected(job: Any, name: str, checks: str) -> Any:
-    """A Trainer of `pimhbm llama3`'s timed step with both checks where ``checks`` says."""
-    job.args.gradient_checks = job.args.parameter_checks = checks
+class Checks(NamedTuple):
+    """A protected step to time: its row's label and where its checks run (the CLI's words)."""
+
+    label: str
+    gradient_checks: str
+    parameter_checks: str
+
+
+CHECKS = (Checks("protected (the Trainer's defaults)", "before-writes", "before-writes"),
+          Checks("protected, gradients checked in the update", "in-update", "before-writes"),
+          Checks("protected, speculative checks (in the update)", "in-update", "in-update"))
+
+
+def protected(job: Any, name: str, checks: Checks) -> Any:
+    """A Trainer of `pimhbm llama3`'s timed step with its checks where ``checks`` says."""
+    job.args.gradient_checks = checks.gradient_checks
+    job.args.parameter_checks = checks.parameter_checks
     trainer = llama3._protected(job, name, hooks=False)
     llama3._prewarm(job, trainer)
     return trainer
@@ -68,19 +83,17 @@ def main() -> int:
 
     plain = llama3.PlainStep(job)
     fed = HostBatches(job, plain)
-    names = [f"pimhbm_checks_{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    names = [f"pimhbm_checks_{uuid.uuid4().hex[:8]}" for _ in CHECKS]
     try:
-        default = protected(job, names[0], "before-writes")
-        speculative = protected(job, names[1], "in-update")
-        for t in (default, speculative):
+        trainers = [protected(job, n, c) for n, c in zip(names, CHECKS)]
+        for t in trainers:
             t.run(3)
         plain.round(2)
 
         def run(t):
             return lambda: t.run(t.next_step + args.steps - 1)
-        kinds = {PLAIN: lambda: fed.round(args.steps),
-                 "protected (the Trainer's defaults)": run(default),
-                 SPECULATIVE: run(speculative)}
+        kinds = {PLAIN: lambda: fed.round(args.steps)}
+        kinds.update({c.label: run(t) for c, t in zip(CHECKS, trainers)})
         times = rounds(job, kinds, args.steps, args.rounds)
     finally:
         for n in names:
@@ -97,9 +110,9 @@ def main() -> int:
     for k in kinds:
         table.add_row(k, f"{med[k]:.2f}", f"{med[k] / base - 1:+.2%}", f"{own[k] - 1:+.2%}")
     job.console.print(table)
-    # Both protected steps hold the default's layout: the same device memory (`pimhbm llama3`
-    # measures it, each step in a process of its own; here both live in one process).
-    job.console.print("device memory: the state's layout is the same in both protected steps "
+    # Every protected step holds the default's layout: the same device memory (`pimhbm llama3`
+    # measures it, each step in a process of its own; here all live in one process).
+    job.console.print("device memory: the state's layout is the same in every protected step "
                       "(held and peak: `pimhbm llama3`, a process each)")
     if args.json:
         write_json(args.json, {"args": vars(args), "rounds_ms": times, "median_ms": med,
