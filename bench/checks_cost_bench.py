@@ -115,7 +115,9 @@ def main() -> int:
     job.console.print("device memory: the state's layout is the same in every protected step "
                       "(held and peak: `pimhbm llama3`, a process each)")
     if args.json:
-        write_json(args.json, {"args": vars(args), "rounds_ms": times, "median_ms": med,
+        # (args' checks are the last step's: each step's own are under "checks")
+        write_json(args.json, {"args": vars(args), "checks": [c._asdict() for c in CHECKS],
+                               "rounds_ms": times, "median_ms": med,
                                "rounds_ratio_median": own, "params": job.cfg.num_params(),
                                "device": str(job.dev.device_kind)})
     return 0

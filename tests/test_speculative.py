@@ -84,12 +84,16 @@ def test_a_damaged_moment_found_by_a_speculative_update_is_still_redone_in_place
 
 
 @pytest.mark.parametrize("third", ["parameter", "moment"])
-def test_a_parameter_beyond_the_fault_list_is_known_by_the_devices_count(shm_name, third):
+def test_a_parameter_beyond_the_fault_list_is_known_by_the_devices_count(shm_name, third,
+                                                                        monkeypatch):
     """Three chunks damaged before one step, the fault list holding two: two moments (listed
     first: lower chunk indices) and a third chunk that is a parameter or (the control) another
-    moment. The device's own count of damaged parameter chunks tells them apart where the list
-    cannot: the parameter sends the step to the host snapshot; three moments are redone from
-    parity with no restore. Both end bit-identical."""
+    moment. The update's own count of damaged parameter chunks tells them apart where the list
+    cannot: the parameter sends the step to the host snapshot at once, no redo tried; three
+    moments are redone from parity with no restore. Both end bit-identical."""
+    redos = []
+    redo = FaultHandling._redo
+    monkeypatch.setattr(FaultHandling, "_redo", lambda self: redos.append(1) or redo(self))
     steps, at = 12, 5
     reference = fault_free(shm_name, steps)
     last = ("w1", "p", 3 * CHUNK + 1) if third == "parameter" else ("w1", "mu", 3 * CHUNK + 1)
@@ -106,10 +110,10 @@ def test_a_parameter_beyond_the_fault_list_is_known_by_the_devices_count(shm_nam
         assert found and found[0].step == at
         if third == "parameter":
             assert {i.action for i in found} == {Action.RESTORED_FROM_SNAPSHOT}
-            assert stats.host_restores == 1
+            assert stats.host_restores == 1 and not redos
         else:
             assert [i.action for i in found] == [Action.REDONE_FROM_PARITY]
-            assert stats.host_restores == 0
+            assert stats.host_restores == 0 and redos
         assert same_state(tr.current_state(), reference)
     finally:
         tr.close(unlink=True)
@@ -193,7 +197,9 @@ def test_a_parameter_that_makes_the_loss_nan_is_found_by_a_scrub_and_rebuilt(
         assert [(i.step, i.action) for i in found] == [(5, Action.REPAIRED_FROM_PARITY)]
         assert [(l.leaf, l.tensor, l.chunk) for l in found[0].locations] == [
             ("w0", "p", element // CHUNK)]
-        assert stats.host_restores == 0 and not incidents(stats, IncidentKind.GRADIENT)
+        assert stats.host_restores == 0 and stats.compiles_after_prewarm == 0
+        assert not incidents(stats, IncidentKind.GRADIENT) and not incidents(
+            stats, IncidentKind.LOSS)  # the damage found explains the loss
         assert same_state(tr.current_state(), reference)
     finally:
         tr.close(unlink=True)

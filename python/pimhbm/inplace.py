@@ -109,7 +109,8 @@ class GradientChecks(enum.Enum):
     # applied in part and does not commit (its state must come from elsewhere: the Trainer
     # restores the host snapshot and replays). The checks before the writes read p alone. The
     # Trainer also closes the update's gate where the loss is not finite (the usual way such
-    # gradients come), so that step is skipped before any write; in a loop of your own, pass
+    # gradients come), so that step is skipped before any write -- even where its gradients
+    # are finite, which by default commit; in a loop of your own, pass
     # ``gate=jnp.isfinite(loss)``.
     IN_UPDATE = "in the update"
 

@@ -25,6 +25,9 @@ class IncidentKind(enum.StrEnum):
     # applied in part: eps 0 with zero moments, an overflow), or a learning rate or bias
     # correction that could not make finite values (the update applied nothing)
     UPDATE = "non-finite update"
+    # one copy, the gradients checked in the update: a loss that was not finite held the step
+    # before any write (and nothing else found explains it)
+    LOSS = "non-finite loss"
     DISAGREEMENT = "replicas disagree"  # chunks that differ between replicas, digests and all
     COMPUTE = "compute"  # gradients computed again (sampled re-execution) came out different
     DEVICE_COPY = "device copy"  # device-copy chunks a scrub found damaged

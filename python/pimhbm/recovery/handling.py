@@ -16,7 +16,7 @@ from pimhbm.recovery.events import SETTINGS_HINT, Action, Incident, IncidentKind
 from pimhbm.recovery.layout import STATE_BITS, ChunkDamage, Damage
 from pimhbm.recovery.repairs import Recovery
 from pimhbm.recovery.summary import (FaultReport, StepReport, decode_scrub, decode_step, merge,
-                                     whole_chunks)
+                                     scrub_overflowed, whole_chunks)
 from pimhbm.recovery.traced import TrainState, slot_of
 
 
@@ -44,15 +44,21 @@ class FaultHandling:
         self.snapshots.dropped()
         return later
 
-    def _skip(self, report: StepReport, flight: collections.deque, done: InFlight) -> int:
+    def _skip(self, report: StepReport, flight: collections.deque,
+              done: InFlight) -> tuple[int, StepReport]:
         """A skipped step (or one applied in part), and those halted behind it. Returns the step
-        to replay from."""
+        to replay from, and the step's report as handled (a scrub's finds added)."""
         self.stats.steps_skipped += 1
         later = self._halted_behind(flight, done)
+        on_no_list = False
         if report.loss_nonfinite and not report.applied:
             report = self._held_by_its_loss(report)
+            on_no_list = report.overflow
         faults = merge([report] + later)
-        replay_from = self._restore_torn(faults) if report.applied else self._handle_fault(faults)
+        if report.applied:
+            replay_from = self._restore_torn(faults)
+        else:  # (damage past a list that overflowed on a step its loss held: another source)
+            replay_from = self._handle_fault(faults, local=not on_no_list)
         if report.bad_scalars:  # (the steps halted behind it drew theirs from the same count)
             record(self.stats, [Incident(report.step, IncidentKind.UPDATE, (),
                                          Action.SKIPPED_AND_REPLAYED, detail="its learning rate "
@@ -62,7 +68,7 @@ class FaultHandling:
             raise self._failure(f"device {twice[0]} computed gradients that another device's "
                                 "re-execution did not reproduce, twice: it computes wrongly",
                                 twice[0])
-        return replay_from
+        return replay_from, report
 
     def _held_by_its_loss(self, report: StepReport) -> StepReport:
         """A step whose non-finite loss held it before any write. With no checks before the
@@ -72,18 +78,21 @@ class FaultHandling:
         loss is recorded."""
         if getattr(self.opt, "speculative", False):
             report = self._with_scrubbed_state(report)
-        if not (report.damaged or report.disagree or report.nonfinite or report.bad_scalars):
-            record(self.stats, [Incident(report.step, IncidentKind.GRADIENT, (),
+        if not (report.damaged or report.disagree or report.nonfinite or report.bad_scalars
+                or report.overflow or report.grads or report.miscomputed):
+            record(self.stats, [Incident(report.step, IncidentKind.LOSS, (),
                                          Action.SKIPPED_AND_REPLAYED, detail="its loss was not "
                                          "finite: the update applied nothing")])
         return report
 
     def _with_scrubbed_state(self, report: StepReport) -> StepReport:
         """``report`` with the damaged chunks of the current state a scrub finds (every
-        chunk's digests), as if the step's summary had listed them."""
+        chunk's digests), as if the step's summary had listed them; overflowed where the
+        scrub marked more chunks than its list holds (its parity marks count too)."""
         scrub = self.placement.fetch(self.programs.scrub[slot_of(self.state.opt)](self.state))
         found = [ChunkDamage(e.device, e.index, Damage(int(e.damage) & STATE_BITS))
                  for e in decode_scrub(scrub) if e.damage.in_state]
+        report = report._replace(overflow=report.overflow or scrub_overflowed(scrub))
         if not found:
             return report
         devices = report.damaged_devices.copy()
@@ -155,9 +164,9 @@ class FaultHandling:
 
     def _suspect(self, report: StepReport) -> bool:
         """Whether a step the update applied found a damaged parameter chunk with no checks
-        before its writes (pimhbm.inplace.ParameterChecks.IN_UPDATE; the device's own count,
-        listed or not): the damage may have made the step's gradients, so the chunk's redo
-        would not make the step whole."""
+        before its writes (pimhbm.inplace.ParameterChecks.IN_UPDATE; the update's count over
+        every device, listed or not): the damage may have made the step's gradients, so the
+        chunk's redo would not make the step whole."""
         return report.suspect
 
     def _restore_torn(self, faults: FaultReport) -> int:

@@ -114,7 +114,7 @@ class RunLoop:
                 continue
             loop.skips = loop.skips + 1 if loop.skipped_step == done.step else 1
             loop.skipped_step, seen = done.step, len(self.stats.incidents)
-            replay_from = self._skip(report, flight, done)
+            replay_from, report = self._skip(report, flight, done)
             if loop.skips >= self.max_skips:
                 raise persistent_fault(done.step, loop.skips, report.nonfinite, report.faulty,
                                        self.stats.incidents[seen:], kept=report.kept,

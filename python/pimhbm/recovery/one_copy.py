@@ -23,7 +23,7 @@ from pimhbm.repair import NOT_LISTED, REPAIRED, STILL_DAMAGED, snapshot_fence
 from pimhbm.scan import verify
 from pimhbm.recovery.layout import Damage
 from pimhbm.recovery.placement import AXES
-from pimhbm.recovery.summary import ScrubSummary, fault_list, inplace_summary
+from pimhbm.recovery.summary import ScrubSummary, inplace_summary, scrub_summary
 from pimhbm.recovery.traced import HALTED, Traced, TrainState
 
 
@@ -111,9 +111,9 @@ class OneCopy(Traced):
              digests: bool = False):
         """As Traced.step, in place; a sampled step (``digests``) also computes each device's
         slice again on the next device first (Traced._gradients_twice), and differing
-        gradients close the gate. The
-        update waits for a snapshot copy still reading the state (snapshot_fence) before it
-        writes."""
+        gradients close the gate, as a non-finite loss does where the update checks the
+        gradients itself (``_nonfinite_loss``). The update waits for a snapshot copy still
+        reading the state (snapshot_fence) before it writes."""
         mismatched = None
         gate = state.halted == 0
         if digests:
@@ -221,7 +221,7 @@ class OneCopy(Traced):
                     marks = stale[self._groups(n)]  # each chunk marked as its group
                     acc |= marks.astype(jnp.int32) * int(Damage.of(k, in_copy=True))
             maps.append(acc)
-        return self.placement.per_device(ScrubSummary(fault_list(maps, self.fault_capacity)))
+        return self.placement.per_device(scrub_summary(maps, self.fault_capacity))
 
     def _groups(self, chunks: int) -> jax.Array:
         """The parity group of each of a tensor's chunks (int32)."""

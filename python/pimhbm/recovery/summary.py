@@ -64,6 +64,13 @@ class ScrubSummary(NamedTuple):
     """A scrub's report: the damaged chunks of the current slot and of the device copy."""
 
     faults: FaultList  # value: Damage bits (the device copy's shifted by 4)
+    marked: jax.Array  # int32: the chunks marked (more than the list holds: not all listed)
+
+
+def scrub_summary(maps: list[jax.Array], capacity: int) -> ScrubSummary:
+    """A scrub's summary of its per-leaf maps of Damage bits (see :func:`listed`)."""
+    found = listed(maps, capacity)
+    return ScrubSummary(found.faults, found.nonzero)
 
 
 class Listed(NamedTuple):
@@ -233,6 +240,11 @@ def merge(reports: list[StepReport]) -> FaultReport:
     disagree = sorted({loc for r in reports for loc in r.disagree})
     return FaultReport(reports[0].step, tuple(reports), dict(sorted(damage.items())),
                        tuple(chunks), any(r.overflow for r in reports), devices, tuple(disagree))
+
+
+def scrub_overflowed(s: ScrubSummary) -> bool:
+    """Whether a device's scrub marked more chunks than its list holds."""
+    return any(int(s.marked[d]) > len(entries(s.faults, d)) for d in range(s.marked.shape[0]))
 
 
 def decode_scrub(s: ScrubSummary) -> list[ChunkDamage]:

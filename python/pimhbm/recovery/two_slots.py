@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 import pimhbm
 from pimhbm.recovery.layout import Damage
 from pimhbm.recovery.placement import AXES
-from pimhbm.recovery.summary import ScrubSummary, fault_list, step_summary
+from pimhbm.recovery.summary import ScrubSummary, scrub_summary, step_summary
 from pimhbm.recovery.traced import HALTED, Traced, TrainState
 from pimhbm.update import (AdamWState, Slot, restore_unless, slot_from_tensors, slot_tensors,
                            step_copies_of)
@@ -178,7 +178,7 @@ class TwoSlots(Traced):
                     acc |= pimhbm.verify(*copy[k], cb).astype(jnp.int32) * int(
                         Damage.of(k, in_copy=True))
             maps.append(acc)
-        return self.placement.per_device(ScrubSummary(fault_list(maps, self.fault_capacity)))
+        return self.placement.per_device(scrub_summary(maps, self.fault_capacity))
 
     def clone(self, slot: Slot) -> tuple[Slot, Slot | None]:
         """Two more copies of a slot: the other slot, and the device copy (if any)."""
