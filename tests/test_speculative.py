@@ -170,23 +170,25 @@ def test_with_replicas_alone_a_damaged_parameter_still_goes_to_the_host_snapshot
     assert stats.host_restores == 0 and not same
 
 
-@pytest.mark.parametrize("scrub", [True, False], ids=["scrubbed", "control-no-scrub"])
+@pytest.mark.parametrize("devices,shard,scrub", [(1, 1, True), (4, 2, True), (1, 1, False)],
+                         ids=["1-device", "fsdp-2x2", "control-no-scrub"])
 def test_a_parameter_that_makes_the_loss_nan_is_found_by_a_scrub_and_rebuilt(
-        shm_name, monkeypatch, scrub):
+        shm_name, monkeypatch, devices, shard, scrub):
     """A NaN written into a parameter before step 5: the loss is NaN and holds the step before
     any write, and no check has read the parameters -- the Trainer scrubs the state, rebuilds
     the chunk from its parity and replays: no host restore, bit-identical. The control, without
     that scrub: nothing finds the NaN, and every replay's loss holds the step again until the
-    run stops with an error that names the loss."""
+    run stops with an error that names the loss. (FSDP 2 x 2: on device 0's shard alone.)"""
+    needs_devices(devices)
     if not scrub:
         monkeypatch.setattr(FaultHandling, "_with_scrubbed_state", lambda self, report: report)
-    steps = 12
-    reference = fault_free(shm_name, steps)
-    tr = make_trainer(shm_name, **IN_UPDATE)
-    element = 3 * CHUNK + 7
+    steps, kw = 12, dict(devices=devices, shard=shard)
+    reference = fault_free(shm_name, steps, **kw)
+    tr = make_trainer(shm_name, **IN_UPDATE, **kw)
+    element, device = 3 * CHUNK + 7, (0 if devices > 1 else None)
     try:
         campaign = Once(5, lambda t: t.inject("w0", "p", faults.spec(
-            faults.NONFINITE, offset=element, value="nan")))
+            faults.NONFINITE, offset=element, value="nan"), device=device))
         if not scrub:
             with pytest.raises(PersistentFault, match="step 5 was skipped .*a loss that was not "
                                                       "finite"):
@@ -195,8 +197,8 @@ def test_a_parameter_that_makes_the_loss_nan_is_found_by_a_scrub_and_rebuilt(
         stats = tr.run(steps, campaign=campaign)
         found = incidents(stats, IncidentKind.STATE)
         assert [(i.step, i.action) for i in found] == [(5, Action.REPAIRED_FROM_PARITY)]
-        assert [(l.leaf, l.tensor, l.chunk) for l in found[0].locations] == [
-            ("w0", "p", element // CHUNK)]
+        assert [(l.device, l.leaf, l.tensor, l.chunk) for l in found[0].locations] == [
+            (0, "w0", "p", element // CHUNK)]
         assert stats.host_restores == 0 and stats.compiles_after_prewarm == 0
         assert not incidents(stats, IncidentKind.GRADIENT) and not incidents(
             stats, IncidentKind.LOSS)  # the damage found explains the loss
