@@ -750,6 +750,26 @@ def test_gpu_equals_cpu_bit_for_bit_at_every_chunk_size_and_group(rng, kind, chu
     assert_gpu_equals_cpu(opt, params, grads, damage)
 
 
+@requires_gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_equals_cpu_bit_for_bit_speculative(rng, kind):
+    """The speculative update (no checks before the writes) finding damaged parameters in
+    several chunks and a moment in another: its maps, its count of suspect chunks (the
+    kernel's total), the redo and the state against the CPU reference."""
+    opt, dtype = make(kind, chunk_elems=int(rng.choice([128, 256, 512])),
+                      group=int(rng.integers(1, 9)),
+                      gradient_checks=inplace.GradientChecks.IN_UPDATE,
+                      parameter_checks=inplace.ParameterChecks.IN_UPDATE)
+    params = random_params(rng, dtype)
+    grads = [random_grads(rng, params) for _ in range(3)]
+    damage = lambda s: flip(flip(flip(flip(s, "p", "t0", 10, 3), "p", "t0", 5000, 9),
+                                 "p", "t3", 700, 1), "mu", "t1", 2000, 20)
+    with jax.default_device(jax.devices("cpu")[0]):
+        _, reports = run(opt, params, grads, damage)
+    assert int(reports[1].suspect) == 3  # the count compared is not 0
+    assert_gpu_equals_cpu(opt, params, grads, damage)
+
+
 def test_used_as_an_optax_transformation_it_says_what_to_use_instead(rng):
     opt, dtype = make("fp32")
     params = random_params(rng, dtype)
