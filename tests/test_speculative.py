@@ -207,6 +207,24 @@ def test_a_parameter_that_makes_the_loss_nan_is_found_by_a_scrub_and_rebuilt(
         tr.close(unlink=True)
 
 
+def test_a_scrub_that_lists_too_little_sends_the_step_to_another_source(shm_name):
+    """The same NaN parameter, with a fault list of one entry: the scrub marks the damaged
+    chunk and its parity group's (their row no longer matches), more than it lists, so the
+    repair does not trust the list -- on one device the host snapshot takes the state back --
+    and the run ends bit-identical, where the list alone could miss the chunk and replay the
+    NaN loss for ever."""
+    steps = 12
+    reference = fault_free(shm_name, steps)
+    tr = make_trainer(shm_name, **IN_UPDATE, fault_capacity=1)
+    try:
+        stats = tr.run(steps, campaign=Once(5, lambda t: t.inject("w0", "p", faults.spec(
+            faults.NONFINITE, offset=3 * CHUNK + 7, value="nan"))))
+        assert stats.host_restores == 1 and stats.compiles_after_prewarm == 0
+        assert same_state(tr.current_state(), reference)
+    finally:
+        tr.close(unlink=True)
+
+
 @pytest.mark.parametrize("devices,shard", [(1, 1), (4, 2)], ids=["1-device", "fsdp-2x2"])
 def test_a_speculative_campaign_of_every_kind_ends_bit_identical(shm_name, devices, shard):
     """Every fault kind, no checks before the writes: a damaged parameter chunk sends its step

@@ -50,15 +50,10 @@ class FaultHandling:
         to replay from, and the step's report as handled (a scrub's finds added)."""
         self.stats.steps_skipped += 1
         later = self._halted_behind(flight, done)
-        on_no_list = False
         if report.loss_nonfinite and not report.applied:
             report = self._held_by_its_loss(report)
-            on_no_list = report.overflow
         faults = merge([report] + later)
-        if report.applied:
-            replay_from = self._restore_torn(faults)
-        else:  # (damage past a list that overflowed on a step its loss held: another source)
-            replay_from = self._handle_fault(faults, local=not on_no_list)
+        replay_from = self._restore_torn(faults) if report.applied else self._handle_fault(faults)
         if report.bad_scalars:  # (the steps halted behind it drew theirs from the same count)
             record(self.stats, [Incident(report.step, IncidentKind.UPDATE, (),
                                          Action.SKIPPED_AND_REPLAYED, detail="its learning rate "
@@ -87,20 +82,22 @@ class FaultHandling:
 
     def _with_scrubbed_state(self, report: StepReport) -> StepReport:
         """``report`` with the damaged chunks of the current state a scrub finds (every
-        chunk's digests), as if the step's summary had listed them; overflowed where the
-        scrub marked more chunks than its list holds (its parity marks count too)."""
+        chunk's digests), as if the step's summary had listed them; overflowed, its device
+        damaged, where the scrub marked more chunks than its list holds (its parity marks count
+        too): the repair then takes that device's state from another source."""
         scrub = self.placement.fetch(self.programs.scrub[slot_of(self.state.opt)](self.state))
         found = [ChunkDamage(e.device, e.index, Damage(int(e.damage) & STATE_BITS))
                  for e in decode_scrub(scrub) if e.damage.in_state]
-        report = report._replace(overflow=report.overflow or scrub_overflowed(scrub))
+        past = scrub_overflowed(scrub)
+        devices = report.damaged_devices | past
+        devices[[e.device for e in found]] = True
+        report = report._replace(overflow=report.overflow or bool(past.any()),
+                                 damaged_devices=devices)
         if not found:
             return report
-        devices = report.damaged_devices.copy()
-        devices[[e.device for e in found]] = True
         return report._replace(
             damaged=report.damaged + tuple(found), faulty=report.faulty + len(found),
-            state=report.state + tuple(loc for e in found for loc in self.layout.locate(e)),
-            damaged_devices=devices)
+            state=report.state + tuple(loc for e in found for loc in self.layout.locate(e)))
 
     def _left(self, report: StepReport, flight: collections.deque, done: InFlight,
               progress: Callable | None) -> int:
@@ -145,7 +142,7 @@ class FaultHandling:
         where the repair puts the state back as it was after them: the first of them
         otherwise). ``local=False``: not from the devices' own redundancy."""
         recovery = Recovery.nothing()
-        if report.state_damaged or report.disagree or (not local and report.overflow):
+        if report.state_damaged or report.disagree:
             try:
                 state, recovery = self.repairer.recover(self.state, report, self.stats,
                                                         local=local)

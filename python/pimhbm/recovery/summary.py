@@ -227,7 +227,8 @@ class FaultReport(NamedTuple):
 
     @property
     def state_damaged(self) -> bool:
-        return bool(self.damage)
+        """Damage listed, or counted past a list (overflow: not every chunk is named)."""
+        return bool(self.damage) or self.overflow
 
 
 def merge(reports: list[StepReport]) -> FaultReport:
@@ -242,9 +243,10 @@ def merge(reports: list[StepReport]) -> FaultReport:
                        tuple(chunks), any(r.overflow for r in reports), devices, tuple(disagree))
 
 
-def scrub_overflowed(s: ScrubSummary) -> bool:
-    """Whether a device's scrub marked more chunks than its list holds."""
-    return any(int(s.marked[d]) > len(entries(s.faults, d)) for d in range(s.marked.shape[0]))
+def scrub_overflowed(s: ScrubSummary) -> np.ndarray:
+    """Per device (bool): its scrub marked more chunks than its list holds."""
+    return np.array([int(s.marked[d]) > len(entries(s.faults, d))
+                     for d in range(s.marked.shape[0])], bool)
 
 
 def decode_scrub(s: ScrubSummary) -> list[ChunkDamage]:
