@@ -700,6 +700,25 @@ def test_the_verdict_is_global_across_devices(rng):
         assert np.asarray(report.digest_faults).tolist() == [1] * 4, tensor
 
 
+def test_counts_summed_over_devices_saturate_rather_than_wrap():
+    """The verdict's counts summed over four devices stay at or above each device's count: a sum
+    that wrapped could read as zero, the verdict that commits. Control: a plain psum wraps."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    from pimhbm.inplace_calls import saturating_psum
+    mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("dp",))
+    big = np.iinfo(np.int32).max // 2 + 1  # four of them pass 2^32: a wrapped sum is 0 exactly
+    counts = jnp.array([[big, 0, 1]] * 4, jnp.int32)
+
+    def summed(psum):
+        return np.asarray(jax.jit(jax.shard_map(lambda c: psum(c, "dp"), mesh=mesh,
+                                                in_specs=P("dp"), out_specs=P("dp")))(counts))
+
+    saturated = summed(saturating_psum)
+    assert saturated[:, 0].tolist() == [4 * (np.iinfo(np.int32).max // 4)] * 4
+    assert saturated[:, 1:].tolist() == [[0, 4]] * 4
+    assert summed(jax.lax.psum)[:, 0].tolist() == [0] * 4
+
+
 def canonical(report):
     """A report with its stash rows in (leaf, chunk) order (a repair's statuses sorted): the GPU's
     chunks take their rows in the order they finish, the CPU's in chunk order."""

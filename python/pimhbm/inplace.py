@@ -41,7 +41,7 @@ import numpy as np
 from pimhbm import parity
 from pimhbm._ffi import ensure_registered
 from pimhbm.inplace_calls import (PRECHECK_TOTALS, Prechecks, Stash, leaf_operands, prechecks,
-                                  UpdateTotals, redo_call, update_call)
+                                  UpdateTotals, redo_call, saturating_psum, update_call)
 from pimhbm.inplace_calls import layout as inplace_layout
 from pimhbm.repair import NOT_LISTED, REPAIRED
 from pimhbm.scan import scan
@@ -310,7 +310,7 @@ class AdamW:
             hold |= ~jnp.asarray(gate, jnp.bool_)
         counts = jnp.concatenate([local, hold.astype(jnp.int32)[None]])
         if axis_name is not None:
-            counts = jax.lax.psum(counts, axis_name)
+            counts = saturating_psum(counts, axis_name)
         go = counts[2] == 0
 
         outs, stash, totals = self._call(go, scalars, leaves, tables, state.parity, treedef,
@@ -318,7 +318,7 @@ class AdamW:
         kept, faulty = totals.kept, totals.faulty
         suspect = self._suspect(totals)
         if axis_name is not None:
-            summed = jax.lax.psum(jnp.stack([faulty, kept, suspect]), axis_name)
+            summed = saturating_psum(jnp.stack([faulty, kept, suspect]), axis_name)
             faulty, kept, suspect = summed[0], summed[1], summed[2]
         committed = go & (kept == 0) & (suspect == 0)
         done = count - 1 + committed.astype(jnp.int32)

@@ -334,6 +334,12 @@ def _summed(counts: jax.Array, plan: Plan, axes, idx: list[int]) -> jax.Array:
     return jax.lax.psum(jnp.minimum(counts, _INT32_MAX // plan.shards(idx[0])), axes)
 
 
+def saturating_psum(counts: jax.Array, axis_name: Any) -> jax.Array:
+    """Non-negative int32 counts summed over ``axis_name``, saturating rather than wrapping:
+    a wrapped sum could read as zero, and zero is the verdict that commits."""
+    return jax.lax.psum(jnp.minimum(counts, _INT32_MAX // jax.lax.axis_size(axis_name)), axis_name)
+
+
 def _saturating_add(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where(b > _INT32_MAX - a, _INT32_MAX, a + b)
 
