@@ -153,7 +153,7 @@ def prechecks(params: list[jax.Array], tables: list[jax.Array], grads: list[jax.
                                  [plan.chunk_base(leaves, i) for i in idx], chunk_elems)
             for j, i in enumerate(idx):
                 maps[2 * i], maps[2 * i + 1] = outs[2 * j], outs[2 * j + 1]
-            counts = _saturating_add(counts, _summed(saturated(outs[-1]), plan, axes, idx))
+            counts = _saturating_add(counts, _summed(saturated(outs[-1]), axes))
         return (*maps, _words(counts))
 
     roles = (Role.ELEMS, Role.CHUNKS, Role.ELEMS)[:per]
@@ -295,7 +295,7 @@ def redo_call(scalars: jax.Array, stash: Stash, leaf_ops: list[dict], attrs: dic
                                          bases, attrs, tail)
             for i, r in zip(idx, part):
                 results[i] = r
-            totals = _saturating_add(totals, _summed(saturated(words), plan, axes, idx))
+            totals = _saturating_add(totals, _summed(saturated(words), axes))
         return results, [_words(totals)]
 
     res, (totals,) = _leafwise("pimhbm_adamw_redo", [scalars, stash.rows, stash.index], leaf_ops,
@@ -326,12 +326,10 @@ def _by_axes(plan: Plan, n: int) -> dict[Any, list[int]]:
     return groups
 
 
-def _summed(counts: jax.Array, plan: Plan, axes, idx: list[int]) -> jax.Array:
+def _summed(counts: jax.Array, axes) -> jax.Array:
     """A per-shard call's int32 counts summed over its leaves' mesh axes (none: whole leaves,
     the same counts on every device), saturating."""
-    if axes is None:
-        return counts
-    return jax.lax.psum(jnp.minimum(counts, _INT32_MAX // plan.shards(idx[0])), axes)
+    return counts if axes is None else saturating_psum(counts, axes)
 
 
 def saturating_psum(counts: jax.Array, axis_name: Any) -> jax.Array:
