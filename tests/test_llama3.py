@@ -200,7 +200,8 @@ def test_llama3_tool_with_fsdp_on_four_cpu_devices(tmp_path, device_copy):
     """`pimhbm llama3` on 2 replicas x 2 shards (the tiny configuration of the same code): the
     plain and protected steps are timed, and the campaign of every fault kind ends
     bit-identical with no compilation after prewarm (the tool's exit code says so). Without
-    device copies every damaged chunk comes from the other replica."""
+    device copies every damaged chunk comes from the other replica, and only the steps with a
+    non-finite gradient (applied in part) from the host snapshot."""
     import json
     import subprocess
     import sys
@@ -221,10 +222,13 @@ def test_llama3_tool_with_fsdp_on_four_cpu_devices(tmp_path, device_copy):
         assert set(r["profile_ms_per_step"]) == {"plain", "protected"}
         assert "no device timeline" in run.stdout
     c = r["campaign"]
+    # The trainer's default with snapshots: the gradients checked in the update.
+    assert r["protection"]["gradient_checks"] == "in the update"
     if not device_copy:  # no double faults; every state fault from the other replica
         assert "double_fault" not in c["faults"]  # kinds with nothing injected are left out
         state_kinds = ("param_flip", "master_flip", "moment_flip", "row_burst")
-        assert c["host_restores"] == 0
+        # A step with a non-finite gradient is applied in part: the host snapshot, each.
+        assert c["host_restores"] == c["faults"]["grad_nonfinite"]["injected"]
         assert c["replica_repairs"] >= sum(c["faults"][k]["injected"] for k in state_kinds) > 0
     assert r["compiles_after_prewarm"] == 0 and r["campaign"]["bit_identical"]
     assert all(row["missed"] == 0 and row["repaired"] == row["injected"]
@@ -489,9 +493,15 @@ def test_llama3_tool_checks_where_it_is_told(tmp_path, speculative):
     run = subprocess.run(cmd + ["--snapshot-every", "0"], capture_output=True, text=True,
                          env=cached_env(), timeout=300)
     assert run.returncode == 2 and "--snapshot-every must be above 0" in run.stderr
-    alone = [w for w in cmd if w not in ("--gradient-checks", "in-update")]
-    run = subprocess.run(alone + ["--parameter-checks", "in-update"], capture_output=True,
+    before = [w for w in cmd if w != "in-update"] + ["before-writes"]
+    run = subprocess.run(before + ["--parameter-checks", "in-update"], capture_output=True,
                          text=True, env=cached_env(), timeout=300)
+    assert run.returncode == 2 and "add --gradient-checks in-update" in run.stderr
+    # Unset, the gradients' checks follow the trainer's default: in the update with snapshots
+    # (the speculative checks accepted), before the writes without them (refused).
+    alone = [w for w in cmd if w not in ("--gradient-checks", "in-update")]
+    run = subprocess.run(alone + ["--snapshot-every", "0", "--parameter-checks", "in-update"],
+                         capture_output=True, text=True, env=cached_env(), timeout=300)
     assert run.returncode == 2 and "add --gradient-checks in-update" in run.stderr
 
 

@@ -385,6 +385,33 @@ def test_the_protected_state_is_no_larger_than_optaxs():
         tr.close()
 
 
+def test_the_trainer_checks_gradients_in_the_update_where_snapshots_back_it(shm_name):
+    """llama_trainer's default: one copy backed by host snapshots finds non-finite gradients in
+    the update (the pass before the writes reads p alone); without snapshots, or with two
+    slots, before the writes; an explicit choice is kept. The state it holds is the same
+    either way (the memory test above runs without snapshots)."""
+    from pimhbm.models import llama3
+    from pimhbm.train import llama_trainer
+    text, cfg = bytes(range(256)) * 64, llama3.tiny()
+    make = lambda **kw: llama_trainer(cfg, text, steps=10, devices=jax.devices()[:1], **kw)
+    made = {"snapshots": make(shm_name=shm_name), "none": make(),
+            "no interval": make(shm_name=shm_name + "_0", snapshot_every=0),
+            "two slots": make(shm_name=shm_name + "_2", state="two-slots"),
+            "asked": make(shm_name=shm_name + "_b",
+                          gradient_checks=inplace.GradientChecks.BEFORE_WRITES)}
+    try:
+        where = {k: getattr(t.opt, "gradient_checks", None) for k, t in made.items()}
+        assert where == {"snapshots": inplace.GradientChecks.IN_UPDATE,
+                         "none": inplace.GradientChecks.BEFORE_WRITES,
+                         "no interval": inplace.GradientChecks.BEFORE_WRITES,
+                         "two slots": None, "asked": inplace.GradientChecks.BEFORE_WRITES}
+        held = lambda t: sum(x.nbytes for x in jax.tree.leaves(t.state))
+        assert held(made["snapshots"]) == held(made["none"])
+    finally:
+        for t in made.values():
+            t.close(unlink=True)
+
+
 def test_a_row_stale_from_a_damaged_chunk_is_kept_and_rebuilds_it(shm_name):
     """Damage landing just before a scrub makes its group's parity row look stale; remade from
     the state, the row would carry the damage into the rebuild. It is kept (a chunk of its group

@@ -103,15 +103,16 @@ class GradientChecks(enum.Enum):
     """Where the update learns that a gradient value (or its square) is not finite."""
 
     # A pass over the gradients before the first write (2 bytes a bf16 parameter): such a step
-    # is cancelled and writes nothing.
+    # is cancelled and writes nothing. pimhbm.adamw's default: safe without a host snapshot.
     BEFORE_WRITES = "before the writes"
     # The update itself finds them, as elements it keeps (UpdateReport.kept): such a step is
     # applied in part and does not commit (its state must come from elsewhere: the Trainer
     # restores the host snapshot and replays). The checks before the writes read p alone. The
     # Trainer also closes the update's gate where the loss is not finite (the usual way such
     # gradients come), so that step is skipped before any write -- even where its gradients
-    # are finite, which by default commit; in a loop of your own, pass
-    # ``gate=jnp.isfinite(loss)``.
+    # are finite, which commit with BEFORE_WRITES; in a loop of your own, pass
+    # ``gate=jnp.isfinite(loss)``. pimhbm.train.llama_trainer's default where host snapshots
+    # are on (pimhbm.train.gradient_checks_for).
     IN_UPDATE = "in the update"
 
 

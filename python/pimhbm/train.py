@@ -56,6 +56,17 @@ def warmup_cosine(peak: float, warmup: int, steps: int, floor: float = 0.1) -> C
     return lr
 
 
+def gradient_checks_for(state: StateKind, snapshots: bool) -> inplace.GradientChecks:
+    """Where the trainer's update finds non-finite gradients by default: by the update itself
+    where one copy is backed by host snapshots -- the checks before the writes then read p alone,
+    2 bytes a parameter fewer each step, and the rare step with a non-finite gradient under a
+    finite loss costs a restore from the snapshot and a replay instead of a skip -- else before
+    the writes (without a snapshot nothing could bring back a step applied in part)."""
+    if state is StateKind.ONE_COPY and snapshots:
+        return inplace.GradientChecks.IN_UPDATE
+    return inplace.GradientChecks.BEFORE_WRITES
+
+
 def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 16, seq: int = 64,
                   peak_lr: float = 3e-3, warmup: int = 20, seed: int = 0,
                   chunk_elems: int | None = None, shm_name: str | None = None,
@@ -67,7 +78,7 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
                   state: StateKind | str = StateKind.ONE_COPY, in_flight: int = 2,
                   telemetry: Any = "auto", gradient_transform: Any = None,
                   ordered_embedding: bool = False,
-                  gradient_checks: inplace.GradientChecks = inplace.GradientChecks.BEFORE_WRITES,
+                  gradient_checks: inplace.GradientChecks | None = None,
                   parameter_checks: inplace.ParameterChecks = inplace.ParameterChecks.BEFORE_WRITES
                   ) -> Trainer:
     """A protected trainer of the Llama-3 ``cfg`` on byte-level ``data``: bf16 parameters with
@@ -81,7 +92,11 @@ def llama_trainer(cfg: llama3.Config, data: bytes, *, steps: int, batch: int = 1
     ``telemetry``: the Trainer's. ``chunk_elems``:
     None for the kind's default (512 in place, 1024
     with two slots). ``recheck_every``: the Trainer's sampled re-execution (None: its
-    default). ``gradient_checks``, ``parameter_checks``: one copy's (pimhbm.inplace)."""
+    default). ``gradient_checks``, ``parameter_checks``: one copy's (pimhbm.inplace);
+    ``gradient_checks`` None: :func:`gradient_checks_for` the run."""
+    if gradient_checks is None:
+        gradient_checks = gradient_checks_for(StateKind(state),
+                                              shm_name is not None and snapshot_every > 0)
     if params is None:
         params = llama3.init(jax.random.key(seed), cfg)
     master = cfg.dtype == "bfloat16"

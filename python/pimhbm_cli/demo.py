@@ -30,6 +30,7 @@ from rich.table import Table
 from pimhbm import report
 from pimhbm.backup import HostBackup
 from pimhbm.campaign import KINDS, Campaign, unlocated_note
+from pimhbm.inplace import GradientChecks
 from pimhbm.models import llama3
 from pimhbm.recovery.placement import xla_deterministic_flag
 from pimhbm.recovery.trainer import RECHECK_EVERY
@@ -246,7 +247,8 @@ def _print_tables(console, runs: Runs, verdict: Verdict, plain: float, cfg, devi
             ("steps replayed", stats.steps_replayed),
             ("chunks repaired on the device (" + ("parity and redo" if runs.faulty.one_copy
                                                    else "device copy") + ")", stats.repairs),
-            ("restores from the host snapshot (double faults)", stats.host_restores),
+            (f"restores from the host snapshot ({_restored_for(runs.faulty)})",
+             stats.host_restores),
             ("host snapshots taken", stats.snapshots), ("scrubs", stats.scrubs),
             ("compilations after prewarm (both runs)", runs.compiles),
             ("time per protected step, no faults", f"{protected * 1e3:.1f} ms"),
@@ -262,6 +264,12 @@ def _print_tables(console, runs: Runs, verdict: Verdict, plain: float, cfg, devi
         facts.add_row(k, str(v))
     console.print(facts)
     _print_what_the_cost_means(console, cfg, device)
+
+
+def _restored_for(trainer) -> str:
+    """What sends a step of this trainer to the host snapshot."""
+    applied_in_part = getattr(trainer.opt, "gradient_checks", None) is GradientChecks.IN_UPDATE
+    return "double faults" + (", non-finite gradients" if applied_in_part else "")
 
 
 def _print_what_the_cost_means(console, cfg, device) -> None:

@@ -135,25 +135,37 @@ def _problem(args: Any) -> str | None:
         from pimhbm.inplace_calls import layout  # loads jax; starts no device
         if args.chunk_elems not in (sizes := tuple(layout()["chunk_elems"])):
             return f"--chunk-elems {args.chunk_elems}: the in-place update takes {sizes}"
-    before = options.CHECKS_WHERE[0]
-    if args.parameter_checks != before and args.gradient_checks == before:
-        return (f"--parameter-checks {args.parameter_checks} takes no pass before the writes, "
-                "so the gradients are checked in the update too: add --gradient-checks "
-                f"{args.parameter_checks}")
-    if args.gradient_checks != before:
-        if args.state == "two-slots":
-            return (f"--gradient-checks {args.gradient_checks} is for --state one-copy (two "
-                    "slots check the gradients before the writes)")
-        if not args.snapshot_every:
-            return (f"--gradient-checks {args.gradient_checks} needs host snapshots (a step "
-                    "with a non-finite gradient is applied in part, then restored from one): "
-                    "--snapshot-every must be above 0")
+    if problem := _checks_problem(args):
+        return problem
     if args.state == "two-slots" and args.chunk_elems is not None:
         from pimhbm.update import check_chunk_elems  # loads jax; starts no device
         try:
             check_chunk_elems(args.chunk_elems)
         except ValueError as e:
             return f"--chunk-elems {args.chunk_elems} with --state two-slots: {e}"
+    return None
+
+
+def _checks_problem(args: Any) -> str | None:
+    """What is wrong with --gradient-checks and --parameter-checks (the first unset: the
+    trainer's default, in the update where one copy has host snapshots)."""
+    from pimhbm.train import StateKind, gradient_checks_for  # loads jax; starts no device
+    before = options.CHECKS_WHERE[0]
+    snapshots = args.snapshot_every > 0
+    gradients = args.gradient_checks or options.checks_word(
+        gradient_checks_for(StateKind(args.state), snapshots))
+    if args.parameter_checks != before and gradients == before:
+        return (f"--parameter-checks {args.parameter_checks} takes no pass before the writes, "
+                "so the gradients are checked in the update too: add --gradient-checks "
+                f"{args.parameter_checks}")
+    if gradients != before:
+        if args.state == "two-slots":
+            return (f"--gradient-checks {gradients} is for --state one-copy (two "
+                    "slots check the gradients before the writes)")
+        if not snapshots:
+            return (f"--gradient-checks {gradients} needs host snapshots (a step "
+                    "with a non-finite gradient is applied in part, then restored from one): "
+                    "--snapshot-every must be above 0")
     return None
 
 

@@ -25,12 +25,12 @@ CHECKS_WHERE = ("before-writes", "in-update")
 
 def add_checks(p: argparse.ArgumentParser) -> None:
     """--gradient-checks and --parameter-checks: where the in-place update's checks run."""
-    p.add_argument("--gradient-checks", choices=CHECKS_WHERE,
-                   default=CHECKS_WHERE[0],
+    p.add_argument("--gradient-checks", choices=CHECKS_WHERE, default=None,
                    help="one copy: where non-finite gradients are found -- a pass over them "
                         "before the update's writes (a step with one is cancelled), or the "
                         "update itself (2 bytes a parameter fewer read; such a step is applied "
-                        "in part, and the state comes back from the host snapshot)")
+                        "in part, and the state comes back from the host snapshot). Default: "
+                        "in-update where host snapshots are on, else before-writes")
     p.add_argument("--parameter-checks", choices=CHECKS_WHERE,
                    default=CHECKS_WHERE[0],
                    help="one copy: where damaged parameter chunks are found -- a pass over p "
@@ -40,10 +40,16 @@ def add_checks(p: argparse.ArgumentParser) -> None:
                         "does not commit, and the state comes back from the host snapshot)")
 
 
-def gradient_checks(word: str):
-    """The pimhbm.inplace.GradientChecks a --gradient-checks word names."""
+def gradient_checks(word: str | None):
+    """The pimhbm.inplace.GradientChecks a --gradient-checks word names (None: the trainer's
+    default, pimhbm.train.gradient_checks_for the run)."""
     from pimhbm.inplace import GradientChecks
-    return GradientChecks[word.upper().replace("-", "_")]
+    return None if word is None else GradientChecks[word.upper().replace("-", "_")]
+
+
+def checks_word(where: Any) -> str:
+    """The word of CHECKS_WHERE that names a pimhbm.inplace.GradientChecks or ParameterChecks."""
+    return where.name.lower().replace("_", "-")
 
 
 def parameter_checks(word: str):
