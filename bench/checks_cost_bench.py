@@ -1,16 +1,18 @@
-"""What the checks before the update cost the 8B-layer step, in one process: the default against
-the gradients checked in the update (pimhbm.inplace.GradientChecks.IN_UPDATE: the pass before
-the writes reads p alone) and the speculative checks (ParameterChecks.IN_UPDATE too: no pass
-before the writes).
+"""What the checks before the update cost the 8B-layer step, in one process: the full pass before
+the writes (pimhbm.adamw's default) against the gradients checked in the update
+(pimhbm.inplace.GradientChecks.IN_UPDATE, llama_trainer's default with host snapshots: the pass
+before the writes reads p alone) and the speculative checks (ParameterChecks.IN_UPDATE too: no
+pass before the writes).
 
 Four steps in turn, in rounds of one snapshot interval: plain (optax.adamw, batches put from
-the host as the Trainer's are), protected with the Trainer's defaults (the checks before the
-first write: p's digests and the gradients' finiteness, 4 bytes a bf16 parameter), the same
-with p's digests alone before the writes (2 bytes), and with no pass before them. The options'
+the host as the Trainer's are), protected with the checks before the first write (p's digests and
+the gradients' finiteness, 4 bytes a bf16 parameter), the same with p's digests alone before
+the writes (2 bytes: the trainer's default), and with no pass before them; each with the
+Trainer's other defaults. The options'
 price is not in these figures: a step whose gradients the update finds non-finite with a
 finite loss, and (speculative) a step where it finds a damaged parameter chunk, are applied in
 part and come back from the host snapshot (a replay of up to the snapshot interval) where the
-default cancels one step. Every protected step runs in this process, so their products are
+full pass cancels one step. Every protected step runs in this process, so their products are
 autotuned alike; `pimhbm llama3` runs one protected step a process.
 
 usage: python bench/checks_cost_bench.py [--tiny] [--rounds 3] [--json out.json]
@@ -43,8 +45,10 @@ class Checks(NamedTuple):
     parameter_checks: str
 
 
-CHECKS = (Checks("protected (the Trainer's defaults)", "before-writes", "before-writes"),
-          Checks("protected, gradients checked in the update", "in-update", "before-writes"),
+CHECKS = (Checks("protected, p and gradients checked before the writes", "before-writes",
+                 "before-writes"),
+          Checks("protected, gradients checked in the update (default)", "in-update",
+                 "before-writes"),
           Checks("protected, speculative checks (in the update)", "in-update", "in-update"))
 
 
