@@ -147,8 +147,8 @@ def _problem(args: Any) -> str | None:
 
 
 def _checks_problem(args: Any) -> str | None:
-    """What is wrong with --gradient-checks and --parameter-checks (the first unset: the
-    trainer's default, in the update where one copy has host snapshots)."""
+    """What is wrong with --gradient-checks and --parameter-checks (--gradient-checks unset is
+    the trainer's default: in the update where one copy has host snapshots)."""
     from pimhbm.train import StateKind, gradient_checks_for  # loads jax; starts no device
     before = options.CHECKS_WHERE[0]
     snapshots = args.snapshot_every > 0
