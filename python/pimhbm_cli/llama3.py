@@ -155,6 +155,11 @@ def _checks_problem(args: Any) -> str | None:
     gradients = args.gradient_checks or options.checks_word(
         gradient_checks_for(StateKind(args.state), snapshots))
     if args.parameter_checks != before and gradients == before:
+        if args.gradient_checks is None:  # the trainer's default fell back: say why
+            needs = ("--state one-copy" if args.state == "two-slots"
+                     else "host snapshots: --snapshot-every must be above 0")
+            return (f"--parameter-checks {args.parameter_checks} checks the gradients in the "
+                    f"update too, which needs {needs}")
         return (f"--parameter-checks {args.parameter_checks} takes no pass before the writes, "
                 "so the gradients are checked in the update too: add --gradient-checks "
                 f"{args.parameter_checks}")
