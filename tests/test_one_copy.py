@@ -638,6 +638,7 @@ def test_a_restart_while_a_snapshot_is_being_sealed_keeps_none_of_the_old_run(sh
             tr.push(mlp.batches(0)(step))
         assert tr.snapshots._sealing is not None  # the control: a seal is running
         tr.restart(mlp.init(1))
+        tr.snapshots.wait()  # a seal the restart did not wait for would land by now
         assert tr.backup.newest() == []
     finally:
         tr.close(unlink=True)
