@@ -99,16 +99,19 @@ def test_decode_step_locates_every_listed_chunk_and_notices_overflow(rng):
 
 
 def test_decode_step_reads_the_steps_kept_count_and_its_scalars_verdict(rng):
-    """Both are the step's, the same on every device's row; zero rows read as none."""
+    """The step's kept count is the most any device's row holds, its scalars bad where any row
+    says so, its verdict device 0's (the same on every row); zero rows read as none."""
     layout = random_layout(rng)
-    kept = int(rng.integers(1, 10**6))
-    for row_kept, row_bad, want in (([kept] * 4, [0] * 4, (kept, False)),
-                                    ([0] * 4, [1] * 4, (0, True)),
-                                    ([0] * 4, [0] * 4, (0, False))):
-        rows = [{"committed": 0, "faults": [], "grads": [], "kept": k, "bad_scalars": b}
+    kept = [int(k) for k in rng.integers(1, 10**6, size=4)]
+    one = [0] * 4
+    one[int(rng.integers(4))] = 1
+    for row_kept, row_bad, committed, want in ((kept, [0] * 4, 1, (max(kept), False, True)),
+                                               ([0] * 4, one, 0, (0, True, False)),
+                                               ([0] * 4, [0] * 4, 0, (0, False, False))):
+        rows = [{"committed": committed, "faults": [], "grads": [], "kept": k, "bad_scalars": b}
                 for k, b in zip(row_kept, row_bad)]
         report = decode_step(3, summary_of(rows, 2), layout)
-        assert (report.kept, report.bad_scalars) == want and not report.committed
+        assert (report.kept, report.bad_scalars, report.committed) == want
 
 
 def test_replica_pulls_come_from_a_healthy_replica(rng):
