@@ -39,6 +39,22 @@ def make(kind, **kw):
     return opt, (np.float32 if kind == "fp32" else ml_dtypes.bfloat16)
 
 
+def random_spot(rng, params, chunk_elems):
+    """A random leaf, an element of it, and another element of the same chunk: faults anywhere,
+    the ragged last chunks and one-element leaves included."""
+    leaf = str(rng.choice(sorted(params)))
+    n = int(params[leaf].size)
+    at = int(rng.integers(n))
+    start = at - at % chunk_elems
+    return leaf, at, int(rng.integers(start, min(start + chunk_elems, n)))
+
+
+def poisoned(grads, leaf, at):
+    """The gradients with a NaN at flat element ``at`` of ``leaf``."""
+    g = grads[leaf]
+    return {**grads, leaf: g.reshape(-1).at[at].set(jnp.nan).reshape(g.shape)}
+
+
 def steps_of(opt):
     return (jax.jit(opt.update, donate_argnums=1), jax.jit(opt.repair, donate_argnums=0))
 
@@ -469,15 +485,16 @@ def test_a_redo_from_a_non_finite_stashed_gradient_is_not_complete(rng):
     opt, dtype = make("bf16_master", gradient_checks=inplace.GradientChecks.IN_UPDATE)
     params = random_params(rng, dtype)
     update, repair = steps_of(opt)
-    for poisoned in (True, False):
-        state = flip(opt.init(params), "mu", "t1", 5, 7)  # t1's chunk 0
+    leaf, at, nan_at = random_spot(rng, params, opt.chunk_elems)
+    for nan in (True, False):
+        state = flip(opt.init(params), "mu", leaf, at, int(rng.integers(32)))
         grads = random_grads(rng, params)
-        if poisoned:
-            grads = {**grads, "t1": grads["t1"].at[9].set(jnp.nan)}
+        if nan:
+            grads = poisoned(grads, leaf, nan_at)
         state, report = update(grads, state)
         assert bool(report.applied) and int(report.digest_faults) == 1 and int(report.stashed) == 1
         state, fixed = repair(state, report)
-        assert bool(fixed.complete) is not poisoned
+        assert bool(fixed.complete) is not nan, (leaf, at, nan_at)
 
 
 def test_gradient_checks_must_be_the_enum():

@@ -18,7 +18,7 @@ from conftest import needs_devices
 from one_copy_trainer import CHUNK, GROUP, Once, fault_free, incidents, make_trainer, same_state
 from one_copy_trainer import flip as flip_in_trainer
 from test_inplace import KINDS as LAYOUTS
-from test_inplace import LR, flip, make, random_grads, random_params
+from test_inplace import LR, flip, make, random_grads, random_params, random_spot
 
 IN_UPDATE = dict(gradient_checks=inplace.GradientChecks.IN_UPDATE,
                  parameter_checks=inplace.ParameterChecks.IN_UPDATE)
@@ -75,7 +75,8 @@ def test_a_damaged_moment_found_by_a_speculative_update_is_still_redone_in_place
     chunk for its redo, and the step commits and is whole after it (as by default)."""
     opt, dtype = make("bf16_master", **IN_UPDATE)
     params = random_params(rng, dtype)
-    state = flip(opt.init(params), "mu", "t1", 5, 20)
+    leaf, at, _ = random_spot(rng, params, opt.chunk_elems)
+    state = flip(opt.init(params), "mu", leaf, at, int(rng.integers(32)))
     state, report = jax.jit(opt.update, donate_argnums=1)(random_grads(rng, params), state)
     assert bool(report.committed) and int(report.digest_faults) == 1
     assert int(report.suspect) == 0
