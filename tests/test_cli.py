@@ -150,8 +150,9 @@ def test_the_checks_words_name_every_mode_once():
         inplace.GradientChecks)
     assert [options.parameter_checks(w) for w in options.CHECKS_WHERE] == list(
         inplace.ParameterChecks)
+    import subprocess
+    import sys
     loads = ("import sys, pimhbm_cli.options as o; o.add_checks(__import__('argparse')"
-             ".ArgumentParser()); print('jax' in sys.modules)")
-    import subprocess, sys
+             ".ArgumentParser()); print('jax' in sys.modules)")  # in a fresh interpreter
     fresh = subprocess.run([sys.executable, "-c", loads], capture_output=True, text=True)
     assert fresh.stdout.strip() == "False", fresh.stderr[-2000:]
