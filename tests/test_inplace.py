@@ -729,8 +729,9 @@ def test_counts_summed_over_devices_saturate_rather_than_wrap(rng):
     top, cap = np.iinfo(np.int32).max, np.iinfo(np.int32).max // 4
     big = top // 2 + 1  # four of them pass 2^32: a wrapped sum is 0 exactly
     uneven = rng.integers(0, top, size=(4, 1), dtype=np.int64)  # sizes of every magnitude
-    uneven[rng.permutation(4)[:2]] = 0  # two devices found nothing
-    uneven[rng.integers(4)] = top  # one found as many as an int32 holds
+    devices = rng.permutation(4)
+    uneven[devices[:2]] = 0  # two devices found nothing
+    uneven[devices[2]] = top  # one found as many as an int32 holds
     small = rng.integers(0, 3, size=(4, 1))  # counts at the bottom, zero on some devices
     small[rng.integers(4)] = 1
     counts = jnp.asarray(np.concatenate([np.full((4, 1), big), uneven, small, np.zeros((4, 1))],
