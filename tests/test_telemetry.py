@@ -56,6 +56,16 @@ def script(lib, rng, devices):
     return want
 
 
+def wait_for_a_reading(lib, seconds=5.0):
+    """Until a reading of every device ends after this call: then the monitor's first (the
+    counters' baseline, maybe under way now) is over, and a counter changed after it is a
+    change, not part of the baseline."""
+    before, end = lib.standin_readings(), time.monotonic() + seconds
+    while lib.standin_readings() == before and time.monotonic() < end:
+        time.sleep(0.002)
+    assert lib.standin_readings() > before, "the monitor never read the devices"
+
+
 def wait_for(monitor, n, seconds=5.0):
     got, end = [], time.monotonic() + seconds
     while len(got) < n and time.monotonic() < end:
@@ -141,7 +151,7 @@ def test_monitor_reports_events_and_counter_increases(standin):
                 break
             time.sleep(0.002)
         assert m.events_status == "" and "driver events on" in m.status()
-        time.sleep(0.05)  # the counters' baseline
+        wait_for_a_reading(standin)
         standin.standin_event(1, 0x8, 48)
         standin.standin_event(0, 0x8, 79)
         standin.standin_set(1, b"dram_volatile_corrected", 1)

@@ -45,6 +45,7 @@ int inits = 0;
 std::deque<Event> events;
 std::map<std::string, int> failing;  // function name -> return code
 int registered = 0;
+int readings = 0;  // readings of every device finished (see nvmlDeviceGetFieldValues)
 
 int fails(const char* fn) {
   auto it = failing.find(fn);
@@ -78,6 +79,7 @@ void standin_reset(int devices) {
   events.clear();
   failing.clear();
   registered = 0;
+  readings = 0;
 }
 void standin_set(int device, const char* field, unsigned long long value) {
   std::lock_guard<std::mutex> lock(mu);
@@ -105,6 +107,10 @@ int standin_inits() {
 int standin_registered() {
   std::lock_guard<std::mutex> lock(mu);
   return registered;
+}
+int standin_readings() {
+  std::lock_guard<std::mutex> lock(mu);
+  return readings;
 }
 
 // ---- NVML ----------------------------------------------------------------------------------
@@ -204,6 +210,8 @@ int nvmlDeviceGetRetiredPagesPendingStatus(void* d, int* pending) {
 int nvmlDeviceGetFieldValues(void* d, int n, FieldValue* values) {
   std::lock_guard<std::mutex> lock(mu);
   if (int rc = fails("nvmlDeviceGetFieldValues")) return rc;
+  // pimhbm reads the recovery action last, device by device: the last device's ends a reading.
+  if (index_of(d) == ndev - 1) ++readings;
   for (int k = 0; k < n; ++k) {
     values[k].value_type = 1;
     values[k].nvml_return = values[k].field_id == 230 ? 0 : 3;

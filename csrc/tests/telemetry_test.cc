@@ -37,6 +37,17 @@ struct Standin {
     fn<void (*)(int, unsigned long long)>("standin_supported_events")(d, mask);
   }
   int inits() { return fn<int (*)()>("standin_inits")(); }
+  int readings() { return fn<int (*)()>("standin_readings")(); }
+  // Waits (up to 5 s) until a reading of every device ends after this call: then the polling
+  // thread's first (the counters' baseline, maybe under way now) is over, and a counter changed
+  // after it is a change, not part of the baseline.
+  bool wait_for_a_reading() {
+    const int before = readings();
+    for (int i = 0; i < 2500 && readings() == before; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+    return readings() > before;
+  }
   ~Standin() { dlclose(h); }
 };
 
@@ -171,7 +182,7 @@ TEST(Telemetry, ACounterThatGoesUpIsAnEvent) {
   s.set(0, "remapped_rows_correctable", 7);
   Telemetry t(PIMHBM_NVML_STANDIN);
   t.start(0.02);
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // baseline taken
+  ASSERT_TRUE(s.wait_for_a_reading());
   s.set(1, "dram_volatile_corrected", 4);
   s.set(0, "remapped_rows_correctable", 6);  // went down (a reset): not an event
   s.set(0, "remap_pending", 1);
@@ -198,7 +209,7 @@ TEST(Telemetry, NoEventApiStillPollsCounters) {
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   EXPECT_NE(t.events_status().find("no device accepted"), std::string::npos) << t.events_status();
-  std::this_thread::sleep_for(std::chrono::milliseconds(60));
+  ASSERT_TRUE(s.wait_for_a_reading());
   s.set(0, "ecc_volatile_uncorrected", 1);
   const auto got = wait_for_events(t, 1);
   ASSERT_EQ(got.size(), 1u);
