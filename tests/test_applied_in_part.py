@@ -164,14 +164,14 @@ def test_an_update_with_eps_above_0_commits_every_step(shm_name):
         tr.close(unlink=True)
 
 
-def test_kept_elements_and_a_chunk_left_damaged_go_to_the_host_snapshot(shm_name):
+def test_kept_elements_and_a_chunk_left_damaged_go_to_the_host_snapshot(shm_name, rng):
     """A step that kept elements and also left a damaged moment chunk: the chunk's redo could
     not make it whole (the kept elements were never written), so the host snapshot takes both
     back -- the damage recorded as restored, no redo."""
-    tr = dead_leaf_trainer(shm_name, eps=0.0)
+    tr, element = dead_leaf_trainer(shm_name, eps=0.0), int(rng.integers(96 * 96))  # w1's
     try:
         with pytest.raises(pimhbm.recovery.PersistentFault, match="elements whose new values"):
-            tr.run(6, campaign=Once(1, lambda t: flip(t, "w1", "nu", 2 * CHUNK + 9)))
+            tr.run(6, campaign=Once(1, lambda t: flip(t, "w1", "nu", element)))
         found = {(i.step, i.kind, i.action) for i in tr.stats.incidents}
         assert (1, IncidentKind.STATE, Action.RESTORED_FROM_SNAPSHOT) in found
         assert not incidents(tr.stats, action=Action.REDONE_FROM_PARITY)

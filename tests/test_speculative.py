@@ -20,6 +20,7 @@ from one_copy_trainer import flip as flip_in_trainer
 from test_inplace import KINDS as LAYOUTS
 from test_inplace import LR, flip, make, random_grads, random_params, random_spot
 
+W0_ELEMENTS = 32 * 96  # the test model's first weight (pimhbm.models.mlp)
 IN_UPDATE = dict(gradient_checks=inplace.GradientChecks.IN_UPDATE,
                  parameter_checks=inplace.ParameterChecks.IN_UPDATE)
 
@@ -174,19 +175,21 @@ def test_with_replicas_alone_a_damaged_parameter_still_goes_to_the_host_snapshot
 @pytest.mark.parametrize("devices,shard,scrub", [(1, 1, True), (4, 2, True), (1, 1, False)],
                          ids=["1-device", "fsdp-2x2", "control-no-scrub"])
 def test_a_parameter_that_makes_the_loss_nan_is_found_by_a_scrub_and_rebuilt(
-        shm_name, monkeypatch, devices, shard, scrub):
+        shm_name, monkeypatch, rng, devices, shard, scrub):
     """A NaN written into a parameter before step 5: the loss is NaN and holds the step before
     any write, and no check has read the parameters -- the Trainer scrubs the state, rebuilds
     the chunk from its parity and replays: no host restore, bit-identical. The control, without
     that scrub: nothing finds the NaN, and every replay's loss holds the step again until the
-    run stops with an error that names the loss. (FSDP 2 x 2: on device 0's shard alone.)"""
+    run stops with an error that names the loss. (FSDP 2 x 2: on device 0's shard alone, at any
+    of its elements.)"""
     needs_devices(devices)
     if not scrub:
         monkeypatch.setattr(FaultHandling, "_with_scrubbed_state", lambda self, report: report)
     steps, kw = 12, dict(devices=devices, shard=shard)
     reference = fault_free(shm_name, steps, **kw)
     tr = make_trainer(shm_name, **IN_UPDATE, **kw)
-    element, device = 3 * CHUNK + 7, (0 if devices > 1 else None)
+    element = int(rng.integers(W0_ELEMENTS // shard))  # a place on device 0's shard of w0
+    device = 0 if devices > 1 else None
     try:
         campaign = Once(5, lambda t: t.inject("w0", "p", faults.spec(
             faults.NONFINITE, offset=element, value="nan"), device=device))
@@ -208,7 +211,7 @@ def test_a_parameter_that_makes_the_loss_nan_is_found_by_a_scrub_and_rebuilt(
         tr.close(unlink=True)
 
 
-def test_a_scrub_that_lists_too_little_sends_the_step_to_another_source(shm_name):
+def test_a_scrub_that_lists_too_little_sends_the_step_to_another_source(shm_name, rng):
     """The same NaN parameter, with a fault list of one entry: the scrub marks the damaged
     chunk and its parity group's (their row no longer matches), more than it lists, so the
     repair does not trust the list -- on one device the host snapshot takes the state back --
@@ -219,7 +222,7 @@ def test_a_scrub_that_lists_too_little_sends_the_step_to_another_source(shm_name
     tr = make_trainer(shm_name, **IN_UPDATE, fault_capacity=1)
     try:
         stats = tr.run(steps, campaign=Once(5, lambda t: t.inject("w0", "p", faults.spec(
-            faults.NONFINITE, offset=3 * CHUNK + 7, value="nan"))))
+            faults.NONFINITE, offset=int(rng.integers(W0_ELEMENTS)), value="nan"))))
         assert stats.host_restores == 1 and stats.compiles_after_prewarm == 0
         assert same_state(tr.current_state(), reference)
     finally:
